@@ -1,0 +1,125 @@
+"""Settings of the demo site. Environment: REDIS_URL, DATABASE_URL, REALTIME_DEMO_FLOOD."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "demo-only-insecure-key-change-me")
+DEBUG = os.environ.get("DJANGO_DEBUG", "1") == "1"
+ALLOWED_HOSTS = os.environ.get("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost").split(",")
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "realtime_app",
+    "project.demo",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "project.urls"
+ASGI_APPLICATION = "project.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+
+def _database(url: str | None) -> dict[str, object]:
+    """DATABASE_URL: sqlite:///path (default db.sqlite3) or postgres://user:pass@host:port/name."""
+    if not url:
+        return {"ENGINE": "django.db.backends.sqlite3", "NAME": BASE_DIR / "db.sqlite3"}
+    parsed = urlparse(url)
+    if parsed.scheme == "sqlite":
+        return {"ENGINE": "django.db.backends.sqlite3", "NAME": unquote(parsed.path[1:]) or ":memory:"}
+    engines = {"postgres": "postgresql", "postgresql": "postgresql", "mysql": "mysql"}
+    if parsed.scheme not in engines:
+        raise ValueError(f"DATABASE_URL scheme {parsed.scheme!r} is not one of sqlite, postgres, mysql")
+    return {
+        "ENGINE": f"django.db.backends.{engines[parsed.scheme]}",
+        "NAME": unquote(parsed.path[1:]),
+        "USER": unquote(parsed.username or ""),
+        "PASSWORD": unquote(parsed.password or ""),
+        "HOST": parsed.hostname or "",
+        "PORT": str(parsed.port or ""),
+    }
+
+
+DATABASES = {"default": _database(os.environ.get("DATABASE_URL"))}
+
+REDIS_URL = os.environ.get("REDIS_URL")
+REALTIME_KEY_PREFIX = os.environ.get("REALTIME_KEY_PREFIX", "realtime")
+if REDIS_URL:
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {
+                "hosts": [REDIS_URL],
+                "prefix": f"{REALTIME_KEY_PREFIX}:asgi",
+                # One layer channel per process carries every frame to it: give it room.
+                "channel_capacity": {"realtime.*": 10000},
+            },
+        }
+    }
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+REALTIME_APP = {
+    "KEY_PREFIX": REALTIME_KEY_PREFIX,
+    "LEASE_TTL_MS": int(os.environ.get("REALTIME_LEASE_TTL_MS", "3000")),
+    "POLICIES": [
+        {"pattern": "atelier:", "authenticated": True},
+        {"pattern": "demo:events", "publish": True},
+    ],
+}
+
+AUTH_PASSWORD_VALIDATORS: list[dict[str, str]] = []  # demo users have demo passwords
+LOGIN_URL = "/accounts/login/"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "/"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = BASE_DIR / "staticfiles"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": "WARNING"},
+    "loggers": {"realtime_app": {"level": os.environ.get("REALTIME_LOG_LEVEL", "INFO")}},
+}

@@ -1,0 +1,15 @@
+"""URLs of the demo site."""
+
+from django.contrib import admin
+from django.contrib.auth import views as auth_views
+from django.urls import include, path
+
+from project.demo import views
+
+urlpatterns = [
+    path("", views.dashboard, name="dashboard"),
+    path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
+    path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("admin/", admin.site.urls),
+    path("realtime/", include("realtime_app.urls")),
+]
