@@ -1,0 +1,25 @@
+"""Fixtures shared by the tests: the hub of each test's event loop, closed after it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from realtime_app import hub as hub_module
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Each run has its own Redis key prefix (scripts/test sets it); a bare pytest run gets one.
+    if not os.environ.get("REALTIME_TEST_PREFIX"):
+        import secrets
+
+        os.environ["REALTIME_TEST_PREFIX"] = f"rt-test-{secrets.token_hex(4)}"
+
+
+@pytest.fixture
+async def hub():
+    """The started hub of this test's loop; closed (tickers cleaned up) after the test."""
+    h = await hub_module.get_hub()
+    yield h
+    await h.aclose()

@@ -1,0 +1,19 @@
+"""Test settings: the demo site plus a test app; in-memory layer unless REDIS_URL is set."""
+
+import os
+
+from project.settings import *  # noqa: F403
+
+INSTALLED_APPS = [*INSTALLED_APPS, "tests.testapp"]  # noqa: F405
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast logins in tests
+REALTIME_APP = {
+    **REALTIME_APP,  # noqa: F405
+    "POLICIES": [
+        *REALTIME_APP["POLICIES"],  # noqa: F405
+        {"pattern": "test:staff", "staff": True},
+        {"pattern": "test:perm", "permission": "auth.view_user"},
+    ],
+}
+DATABASES["default"].setdefault("TEST", {})  # noqa: F405
+if os.environ.get("REALTIME_TEST_DB_FILE"):
+    DATABASES["default"]["TEST"]["NAME"] = os.environ["REALTIME_TEST_DB_FILE"]  # noqa: F405

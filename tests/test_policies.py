@@ -1,0 +1,89 @@
+from types import SimpleNamespace
+
+import pytest
+
+from realtime_app.policies import compile_rules, evaluate, matching_rule, requirement_for
+
+ANON = SimpleNamespace(is_authenticated=False, is_active=False, is_staff=False, is_superuser=False)
+USER = SimpleNamespace(is_authenticated=True, is_active=True, is_staff=False, is_superuser=False)
+STAFF = SimpleNamespace(is_authenticated=True, is_active=True, is_staff=True, is_superuser=False)
+
+
+def may(rules, user, name, base=None, action="subscribe"):
+    return evaluate(requirement_for(rules, name, base, action), user, name, action)
+
+
+def test_segment_prefix_guards_every_cadence_of_a_family():
+    rules = compile_rules([{"pattern": "atelier:load", "authenticated": True}])
+    for name in ["atelier:load", "atelier:load:250", "atelier:load:2000", "atelier:load:10", "atelier:load:60000"]:
+        assert not may(rules, ANON, name, "atelier:load")
+        assert may(rules, USER, name, "atelier:load")
+    assert may(rules, ANON, "atelier:loader")  # a different channel
+
+
+def test_prefix_with_colon_and_glob():
+    rules = compile_rules([{"pattern": "atelier:", "authenticated": True}, {"pattern": "demo:*", "staff": True}])
+    assert not may(rules, ANON, "atelier:anything:1")
+    assert not may(rules, USER, "demo:clock")
+    assert may(rules, STAFF, "demo:clock")
+
+
+def test_glob_on_the_base_still_guards_the_cadences():
+    rules = compile_rules([{"pattern": "atelier:loa?", "authenticated": True}])
+    assert not may(rules, ANON, "atelier:load:2000", "atelier:load")
+
+
+def test_most_specific_rule_wins():
+    rules = compile_rules(
+        [
+            {"pattern": "demo:", "authenticated": True},
+            {"pattern": "demo:clock", "authenticated": False},
+            {"pattern": "demo:clock:5000", "staff": True},
+        ]
+    )
+    assert not may(rules, ANON, "demo:other")
+    assert may(rules, ANON, "demo:clock:2000", "demo:clock")
+    assert not may(rules, USER, "demo:clock:5000", "demo:clock")
+    assert matching_rule(rules, "demo:clock:5000", "demo:clock").pattern == "demo:clock:5000"
+
+
+def test_publish_is_denied_unless_a_rule_allows_it():
+    rules = compile_rules([{"pattern": "demo:events", "publish": {"authenticated": True}}])
+    assert not may(rules, ANON, "demo:events", action="publish")
+    assert may(rules, USER, "demo:events", action="publish")
+    assert not may(rules, USER, "other:events", action="publish")
+    assert may(rules, ANON, "demo:events")  # subscribing stays open
+    assert may(compile_rules([{"pattern": "x", "publish": True}]), ANON, "x", action="publish")
+    assert not may(compile_rules([{"pattern": "x", "subscribe": False}]), STAFF, "x")
+
+
+def test_permissions_and_callables():
+    class U(SimpleNamespace):
+        def has_perms(self, perms):
+            return set(perms) <= self.perms
+
+    user = U(is_authenticated=True, is_active=True, is_staff=False, is_superuser=False, perms={"app.view"})
+    rules = compile_rules([{"pattern": "p", "permission": "app.view"}, {"pattern": "q", "permission": ["app.edit"]}])
+    assert may(rules, user, "p") and not may(rules, user, "q")
+    calls = []
+    rules = compile_rules([{"pattern": "c", "check": lambda u, ch, a: calls.append((ch, a)) or ch.endswith("ok")}])
+    assert not may(rules, user, "c:no") and may(rules, user, "c:ok")
+    assert calls == [("c:no", "subscribe"), ("c:ok", "subscribe")]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        ["not a dict"],
+        [{"authenticated": True}],
+        [{"pattern": ""}],
+        [{"pattern": "a", "authenticaded": True}],
+        [{"pattern": "a", "staff": "yes"}],
+        [{"pattern": "a", "permission": [1]}],
+        [{"pattern": "a", "check": 5}],
+        [{"pattern": "a", "publish": "everyone"}],
+    ],
+)
+def test_invalid_rules_are_refused_with_their_index(raw):
+    with pytest.raises(ValueError, match=r"POLICIES\[0\]"):
+        compile_rules(raw)

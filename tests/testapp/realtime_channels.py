@@ -1,0 +1,78 @@
+"""Channels used by the tests: their factories record starts and cleanups.
+
+In a daphne process on Redis (REDIS_URL set) the events go to the Redis list
+``<KEY_PREFIX>:test-events`` so the test can read what every process did; in-process
+they go to :data:`EVENTS`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from typing import Any
+
+import realtime_app
+from realtime_app.registry import ChannelSpec
+
+EVENTS: list[tuple[str, str]] = []
+
+
+def record(kind: str, channel: str) -> None:
+    EVENTS.append((kind, channel))
+    url = os.environ.get("REDIS_URL")
+    if url:
+        import redis
+
+        prefix = os.environ.get("REALTIME_KEY_PREFIX", "realtime")
+        client = redis.Redis.from_url(url)
+        client.rpush(f"{prefix}:test-events", json.dumps([kind, channel, os.getpid()]))
+        client.close()
+
+
+@realtime_app.family("test:counter", default=1000, min=50, max=60000)
+def counter(channel: ChannelSpec, publish: Any) -> Any:
+    record("start", channel.name)
+
+    async def run() -> None:
+        n = 0
+        while True:
+            n += 1
+            publish({"n": n})
+            await asyncio.sleep(channel.interval_ms / 1000)  # type: ignore[operator]
+
+    task = asyncio.get_running_loop().create_task(run())
+
+    def cleanup() -> None:
+        task.cancel()
+        record("cleanup", channel.name)
+
+    return cleanup
+
+
+@realtime_app.family("test:staff", default=1000, min=100, max=60000)
+def staff_only(channel: ChannelSpec, publish: Any) -> None:
+    return None
+
+
+@realtime_app.family("test:perm", default=1000, min=100, max=60000)
+def perm_only(channel: ChannelSpec, publish: Any) -> None:
+    return None
+
+
+@realtime_app.family("test:broken", default=1000, min=100, max=60000)
+def broken(channel: ChannelSpec, publish: Any) -> None:
+    raise RuntimeError("this factory always fails")
+
+
+realtime_app.event_channel("test:events")
+
+
+@realtime_app.rpc_method("test.echo")
+def echo(consumer: Any, params: Any) -> Any:
+    return params
+
+
+@realtime_app.rpc_method("test.crash")
+def crash(consumer: Any, params: Any) -> Any:
+    raise ZeroDivisionError("deliberate")
