@@ -7,6 +7,13 @@ from django.core.asgi import get_asgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
 django_asgi_app = get_asgi_application()
 
+from django.conf import settings  # noqa: E402
+
+if settings.DEBUG:  # the demo serves its static files itself (daphne alone does not)
+    from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
+
+    django_asgi_app = ASGIStaticFilesHandler(django_asgi_app)
+
 from channels.auth import AuthMiddlewareStack  # noqa: E402  (after Django setup)
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402

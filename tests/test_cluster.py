@@ -1,0 +1,157 @@
+"""Two daphne processes sharing the real Redis: one ticker per cadence in the cluster,
+per-process fan-out, cleanup, and failover when the ticker's process is killed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+
+from realtime_app.names import group_name
+from tests.servers import ROOT, servers
+from tests.wsclient import RPC
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
+
+LEASE_TTL_MS = 1500
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    url = os.environ.get("REALTIME_TEST_REDIS_URL")
+    if not url:
+        pytest.fail("REALTIME_TEST_REDIS_URL is not set: run the tests with scripts/test (it provides Redis)")
+    redis.Redis.from_url(url).ping()
+    return url
+
+
+@pytest.fixture
+def cluster(redis_url):
+    """Two daphne processes of the demo site on Redis, with a key prefix of their own."""
+    prefix = f"{os.environ['REALTIME_TEST_PREFIX']}-{secrets.token_hex(3)}"
+    env = {"REDIS_URL": redis_url, "REALTIME_KEY_PREFIX": prefix, "REALTIME_LEASE_TTL_MS": str(LEASE_TTL_MS)}
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    with servers(2, env) as procs:
+        yield procs, client, prefix, env
+    for key in client.scan_iter(match=f"{prefix}*"):
+        client.delete(key)
+
+
+def events(client, prefix):
+    return [tuple(json.loads(e)[:2]) for e in client.lrange(f"{prefix}:test-events", 0, -1)]
+
+
+async def wait_for(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.05)
+    return predicate()
+
+
+async def test_two_processes_share_one_ticker_per_cadence(cluster):
+    (a, b), client, prefix, _ = cluster
+    async with RPC(a.ws) as ca, RPC(b.ws) as cb, RPC(b.ws) as c4:
+        await ca.subscribe("demo:clock:2000")
+        await cb.subscribe("demo:clock:2000")
+        await c4.subscribe("demo:clock:4000")
+        fa, fb = await asyncio.gather(ca.frames(3), cb.frames(3))
+        sa, sb = [f["seq"] for f in fa], [f["seq"] for f in fb]
+        common = sorted(set(sa) & set(sb))
+        assert len(common) >= 2, (sa, sb)  # the same publications reach both processes
+        assert sa == sorted(set(sa)) and sb == sorted(set(sb))  # no duplicates, in order
+        assert all({f["seq"]: f["data"] for f in fa}[s] == {f["seq"]: f["data"] for f in fb}[s] for s in common)
+        gaps = [y["ts"] - x["ts"] for x, y in zip(fa, fa[1:], strict=False)]
+        assert all(1800 <= g <= 2400 for g in gaps), gaps  # one frame per 2 s, not two
+        # exactly one lease holder per cadence, and a distinct one for :4000
+        holder_2000 = client.get(f"{prefix}:lease:{group_name('demo:clock:2000')}")
+        holder_4000 = client.get(f"{prefix}:lease:{group_name('demo:clock:4000')}")
+        assert holder_2000 and holder_4000
+        f4 = await c4.frames(2)
+        assert f4[1]["ts"] - f4[0]["ts"] >= 3600
+
+
+async def test_factory_runs_once_in_the_cluster_and_is_cleaned_after_the_last(cluster):
+    (a, b), client, prefix, _ = cluster
+    channel = "test:counter:300"
+    ca = await RPC(a.ws).__aenter__()
+    cb = await RPC(b.ws).__aenter__()
+    await ca.subscribe(channel)
+    await cb.subscribe(channel)
+    await asyncio.gather(ca.frames(3), cb.frames(3))
+    assert events(client, prefix).count(("start", channel)) == 1
+    # the first process leaves by unsubscribing; the ticker stays (or moves) for the other
+    await ca.call("unsubscribe", {"channel": channel})
+    await cb.frames(3)
+    starts_and_cleanups = events(client, prefix)
+    assert starts_and_cleanups.count(("start", channel)) - starts_and_cleanups.count(("cleanup", channel)) == 1
+    # the last subscriber disconnects without unsubscribing: cleanup runs, the lease goes
+    await cb.__aexit__(None, None, None)
+    await ca.__aexit__(None, None, None)
+    lease = f"{prefix}:lease:{group_name(channel)}"
+    assert await wait_for(lambda: client.get(lease) is None)
+    final = events(client, prefix)
+    assert final.count(("start", channel)) == final.count(("cleanup", channel)) >= 1
+
+
+async def test_killing_the_ticker_process_fails_over_without_duplicates(cluster):
+    (a, b), client, prefix, _ = cluster
+    channel = "demo:clock:200"
+    async with RPC(a.ws) as ca:
+        await ca.subscribe(channel)
+        await ca.frames(2)
+        cb = await RPC(b.ws).__aenter__()
+        await cb.subscribe(channel)
+        await cb.frames(2)
+        holder = client.get(f"{prefix}:lease:{group_name(channel)}")
+        victim, survivor, survivor_client = (a, b, cb) if f"-{a.process.pid}-" in holder else (b, a, ca)
+        if survivor_client is ca:
+            await cb.__aexit__(None, None, None)
+        before = await survivor_client.frames(2)
+        killed_at = time.time() * 1000
+        victim.kill()
+        after = await survivor_client.frames(5, timeout=LEASE_TTL_MS / 1000 * 3 + 5)
+        seqs = [f["seq"] for f in before + after]
+        assert seqs == sorted(set(seqs)), seqs  # no seq delivered twice, never backwards
+        resumed = [f for f in after if f["ts"] > killed_at]
+        assert resumed, after
+        assert resumed[0]["ts"] - killed_at <= LEASE_TTL_MS + LEASE_TTL_MS / 3 + 1000
+        new_holder = client.get(f"{prefix}:lease:{group_name(channel)}")
+        assert new_holder and f"-{survivor.process.pid}-" in new_holder
+        if survivor_client is cb:
+            await cb.__aexit__(None, None, None)
+
+
+async def test_a_dead_process_leaves_the_cluster_view(cluster, redis_url):
+    (a, b), client, prefix, _ = cluster
+    async with RPC(a.ws), RPC(b.ws):
+        instances = f"{prefix}:instances"
+        assert await wait_for(lambda: len(client.zrangebyscore(instances, time.time() * 1000, "+inf")) == 2)
+        b.kill()
+        assert await wait_for(
+            lambda: len(client.zrangebyscore(instances, time.time() * 1000, "+inf")) == 1, timeout=15
+        )
+
+
+async def test_publish_from_another_process_reaches_both_servers(cluster):
+    (a, b), client, prefix, env = cluster
+    async with RPC(a.ws) as ca, RPC(b.ws) as cb:
+        await ca.subscribe("demo:events")
+        await cb.subscribe("demo:events")
+        code = "from realtime_app import publish; print(publish('demo:events', {'from': 'shell'}))"
+        out = subprocess.run(
+            [sys.executable, "manage.py", "shell", "-c", code],
+            cwd=ROOT, env={**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", **env},
+            capture_output=True, text=True, check=True,
+        )
+        seq = int(out.stdout.strip().splitlines()[-1])
+        fa, fb = await asyncio.gather(ca.frames(1), cb.frames(1))
+        assert fa == fb and fa[0]["seq"] == seq and fa[0]["data"] == {"from": "shell"}

@@ -1,0 +1,61 @@
+"""A small JSON-RPC WebSocket client for the tests, on the websockets library."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from typing import Any
+
+import websockets
+
+
+class RPC:
+    """One connection: ``call()`` answers, ``frames()`` collects ``message`` notifications."""
+
+    def __init__(self, url: str, *, cookie: str | None = None, origin: str | None = None) -> None:
+        self.url = url
+        self.headers = {"Cookie": cookie} if cookie else {}
+        host = url.split("/")[2]
+        self.origin = origin or f"http://{host}"
+        self.ids = itertools.count(1)
+        self.ws: Any = None
+
+    async def __aenter__(self) -> RPC:
+        self.ws = await websockets.connect(self.url, origin=self.origin, additional_headers=self.headers,
+                                           max_size=None, open_timeout=10)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.ws.close()
+
+    async def send(self, payload: Any) -> None:
+        await self.ws.send(payload if isinstance(payload, str) else json.dumps(payload))
+
+    async def recv(self, timeout: float = 5) -> Any:
+        return json.loads(await asyncio.wait_for(self.ws.recv(), timeout))
+
+    async def call(self, method: str, params: Any = None, timeout: float = 5) -> Any:
+        request_id = next(self.ids)
+        request: dict[str, Any] = {"jsonrpc": "2.0", "method": method, "id": request_id}
+        if params is not None:
+            request["params"] = params
+        await self.send(request)
+        while True:
+            message = await self.recv(timeout)
+            if isinstance(message, dict) and message.get("id") == request_id:
+                return message
+
+    async def subscribe(self, channel: str) -> dict[str, Any]:
+        answer = await self.call("subscribe", {"channel": channel})
+        if "error" in answer:
+            raise AssertionError(f"subscribe {channel}: {answer['error']}")
+        return answer["result"]  # type: ignore[no-any-return]
+
+    async def frames(self, n: int, timeout: float = 10) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        while len(out) < n:
+            message = await self.recv(timeout)
+            if isinstance(message, dict) and message.get("method") == "message":
+                out.append(message["params"])
+        return out
