@@ -109,8 +109,15 @@ class RedisBackplane(Backplane):
 
     clustered = True
 
-    def __init__(self, hub: Hub | None = None, *, layer: Any = None, redis: Any = None, prefix: str = "realtime",
-                 lease_ttl_ms: int = 3000) -> None:
+    def __init__(
+        self,
+        hub: Hub | None = None,
+        *,
+        layer: Any = None,
+        redis: Any = None,
+        prefix: str = "realtime",
+        lease_ttl_ms: int = 3000,
+    ) -> None:
         super().__init__(hub)
         if layer is None:
             from channels.layers import get_channel_layer
@@ -196,9 +203,8 @@ class RedisBackplane(Backplane):
 
 def _redis_for(layer: Any) -> Any:
     """A redis.asyncio client on the layer's first host (the same Redis as the groups)."""
-    from django.conf import settings  # noqa: F401  (settings must be configured)
-
     from channels_redis.utils import create_pool
+    from django.conf import settings  # noqa: F401  (settings must be configured)
     from redis import asyncio as aioredis
 
     from .conf import get_config

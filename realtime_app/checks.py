@@ -66,14 +66,16 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         except ImportError:
             messages.append(
                 Error(
-                    f"REALTIME_APP['BACKPLANE'] is {backplane!r}: not 'auto', 'memory', 'redis' or an importable class.",
+                    f"REALTIME_APP['BACKPLANE'] is {backplane!r}: "
+                    "not 'auto', 'memory', 'redis' or an importable class.",
                     id="realtime_app.E003",
                 )
             )
     if config["BACKPRESSURE_POLICY"] not in ("drop", "close"):
         messages.append(
             Error(
-                f"REALTIME_APP['BACKPRESSURE_POLICY'] must be 'drop' or 'close', got {config['BACKPRESSURE_POLICY']!r}.",
+                "REALTIME_APP['BACKPRESSURE_POLICY'] must be 'drop' or 'close', "
+                f"got {config['BACKPRESSURE_POLICY']!r}.",
                 id="realtime_app.E004",
             )
         )
@@ -94,8 +96,11 @@ def check_policies(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     try:
         rules = compile_rules([*config["POLICIES"], *config["BUILTIN_POLICIES"]])
     except (ValueError, ImportError) as exc:
-        return [Error(f"REALTIME_APP['POLICIES'] is invalid: {exc}", hint="See docs/configuration.md.",
-                      id="realtime_app.E010")]
+        return [
+            Error(
+                f"REALTIME_APP['POLICIES'] is invalid: {exc}", hint="See docs/configuration.md.", id="realtime_app.E010"
+            )
+        ]
     user_count = len(config["POLICIES"])
     messages: list[CheckMessage] = []
     seen: dict[str, Rule] = {}
@@ -103,8 +108,8 @@ def check_policies(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         if rule.pattern in seen:
             messages.append(
                 Warning(
-                    f"POLICIES[{rule.index}] repeats the pattern {rule.pattern!r} of POLICIES[{seen[rule.pattern].index}]; "
-                    "only the first applies.",
+                    f"POLICIES[{rule.index}] repeats the pattern {rule.pattern!r} "
+                    f"of POLICIES[{seen[rule.pattern].index}]; only the first applies.",
                     hint="Merge the two rules.",
                     id="realtime_app.W010",
                 )

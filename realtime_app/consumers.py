@@ -135,8 +135,11 @@ class RealtimeConsumer:
         frame = protocol.parse_frame(text, config["MAX_BATCH"])
         responses: list[Response] = list(frame.errors)
         for error in frame.errors:
-            logger.info("connection %s: bad request (%s)", self.connection.id if self.connection else "-",
-                        error.get("error", {}).get("data", {}).get("reason"))
+            logger.info(
+                "connection %s: bad request (%s)",
+                self.connection.id if self.connection else "-",
+                error.get("error", {}).get("data", {}).get("reason"),
+            )
         for request in frame.requests:
             response = await self.handle_request(request)
             if response is not None and not request.is_notification:
@@ -182,13 +185,14 @@ class RealtimeConsumer:
         elif isinstance(params, list) and len(params) >= 1:
             channel = params[0]
         else:
-            raise _invalid("Invalid params: expected {\"channel\": name}", "missing_channel")
+            raise _invalid('Invalid params: expected {"channel": name}', "missing_channel")
         if not isinstance(channel, str) or not channel:
             raise _invalid("Invalid params: 'channel' must be a non-empty string", "invalid_channel")
         limit = get_config()["MAX_CHANNEL_NAME"]
         if len(channel) > limit:
-            raise _invalid(f"Invalid params: channel name over {limit} characters", "channel_name_too_long",
-                           max_length=limit)
+            raise _invalid(
+                f"Invalid params: channel name over {limit} characters", "channel_name_too_long", max_length=limit
+            )
         return channel
 
     async def rpc_subscribe(self, params: Any) -> dict[str, Any]:
@@ -202,8 +206,9 @@ class RealtimeConsumer:
         assert self.connection is not None
         limit = get_config()["MAX_SUBSCRIPTIONS"]
         if limit and spec.name not in self.connection.subscriptions and len(self.connection.subscriptions) >= limit:
-            raise RPCError(protocol.TOO_MANY_SUBSCRIPTIONS, "Too many subscriptions", "too_many_subscriptions",
-                           limit=limit)
+            raise RPCError(
+                protocol.TOO_MANY_SUBSCRIPTIONS, "Too many subscriptions", "too_many_subscriptions", limit=limit
+            )
         hub = await get_hub()
         await hub.subscribe(self.connection, spec)
         return {"channel": spec.name, "kind": spec.kind, "interval_ms": spec.interval_ms}
@@ -225,7 +230,7 @@ class RealtimeConsumer:
 
         name = self._channel_param(params)
         if not isinstance(params, dict) or "data" not in params:
-            raise _invalid("Invalid params: expected {\"channel\": name, \"data\": ...}", "missing_data")
+            raise _invalid('Invalid params: expected {"channel": name, "data": ...}', "missing_data")
         spec = registry.resolve(name)
         if spec.kind != "event" or not await allowed(self.user, spec.name, None, "publish"):
             raise ForbiddenChannel(spec.name, "publish")

@@ -21,9 +21,9 @@ Clients may publish only where a rule says so.
 from __future__ import annotations
 
 import fnmatch
-from functools import cache
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import cache
 from typing import Any, Literal, TypeAlias
 
 from django.utils.module_loading import import_string

@@ -131,9 +131,7 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def error_response(
-    request_id: RequestId, code: int, message: str, reason: str | None = None, **data: Any
-) -> Response:
+def error_response(request_id: RequestId, code: int, message: str, reason: str | None = None, **data: Any) -> Response:
     """A JSON-RPC error response; ``reason`` and extra ``data`` go in ``error.data``."""
     error: ErrorObject = {"code": code, "message": message}
     if reason is not None:

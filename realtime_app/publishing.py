@@ -19,6 +19,7 @@ from .registry import registry
 
 __all__ = ["apublish", "publish"]
 
+
 async def apublish(channel: str, data: Any) -> int:
     """Publish ``data`` on ``channel`` (an event channel or an exact state channel).
 

@@ -32,8 +32,14 @@ def free_port() -> int:
 class Server:
     """One server process on 127.0.0.1:port."""
 
-    def __init__(self, env: dict[str, str], *, server: str = "daphne", port: int | None = None,
-                 extra_args: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        env: dict[str, str],
+        *,
+        server: str = "daphne",
+        port: int | None = None,
+        extra_args: list[str] | None = None,
+    ) -> None:
         self.port = port or free_port()
         self.env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "PYTHONUNBUFFERED": "1", **env}
         self.server = server
@@ -51,11 +57,33 @@ class Server:
 
     def start(self) -> Server:
         if self.server == "daphne":
-            cmd = [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port), *self.extra_args,
-                   "project.asgi:application"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "daphne",
+                "-b",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                *self.extra_args,
+                "project.asgi:application",
+            ]
         else:
-            cmd = [sys.executable, "-m", "uvicorn", "--host", "127.0.0.1", "--port", str(self.port),
-                   "--ws", "websockets", "--lifespan", "off", *self.extra_args, "project.asgi:application"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--ws",
+                "websockets",
+                "--lifespan",
+                "off",
+                *self.extra_args,
+                "project.asgi:application",
+            ]
         self.process = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:

@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import secrets
-import subprocess
 import sys
 import time
 
@@ -136,9 +135,7 @@ async def test_a_dead_process_leaves_the_cluster_view(cluster, redis_url):
         instances = f"{prefix}:instances"
         assert await wait_for(lambda: len(client.zrangebyscore(instances, time.time() * 1000, "+inf")) == 2)
         b.kill()
-        assert await wait_for(
-            lambda: len(client.zrangebyscore(instances, time.time() * 1000, "+inf")) == 1, timeout=15
-        )
+        assert await wait_for(lambda: len(client.zrangebyscore(instances, time.time() * 1000, "+inf")) == 1, timeout=15)
 
 
 async def test_publish_from_another_process_reaches_both_servers(cluster):
@@ -147,11 +144,18 @@ async def test_publish_from_another_process_reaches_both_servers(cluster):
         await ca.subscribe("demo:events")
         await cb.subscribe("demo:events")
         code = "from realtime_app import publish; print(publish('demo:events', {'from': 'shell'}))"
-        out = subprocess.run(
-            [sys.executable, "manage.py", "shell", "-c", code],
-            cwd=ROOT, env={**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", **env},
-            capture_output=True, text=True, check=True,
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "manage.py",
+            "shell",
+            "-c",
+            code,
+            cwd=ROOT,
+            env={**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", **env},
+            stdout=asyncio.subprocess.PIPE,
         )
-        seq = int(out.stdout.strip().splitlines()[-1])
+        stdout, _ = await process.communicate()
+        assert process.returncode == 0
+        seq = int(stdout.decode().strip().splitlines()[-1])
         fa, fb = await asyncio.gather(ca.frames(1), cb.frames(1))
         assert fa == fb and fa[0]["seq"] == seq and fa[0]["data"] == {"from": "shell"}

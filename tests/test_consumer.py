@@ -111,8 +111,9 @@ async def test_unknown_and_garbage_channels_are_refused(hub):
         assert (await c.call("ping"))["result"] == "pong"
 
 
-@pytest.mark.parametrize("name", ["atelier:load", "atelier:load:250", "atelier:load:2000", "atelier:load:10",
-                                  "atelier:load:60000"])
+@pytest.mark.parametrize(
+    "name", ["atelier:load", "atelier:load:250", "atelier:load:2000", "atelier:load:10", "atelier:load:60000"]
+)
 async def test_anonymous_is_refused_every_cadence_of_a_guarded_family(hub, name):
     async with Client() as c:
         error = (await c.call("subscribe", {"channel": name}))["error"]
@@ -154,7 +155,9 @@ async def test_hostile_frames_get_answers_and_the_connection_stays_healthy(hub):
         assert (crash["code"], crash["data"]["reason"]) == (-32603, "internal_error")
         assert (await c.call("test.echo", {"a": [1]}))["result"] == {"a": [1]}
         # notifications get no answer, a batch answers only its requests
-        await c.send(json.dumps([{"jsonrpc": "2.0", "method": "ping"}, {"jsonrpc": "2.0", "method": "ping", "id": "z"}]))
+        await c.send(
+            json.dumps([{"jsonrpc": "2.0", "method": "ping"}, {"jsonrpc": "2.0", "method": "ping", "id": "z"}])
+        )
         assert await c.recv() == [{"jsonrpc": "2.0", "result": "pong", "id": "z"}]
         await c.send(json.dumps({"jsonrpc": "2.0", "method": "ping"}))
         assert await c.comm.receive_nothing(0.1)

@@ -51,8 +51,9 @@ async def test_unusable_frames_close_with_the_spec_code(site, payload, code):
     assert "Traceback" not in site.output()
 
 
-@pytest.mark.parametrize("name", ["atelier:load", "atelier:load:250", "atelier:load:2000", "atelier:load:10",
-                                  "atelier:load:60000"])
+@pytest.mark.parametrize(
+    "name", ["atelier:load", "atelier:load:250", "atelier:load:2000", "atelier:load:10", "atelier:load:60000"]
+)
 async def test_anonymous_is_refused_every_cadence_and_a_user_is_served(site, name):
     async with RPC(site.ws) as anon:
         error = (await anon.call("subscribe", {"channel": name}))["error"]

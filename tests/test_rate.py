@@ -1,7 +1,6 @@
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-import pytest
 
 from realtime_app.rate import RateBounds, is_rate_channel, parse_rate, rate_channel
 

@@ -22,8 +22,9 @@ class RPC:
         self.ws: Any = None
 
     async def __aenter__(self) -> RPC:
-        self.ws = await websockets.connect(self.url, origin=self.origin, additional_headers=self.headers,
-                                           max_size=None, open_timeout=10)
+        self.ws = await websockets.connect(
+            self.url, origin=self.origin, additional_headers=self.headers, max_size=None, open_timeout=10
+        )
         return self
 
     async def __aexit__(self, *exc: object) -> None:
