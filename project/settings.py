@@ -85,8 +85,6 @@ if REDIS_URL:
             "CONFIG": {
                 "hosts": [REDIS_URL],
                 "prefix": f"{REALTIME_KEY_PREFIX}:asgi",
-                # One layer channel per process carries every frame to it: give it room.
-                "channel_capacity": {"realtime.*": 10000},
             },
         }
     }

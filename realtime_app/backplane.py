@@ -137,7 +137,10 @@ class RedisBackplane(Backplane):
 
     async def start(self) -> None:
         assert self.hub is not None
-        self.process_channel = await self.layer.new_channel(prefix="realtime")
+        # The default prefix on purpose: channels-redis serves every process-local ("!")
+        # channel of a layer through one receive lock that pops one Redis key per prefix;
+        # a channel under another prefix would starve the application's own consumers.
+        self.process_channel = await self.layer.new_channel()
 
     async def receive(self) -> dict[str, Any]:
         """Wait for the next message to this process (the hub loops over it)."""

@@ -39,11 +39,13 @@ class Server:
         server: str = "daphne",
         port: int | None = None,
         extra_args: list[str] | None = None,
+        app: str = "tests.asgi:application",
     ) -> None:
         self.port = port or free_port()
         self.env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "PYTHONUNBUFFERED": "1", **env}
         self.server = server
         self.extra_args = extra_args or []
+        self.app = app
         self.log = tempfile.NamedTemporaryFile(prefix=f"{server}-{self.port}-", suffix=".log", delete=False)
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -66,7 +68,7 @@ class Server:
                 "-p",
                 str(self.port),
                 *self.extra_args,
-                "project.asgi:application",
+                self.app,
             ]
         else:
             cmd = [
@@ -82,7 +84,7 @@ class Server:
                 "--lifespan",
                 "off",
                 *self.extra_args,
-                "project.asgi:application",
+                self.app,
             ]
         self.process = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30

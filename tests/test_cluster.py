@@ -159,3 +159,22 @@ async def test_publish_from_another_process_reaches_both_servers(cluster):
         seq = int(stdout.decode().strip().splitlines()[-1])
         fa, fb = await asyncio.gather(ca.frames(1), cb.frames(1))
         assert fa == fb and fa[0]["seq"] == seq and fa[0]["data"] == {"from": "shell"}
+
+
+async def test_the_applications_own_consumers_keep_working_beside_the_hub(cluster, redis_url):
+    """channels-redis serves all process-local channels through one receive lock: the hub's
+    channel must not starve the application's consumers (regression)."""
+    from channels_redis.core import RedisChannelLayer
+
+    (a, _), _, prefix, _ = cluster
+    layer = RedisChannelLayer(hosts=[redis_url], prefix=f"{prefix}:asgi")
+    plain_url = a.ws.replace("/realtime/", "/plain/")
+    async with RPC(a.ws) as hub_client, RPC(plain_url) as plain:
+        await hub_client.subscribe("demo:clock:100")  # the hub now receives on the layer too
+        await hub_client.frames(2)
+        for i in range(5):
+            sent = time.monotonic()
+            await layer.group_send("plain", {"type": "plain.message", "text": json.dumps({"i": i})})
+            assert await plain.recv(timeout=2) == {"i": i}
+            assert time.monotonic() - sent < 1.0
+    await layer.flush()

@@ -1,0 +1,39 @@
+"""ASGI app of the benchmarks: realtime_app at /realtime/, plain Channels at /baseline/."""
+
+import os
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.settings")
+
+from django.core.asgi import get_asgi_application  # noqa: E402
+
+django_asgi_app = get_asgi_application()
+
+from channels.generic.websocket import AsyncWebsocketConsumer  # noqa: E402
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from django.urls import path  # noqa: E402
+
+from realtime_app.routing import websocket_urlpatterns  # noqa: E402
+
+BASELINE_GROUP = "bench-baseline"
+
+
+class BaselineConsumer(AsyncWebsocketConsumer):
+    """The plain Channels way: every connection joins the group; group_send reaches each."""
+
+    async def connect(self) -> None:
+        await self.channel_layer.group_add(BASELINE_GROUP, self.channel_name)
+        await self.accept()
+
+    async def disconnect(self, code: int) -> None:
+        await self.channel_layer.group_discard(BASELINE_GROUP, self.channel_name)
+
+    async def bench_frame(self, event: dict) -> None:
+        await self.send(text_data=event["text"])
+
+
+application = ProtocolTypeRouter(
+    {
+        "http": django_asgi_app,
+        "websocket": URLRouter([*websocket_urlpatterns, path("baseline/", BaselineConsumer.as_asgi())]),
+    }
+)

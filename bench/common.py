@@ -1,0 +1,137 @@
+"""Helpers shared by the benchmarks: server processes, CPU accounting, clients, stats."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import websockets
+
+ROOT = Path(__file__).resolve().parent.parent
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def wait_port(port: int, process: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server on port {port} exited with {process.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on {port} after {timeout} s")
+
+
+@contextlib.contextmanager
+def processes(
+    commands: list[list[str]], ports: list[int], env: dict[str, str]
+) -> Iterator[list[subprocess.Popen[bytes]]]:
+    procs = [
+        subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for cmd in commands
+    ]
+    try:
+        for port, proc in zip(ports, procs, strict=True):
+            wait_port(port, proc)
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def daphne(port: int, app: str = "bench.asgi:application") -> list[str]:
+    return [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), app]
+
+
+@dataclass
+class Collector:
+    """Counts frames and latencies (now − ts) while ``recording`` is on."""
+
+    recording: bool = False
+    frames: int = 0
+    latencies: list[float] = field(default_factory=list)
+
+    def note(self, text: str | bytes) -> None:
+        if not self.recording:
+            return
+        self.frames += 1
+        message = json.loads(text)
+        params = message.get("params") if isinstance(message, dict) else None
+        if params and "ts" in params:
+            self.latencies.append(time.time() * 1000 - params["ts"])
+
+
+async def client(
+    url: str,
+    collector: Collector,
+    subscribe: str | None,
+    ready: asyncio.Event,
+    connected: list[int],
+    stop: asyncio.Event,
+    sem: asyncio.Semaphore,
+) -> None:
+    async with sem:
+        ws = await websockets.connect(
+            url, origin="http://127.0.0.1", max_size=None, open_timeout=60, ping_interval=None, compression=None
+        )
+        if subscribe:
+            await ws.send(
+                json.dumps({"jsonrpc": "2.0", "method": "subscribe", "params": {"channel": subscribe}, "id": 1})
+            )
+            await ws.recv()
+    connected[0] += 1
+    try:
+        while not stop.is_set():
+            text = await ws.recv()
+            collector.note(text)
+    except (websockets.ConnectionClosed, asyncio.CancelledError):
+        pass
+    finally:
+        with contextlib.suppress(Exception):
+            await ws.close()
+
+
+def percentile(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
+
+
+def progress(message: str) -> None:
+    print(f"  … {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,220 @@
+"""Fan-out cost: realtime_app's per-process hub vs plain Channels group_send vs bare websockets.
+
+Two daphne processes on Redis serve both endpoints; N WebSocket clients are split over
+them, all on one channel. In the same run, for each N, three phases measure delivered
+frames/s, p50/p99 latency (client clock − server ``ts``), server CPU seconds per 1000
+delivered frames and Redis commands per publication:
+
+* ``hub``: clients subscribe to ``demo:clock:<ms>`` on ``/realtime/`` (one ticker in the
+  cluster, one backplane message per subscribed process, local fan-out);
+* ``channels``: clients connect to ``/baseline/``, a plain ``AsyncWebsocketConsumer`` in a
+  group, fed by ``group_send`` from this script at the same cadence;
+* ``websockets``: a bare ``websockets`` broadcast server (one process), the physical floor.
+
+Usage:  REDIS_URL=redis://127.0.0.1:6379/0 python bench/fanout.py [--clients 100 1000]
+            [--seconds 10] [--interval-ms 100] [--json FILE]
+With no --interval-ms, 100 ms below 1000 clients and 1000 ms from 1000 on (at 10 publications
+per second, 1000 plain-Channels consumers saturate this 2-core machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import redis  # noqa: E402
+
+from bench.common import (  # noqa: E402
+    Collector,
+    client,
+    cpu_seconds,
+    daphne,
+    free_port,
+    percentile,
+    processes,
+    progress,
+)
+
+
+def redis_commands(r: redis.Redis) -> int:
+    stats = r.info("commandstats")
+    return sum(int(v["calls"]) for v in stats.values())
+
+
+async def run_phase(
+    kind: str,
+    urls: list[str],
+    n: int,
+    interval_ms: int,
+    seconds: float,
+    pids: list[int],
+    r: redis.Redis,
+    layer: Any = None,
+) -> dict[str, Any]:
+    collector = Collector()
+    stop = asyncio.Event()
+    ready = asyncio.Event()
+    connected = [0]
+    sem = asyncio.Semaphore(50)
+    channel = f"demo:clock:{interval_ms}" if kind == "hub" else None
+    tasks = [
+        asyncio.create_task(client(urls[i % len(urls)], collector, channel, ready, connected, stop, sem))
+        for i in range(n)
+    ]
+    while connected[0] < n:
+        await asyncio.sleep(0.5)
+        progress(f"{kind}: {connected[0]}/{n} clients connected")
+    publisher = None
+    published = [0]
+    if kind == "channels":
+        publisher = asyncio.create_task(baseline_publisher(layer, interval_ms, published))
+    await asyncio.sleep(max(1.0, 2 * interval_ms / 1000))  # warm up
+    cpu0 = sum(cpu_seconds(p) for p in pids)
+    cmd0 = redis_commands(r)
+    t0 = time.monotonic()
+    pub0 = published[0]
+    collector.recording = True
+    while (elapsed := time.monotonic() - t0) < seconds:
+        await asyncio.sleep(min(2.0, seconds - elapsed))
+        progress(f"{kind} n={n}: {elapsed + 0.0:.0f}/{seconds:.0f} s, {collector.frames} frames")
+    collector.recording = False
+    wall = time.monotonic() - t0
+    cpu = sum(cpu_seconds(p) for p in pids) - cpu0
+    commands = redis_commands(r) - cmd0
+    publications = (published[0] - pub0) if kind == "channels" else wall * 1000 / interval_ms
+    stop.set()
+    if publisher:
+        publisher.cancel()
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    frames = collector.frames
+    return {
+        "kind": kind,
+        "clients": n,
+        "interval_ms": interval_ms,
+        "frames_per_s": frames / wall,
+        "expected_per_s": n * 1000 / interval_ms,
+        "p50_ms": percentile(collector.latencies, 50),
+        "p99_ms": percentile(collector.latencies, 99),
+        "cpu_s_per_1000": 1000 * cpu / frames if frames else float("nan"),
+        "redis_cmds_per_pub": commands / publications if publications else float("nan"),
+    }
+
+
+async def baseline_publisher(layer: Any, interval_ms: int, published: list[int]) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time()
+    seq = 0
+    while True:
+        seq += 1
+        params = {"channel": "baseline", "data": {"n": seq}, "seq": seq, "ts": int(time.time() * 1000)}
+        text = json.dumps({"jsonrpc": "2.0", "method": "message", "params": params})
+        await layer.group_send("bench-baseline", {"type": "bench.frame", "text": text})
+        published[0] += 1
+        deadline += interval_ms / 1000
+        await asyncio.sleep(max(0, deadline - loop.time()))
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[100, 1000])
+    parser.add_argument("--seconds", type=float, default=10)
+    parser.add_argument("--interval-ms", type=int, default=None)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    url = os.environ.get("REDIS_URL")
+    if not url:
+        sys.exit("set REDIS_URL (e.g. redis://127.0.0.1:6379/0)")
+    prefix = f"bench-{secrets.token_hex(3)}"
+    env = {"REDIS_URL": url, "REALTIME_KEY_PREFIX": prefix, "DJANGO_SETTINGS_MODULE": "bench.settings"}
+    os.environ.update(env)
+    import django
+
+    django.setup()
+    from channels.layers import get_channel_layer
+
+    layer = get_channel_layer()
+    r = redis.Redis.from_url(url)
+    ports = [free_port(), free_port()]
+    ref_port = free_port()
+    results = []
+    try:
+        with processes([daphne(p) for p in ports], ports, env) as procs:
+            pids = [p.pid for p in procs]
+            for n in [10, *args.clients]:
+                interval = args.interval_ms or (100 if n < 1000 else 1000)
+                seconds = args.seconds if n > 10 else min(args.seconds, 5)
+                print(f"== {n} clients, one publication per {interval} ms", file=sys.stderr)
+                results.append(
+                    await run_phase(
+                        "hub", [f"ws://127.0.0.1:{p}/realtime/" for p in ports], n, interval, seconds, pids, r
+                    )
+                )
+                results.append(
+                    await run_phase(
+                        "channels",
+                        [f"ws://127.0.0.1:{p}/baseline/" for p in ports],
+                        n,
+                        interval,
+                        seconds,
+                        pids,
+                        r,
+                        layer,
+                    )
+                )
+                if n > 10:
+                    ref_cmd = [sys.executable, "bench/ws_broadcast.py", str(ref_port), str(interval)]
+                    with processes([ref_cmd], [ref_port], {}) as ref:
+                        results.append(
+                            await run_phase(
+                                "websockets", [f"ws://127.0.0.1:{ref_port}/"], n, interval, seconds, [ref[0].pid], r
+                            )
+                        )
+    finally:
+        for key in r.scan_iter(match=f"{prefix}*"):
+            r.delete(key)
+    report(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+def report(results: list[dict[str, Any]]) -> None:
+    print(
+        f"{'phase':<11}{'clients':>8}{'every':>7}{'frames/s':>10}{'of':>8}{'p50 ms':>9}{'p99 ms':>9}"
+        f"{'CPU s/1000':>12}{'Redis/pub':>11}"
+    )
+    for row in results:
+        print(
+            f"{row['kind']:<11}{row['clients']:>8}{row['interval_ms']:>7}{row['frames_per_s']:>10.0f}"
+            f"{row['expected_per_s']:>8.0f}{row['p50_ms']:>9.1f}{row['p99_ms']:>9.1f}"
+            f"{row['cpu_s_per_1000']:>12.4f}{row['redis_cmds_per_pub']:>11.1f}"
+        )
+    print()
+    by = {(row["kind"], row["clients"]): row for row in results}
+    for n in sorted({row["clients"] for row in results}):
+        hub, base, ref = by.get(("hub", n)), by.get(("channels", n)), by.get(("websockets", n))
+        if hub and base:
+            print(
+                f"n={n}: hub/channels CPU per frame {hub['cpu_s_per_1000'] / base['cpu_s_per_1000']:.2f}, "
+                f"p99 {hub['p99_ms'] / base['p99_ms']:.2f}, Redis commands per publication "
+                f"{hub['redis_cmds_per_pub']:.1f} vs {base['redis_cmds_per_pub']:.1f}"
+            )
+        if hub and ref:
+            print(
+                f"n={n}: hub/websockets CPU per frame {hub['cpu_s_per_1000'] / ref['cpu_s_per_1000']:.2f}, "
+                f"p99 {hub['p99_ms'] / ref['p99_ms']:.2f}"
+            )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
