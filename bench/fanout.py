@@ -31,9 +31,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import redis  # noqa: E402
+import redis
 
-from bench.common import (  # noqa: E402
+from bench.common import (
     Collector,
     client,
     cpu_seconds,

@@ -4,15 +4,14 @@ import os
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
 
-from project.asgi import application as demo_application  # noqa: E402
+from channels.auth import AuthMiddlewareStack
+from channels.routing import ProtocolTypeRouter, URLRouter
+from channels.security.websocket import AllowedHostsOriginValidator
+from django.urls import path
 
-from channels.auth import AuthMiddlewareStack  # noqa: E402
-from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
-from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
-from django.urls import path  # noqa: E402
-
-from realtime_app.routing import websocket_urlpatterns  # noqa: E402
-from tests.testapp.consumers import PlainGroupConsumer  # noqa: E402
+from project.asgi import application as demo_application
+from realtime_app.routing import websocket_urlpatterns
+from tests.testapp.consumers import PlainGroupConsumer
 
 application = ProtocolTypeRouter(
     {
