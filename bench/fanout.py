@@ -76,7 +76,7 @@ async def run_phase(
     publisher = None
     published = [0]
     if kind == "channels":
-        publisher = asyncio.create_task(baseline_publisher(layer, interval_ms, published))
+        publisher = asyncio.create_task(baseline_publisher(layer, interval_ms, published, stop))
     await asyncio.sleep(max(1.0, 2 * interval_ms / 1000))  # warm up
     cpu0 = sum(cpu_seconds(p) for p in pids)
     cmd0 = redis_commands(r)
@@ -93,10 +93,11 @@ async def run_phase(
     publications = (published[0] - pub0) if kind == "channels" else wall * 1000 / interval_ms
     stop.set()
     if publisher:
-        publisher.cancel()
+        await publisher  # not cancel(): a cancelled group_send may swallow the cancellation
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    await settle(pids)
     frames = collector.frames
     return {
         "kind": kind,
@@ -111,11 +112,22 @@ async def run_phase(
     }
 
 
-async def baseline_publisher(layer: Any, interval_ms: int, published: list[int]) -> None:
+async def settle(pids: list[int], timeout: float = 60) -> None:
+    """Wait until the servers are idle again (a saturated baseline drains its backlog)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before = sum(cpu_seconds(p) for p in pids)
+        await asyncio.sleep(0.5)
+        if sum(cpu_seconds(p) for p in pids) - before < 0.05:
+            return
+        progress("waiting for the servers to drain")
+
+
+async def baseline_publisher(layer: Any, interval_ms: int, published: list[int], stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time()
     seq = 0
-    while True:
+    while not stop.is_set():
         seq += 1
         params = {"channel": "baseline", "data": {"n": seq}, "seq": seq, "ts": int(time.time() * 1000)}
         text = json.dumps({"jsonrpc": "2.0", "method": "message", "params": params})

@@ -27,6 +27,7 @@ from typing import Any
 from .backplane import FRAME, RELEASED, Backplane, RedisBackplane, make_backplane
 from .conf import get_config
 from .registry import ChannelSpec, Registry, registry
+from .transports import direct_writer
 
 __all__ = ["Connection", "Hub", "get_hub", "running_hub"]
 
@@ -44,9 +45,20 @@ class Connection:
     id: int = field(default_factory=lambda: next(_connection_ids))
     subscriptions: set[str] = field(default_factory=set)
     closed: bool = False
+    #: Synchronous writer of encoded payloads where the server offers one (daphne).
+    write: Callable[[bytes], bool] | None = field(default=None, repr=False)
 
-    async def send_text(self, text: str) -> None:
-        if not self.closed:
+    def __post_init__(self) -> None:
+        if self.write is None:
+            self.write = direct_writer(self.send)
+
+    async def send_text(self, text: str, payload: bytes | None = None) -> None:
+        """Send one text frame; ``payload`` is ``text`` already encoded, when the caller has it."""
+        if self.closed:
+            return
+        if self.write is not None:
+            self.write(payload if payload is not None else text.encode("utf-8"))
+        else:
             await self.send({"type": "websocket.send", "text": text})
 
 
@@ -310,9 +322,10 @@ class Hub:
         subs = self.subscribers.get(channel)
         if not subs:
             return
+        payload = text.encode("utf-8")  # once per publication, not per subscriber
         for conn in tuple(subs):
             try:
-                await conn.send_text(text)
+                await conn.send_text(text, payload)
             except Exception:
                 logger.debug("send to connection %s failed", conn.id, exc_info=True)
 

@@ -14,7 +14,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["close", "daphne_protocol", "server_send"]
+__all__ = ["close", "daphne_protocol", "direct_writer", "server_send"]
 
 
 def server_send(send: Callable[..., Any]) -> Callable[..., Any]:
@@ -50,3 +50,25 @@ async def close(send: Callable[..., Any], code: int, reason: str = "") -> None:
         protocol.sendCloseFrame(code=int(code), reasonUtf8=payload, isReply=False)
         return
     await send({"type": "websocket.close", "code": int(code), "reason": reason})
+
+
+def direct_writer(send: Callable[..., Any]) -> Callable[[bytes], bool] | None:
+    """A synchronous ``write(utf8_payload) -> sent`` straight to the server's protocol.
+
+    The fan-out encodes a frame once and writes the same bytes to every subscriber,
+    skipping per-connection ASGI dicts, middleware hops and re-encoding. Under daphne the
+    asyncio loop and Twisted's reactor share one thread, so this is what daphne's own
+    ``handle_reply`` does. None where no such path exists (then use the ASGI ``send``).
+    """
+    protocol = daphne_protocol(send)
+    if protocol is None:
+        return None
+    open_state = protocol.STATE_OPEN
+
+    def write(payload: bytes) -> bool:
+        if protocol.state != open_state:
+            return False
+        protocol.sendMessage(payload, False)
+        return True
+
+    return write
