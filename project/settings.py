@@ -94,6 +94,10 @@ else:
 REALTIME_APP = {
     "KEY_PREFIX": REALTIME_KEY_PREFIX,
     "LEASE_TTL_MS": int(os.environ.get("REALTIME_LEASE_TTL_MS", "3000")),
+    "MAX_BACKPRESSURE": int(os.environ.get("REALTIME_MAX_BACKPRESSURE", str(4 * 1024 * 1024))),
+    "BACKPRESSURE_POLICY": os.environ.get("REALTIME_BACKPRESSURE_POLICY", "drop"),
+    "CLOSE_AFTER_DROPS": int(os.environ.get("REALTIME_CLOSE_AFTER_DROPS", "1000")),
+    "SLOW_CONSUMER_BYTES": int(os.environ.get("REALTIME_SLOW_CONSUMER_BYTES", str(1024 * 1024))),
     "POLICIES": [
         {"pattern": "atelier:", "authenticated": True},
         {"pattern": "demo:events", "publish": True},

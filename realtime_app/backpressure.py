@@ -52,11 +52,13 @@ class BackpressureConfig:
 
 @dataclass(slots=True)
 class DropState:
-    """Per-connection memory of the guard: the drop balance and the totals."""
+    """Per-connection memory of the guard: the drop balance and the frames refused.
+
+    Nothing is counted on the nominal path (a counter past 256 allocates a new int).
+    """
 
     balance: int = 0
     drops: int = 0
-    sent: int = 0
 
 
 def decide_send(buffered: int, config: BackpressureConfig, state: DropState) -> Decision:
@@ -70,7 +72,6 @@ def decide_send(buffered: int, config: BackpressureConfig, state: DropState) -> 
     """
     limit = config.max_backpressure
     if limit == 0 or buffered <= limit:
-        state.sent += 1
         if state.balance:
             state.balance -= 1
         return SEND

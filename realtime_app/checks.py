@@ -13,7 +13,7 @@ from .conf import DEFAULTS, get_config
 from .policies import Rule, compile_rules, matching_rule
 from .registry import registry
 
-__all__ = ["check_policies", "check_settings"]
+__all__ = ["check_policies", "check_server_versions", "check_settings"]
 
 _INT_SETTINGS = {
     "MAX_FRAME_BYTES": 0,
@@ -25,6 +25,7 @@ _INT_SETTINGS = {
     "MAX_BACKPRESSURE": 0,
     "CLOSE_AFTER_DROPS": 0,
     "SLOW_CONSUMER_BYTES": 0,
+    "CLOSE_DRAIN_MS": 0,
 }
 
 
@@ -157,4 +158,33 @@ def check_policies(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                         id="realtime_app.W013",
                     )
                 )
+    return messages
+
+
+#: Versions whose private transport internals realtime_app.transports was written against.
+TESTED_SERVERS = {"daphne": ("4.2",), "autobahn": ("26.",), "twisted": ("26.",), "uvicorn": ("0.54",)}
+
+
+@register(Tags.compatibility)
+def check_server_versions(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """W020: an installed server whose transport internals the guard was not tested against."""
+    from importlib import metadata
+
+    if get_config()["MAX_BACKPRESSURE"] == 0:
+        return []
+    messages: list[CheckMessage] = []
+    for package, prefixes in TESTED_SERVERS.items():
+        try:
+            version = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            continue
+        if not version.startswith(prefixes):
+            messages.append(
+                Warning(
+                    f"{package} {version} is installed; transport backpressure reads its private internals and was "
+                    f"tested with {package} {' / '.join(p.rstrip('.') + '.x' for p in prefixes)}.",
+                    hint="Run realtime_app's transport tests against this version, or pin the tested one.",
+                    id="realtime_app.W020",
+                )
+            )
     return messages

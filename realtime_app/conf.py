@@ -44,6 +44,12 @@ DEFAULTS: dict[str, Any] = {
     "CLOSE_AFTER_DROPS": 1000,
     # Connections at or above this many queued bytes count as slow consumers (no action).
     "SLOW_CONSUMER_BYTES": 1024 * 1024,
+    # After a 1013 close, how long queued frames may still drain before the drop, ms.
+    "CLOSE_DRAIN_MS": 10000,
+    # JSON-RPC responses are written even over the threshold (they still count as drops).
+    "NEVER_DROP_RESPONSES": True,
+    # Who may read /realtime/metrics besides staff: a bearer token, or None.
+    "METRICS_TOKEN": None,
 }
 
 

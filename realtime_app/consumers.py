@@ -13,13 +13,14 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from . import protocol, transports
+from . import protocol
 from .conf import get_config
 from .exceptions import RPCError
 from .hub import Connection, get_hub
 from .policies import allowed
 from .protocol import CloseCode, Request, Response
 from .registry import registry
+from .transports import UnsupportedServer
 
 __all__ = ["RealtimeConsumer", "rpc_method"]
 
@@ -43,6 +44,16 @@ def rpc_method(name: str) -> Callable[[Handler], Handler]:
         return handler
 
     return register
+
+
+_unsupported_logged = False
+
+
+def _log_unsupported_once(exc: UnsupportedServer) -> None:
+    global _unsupported_logged
+    if not _unsupported_logged:
+        _unsupported_logged = True
+        logger.error("refusing WebSocket connections: %s", exc)
 
 
 def _invalid(message: str, reason: str, **data: Any) -> RPCError:
@@ -92,8 +103,14 @@ class RealtimeConsumer:
             await send({"type": "websocket.close"})
             return
         hub = await get_hub()
+        try:
+            conn = Connection(send, scope)
+        except UnsupportedServer as exc:
+            _log_unsupported_once(exc)
+            await send({"type": "websocket.close", "code": int(CloseCode.INTERNAL_ERROR)})
+            return
         await send({"type": "websocket.accept"})
-        conn = self.connection = Connection(send, scope)
+        self.connection = conn
         hub.add_connection(conn)
         try:
             while True:
@@ -111,15 +128,16 @@ class RealtimeConsumer:
         assert self.connection is not None
         if self.connection.closed:
             return
-        self.connection.closed = True
         logger.info("closing connection %s with %s: %s", self.connection.id, code, reason)
-        await transports.close(self._send, code, reason)
+        self.connection.guard.close(code, reason)
         hub = await get_hub()
         await hub.remove_connection(self.connection)
 
     async def send_json(self, message: Any) -> None:
+        """Send a JSON-RPC response (or batch) through the connection's guard."""
         assert self.connection is not None
-        await self.connection.send_text(protocol.encode(message))
+        hub = await get_hub()
+        hub.send_to(self.connection, protocol.encode(message), response=True)
 
     # -- frames ---------------------------------------------------------------------
 

@@ -25,9 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .backplane import FRAME, RELEASED, Backplane, RedisBackplane, make_backplane
+from .backpressure import CLOSE, DROP, SEND, Decision
 from .conf import get_config
+from .guard import Guard
+from .protocol import CloseCode
 from .registry import ChannelSpec, Registry, registry
-from .transports import direct_writer
 
 __all__ = ["Connection", "Hub", "get_hub", "running_hub"]
 
@@ -38,28 +40,17 @@ _connection_ids = itertools.count(1)
 
 @dataclass(eq=False, slots=True)
 class Connection:
-    """One WebSocket connection as the hub sees it: where to send, what it subscribed."""
+    """One WebSocket connection as the hub sees it: its guarded transport, its channels."""
 
     send: Callable[[dict[str, Any]], Any]
     scope: dict[str, Any] = field(default_factory=dict, repr=False)
     id: int = field(default_factory=lambda: next(_connection_ids))
     subscriptions: set[str] = field(default_factory=set)
     closed: bool = False
-    #: Synchronous writer of encoded payloads where the server offers one (daphne).
-    write: Callable[[bytes], bool] | None = field(default=None, repr=False)
+    guard: Guard = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.write is None:
-            self.write = direct_writer(self.send)
-
-    async def send_text(self, text: str, payload: bytes | None = None) -> None:
-        """Send one text frame; ``payload`` is ``text`` already encoded, when the caller has it."""
-        if self.closed:
-            return
-        if self.write is not None:
-            self.write(payload if payload is not None else text.encode("utf-8"))
-        else:
-            await self.send({"type": "websocket.send", "text": text})
+        self.guard = Guard(self.send)
 
 
 @dataclass(slots=True)
@@ -75,7 +66,7 @@ class Hub:
     def __init__(self, registry: Registry = registry) -> None:
         self.registry = registry
         self.instance_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-        self.started_at = time.time()
+        self.started_at = _process_start()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.backplane: Backplane | None = None
         self.connections: set[Connection] = set()
@@ -90,7 +81,10 @@ class Hub:
         self._start_lock = asyncio.Lock()
         self._started = False
         self._thread_id = threading.get_ident()
+        self._background: set[asyncio.Task[Any]] = set()
         self.published = 0
+        self.drops = 0  # frames refused by the guard, cumulative
+        self.closes = 0  # connections closed with 1013 by the guard
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -318,16 +312,44 @@ class Hub:
                     self.loop.create_task(self._try_acquire(channel))  # type: ignore[union-attr]
 
     async def fanout(self, channel: str, text: str) -> None:
-        """Hand one encoded frame to every local subscriber of ``channel``."""
+        """Hand one encoded frame to every local subscriber of ``channel``, guarded."""
         subs = self.subscribers.get(channel)
         if not subs:
             return
         payload = text.encode("utf-8")  # once per publication, not per subscriber
         for conn in tuple(subs):
-            try:
-                await conn.send_text(text, payload)
-            except Exception:
-                logger.debug("send to connection %s failed", conn.id, exc_info=True)
+            decision = conn.guard.send(payload)
+            if decision is not SEND:
+                self._account(conn, decision)
+
+    def send_to(self, conn: Connection, text: str, *, response: bool = False) -> Decision:
+        """Send one frame to one connection through its guard (RPC responses, errors)."""
+        decision = conn.guard.send(text.encode("utf-8"), response=response)
+        if decision is not SEND:
+            self._account(conn, decision)
+        return decision
+
+    def _account(self, conn: Connection, decision: Decision) -> None:
+        if decision is DROP:
+            self.drops += 1
+        elif decision is CLOSE and not conn.closed:
+            self.closes += 1
+            logger.warning(
+                "connection %s closed with %s: backpressure (%s bytes queued, %s drops)",
+                conn.id,
+                int(CloseCode.TRY_AGAIN_LATER),
+                conn.guard.buffered(),
+                conn.guard.state.drops,
+            )
+            self.forget(conn)
+
+    def forget(self, conn: Connection) -> None:
+        """Release a connection's subscriptions now, from synchronous code."""
+        conn.closed = True
+        assert self.loop is not None
+        task = self.loop.create_task(self.remove_connection(conn))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def publish(self, channel: str, data: Any) -> int:
         """Publish one message on ``channel`` from application code; returns its ``seq``."""
@@ -339,6 +361,26 @@ class Hub:
         return seq
 
     # -- probe -------------------------------------------------------------------------
+
+    def backpressure_probe(self) -> dict[str, int]:
+        """Queued bytes per connection, read now from the transports (no decision taken)."""
+        slow = get_config()["SLOW_CONSUMER_BYTES"]
+        worst = total = slow_count = balance = 0
+        for conn in self.connections:
+            queued = conn.guard.buffered()
+            total += queued
+            worst = max(worst, queued)
+            balance = max(balance, conn.guard.state.balance)
+            if slow and queued >= slow:
+                slow_count += 1
+        return {
+            "max_buffered_amount": worst,
+            "max_drop_balance": balance,
+            "total_buffered_amount": total,
+            "slow_consumers": slow_count,
+            "drops": self.drops,
+            "closes": self.closes,
+        }
 
     def probe(self) -> dict[str, Any]:
         """This process's counters (no decision is taken from them)."""
@@ -352,6 +394,7 @@ class Hub:
             "channels": {name: len(subs) for name, subs in self.subscribers.items()},
             "tickers": sorted(self._held),
             "published": self.published,
+            "backpressure": self.backpressure_probe(),
         }
 
     async def cluster_probes(self) -> list[dict[str, Any]]:
@@ -359,6 +402,16 @@ class Hub:
         assert self.backplane is not None
         others = [p for p in await self.backplane.cluster_probes() if p.get("instance") != self.instance_id]
         return [self.probe(), *others]
+
+
+def _process_start() -> float:
+    """When this process started (uptime is the process's, not the hub's)."""
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:
+        return time.time()
 
 
 _hubs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Hub] = weakref.WeakKeyDictionary()

@@ -1,4 +1,4 @@
-"""HTTP routes of realtime_app: ``include("realtime_app.urls")`` under ``realtime/``."""
+"""HTTP routes of realtime_app: ``path("realtime/", include("realtime_app.urls"))``."""
 
 from django.urls import path
 
@@ -8,4 +8,5 @@ app_name = "realtime_app"
 
 urlpatterns = [
     path("api/health", views.health, name="health"),
+    path("metrics", views.metrics, name="metrics"),
 ]

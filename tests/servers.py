@@ -11,6 +11,7 @@ import http.cookiejar
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -40,12 +41,14 @@ class Server:
         port: int | None = None,
         extra_args: list[str] | None = None,
         app: str = "tests.asgi:application",
+        bind_plain: bool = True,
     ) -> None:
         self.port = port or free_port()
         self.env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "PYTHONUNBUFFERED": "1", **env}
         self.server = server
         self.extra_args = extra_args or []
         self.app = app
+        self.bind_plain = bind_plain
         self.log = tempfile.NamedTemporaryFile(prefix=f"{server}-{self.port}-", suffix=".log", delete=False)
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -59,17 +62,8 @@ class Server:
 
     def start(self) -> Server:
         if self.server == "daphne":
-            cmd = [
-                sys.executable,
-                "-m",
-                "daphne",
-                "-b",
-                "127.0.0.1",
-                "-p",
-                str(self.port),
-                *self.extra_args,
-                self.app,
-            ]
+            bind = ["-b", "127.0.0.1", "-p", str(self.port)] if self.bind_plain else []
+            cmd = [sys.executable, "-m", "daphne", *bind, *self.extra_args, self.app]
         else:
             cmd = [
                 sys.executable,
@@ -80,7 +74,7 @@ class Server:
                 "--port",
                 str(self.port),
                 "--ws",
-                "websockets",
+                "websockets-sansio",
                 "--lifespan",
                 "off",
                 *self.extra_args,
@@ -137,10 +131,13 @@ def prepare_database(path: str) -> dict[str, str]:
     return {"DATABASE_URL": f"sqlite:///{path}"}
 
 
-def login(base_url: str, username: str, password: str) -> str:
+def login(base_url: str, username: str, password: str, context: ssl.SSLContext | None = None) -> str:
     """Log in through the login form; returns the Cookie header for WebSocket handshakes."""
     jar = http.cookiejar.CookieJar()
-    opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+    handlers: list[urllib.request.BaseHandler] = [urllib.request.HTTPCookieProcessor(jar)]
+    if context is not None:
+        handlers.append(urllib.request.HTTPSHandler(context=context))
+    opener = urllib.request.build_opener(*handlers)
     opener.open(f"{base_url}/accounts/login/").read()
     csrf = next(c.value for c in jar if c.name == "csrftoken")
     data = urllib.parse.urlencode({"username": username, "password": password, "csrfmiddlewaretoken": csrf}).encode()

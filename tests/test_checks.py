@@ -70,3 +70,20 @@ def test_a_pattern_matching_nothing_is_flagged():
 @override_settings(REALTIME_APP={"POLICIES": [{"pattern": "demo:clock", "publish": True}]})
 def test_publishing_on_state_channels_is_flagged():
     assert ids(check_policies()) == ["realtime_app.W013"]
+
+
+def test_tested_server_versions_are_installed():
+    from realtime_app.checks import check_server_versions
+
+    assert check_server_versions() == []
+
+
+def test_an_untested_server_version_is_flagged(monkeypatch):
+    from importlib import metadata
+
+    from realtime_app.checks import check_server_versions
+
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: "5.0" if name == "daphne" else real(name))
+    [message] = check_server_versions()
+    assert message.id == "realtime_app.W020" and "daphne 5.0" in message.msg

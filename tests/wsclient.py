@@ -13,17 +13,23 @@ import websockets
 class RPC:
     """One connection: ``call()`` answers, ``frames()`` collects ``message`` notifications."""
 
-    def __init__(self, url: str, *, cookie: str | None = None, origin: str | None = None) -> None:
+    def __init__(self, url: str, *, cookie: str | None = None, origin: str | None = None, ssl: Any = None) -> None:
         self.url = url
+        self.ssl = ssl
         self.headers = {"Cookie": cookie} if cookie else {}
         host = url.split("/")[2]
-        self.origin = origin or f"http://{host}"
+        self.origin = origin or f"{'https' if url.startswith('wss') else 'http'}://{host}"
         self.ids = itertools.count(1)
         self.ws: Any = None
 
     async def __aenter__(self) -> RPC:
         self.ws = await websockets.connect(
-            self.url, origin=self.origin, additional_headers=self.headers, max_size=None, open_timeout=10
+            self.url,
+            origin=self.origin,
+            additional_headers=self.headers,
+            max_size=None,
+            open_timeout=10,
+            **({"ssl": self.ssl} if self.ssl is not None else {}),
         )
         return self
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import itertools
 import os
 import time
@@ -45,8 +46,9 @@ realtime_app.event_channel("demo:events")
 
 if os.environ.get("REALTIME_DEMO_FLOOD") == "1":
     _flood_counter = itertools.count(1)
-    _FLOOD_BLOB = "x" * FLOOD_PAYLOAD_BYTES
 
     @realtime_app.ticker("demo:flood", default=1000, min=10, max=60000)
     def flood(channel: ChannelSpec) -> dict[str, Any]:
-        return {"n": next(_flood_counter), "blob": _FLOOD_BLOB}
+        """32 KiB of fresh random text per frame: per-message compression cannot shrink it."""
+        blob = base64.b64encode(os.urandom(FLOOD_PAYLOAD_BYTES * 3 // 4)).decode("ascii")
+        return {"n": next(_flood_counter), "blob": blob}

@@ -1,0 +1,234 @@
+"""Transport backpressure on real servers: daphne (TCP and TLS) and uvicorn, real clients
+that stop reading, the probe read over HTTP, 1013 received by the client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+import time
+import urllib.request
+
+import pytest
+import websockets
+
+from tests.servers import Server, login, prepare_database
+from tests.wsclient import RPC
+
+pytestmark = pytest.mark.timeout(120)
+
+MIB = 1024 * 1024
+LIMIT = 1 * MIB
+FRAME = 32 * 1024 + 200  # demo:flood payload plus the envelope
+
+
+@pytest.fixture(scope="module")
+def database(tmp_path_factory):
+    return prepare_database(str(tmp_path_factory.mktemp("db") / "db.sqlite3"))
+
+
+def start(database, *, server="daphne", extra_args=None, **settings):
+    env = {
+        **database,
+        "REDIS_URL": "",
+        "REALTIME_DEMO_FLOOD": "1",
+        "REALTIME_MAX_BACKPRESSURE": str(settings.get("max_backpressure", LIMIT)),
+        "REALTIME_BACKPRESSURE_POLICY": settings.get("policy", "drop"),
+        "REALTIME_CLOSE_AFTER_DROPS": str(settings.get("close_after_drops", 1000)),
+        "REALTIME_SLOW_CONSUMER_BYTES": str(LIMIT // 2),
+    }
+    return Server(env, server=server, extra_args=extra_args).start()
+
+
+class Probe:
+    """Reads the health endpoint as the staff user."""
+
+    def __init__(self, server, scheme="http", context=None):
+        self.base = f"{scheme}://127.0.0.1:{server.port}"
+        self.context = context
+        self.cookie = login(self.base, "admin", "admin", context)
+
+    def read(self):
+        request = urllib.request.Request(self.base + "/realtime/api/health", headers={"Cookie": self.cookie or ""})
+        body = urllib.request.urlopen(request, context=self.context).read()
+        return json.loads(body)["totals"]
+
+    async def aread(self):
+        return await asyncio.to_thread(self.read)
+
+
+async def paused_flood_client(url, *, ssl_context=None, cadence=10):
+    client = RPC(url, ssl=ssl_context)
+    await client.__aenter__()
+    await client.subscribe(f"demo:flood:{cadence}")
+    client.ws.transport.pause_reading()  # a client that stops reading: TCP fills up
+    return client
+
+
+async def drain_until_close(client, timeout=30):
+    client.ws.transport.resume_reading()
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            await asyncio.wait_for(client.ws.recv(), deadline - time.monotonic())
+    except websockets.ConnectionClosed as closed:
+        return closed.rcvd.code if closed.rcvd else None
+    return None
+
+
+async def watch(probe, seconds, every=0.25):
+    samples = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        samples.append(await probe.aread())
+        await asyncio.sleep(every)
+    return samples
+
+
+async def watch_until(probe, predicate, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        totals = await probe.aread()
+        if predicate(totals):
+            return totals
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"probe never satisfied the condition: {totals}")
+
+
+async def healthy_frames(url, seconds, ssl_context=None):
+    """A reading client on demo:clock:100 beside the slow one: it must miss nothing."""
+    async with RPC(url, ssl=ssl_context) as c:
+        await c.subscribe("demo:clock:100")
+        frames = []
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            frames += await c.frames(1, timeout=5)
+        return frames
+
+
+def rss(server):
+    with open(f"/proc/{server.process.pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+@pytest.mark.parametrize("server_kind", ["daphne", "uvicorn"])
+async def test_a_client_that_stops_reading_is_bounded_then_closed_with_1013(database, server_kind):
+    server = start(database, server=server_kind, close_after_drops=500)
+    slow = None
+    try:
+        probe = Probe(server)
+        slow = await paused_flood_client(server.ws)
+        samples, healthy = await asyncio.gather(watch(probe, 1.5), healthy_frames(server.ws, 2.5))
+        rss_start = rss(server)
+        samples += await watch(probe, 1.5)
+        rss_growth = rss(server) - rss_start
+        worst = max(s["max_buffered_amount"] for s in samples)
+        assert LIMIT - FRAME <= worst <= LIMIT + FRAME, worst  # the plateau: threshold plus one frame
+        assert samples[-1]["slow_consumers"] == 1 and samples[-1]["closes"] == 0
+        drops = [s["drops"] for s in samples]
+        assert drops[-1] > drops[len(drops) // 2] > 0  # rising
+        assert rss_growth < 4 * MIB  # flat (unguarded: +3.2 MB/s)
+        seqs = [f["seq"] for f in healthy]
+        assert len(seqs) >= 15 and seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+        # the balance reaches 500 after ~5 s of drops at 100 frames/s; then, reading again,
+        # the client drains what was queued and receives the 1013 close
+        closed = await watch_until(probe, lambda t: t["closes"] == 1, 15)
+        assert closed["connections"] == 0 and closed["channels"] == {}  # released at once
+        assert await drain_until_close(slow) == 1013
+        after = await probe.aread()
+        assert after["closes"] == 1 and after["connections"] == 0
+        async with RPC(server.ws) as again:  # the process serves on
+            assert (await again.call("ping"))["result"] == "pong"
+    finally:
+        if slow is not None:
+            await slow.ws.close()
+        server.stop()
+
+
+async def test_a_passing_spike_decays_without_close(database):
+    server = start(database, close_after_drops=100_000)
+    try:
+        probe = Probe(server)
+        client = await paused_flood_client(server.ws, cadence=20)
+        samples = await watch(probe, 2.5)
+        assert max(s["max_drop_balance"] for s in samples) > 0
+        client.ws.transport.resume_reading()
+        received = 0
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            await asyncio.wait_for(client.ws.recv(), 5)  # fast reader again
+            received += 1
+            if received % 50 == 0 and (await probe.aread())["max_drop_balance"] == 0:
+                break
+        totals = await probe.aread()
+        assert totals["max_drop_balance"] == 0 and totals["closes"] == 0 and totals["connections"] == 1
+        await client.__aexit__(None, None, None)
+    finally:
+        server.stop()
+
+
+async def test_close_policy_closes_at_the_first_overrun(database):
+    server = start(database, policy="close")
+    try:
+        probe = Probe(server)
+        client = await paused_flood_client(server.ws)
+        samples = await watch(probe, 3)
+        assert samples[-1]["closes"] == 1 and samples[-1]["drops"] == 0
+        assert await drain_until_close(client) == 1013
+    finally:
+        server.stop()
+
+
+async def test_zero_disables_the_guard(database):
+    server = start(database, max_backpressure=0)
+    try:
+        probe = Probe(server)
+        client = await paused_flood_client(server.ws)
+        samples = await watch(probe, 3)
+        assert max(s["max_buffered_amount"] for s in samples) > 2 * LIMIT  # grows unbounded
+        assert samples[-1]["drops"] == 0 and samples[-1]["closes"] == 0
+        await client.__aexit__(None, None, None)
+    finally:
+        server.stop()
+
+
+async def test_the_same_guard_over_tls(database, tmp_path):
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    key_file, cert_file = tmp_path / "key.pem", tmp_path / "cert.pem"
+    cert.private_key_pem.write_to_path(key_file)
+    cert.cert_chain_pems[0].write_to_path(cert_file)
+    port = __import__("tests.servers", fromlist=["free_port"]).free_port()
+    endpoint = f"ssl:{port}:interface=127.0.0.1:privateKey={key_file}:certKey={cert_file}"
+    server = Server(
+        {
+            **database,
+            "REDIS_URL": "",
+            "REALTIME_DEMO_FLOOD": "1",
+            "REALTIME_MAX_BACKPRESSURE": str(LIMIT),
+            "REALTIME_CLOSE_AFTER_DROPS": "300",
+        },
+        port=port,
+        extra_args=["-e", endpoint],
+        bind_plain=False,
+    ).start()
+    try:
+        client_ctx = ssl.create_default_context()
+        ca.configure_trust(client_ctx)
+        url = f"wss://127.0.0.1:{port}/realtime/"
+        probe = Probe(server, scheme="https", context=client_ctx)
+        slow = await paused_flood_client(url, ssl_context=client_ctx)
+        samples = await watch(probe, 1.5)
+        worst = max(s["max_buffered_amount"] for s in samples)
+        assert LIMIT - FRAME <= worst <= LIMIT + FRAME + 64 * 1024, worst  # plus TLS records' overhead
+        await watch_until(probe, lambda t: t["closes"] == 1, 15)
+        async with RPC(url, ssl=client_ctx) as c:
+            assert (await c.call("ping"))["result"] == "pong"
+        assert await drain_until_close(slow) == 1013
+    finally:
+        server.stop()
