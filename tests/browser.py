@@ -1,0 +1,44 @@
+"""Headless Debian chromium driven by Selenium through Debian's chromedriver."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+from selenium import webdriver
+from selenium.webdriver.chrome.options import Options
+from selenium.webdriver.chrome.service import Service
+
+FLAGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+    "--window-size=1280,900",
+]
+
+
+def chromium() -> webdriver.Chrome:
+    """A fresh headless browser with its own profile; fails (never skips) without chromium."""
+    binary, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not binary or not driver:
+        raise RuntimeError("chromium and chromedriver are required (scripts/test installs Debian's packages)")
+    options = Options()
+    options.binary_location = binary
+    for flag in FLAGS:
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={tempfile.mkdtemp(prefix='chromium-')}")
+    return webdriver.Chrome(service=Service(driver), options=options)
+
+
+def log_in(browser: webdriver.Chrome, base: str, username: str, password: str) -> None:
+    from selenium.webdriver.common.by import By
+
+    browser.get(f"{base}/accounts/login/")
+    browser.find_element(By.NAME, "username").send_keys(username)
+    browser.find_element(By.NAME, "password").send_keys(password)
+    browser.find_element(By.CSS_SELECTOR, "form button[type=submit]").click()

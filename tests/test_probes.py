@@ -1,0 +1,163 @@
+"""The probes from outside: health JSON and metrics access, the health channel, the
+realtime_probe command and the admin's live cluster screen in headless chromium."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import redis
+
+from tests.servers import ROOT, login, prepare_database, servers
+from tests.wsclient import RPC
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    url = os.environ.get("REALTIME_TEST_REDIS_URL")
+    if not url:
+        pytest.fail("REALTIME_TEST_REDIS_URL is not set: run the tests with scripts/test (it provides Redis)")
+    database = prepare_database(str(tmp_path_factory.mktemp("db") / "db.sqlite3"))
+    prefix = f"{os.environ['REALTIME_TEST_PREFIX']}-{secrets.token_hex(3)}"
+    env = {**database, "REDIS_URL": url, "REALTIME_KEY_PREFIX": prefix, "REALTIME_METRICS_TOKEN": "s3cret"}
+    with servers(2, env) as procs:
+        yield procs, env
+    client = redis.Redis.from_url(url)
+    for key in client.scan_iter(match=f"{prefix}*"):
+        client.delete(key)
+
+
+def get(url, cookie=None, headers=None):
+    request = urllib.request.Request(url, headers={**({"Cookie": cookie} if cookie else {}), **(headers or {})})
+    try:
+        with urllib.request.urlopen(request) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def test_health_and_metrics_are_for_staff(cluster):
+    (a, _), _ = cluster
+    staff, user = login(a.http, "admin", "admin"), login(a.http, "demo", "demo")
+    for path in ("/realtime/api/health", "/realtime/metrics"):
+        assert get(a.http + path)[0] == 401
+        assert get(a.http + path, user)[0] == 403
+        assert get(a.http + path, staff)[0] == 200
+    status, body = get(a.http + "/realtime/api/health", staff)
+    probe = json.loads(body)
+    assert probe["clustered"] and {"instances", "totals", "generated_at"} <= set(probe)
+    instance = probe["instances"][0]
+    assert {"instance", "host", "pid", "uptime_s", "connections", "subscriptions", "channels", "tickers"} <= set(
+        instance
+    )
+    assert set(instance["backpressure"]) == {
+        "max_buffered_amount",
+        "max_drop_balance",
+        "total_buffered_amount",
+        "slow_consumers",
+        "drops",
+        "closes",
+    }
+    status, text = get(a.http + "/realtime/metrics", headers={"Authorization": "Bearer s3cret"})
+    assert status == 200 and "realtime_backpressure_drops_total" in text and "realtime_connections{" in text
+    assert get(a.http + "/realtime/metrics", headers={"Authorization": "Bearer wrong"})[0] == 401
+
+
+async def test_health_channel_is_staff_only_and_lists_both_processes(cluster):
+    (a, b), _ = cluster
+    async with RPC(a.ws) as anon:
+        error = (await anon.call("subscribe", {"channel": "realtime:socket:1000"}))["error"]
+        assert error["data"]["reason"] == "forbidden_channel"
+    async with RPC(b.ws) as other, RPC(a.ws, cookie=login(a.http, "admin", "admin")) as staff:
+        result = await staff.subscribe("realtime:socket:500")
+        assert result == {"channel": "realtime:socket:500", "kind": "state", "interval_ms": 500}
+        deadline = time.monotonic() + 15
+        pids = set()
+        while time.monotonic() < deadline and pids != {a.process.pid, b.process.pid}:
+            frame = (await staff.frames(1))[0]
+            pids = {p["pid"] for p in frame["data"]["instances"]}
+        assert pids == {a.process.pid, b.process.pid}
+        assert frame["data"]["totals"]["connections"] >= 2
+        del other
+
+
+def test_realtime_probe_command(cluster):
+    (a, b), env = cluster
+    run_env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", **env}
+    deadline = time.monotonic() + 15
+    while True:
+        out = subprocess.run(
+            [sys.executable, "manage.py", "realtime_probe", "--json"],
+            cwd=ROOT,
+            env=run_env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        pids = {p["pid"] for p in json.loads(out)["instances"]}
+        if pids == {a.process.pid, b.process.pid} or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert pids == {a.process.pid, b.process.pid}
+    table = subprocess.run(
+        [sys.executable, "manage.py", "realtime_probe"],
+        cwd=ROOT,
+        env=run_env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "worst queue" in table and str(a.process.pid) in table and str(b.process.pid) in table
+    bad = subprocess.run(
+        [sys.executable, "manage.py", "realtime_probe", "--watch", "0"],
+        cwd=ROOT,
+        env=run_env,
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode != 0 and "positive" in bad.stderr
+
+
+@pytest.mark.browser
+def test_admin_cluster_screen_is_live(cluster, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from tests.browser import chromium, log_in
+
+    (a, b), _ = cluster
+    browser = chromium()
+    try:
+        log_in(browser, a.http, "admin", "admin")
+        browser.get(f"{a.http}/admin/")
+        link = browser.find_element(By.LINK_TEXT, "Realtime cluster")
+        link.click()
+        wait = WebDriverWait(browser, 20, poll_frequency=0.2)
+
+        def rows(_):
+            found = browser.find_elements(By.CSS_SELECTOR, "#rc-rows tr[data-instance]")
+            return found if len(found) == 2 else False
+
+        found = wait.until(rows)
+        marker = browser.execute_script("window.__noReload = true; return 1")
+        assert marker == 1
+        text_before = {r.get_attribute("data-instance"): r.text for r in found}
+        assert all(str(pid) in " ".join(text_before.values()) for pid in (a.process.pid, b.process.pid))
+        updated = browser.find_element(By.ID, "rc-updated").text
+        wait.until(lambda _: browser.find_element(By.ID, "rc-updated").text != updated)
+        # uptimes move on: the numbers change without a reload
+        wait.until(lambda _: {r.get_attribute("data-instance"): r.text for r in rows(None) or []} != text_before)
+        assert browser.execute_script("return window.__noReload === true")
+        assert len(browser.find_elements(By.CSS_SELECTOR, "#rc-chart polyline")) == 2
+        browser.save_screenshot(str(tmp_path / "admin-cluster.png"))
+    finally:
+        browser.quit()
