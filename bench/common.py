@@ -135,3 +135,11 @@ def percentile(values: list[float], p: float) -> float:
 
 def progress(message: str) -> None:
     print(f"  … {message}", file=sys.stderr, flush=True)
+
+
+def prepare_database(path: str, settings: str = "project.settings") -> dict[str, str]:
+    """Migrate an SQLite file and create the demo users; returns the env naming it."""
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": settings, "DATABASE_URL": f"sqlite:///{path}"}
+    for args in (["migrate", "--noinput", "-v", "0"], ["demo_setup"]):
+        subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env, check=True, capture_output=True)
+    return {"DATABASE_URL": f"sqlite:///{path}"}

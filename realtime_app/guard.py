@@ -34,7 +34,7 @@ def backpressure_config() -> BackpressureConfig:
 class Guard:
     """One connection's guard. Nominal path: one read of the queued bytes, no allocation."""
 
-    __slots__ = ("closed", "config", "drain_s", "never_drop_responses", "state", "transport")
+    __slots__ = ("closed", "config", "drain_s", "measure", "never_drop_responses", "state", "transport")
 
     def __init__(self, send: Callable[..., Any], config: BackpressureConfig | None = None) -> None:
         from .conf import get_config
@@ -46,6 +46,7 @@ class Guard:
         self.drain_s = settings["CLOSE_DRAIN_MS"] / 1000
         self.never_drop_responses = settings["NEVER_DROP_RESPONSES"]
         self.closed = False
+        self.measure = self.config.max_backpressure > 0  # a disabled guard reads nothing
 
     def buffered(self) -> int:
         return self.transport.buffered()
@@ -60,7 +61,7 @@ class Guard:
         """
         if self.closed:
             return DROP
-        decision = decide_send(self.transport.buffered(), self.config, self.state)
+        decision = decide_send(self.transport.buffered() if self.measure else 0, self.config, self.state)
         if decision is SEND or (decision is DROP and response and self.never_drop_responses):
             self.transport.write(payload)
         elif decision is CLOSE:
