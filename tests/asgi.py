@@ -11,13 +11,21 @@ from django.urls import path
 
 from project.asgi import application as demo_application
 from realtime_app.routing import websocket_urlpatterns
-from tests.testapp.consumers import PlainGroupConsumer
+from tests.testapp.consumers import GuardedFloodConsumer, PlainGroupConsumer
 
 application = ProtocolTypeRouter(
     {
         "http": demo_application.application_mapping["http"],
         "websocket": AllowedHostsOriginValidator(
-            AuthMiddlewareStack(URLRouter([*websocket_urlpatterns, path("plain/", PlainGroupConsumer.as_asgi())]))
+            AuthMiddlewareStack(
+                URLRouter(
+                    [
+                        *websocket_urlpatterns,
+                        path("plain/", PlainGroupConsumer.as_asgi()),
+                        path("guarded/", GuardedFloodConsumer.as_asgi()),
+                    ]
+                )
+            )
         ),
     }
 )

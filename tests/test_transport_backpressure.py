@@ -232,3 +232,22 @@ async def test_the_same_guard_over_tls(database, tmp_path):
         assert await drain_until_close(slow) == 1013
     finally:
         server.stop()
+
+
+async def test_a_custom_consumer_gets_the_same_guard(database):
+    server = start(database, close_after_drops=200)
+    try:
+        url = server.ws.replace("/realtime/", "/guarded/")
+        async with RPC(url) as reader:
+            first = [json.loads(await reader.ws.recv())["n"] for _ in range(5)]
+            assert first == list(range(first[0], first[0] + 5))
+        slow = RPC(url)
+        await slow.__aenter__()
+        await slow.ws.recv()
+        slow.ws.transport.pause_reading()
+        deadline = time.monotonic() + 20
+        while "closed GuardedFloodConsumer with 1013" not in server.output() and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert await drain_until_close(slow) == 1013
+    finally:
+        server.stop()

@@ -1,4 +1,10 @@
+import asyncio
+import itertools
+import json
+
 from channels.generic.websocket import AsyncWebsocketConsumer
+
+from realtime_app.guard import GuardedSendMixin
 
 PLAIN_GROUP = "plain"
 
@@ -15,3 +21,20 @@ class PlainGroupConsumer(AsyncWebsocketConsumer):
 
     async def plain_message(self, event: dict) -> None:
         await self.send(text_data=event["text"])
+
+
+class GuardedFloodConsumer(GuardedSendMixin, AsyncWebsocketConsumer):
+    """An application's own consumer pushing 32 KiB frames at 100/s, guarded by realtime_app."""
+
+    async def connect(self) -> None:
+        await self.accept()
+        self.task = asyncio.get_running_loop().create_task(self.flood())
+
+    async def flood(self) -> None:
+        blob = "y" * 32 * 1024
+        for n in itertools.count():
+            await self.send(text_data=json.dumps({"n": n, "blob": blob}))
+            await asyncio.sleep(0.01)
+
+    async def disconnect(self, code: int) -> None:
+        self.task.cancel()
