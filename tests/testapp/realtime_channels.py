@@ -76,3 +76,15 @@ def echo(consumer: Any, params: Any) -> Any:
 @realtime_app.rpc_method("test.crash")
 def crash(consumer: Any, params: Any) -> Any:
     raise ZeroDivisionError("deliberate")
+
+
+@realtime_app.rpc_method("test.close")
+async def close_with(consumer: Any, params: Any) -> None:
+    """Close this connection with the code asked (for reconnect tests)."""
+    await consumer.close(int(params["code"]), "test")
+
+
+@realtime_app.rpc_method("test.sleep")
+async def sleep_for(consumer: Any, params: Any) -> str:
+    await asyncio.sleep(float(params["seconds"]))
+    return "slept"

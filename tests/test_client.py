@@ -1,0 +1,112 @@
+"""The Python client against a real daphne: calls, timeouts, reconnects, close codes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from realtime_app.client import RealtimeClient, bind_adaptive_channel, is_reconnectable_close_code
+from realtime_app.exceptions import RPCError
+from tests.servers import Server
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def server():
+    s = Server({"REDIS_URL": ""}).start()
+    yield s
+    s.stop()
+
+
+async def until(predicate, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.05)
+
+
+def test_close_code_taxonomy():
+    assert all(is_reconnectable_close_code(c) for c in (1001, 1005, 1006, 1011, 1012, 1013))
+    assert not any(is_reconnectable_close_code(c) for c in (1000, 1003, 1008, 1009, 4001, 4403, None))
+
+
+async def test_calls_errors_and_timeouts(server):
+    async with RealtimeClient(server.ws) as client:
+        assert await client.call("ping") == "pong"
+        with pytest.raises(RPCError) as info:
+            await client.call("subscribe", {"channel": "atelier:load"})
+        assert (info.value.code, info.value.reason) == (-32001, "forbidden_channel")
+        with pytest.raises(TimeoutError):
+            await client.call("test.sleep", {"seconds": 1}, timeout=0.2)
+        assert await client.call("ping") == "pong"  # the connection survives a timed-out call
+
+
+async def test_reconnects_and_resubscribes_after_a_server_restart(server):
+    frames: list[dict] = []
+    states: list[str] = []
+    client = RealtimeClient(server.ws, backoff_initial=0.1, backoff_max=0.5)
+    client.on_state.append(states.append)
+    await client.connect()
+    try:
+        await client.subscribe("demo:clock:100", frames.append)
+        await until(lambda: len(frames) >= 2)
+        server.stop()
+        await until(lambda: client.state == "reconnecting")
+        restarted = Server({"REDIS_URL": ""}, port=server.port).start()
+        try:
+            count = len(frames)
+            await until(lambda: len(frames) >= count + 3)
+            assert client.state == "open" and "reconnecting" in states
+        finally:
+            restarted.stop()
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize(("code", "reconnects"), [(1013, True), (1012, True), (1008, False), (4003, False)])
+async def test_close_codes_decide_the_reconnect(server, code, reconnects):
+    closes: list[tuple] = []
+    client = RealtimeClient(server.ws, backoff_initial=0.05, backoff_max=0.2)
+    client.on_close.append(lambda c, r, again: closes.append((c, again)))
+    await client.connect()
+    try:
+        await client.notify("test.close", {"code": code})
+        await until(lambda: closes)
+        assert closes[0] == (code, reconnects)
+        if reconnects:
+            await until(lambda: client.state == "open")
+            assert await client.call("ping") == "pong"
+        else:
+            await asyncio.sleep(0.5)  # a reconnect would have happened by now (backoff ≤ 0.2 s)
+            assert client.state == "closed" and len(closes) == 1
+    finally:
+        await client.close()
+
+
+async def test_adaptive_binding_switches_make_before_break(server):
+    """A slow handler: the cadence steps down and the stream has no hole longer than the old cadence."""
+    received: list[tuple[float, str]] = []
+    slow = {"on": False}
+
+    async def handler(params):
+        received.append((time.monotonic(), params["channel"]))
+        if slow["on"]:
+            await asyncio.sleep(0.3)
+
+    async with RealtimeClient(server.ws) as client:
+        bound = await bind_adaptive_channel(client, "demo:clock", 100, handler, ladder=[100, 400], recovery_window=4)
+        await until(lambda: len(received) >= 5)
+        assert bound.interval_ms == 100
+        slow["on"] = True
+        await until(lambda: bound.interval_ms == 400)
+        switched = time.monotonic()
+        await until(lambda: any(t > switched and ch == "demo:clock:400" for t, ch in received))
+        times = [t for t, _ in received]
+        assert max(b - a for a, b in zip(times, times[1:], strict=False)) < 2 * 0.4 + 0.1
+        slow["on"] = False
+        await until(lambda: bound.interval_ms == 100, timeout=20)
+        await bound.close()

@@ -1,0 +1,94 @@
+"""The two stages meet, end to end, with nothing wiring them together in code.
+
+A real daphne with transport backpressure at a small threshold; a real Python client
+following ``demo:flood`` (32 KiB frames) adaptively, its reading throttled (a slow
+handler and a small socket receive buffer). First the client reads a little slower than
+the server sends, its gaps in the dead band: the server drops (memory stays bounded) and
+the client keeps its cadence. Then it reads slower still: the gaps it measures lengthen
+past the starvation factor, it slows down, the server's queue for it drains below the
+threshold, drops stop growing, and no 1013 comes. Then the throttle lifts and the cadence
+climbs back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import pytest
+
+from realtime_app.client import RealtimeClient, bind_adaptive_channel
+from tests.servers import Server, prepare_database
+from tests.test_transport_backpressure import Probe
+
+pytestmark = pytest.mark.timeout(120)
+
+THRESHOLD = 64 * 1024
+
+
+async def until(predicate, timeout):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.1)
+
+
+async def _drops_over(probe, n):
+    return (await probe.aread())["drops"] > n
+
+
+async def test_backpressure_and_adaptive_cadence_meet(tmp_path):
+    database = prepare_database(str(tmp_path / "db.sqlite3"))
+    server = Server(
+        {**database, "REDIS_URL": "", "REALTIME_DEMO_FLOOD": "1", "REALTIME_MAX_BACKPRESSURE": str(THRESHOLD)}
+    ).start()
+    try:
+        probe = Probe(server)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)  # a thin pipe, not megabytes of buffer
+        sock.connect(("127.0.0.1", server.port))
+        throttle = {"seconds": 0.0}
+
+        async def absorb(params):
+            if throttle["seconds"]:
+                await asyncio.sleep(throttle["seconds"])  # the client reads nothing meanwhile
+
+        async with RealtimeClient(server.ws, sock=sock) as client:
+            bound = await bind_adaptive_channel(client, "demo:flood", 100, absorb, ladder=[100, 400], recovery_window=8)
+            await asyncio.sleep(1.5)
+            assert bound.interval_ms == 100 and (await probe.aread())["drops"] == 0
+
+            # 160 ms per frame: gaps in the dead band (1.25..1.8 x 100 ms), so the client keeps
+            # its cadence; it takes less than the server sends, so the server drops
+            throttle["seconds"] = 0.16
+            await until(lambda: _drops_over(probe, 20), 15)
+            assert bound.interval_ms == 100 and (await probe.aread())["closes"] == 0
+
+            throttle["seconds"] = 0.25  # slower still: the gaps the client measures starve it
+            await until(lambda: asyncio.sleep(0, bound.interval_ms == 400), 15)
+            slowed_at = time.monotonic()
+
+            # the queue drains below the threshold and drops stop growing (probing aside)
+            async def quiet():
+                first = await probe.aread()
+                await asyncio.sleep(1.5)
+                second = await probe.aread()
+                return second["drops"] == first["drops"] and second["max_buffered_amount"] < THRESHOLD
+
+            await until(quiet, 15)
+            assert (await probe.aread())["closes"] == 0
+            assert [d for _, d, _ in bound.changes].count("slower") >= 1
+
+            throttle["seconds"] = 0.0
+            await until(lambda: asyncio.sleep(0, bound.interval_ms == 100 and time.monotonic() > slowed_at), 20)
+            await asyncio.sleep(2)
+            totals = await probe.aread()
+            assert bound.interval_ms == 100 and totals["closes"] == 0 and totals["connections"] >= 1
+            await bound.close()
+    finally:
+        server.stop()
