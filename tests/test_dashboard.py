@@ -1,0 +1,111 @@
+"""The demo dashboard in headless chromium against a real daphne: live values, the
+adaptive badge under a slow network, make-before-break, reconnects and close codes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
+
+from tests.browser import chromium, log_in
+from tests.servers import Server, prepare_database
+
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
+
+
+@pytest.fixture(scope="module")
+def database(tmp_path_factory):
+    return prepare_database(str(tmp_path_factory.mktemp("db") / "db.sqlite3"))
+
+
+@pytest.fixture
+def site(database):
+    server = Server({**database, "REDIS_URL": ""}).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def browser():
+    b = chromium()
+    yield b
+    b.quit()
+
+
+def text(browser, css):
+    return browser.find_element(By.CSS_SELECTOR, css).text
+
+
+def wait(browser, seconds):
+    return WebDriverWait(browser, seconds, poll_frequency=0.1)
+
+
+def test_anonymous_dashboard_is_live(site, browser):
+    browser.get(site.http + "/")
+    wait(browser, 15).until(lambda b: text(b, "#state") == "open")
+    first = wait(browser, 10).until(
+        lambda b: text(b, "#row-clock .seq") not in ("", "–") and text(b, "#row-clock .seq")
+    )
+    wait(browser, 5).until(lambda b: text(b, "#row-clock .seq") != first)
+    assert "log in" in text(browser, "#row-load .value")
+
+
+def test_slow_network_backs_the_cadence_off_and_it_recovers(site, browser):
+    log_in(browser, site.http, "demo", "demo")
+    browser.get(site.http + "/")
+    wait(browser, 15).until(lambda b: text(b, "#row-load .seq") not in ("", "–"))
+    assert text(browser, "#load-cadence") == "1000 ms"
+    browser.find_element(By.ID, "slow-network").click()
+    wait(browser, 20).until(lambda b: text(b, "#load-cadence") == "2000 ms")
+    browser.find_element(By.ID, "slow-network").click()
+    wait(browser, 30).until(lambda b: text(b, "#load-cadence") == "1000 ms")
+    recovered_at = browser.execute_script("return performance.now()")
+    wait(browser, 10).until(
+        lambda b: (
+            b.execute_script("return window.realtime.frames.filter(f => f[0] > arguments[0]).length", recovered_at) >= 3
+        )
+    )
+    frames = browser.execute_script("return window.realtime.frames")
+    # make-before-break: around the switch back from 2000 ms, the stream has no hole
+    # longer than twice the old cadence
+    switch = next(i for i, f in enumerate(frames) if f[1] == "atelier:load" and i > 0 and frames[i - 1][1] != f[1])
+    window = frames[max(0, switch - 3) : switch + 3]
+    gaps = [b[0] - a[0] for a, b in zip(window, window[1:], strict=False)]
+    assert max(gaps) <= 2 * 2000, gaps
+    assert browser.execute_script("return window.realtime.load.intervalMs") == 1000
+
+
+def test_reconnects_and_resubscribes_after_a_server_restart(site, browser, database):
+    browser.get(site.http + "/")
+    wait(browser, 15).until(lambda b: text(b, "#row-clock .seq") not in ("", "–"))
+    site.stop()
+    wait(browser, 15).until(lambda b: text(b, "#state") == "reconnecting")
+    restarted = Server({**database, "REDIS_URL": ""}, port=site.port).start()
+    try:
+        wait(browser, 40).until(lambda b: text(b, "#state") == "open")
+        before = text(browser, "#row-clock .seq")
+        wait(browser, 10).until(lambda b: text(b, "#row-clock .seq") != before)  # resubscribed by itself
+    finally:
+        restarted.stop()
+
+
+@pytest.mark.parametrize(("code", "reconnects"), [(1013, True), (1008, False)])
+def test_close_codes(site, browser, code, reconnects):
+    browser.get(site.http + "/")
+    wait(browser, 15).until(lambda b: text(b, "#state") == "open")
+    browser.execute_script(
+        "window.closes = []; window.realtime.client.addEventListener('close', e => window.closes.push(e.detail));"
+        "window.realtime.client.notify('test.close', {code: arguments[0]});",
+        code,
+    )
+    wait(browser, 10).until(lambda b: b.execute_script("return window.closes.length") >= 1)
+    detail = browser.execute_script("return window.closes[0]")
+    assert (detail["code"], detail["willReconnect"]) == (code, reconnects)
+    if reconnects:
+        wait(browser, 15).until(lambda b: text(b, "#state") == "open")
+    else:
+        time.sleep(1.5)  # the first reconnect attempt would come within ~0.5 s
+        assert text(browser, "#state") == "closed"
+        assert browser.execute_script("return window.closes.length") == 1
