@@ -98,6 +98,7 @@ REALTIME_APP = {
     "BACKPRESSURE_POLICY": os.environ.get("REALTIME_BACKPRESSURE_POLICY", "drop"),
     "CLOSE_AFTER_DROPS": int(os.environ.get("REALTIME_CLOSE_AFTER_DROPS", "1000")),
     "METRICS_TOKEN": os.environ.get("REALTIME_METRICS_TOKEN") or None,
+    "NEVER_DROP_RESPONSES": os.environ.get("REALTIME_NEVER_DROP_RESPONSES", "1") == "1",
     "SLOW_CONSUMER_BYTES": int(os.environ.get("REALTIME_SLOW_CONSUMER_BYTES", str(1024 * 1024))),
     "POLICIES": [
         {"pattern": "atelier:", "authenticated": True},

@@ -36,6 +36,7 @@ def start(database, *, server="daphne", extra_args=None, **settings):
         "REALTIME_BACKPRESSURE_POLICY": settings.get("policy", "drop"),
         "REALTIME_CLOSE_AFTER_DROPS": str(settings.get("close_after_drops", 1000)),
         "REALTIME_SLOW_CONSUMER_BYTES": str(LIMIT // 2),
+        "REALTIME_NEVER_DROP_RESPONSES": "1" if settings.get("never_drop_responses", True) else "0",
     }
     return Server(env, server=server, extra_args=extra_args).start()
 
@@ -249,5 +250,30 @@ async def test_a_custom_consumer_gets_the_same_guard(database):
         while "closed GuardedFloodConsumer with 1013" not in server.output() and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
         assert await drain_until_close(slow) == 1013
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("never_drop", [True, False])
+async def test_responses_are_not_dropped_unless_configured(database, never_drop):
+    server = start(database, close_after_drops=100_000, never_drop_responses=never_drop)
+    try:
+        probe = Probe(server)
+        client = await paused_flood_client(server.ws)
+        await watch_until(probe, lambda t: t["drops"] > 5, 15)  # over the threshold, dropping
+        await client.send({"jsonrpc": "2.0", "method": "ping", "id": "while-full"})
+        before = (await probe.aread())["drops"]
+        await watch_until(probe, lambda t: t["drops"] > before + 20, 15)  # the ping was handled long ago
+        resumed_ms = time.time() * 1000
+        client.ws.transport.resume_reading()
+        answered = False
+        while True:  # read the backlog until frames published after the resume arrive
+            message = json.loads(await asyncio.wait_for(client.ws.recv(), 10))
+            if message.get("id") == "while-full":
+                answered = message["result"] == "pong"
+            elif message.get("method") == "message" and message["params"]["ts"] > resumed_ms + 500:
+                break
+        assert answered is never_drop
+        await client.__aexit__(None, None, None)
     finally:
         server.stop()
