@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.apps import AppConfig
-from django.core.signals import setting_changed
+from django.core.signals import request_started, setting_changed
 from django.utils.module_loading import autodiscover_modules
+
+
+async def start_hub_with_first_request(sender: Any, scope: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    """Start this process's hub at its first ASGI HTTP request (not only its first
+    WebSocket), so that it joins the cluster view early. WSGI requests carry no scope."""
+    if scope is None:
+        return
+    from .hub import get_hub
+
+    await get_hub()
 
 
 class RealtimeAppConfig(AppConfig):
@@ -17,5 +29,6 @@ class RealtimeAppConfig(AppConfig):
         from .conf import get_config, reset_config
 
         setting_changed.connect(reset_config, dispatch_uid="realtime_app.reset_config")
+        request_started.connect(start_hub_with_first_request, dispatch_uid="realtime_app.start_hub")
         # Importing each app's channel module registers its families (no I/O).
         autodiscover_modules(get_config()["AUTODISCOVER_MODULE"])

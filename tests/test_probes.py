@@ -3,6 +3,7 @@ realtime_probe command and the admin's live cluster screen in headless chromium.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
@@ -90,40 +91,33 @@ async def test_health_channel_is_staff_only_and_lists_both_processes(cluster):
         del other
 
 
-def test_realtime_probe_command(cluster):
+async def test_realtime_probe_command(cluster):
     (a, b), env = cluster
     run_env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", **env}
-    deadline = time.monotonic() + 15
-    while True:
-        out = subprocess.run(
-            [sys.executable, "manage.py", "realtime_probe", "--json"],
+
+    def probe_command(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "manage.py", "realtime_probe", *args],
             cwd=ROOT,
             env=run_env,
             capture_output=True,
             text=True,
-            check=True,
-        ).stdout
-        pids = {p["pid"] for p in json.loads(out)["instances"]}
+        )
+
+    for server in (a, b):  # a process joins the cluster view with its first request
+        assert get(server.http + "/accounts/login/")[0] == 200
+    deadline = time.monotonic() + 15
+    while True:
+        result = await asyncio.to_thread(probe_command, "--json")
+        pids = {p["pid"] for p in json.loads(result.stdout)["instances"]}
         if pids == {a.process.pid, b.process.pid} or time.monotonic() > deadline:
             break
-        time.sleep(0.5)
+        await asyncio.sleep(0.5)
     assert pids == {a.process.pid, b.process.pid}
-    table = subprocess.run(
-        [sys.executable, "manage.py", "realtime_probe"],
-        cwd=ROOT,
-        env=run_env,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    assert "worst queue" in table and str(a.process.pid) in table and str(b.process.pid) in table
-    bad = subprocess.run(
-        [sys.executable, "manage.py", "realtime_probe", "--watch", "0"],
-        cwd=ROOT,
-        env=run_env,
-        capture_output=True,
-        text=True,
-    )
+    table = await asyncio.to_thread(probe_command)
+    assert table.returncode == 0 and "worst queue" in table.stdout
+    assert str(a.process.pid) in table.stdout and str(b.process.pid) in table.stdout
+    bad = await asyncio.to_thread(probe_command, "--watch", "0")
     assert bad.returncode != 0 and "positive" in bad.stderr
 
 
@@ -135,6 +129,7 @@ def test_admin_cluster_screen_is_live(cluster, tmp_path):
     from tests.browser import chromium, log_in
 
     (a, b), _ = cluster
+    assert get(b.http + "/accounts/login/")[0] == 200  # b joins the cluster view with its first request
     browser = chromium()
     try:
         log_in(browser, a.http, "admin", "admin")
