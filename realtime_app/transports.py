@@ -36,7 +36,7 @@ from typing import Any
 
 from .exceptions import RealtimeError
 
-__all__ = ["Transport", "UnsupportedServer", "close", "server_send", "transport_for"]
+__all__ = ["Transport", "UnsupportedServer", "server_send", "transport_for"]
 
 _SIOCOUTQ = getattr(termios, "TIOCOUTQ", None)  # same ioctl as SIOCOUTQ on Linux
 _ZERO = b"\0\0\0\0"
@@ -252,9 +252,3 @@ def transport_for(send: Callable[..., Any], *, require_measurable: bool = False)
     if require_measurable:
         raise UnsupportedServer(raw)
     return AsgiTransport(send)
-
-
-async def close(send: Callable[..., Any], code: int, reason: str = "", drain_s: float = 1.0) -> None:
-    """Close the WebSocket behind ``send`` with ``code`` (any valid close code)."""
-    transport = transport_for(send)
-    transport.close(code, reason, drain_s)
