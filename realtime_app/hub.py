@@ -29,7 +29,7 @@ from .backpressure import CLOSE, DROP, SEND, Decision
 from .conf import get_config
 from .guard import Guard
 from .protocol import CloseCode
-from .registry import ChannelSpec, Registry, registry
+from .registry import ChannelSpec
 
 __all__ = ["Connection", "Hub", "get_hub", "running_hub"]
 
@@ -57,14 +57,12 @@ class Connection:
 class _Ticker:
     spec: ChannelSpec
     cleanup: Callable[[], Any] | None = None
-    failing: bool = False
 
 
 class Hub:
     """Everything one process knows about its connections and channels (one event loop)."""
 
-    def __init__(self, registry: Registry = registry) -> None:
-        self.registry = registry
+    def __init__(self) -> None:
         self.instance_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.started_at = _process_start()
         self.loop: asyncio.AbstractEventLoop | None = None
