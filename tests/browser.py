@@ -7,7 +7,9 @@ import tempfile
 
 from selenium import webdriver
 from selenium.webdriver.chrome.options import Options
+from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
 from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.support.ui import WebDriverWait
 
 FLAGS = [
     "--headless=new",
@@ -35,10 +37,28 @@ def chromium() -> webdriver.Chrome:
     return webdriver.Chrome(service=Service(driver), options=options)
 
 
+def wait(browser: webdriver.Chrome, seconds: float = 20) -> WebDriverWait[webdriver.Chrome]:
+    """An explicit wait: poll a condition until it holds, never a fixed sleep."""
+    return WebDriverWait(
+        browser, seconds, poll_frequency=0.1, ignored_exceptions=(NoSuchElementException, StaleElementReferenceException)
+    )
+
+
 def log_in(browser: webdriver.Chrome, base: str, username: str, password: str) -> None:
+    """Log in through the form and return only once the session cookie is set.
+
+    Clicking submit returns before the POST completes: a ``browser.get`` right after it
+    races the login and may load the next page anonymously.
+    """
     from selenium.webdriver.common.by import By
 
     browser.get(f"{base}/accounts/login/")
+    wait(browser).until(lambda b: b.find_elements(By.NAME, "username"))
     browser.find_element(By.NAME, "username").send_keys(username)
     browser.find_element(By.NAME, "password").send_keys(password)
     browser.find_element(By.CSS_SELECTOR, "form button[type=submit]").click()
+    wait(browser).until(
+        lambda b: b.get_cookie("sessionid") is not None and "/accounts/login/" not in b.current_url,
+        f"login of {username} did not complete",
+    )
+    wait(browser).until(lambda b: b.execute_script("return document.readyState") == "complete")

@@ -7,9 +7,8 @@ import time
 
 import pytest
 from selenium.webdriver.common.by import By
-from selenium.webdriver.support.ui import WebDriverWait
 
-from tests.browser import chromium, log_in
+from tests.browser import chromium, log_in, wait
 from tests.servers import Server, prepare_database
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
@@ -36,10 +35,6 @@ def browser():
 
 def text(browser, css):
     return browser.find_element(By.CSS_SELECTOR, css).text
-
-
-def wait(browser, seconds):
-    return WebDriverWait(browser, seconds, poll_frequency=0.1)
 
 
 def test_anonymous_dashboard_is_live(site, browser):

@@ -70,11 +70,14 @@ async def test_anonymous_is_refused_every_cadence_and_a_user_is_served(site, nam
 async def test_clock_frames_keep_their_cadence(site):
     async with RPC(site.ws) as c:
         await c.subscribe("demo:clock:200")
-        frames = await c.frames(6)
+        frames = await c.frames(11)
         seqs = [f["seq"] for f in frames]
-        assert seqs == list(range(seqs[0], seqs[0] + 6))
-        gaps = [b["ts"] - a["ts"] for a, b in zip(frames, frames[1:], strict=False)]
-        assert all(150 <= g <= 400 for g in gaps), gaps
+        assert seqs == list(range(seqs[0], seqs[0] + 11))
+        # The mean over ten gaps, not each gap: one late beat shortens the next one (the
+        # schedule is drift-free), and a loaded machine delays beats; the default cadence
+        # (1000 ms) or a second ticker (100 ms) stay far outside these bounds.
+        mean = (frames[-1]["ts"] - frames[0]["ts"]) / 10
+        assert 150 <= mean <= 600, [f["ts"] for f in frames]
 
 
 async def test_demo_events_round_trip(site):

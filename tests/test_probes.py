@@ -124,9 +124,8 @@ async def test_realtime_probe_command(cluster):
 @pytest.mark.browser
 def test_admin_cluster_screen_is_live(cluster, tmp_path):
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
 
-    from tests.browser import chromium, log_in
+    from tests.browser import chromium, log_in, wait
 
     (a, b), _ = cluster
     assert get(b.http + "/accounts/login/")[0] == 200  # b joins the cluster view with its first request
@@ -134,23 +133,22 @@ def test_admin_cluster_screen_is_live(cluster, tmp_path):
     try:
         log_in(browser, a.http, "admin", "admin")
         browser.get(f"{a.http}/admin/")
-        link = browser.find_element(By.LINK_TEXT, "Realtime cluster")
-        link.click()
-        wait = WebDriverWait(browser, 20, poll_frequency=0.2)
+        links = wait(browser).until(lambda b: b.find_elements(By.LINK_TEXT, "Realtime cluster"))
+        links[0].click()
 
         def rows(_):
             found = browser.find_elements(By.CSS_SELECTOR, "#rc-rows tr[data-instance]")
             return found if len(found) == 2 else False
 
-        found = wait.until(rows)
+        found = wait(browser).until(rows)
         marker = browser.execute_script("window.__noReload = true; return 1")
         assert marker == 1
         text_before = {r.get_attribute("data-instance"): r.text for r in found}
         assert all(str(pid) in " ".join(text_before.values()) for pid in (a.process.pid, b.process.pid))
         updated = browser.find_element(By.ID, "rc-updated").text
-        wait.until(lambda _: browser.find_element(By.ID, "rc-updated").text != updated)
+        wait(browser).until(lambda _: browser.find_element(By.ID, "rc-updated").text != updated)
         # uptimes move on: the numbers change without a reload
-        wait.until(lambda _: {r.get_attribute("data-instance"): r.text for r in rows(None) or []} != text_before)
+        wait(browser).until(lambda _: {r.get_attribute("data-instance"): r.text for r in rows(None) or []} != text_before)
         assert browser.execute_script("return window.__noReload === true")
         assert len(browser.find_elements(By.CSS_SELECTOR, "#rc-chart polyline")) == 2
         browser.save_screenshot(str(tmp_path / "admin-cluster.png"))
