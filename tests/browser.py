@@ -6,8 +6,8 @@ import shutil
 import tempfile
 
 from selenium import webdriver
-from selenium.webdriver.chrome.options import Options
 from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+from selenium.webdriver.chrome.options import Options
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.support.ui import WebDriverWait
 
@@ -40,7 +40,10 @@ def chromium() -> webdriver.Chrome:
 def wait(browser: webdriver.Chrome, seconds: float = 20) -> WebDriverWait[webdriver.Chrome]:
     """An explicit wait: poll a condition until it holds, never a fixed sleep."""
     return WebDriverWait(
-        browser, seconds, poll_frequency=0.1, ignored_exceptions=(NoSuchElementException, StaleElementReferenceException)
+        browser,
+        seconds,
+        poll_frequency=0.1,
+        ignored_exceptions=(NoSuchElementException, StaleElementReferenceException),
     )
 
 

@@ -148,7 +148,9 @@ def test_admin_cluster_screen_is_live(cluster, tmp_path):
         updated = browser.find_element(By.ID, "rc-updated").text
         wait(browser).until(lambda _: browser.find_element(By.ID, "rc-updated").text != updated)
         # uptimes move on: the numbers change without a reload
-        wait(browser).until(lambda _: {r.get_attribute("data-instance"): r.text for r in rows(None) or []} != text_before)
+        wait(browser).until(
+            lambda _: {r.get_attribute("data-instance"): r.text for r in rows(None) or []} != text_before
+        )
         assert browser.execute_script("return window.__noReload === true")
         assert len(browser.find_elements(By.CSS_SELECTOR, "#rc-chart polyline")) == 2
         browser.save_screenshot(str(tmp_path / "admin-cluster.png"))
