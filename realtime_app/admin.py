@@ -13,7 +13,7 @@ from .realtime_channels import HEALTH_CHANNEL
 
 
 @admin.register(RealtimeCluster)
-class RealtimeClusterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class RealtimeClusterAdmin(admin.ModelAdmin):
     change_list_template = "admin/realtime_app/realtimecluster/change_list.html"
     #: Cadence of the health channel the screen follows, ms.
     refresh_ms = 2000

@@ -26,6 +26,17 @@ _INT_SETTINGS = {
     "CLOSE_AFTER_DROPS": 0,
     "SLOW_CONSUMER_BYTES": 0,
     "CLOSE_DRAIN_MS": 0,
+    "REASSERT_INTERVAL_MS": 1000,
+    "SEQ_IDLE_TTL_MS": 1000,
+    "REDIS_MAX_CONNECTIONS": 2,
+    "REDIS_TIMEOUT_MS": 100,
+    "PUBLISH_CONCURRENCY": 1,
+    "MAX_PUBLICATION_BYTES": 1024,
+    "MAX_CADENCES_PER_FAMILY": 0,
+    "MAX_TICKERS": 0,
+    "MAX_CONNECTIONS_PER_USER": 0,
+    "MAX_CONNECTIONS_PER_ADDRESS": 0,
+    "PROBE_TOP_CHANNELS": 1,
 }
 
 
@@ -121,10 +132,10 @@ def check_policies(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         base_rule = matching_rule(rules, base)
         base_strength = base_rule.subscribe.strength() if base_rule else (0,)
         for name in _variant_samples(base):
-            rule = matching_rule(rules, name, base)
-            strength = rule.subscribe.strength() if rule else (0,)
+            variant = matching_rule(rules, name, base)
+            strength = variant.subscribe.strength() if variant else (0,)
             if strength < base_strength:
-                where = f"POLICIES[{rule.index}] ({rule.pattern!r})" if rule else "no rule"
+                where = f"POLICIES[{variant.index}] ({variant.pattern!r})" if variant else "no rule"
                 messages.append(
                     Warning(
                         f"{where} leaves {name!r} less guarded than its family base {base!r}.",

@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import websockets
+from websockets.typing import Origin
 
 from .adaptive import AdaptiveRate
 from .exceptions import RPCError
@@ -144,7 +145,11 @@ class RealtimeClient:
             reason = ""
             try:
                 async with websockets.connect(
-                    self.url, origin=self.origin, additional_headers=self.headers, max_size=None, **self.connect_kwargs
+                    self.url,
+                    origin=Origin(self.origin) if self.origin else None,
+                    additional_headers=self.headers,
+                    max_size=None,
+                    **self.connect_kwargs,
                 ) as ws:
                     self._ws = ws
                     self.attempt = 0

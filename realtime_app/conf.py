@@ -34,8 +34,35 @@ DEFAULTS: dict[str, Any] = {
     "REDIS_URL": None,
     # Prefix of every Redis key the backplane writes (leases, sequences, probes).
     "KEY_PREFIX": "realtime",
-    # Lifetime of a ticker lease, milliseconds: the failover time when a process dies.
+    # Lifetime of a ticker lease, milliseconds: the failover time when a process dies. The
+    # maintenance beat (renew, compete, retry) runs every third of it.
     "LEASE_TTL_MS": 3000,
+    # Every this many ms (and whenever Redis lost its state) each process joins all its
+    # groups again and reseeds its sequences; capped at a third of the layer's group_expiry.
+    "REASSERT_INTERVAL_MS": 60000,
+    # A channel's seq key expires after this many ms without publications or subscribers.
+    "SEQ_IDLE_TTL_MS": 3600000,
+    # Redis connections the backplane uses at most (its own pool, and at once from the
+    # layer's); a burst beyond it waits for a free one rather than failing.
+    "REDIS_MAX_CONNECTIONS": 50,
+    # Socket, connect and pool-wait timeout of the backplane's Redis client, ms.
+    "REDIS_TIMEOUT_MS": 5000,
+    # Publications of different channels sent to the backplane at once (no head-of-line
+    # blocking between channels).
+    "PUBLISH_CONCURRENCY": 16,
+    # Largest publication frame, bytes: over it publish() raises PublicationTooLarge (the
+    # servers refuse to send frames over 1 MiB, daphne's maxMessagePayloadSize).
+    "MAX_PUBLICATION_BYTES": 1_000_000,
+    # Hostile subscribers: distinct cadences of one family running in a process (past it
+    # a subscribe gets the nearest running cadence), ticker channels running in a process
+    # (past it -32003 too_many_tickers), connections per authenticated user and per client
+    # address (past it the socket is closed with 1008); 0 = unlimited.
+    "MAX_CADENCES_PER_FAMILY": 16,
+    "MAX_TICKERS": 1000,
+    "MAX_CONNECTIONS_PER_USER": 100,
+    "MAX_CONNECTIONS_PER_ADDRESS": 0,
+    # Channels listed by name in a process's probe (the busiest); the rest are counted.
+    "PROBE_TOP_CHANNELS": 50,
     # Lifetime of a published process probe, milliseconds; it is republished every third.
     "PROBE_TTL_MS": 6000,
     # Transport backpressure (SPEC §5): bytes (0 disables), "drop" | "close", balance.

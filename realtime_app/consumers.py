@@ -11,15 +11,17 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 from . import protocol
 from .conf import get_config
-from .exceptions import RPCError
+from .exceptions import BackplaneUnavailable, ForbiddenChannel, PublicationError, PublicationTooLarge, RPCError
 from .hub import Connection, get_hub
+from .logsafe import safe
 from .policies import allowed
 from .protocol import CloseCode, Request, Response
-from .registry import registry
+from .rate import nearest_cadence, rate_channel
+from .registry import ChannelSpec, registry
 from .transports import UnsupportedServer
 
 __all__ = ["RealtimeConsumer", "rpc_method"]
@@ -89,6 +91,16 @@ class RealtimeConsumer:
     def user(self) -> Any:
         return self.scope.get("user")
 
+    def identity(self) -> tuple[str, str]:
+        """Whose connection this is, for ``MAX_CONNECTIONS_PER_USER`` / ``_PER_ADDRESS``:
+        the user's primary key, else the client's address (behind a proxy: the proxy's,
+        hence 0 = unlimited by default)."""
+        user = self.user
+        if user is not None and getattr(user, "is_authenticated", False):
+            return ("user", str(user.pk))
+        client = self.scope.get("client") or ("?", 0)
+        return ("address", str(client[0]))
+
     # -- ASGI -----------------------------------------------------------------------
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
@@ -111,7 +123,11 @@ class RealtimeConsumer:
             return
         await send({"type": "websocket.accept"})
         self.connection = conn
-        hub.add_connection(conn)
+        if not hub.add_connection(conn, self.identity()):
+            logger.info("connection %s refused: too many connections of %s", conn.id, self.identity()[0])
+            conn.closed = True
+            conn.guard.close(CloseCode.POLICY_VIOLATION, "too many connections")
+            return
         try:
             while True:
                 message = await receive()
@@ -152,11 +168,12 @@ class RealtimeConsumer:
             return
         frame = protocol.parse_frame(text, config["MAX_BATCH"])
         responses: list[Response] = list(frame.errors)
-        for error in frame.errors:
+        if frame.errors:  # once per frame, however many bad parts a batch has
             logger.info(
-                "connection %s: bad request (%s)",
+                "connection %s: %d bad request(s) (%s)",
                 self.connection.id if self.connection else "-",
-                error.get("error", {}).get("data", {}).get("reason"),
+                len(frame.errors),
+                frame.errors[0].get("error", {}).get("data", {}).get("reason"),
             )
         for request in frame.requests:
             response = await self.handle_request(request)
@@ -170,11 +187,16 @@ class RealtimeConsumer:
         """Run one request and build its response (None for notifications)."""
         try:
             result = await self.dispatch(request.method, request.params)
+        except BackplaneUnavailable:  # logged once per outage by the hub
+            error = RPCError(protocol.OVERLOADED, "Backplane unavailable", "backplane_unavailable", retry_after_ms=1000)
+            return {"jsonrpc": "2.0", "error": error.as_error(), "id": request.id}
         except RPCError as exc:
-            logger.info("connection %s: %s %s", self.connection.id if self.connection else "-", request.method, exc)
-            return {"jsonrpc": "2.0", "error": exc.as_error(), "id": request.id}  # type: ignore[typeddict-item]
+            logger.info(
+                "connection %s: %s %s", self.connection.id if self.connection else "-", safe(request.method), safe(exc)
+            )
+            return {"jsonrpc": "2.0", "error": exc.as_error(), "id": request.id}
         except Exception:
-            logger.exception("method %s failed", request.method)
+            logger.exception("method %s failed", safe(request.method))
             return protocol.error_response(request.id, protocol.INTERNAL_ERROR, "Internal error", "internal_error")
         return protocol.result_response(request.id, result)
 
@@ -214,22 +236,47 @@ class RealtimeConsumer:
         return channel
 
     async def rpc_subscribe(self, params: Any) -> dict[str, Any]:
-        from .exceptions import ForbiddenChannel
-
         name = self._channel_param(params)
         spec = registry.resolve(name)
-        family = registry.family_of(spec.name)
-        if not await allowed(self.user, spec.name, family.base if family else None, "subscribe"):
-            raise ForbiddenChannel(spec.name, "subscribe")
+        await self._require(spec, "subscribe")
         assert self.connection is not None
-        limit = get_config()["MAX_SUBSCRIPTIONS"]
+        config = get_config()
+        limit = config["MAX_SUBSCRIPTIONS"]
         if limit and spec.name not in self.connection.subscriptions and len(self.connection.subscriptions) >= limit:
             raise RPCError(
                 protocol.TOO_MANY_SUBSCRIPTIONS, "Too many subscriptions", "too_many_subscriptions", limit=limit
             )
         hub = await get_hub()
+        if spec.name not in hub.subscribers:
+            spec = await self._bounded(hub, spec, config)
         await hub.subscribe(self.connection, spec)
         return {"channel": spec.name, "kind": spec.kind, "interval_ms": spec.interval_ms}
+
+    async def _require(self, spec: ChannelSpec, action: Literal["subscribe", "publish"]) -> None:
+        family = registry.family_of(spec.name)
+        if not await allowed(self.user, spec.name, family.base if family else None, action):
+            raise ForbiddenChannel(spec.name, action)
+
+    async def _bounded(self, hub: Any, spec: ChannelSpec, config: dict[str, Any]) -> ChannelSpec:
+        """Keep what clients can start bounded: past ``MAX_CADENCES_PER_FAMILY`` the nearest
+        running cadence instead of a new one; past ``MAX_TICKERS`` a refusal."""
+        family = registry.family_of(spec.name)
+        cap = config["MAX_CADENCES_PER_FAMILY"]
+        if family is not None and spec.interval_ms is not None and cap:
+            running = hub.running_cadences(family.base)
+            if len(running) >= cap:
+                ms = nearest_cadence(spec.interval_ms, running)
+                spec = registry.resolve(rate_channel(family.base, ms, family.bounds.default))
+                await self._require(spec, "subscribe")
+                hub.refused["cadences"] += 1
+                return spec
+        tickers = config["MAX_TICKERS"]
+        if spec.has_ticker and tickers and hub.ticker_count() >= tickers:
+            hub.refused["tickers"] += 1
+            raise RPCError(
+                protocol.OVERLOADED, "Too many tickers", "too_many_tickers", limit=tickers, retry_after_ms=5000
+            )
+        return spec
 
     async def rpc_unsubscribe(self, params: Any) -> dict[str, Any]:
         name = self._channel_param(params)
@@ -243,7 +290,6 @@ class RealtimeConsumer:
         return "pong"
 
     async def rpc_publish(self, params: Any) -> dict[str, Any]:
-        from .exceptions import ForbiddenChannel
         from .publishing import apublish
 
         name = self._channel_param(params)
@@ -252,5 +298,10 @@ class RealtimeConsumer:
         spec = registry.resolve(name)
         if spec.kind != "event" or not await allowed(self.user, spec.name, None, "publish"):
             raise ForbiddenChannel(spec.name, "publish")
-        seq = await apublish(spec.name, params["data"])
+        try:
+            seq = await apublish(spec.name, params["data"])
+        except PublicationTooLarge as exc:
+            raise _invalid(f"Invalid params: {exc}", "publication_too_large", limit=exc.limit) from None
+        except PublicationError as exc:
+            raise _invalid(f"Invalid params: {exc.problem}", "invalid_data") from None
         return {"channel": spec.name, "seq": seq}

@@ -4,20 +4,30 @@
 
     RealtimeError
     ├── ConfigurationError (also ImproperlyConfigured-like: ValueError)
-    ├── ChannelError
-    │   ├── UnknownChannel
-    │   └── ForbiddenChannel
+    ├── BackplaneUnavailable      the backplane (Redis) did not answer
+    ├── PublicationError (also ValueError)
+    │   └── PublicationTooLarge   the frame would be over MAX_PUBLICATION_BYTES
     └── RPCError                  carries a JSON-RPC error code, reason and data
+        ├── ChannelError
+        │   ├── UnknownChannel
+        │   └── ForbiddenChannel
+        └── Refused              a limit refused the request (tickers, cadences)
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .protocol import ErrorObject
 
 __all__ = [
+    "BackplaneUnavailable",
     "ChannelError",
     "ConfigurationError",
     "ForbiddenChannel",
+    "PublicationError",
+    "PublicationTooLarge",
     "RPCError",
     "RealtimeError",
     "UnknownChannel",
@@ -30,6 +40,39 @@ class RealtimeError(Exception):
 
 class ConfigurationError(RealtimeError, ValueError):
     """A setting or registration breaks an invariant."""
+
+
+class BackplaneUnavailable(RealtimeError):
+    """The backplane did not answer; the operation may succeed later."""
+
+    def __init__(self, operation: str, cause: BaseException) -> None:
+        super().__init__(operation, cause)
+        self.operation = operation
+        self.cause = cause
+
+    def __str__(self) -> str:
+        return f"backplane unavailable during {self.operation}: {type(self.cause).__name__}: {self.cause}"
+
+
+class PublicationError(RealtimeError, ValueError):
+    """A publication cannot be sent: its data is not JSON (``inf``, ``nan``, an object)."""
+
+    def __init__(self, channel: str, problem: str) -> None:
+        super().__init__(channel, problem)
+        self.channel = channel
+        self.problem = problem
+
+    def __str__(self) -> str:
+        return f"cannot publish on {self.channel[:200]!r}: {self.problem}"
+
+
+class PublicationTooLarge(PublicationError):
+    """The encoded frame would be over ``MAX_PUBLICATION_BYTES`` (the servers' frame limit)."""
+
+    def __init__(self, channel: str, size: int, limit: int) -> None:
+        super().__init__(channel, f"frame of {size} bytes is over MAX_PUBLICATION_BYTES ({limit})")
+        self.size = size
+        self.limit = limit
 
 
 class RPCError(RealtimeError):
@@ -45,9 +88,9 @@ class RPCError(RealtimeError):
     def __str__(self) -> str:
         return f"{self.message} ({self.reason}, code {self.code})"
 
-    def as_error(self) -> dict[str, Any]:
+    def as_error(self) -> ErrorObject:
         """The ``error`` member of the JSON-RPC response."""
-        return {"code": self.code, "message": self.message, "data": {"reason": self.reason, **self.data}}
+        return {"code": self.code, "message": self.message, "data": {"reason": self.reason, **self.data}}  # type: ignore[typeddict-item]
 
 
 class ChannelError(RPCError):

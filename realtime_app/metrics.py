@@ -67,5 +67,5 @@ class _ProbeCollector:
 def render(probe: dict[str, Any]) -> bytes:
     """The Prometheus text format of a cluster probe."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_ProbeCollector(probe))  # type: ignore[arg-type]
+    registry.register(_ProbeCollector(probe))
     return generate_latest(registry)

@@ -35,7 +35,7 @@ async def cluster_probe() -> dict[str, Any]:
         clustered = hub.backplane.clustered
         instances = await hub.cluster_probes()
     else:
-        backplane = make_backplane(None)
+        backplane = make_backplane()
         clustered = backplane.clustered
         try:
             instances = await backplane.cluster_probes()

@@ -35,6 +35,7 @@ __all__ = [
     "encode",
     "error_response",
     "message_notification",
+    "notification_text",
     "parse_frame",
     "result_response",
 ]
@@ -210,15 +211,35 @@ def parse_frame(text: str, max_batch: int = 50) -> Frame:
 
 
 def encode(message: Any) -> str:
-    """Serialise an outbound message compactly (one encoder for every frame we send)."""
-    return json.dumps(message, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    """Serialise an outbound message compactly (one encoder for every frame we send).
+
+    The text is always encodable as UTF-8: a lone surrogate (``"\\ud800"`` is valid JSON
+    and Python keeps it) is written as its ``\\u`` escape instead of breaking the send.
+    Raises ``ValueError`` for what JSON cannot carry (``inf``, ``nan``) and ``TypeError``
+    for what it does not know.
+    """
+    text = json.dumps(message, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            text = json.dumps(message, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return text
+
+
+def notification_text(channel: str, data_json: str, seq: int, ts: int) -> str:
+    """The ``message`` notification of one publication whose data is already encoded.
+
+    The data is encoded once, before a ``seq`` is taken (so a publication that cannot be
+    encoded burns no number), and spliced in here; the result equals
+    ``encode({"jsonrpc": "2.0", "method": "message", "params": {...}})``.
+    """
+    return (
+        f'{{"jsonrpc":"2.0","method":"message","params":{{"channel":{encode(channel)},'
+        f'"data":{data_json},"seq":{int(seq)},"ts":{int(ts)}}}}}'
+    )
 
 
 def message_notification(channel: str, data: Any, seq: int, ts: int) -> str:
     """The encoded ``message`` notification of one publication, built once per publication."""
-    note: MessageNotification = {
-        "jsonrpc": "2.0",
-        "method": "message",
-        "params": {"channel": channel, "data": data, "seq": seq, "ts": ts},
-    }
-    return encode(note)
+    return notification_text(channel, encode(data), seq, ts)

@@ -13,8 +13,8 @@ from typing import Any
 from asgiref.sync import async_to_sync
 
 from .backplane import make_backplane
-from .exceptions import ConfigurationError
-from .hub import hub_of_current_loop, running_hub
+from .exceptions import BackplaneUnavailable, ConfigurationError
+from .hub import encode_publication, hub_of_current_loop, running_hub
 from .registry import registry
 
 __all__ = ["apublish", "publish"]
@@ -24,8 +24,11 @@ async def apublish(channel: str, data: Any) -> int:
     """Publish ``data`` on ``channel`` (an event channel or an exact state channel).
 
     Returns the publication's ``seq``. Raises :class:`~realtime_app.exceptions.UnknownChannel`
-    for a name nobody registered, and :class:`ConfigurationError` for a cadenced channel,
-    whose frames belong to its ticker.
+    for a name nobody registered, :class:`ConfigurationError` for a cadenced channel, whose
+    frames belong to its ticker, :class:`~realtime_app.exceptions.PublicationError` for
+    data that is not JSON and :class:`~realtime_app.exceptions.PublicationTooLarge` for a
+    frame over ``MAX_PUBLICATION_BYTES`` (neither takes a ``seq``), and
+    :class:`~realtime_app.exceptions.BackplaneUnavailable` when Redis does not answer.
     """
     spec = registry.resolve(channel)
     if spec.interval_ms is not None:
@@ -39,9 +42,12 @@ async def apublish(channel: str, data: Any) -> int:
         return await asyncio.wrap_future(future)
     # No server in this process (a command, a worker): publish through a short-lived
     # backplane; with one process and no Redis nobody can be listening.
-    backplane = make_backplane(None)
+    data_json = encode_publication(spec.name, data)
+    backplane = make_backplane()
     try:
-        return await backplane.publish(spec.name, data)
+        return await backplane.publish(spec.name, data_json)
+    except backplane.errors as exc:
+        raise BackplaneUnavailable("publish", exc) from exc
     finally:
         await backplane.stop()
 

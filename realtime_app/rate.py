@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["MAX_RATE_DIGITS", "RateBounds", "is_rate_channel", "parse_rate", "rate_channel"]
+__all__ = ["MAX_RATE_DIGITS", "RateBounds", "is_rate_channel", "nearest_cadence", "parse_rate", "rate_channel"]
 
 #: A suffix longer than this is not a cadence (60000 ms has 5 digits; 9 leaves room and
 #: keeps ``int()`` of hostile input cheap).
@@ -67,3 +67,15 @@ def parse_rate(name: str, base: str, bounds: RateBounds | tuple[int, int, int]) 
     if digits == "":
         return default
     return max(low, min(high, int(digits)))
+
+
+def nearest_cadence(ms: int, running: list[int]) -> int:
+    """The cadence of ``running`` closest to ``ms`` (the faster one on a tie).
+
+    A family that already runs its most cadences answers a new one with this, so that a
+    client naming many cadences cannot start as many tickers; the channel name in the
+    answer tells the client what it got.
+    """
+    if not running:
+        raise ValueError("no running cadence to choose from")
+    return min(running, key=lambda candidate: (abs(candidate - ms), candidate))

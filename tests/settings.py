@@ -1,5 +1,6 @@
 """Test settings: the demo site plus a test app; in-memory layer unless REDIS_URL is set."""
 
+import json
 import os
 
 from project.settings import *  # noqa: F403
@@ -17,3 +18,8 @@ REALTIME_APP = {
 DATABASES["default"].setdefault("TEST", {})  # noqa: F405
 if os.environ.get("REALTIME_TEST_DB_FILE"):
     DATABASES["default"]["TEST"]["NAME"] = os.environ["REALTIME_TEST_DB_FILE"]  # noqa: F405
+
+# Fault and limit tests start servers with settings of their own, as JSON in the environment.
+REALTIME_APP.update(json.loads(os.environ.get("REALTIME_TEST_OVERRIDES") or "{}"))
+if os.environ.get("REALTIME_TEST_GROUP_EXPIRY") and "CONFIG" in CHANNEL_LAYERS["default"]:  # noqa: F405
+    CHANNEL_LAYERS["default"]["CONFIG"]["group_expiry"] = int(os.environ["REALTIME_TEST_GROUP_EXPIRY"])  # noqa: F405

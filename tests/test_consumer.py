@@ -95,7 +95,7 @@ async def test_one_ticker_per_cadence_started_at_first_and_cleaned_after_last(hu
             break
         await asyncio.sleep(0.02)
     assert ("cleanup", "test:counter:400") in test_channels.EVENTS
-    assert hub.subscribers == {} and hub._held == {}
+    assert hub.subscribers == {} and hub.probe()["tickers"] == [] and hub.reconciler.channels == {}
 
 
 async def test_unknown_and_garbage_channels_are_refused(hub):

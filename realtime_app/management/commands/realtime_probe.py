@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from asgiref.sync import async_to_sync
@@ -13,7 +14,7 @@ from realtime_app.probes import cluster_probe
 
 __all__ = ["Command"]
 
-COLUMNS = [
+COLUMNS: list[tuple[str, Callable[[dict[str, Any]], Any]]] = [
     ("instance", lambda p: p.get("instance", "")),
     ("pid", lambda p: p.get("pid", "")),
     ("uptime", lambda p: f"{p.get('uptime_s', 0):.0f}s"),
