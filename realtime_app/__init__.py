@@ -42,6 +42,10 @@ _EXPORTS = {
     "ForbiddenChannel": "exceptions",
     "ConfigurationError": "exceptions",
     "CloseCode": "protocol",
+    "BackplaneUnavailable": "exceptions",
+    "PublicationError": "exceptions",
+    "PublicationTooLarge": "exceptions",
+    "Backplane": "backplane",
 }
 
 __all__ = sorted(_EXPORTS)

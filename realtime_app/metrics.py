@@ -10,11 +10,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 __all__ = ["render"]
 
-_GAUGES = {
-    "connections": "Open WebSocket connections",
-    "subscriptions": "Channel subscriptions of local connections",
-    "tickers": "Tickers this process runs",
-    "uptime_s": "Seconds since the process's hub started",
+_GAUGES = {  # metric name: (probe field, help)
+    "connections": ("connections", "Open WebSocket connections"),
+    "subscriptions": ("subscriptions", "Channel subscriptions of local connections"),
+    "channels": ("channel_count", "Channels with local subscribers"),
+    "tickers": ("ticker_count", "Tickers this process runs"),
+    "uptime_s": ("uptime_s", "Seconds since the process started"),
 }
 _BP_GAUGES = {
     "max_buffered_amount": "Bytes queued for the worst connection",
@@ -39,11 +40,10 @@ class _ProbeCollector:
         def label(p: dict[str, Any]) -> list[str]:
             return [str(p.get("instance", "")), str(p.get("host", "")), str(p.get("pid", ""))]
 
-        for name, doc in _GAUGES.items():
+        for name, (key, doc) in _GAUGES.items():
             gauge = GaugeMetricFamily(f"realtime_{name}", doc, labels=labels)
             for p in instances:
-                value = p.get(name)
-                gauge.add_metric(label(p), len(value) if isinstance(value, list) else float(value or 0))
+                gauge.add_metric(label(p), float(p.get(key) or 0))
             yield gauge
         published = CounterMetricFamily("realtime_published", "Publications sent by this process", labels=labels)
         for p in instances:
@@ -59,6 +59,24 @@ class _ProbeCollector:
             for p in instances:
                 counter.add_metric(label(p), float(p.get("backpressure", {}).get(name, 0)))
             yield counter
+        failures = CounterMetricFamily(
+            "realtime_send_failures", "Connections closed with 1011 because a send raised", labels=labels
+        )
+        up = GaugeMetricFamily("realtime_backplane_up", "1 while the backplane answers", labels=labels)
+        outages = CounterMetricFamily(
+            "realtime_backplane_outages", "Times the backplane stopped answering", labels=labels
+        )
+        refused = CounterMetricFamily(
+            "realtime_refused", "Requests refused or narrowed by a limit", labels=[*labels, "limit"]
+        )
+        for p in instances:
+            failures.add_metric(label(p), float(p.get("send_failures", 0)))
+            backplane = p.get("backplane", {})
+            up.add_metric(label(p), 1.0 if backplane.get("up", True) else 0.0)
+            outages.add_metric(label(p), float(backplane.get("outages", 0)))
+            for limit, count in sorted(p.get("refused", {}).items()):
+                refused.add_metric([*label(p), limit], float(count))
+        yield from (failures, up, outages, refused)
         live = GaugeMetricFamily("realtime_instances", "Live processes in the cluster view")
         live.add_metric([], float(len(instances)))
         yield live

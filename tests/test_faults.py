@@ -210,18 +210,21 @@ async def test_a_quiet_cluster_logs_no_error(private_redis):
             assert "Traceback" not in server.output()
 
 
-async def test_a_disconnect_during_an_outage_is_cleaned_up(private_redis):
-    """Found: a connection that left while Redis failed stayed forever, its tickers too."""
+@pytest.mark.parametrize("fault", ["kill", "pause"])
+async def test_a_disconnect_during_an_outage_is_cleaned_up(private_redis, fault):
+    """Found: a connection that left while Redis failed stayed forever, its tickers too.
+    (kill: the backplane refuses at once; pause: it answers nothing until it is resumed,
+    so leaving and releasing are retried by the beat.)"""
     with servers(1, env_for(private_redis)) as (a,):
         client = private_redis.client()
         reader = await Reader(a.ws, ["demo:clock:200", "demo:clock:300", "demo:events"]).__aenter__()
         await until(lambda: reader.seqs("demo:clock:300"), 10, "frames")
-        private_redis.pause()
+        private_redis.kill() if fault == "kill" else private_redis.pause()
         try:
             await asyncio.wait_for(reader.__aexit__(), 10)
             await asyncio.sleep(2)
         finally:
-            private_redis.resume()
+            private_redis.start() if fault == "kill" else private_redis.resume()
 
         def all_gone() -> bool:
             found = probes(client)
@@ -414,3 +417,27 @@ async def test_seq_keys_expire_when_idle_and_never_go_back_after_data_loss(priva
             await until(lambda: reader.has_frame_after("demo:clock:200", moment + 1), 10, "frames after the loss")
             seqs = reader.seqs("demo:clock:200")
             assert seqs == sorted(set(seqs)) and seqs[-1] > last
+
+
+@pytest.mark.parametrize(
+    ("server", "expected"), [("daphne", {"utf8": 1006, "huge": 1006}), ("uvicorn", {"utf8": 1007, "huge": 1009})]
+)
+async def test_invalid_utf8_and_huge_frames_close_as_documented(server, expected):
+    """docs/protocol.md: the server's WebSocket layer judges these before the application:
+    daphne (autobahn) drops the connection (1006), uvicorn closes with 1007 / 1009."""
+    site = Server({"REDIS_URL": ""}, server=server).start()
+    try:
+        for case, payload in (("utf8", b'{"jsonrpc":"2.0","method":"\xff","id":1}'), ("huge", "x" * 1_100_000)):
+            async with RPC(site.ws) as c:
+                await c.ws.send(payload, text=True)
+                with pytest.raises(websockets.ConnectionClosed) as info:
+                    await c.recv()
+                assert (info.value.rcvd.code if info.value.rcvd else 1006) == expected[case], case
+        async with RPC(site.ws) as c:  # and the process goes on
+            assert (await c.call("ping"))["result"] == "pong"
+        # uvicorn's websockets-sansio logs a traceback of its own for invalid UTF-8; none is ours
+        assert "realtime_app/" not in site.output()
+        if server == "daphne":
+            assert "Traceback" not in site.output()
+    finally:
+        site.stop()

@@ -32,7 +32,7 @@ function render(probe) {
     tr.dataset.instance = p.instance;
     tr.append(
       cell(p.instance), cell(p.host), cell(p.pid, true), cell(`${Math.round(p.uptime_s)} s`, true),
-      cell(p.connections, true), cell(p.subscriptions, true), cell((p.tickers || []).length, true),
+      cell(p.connections, true), cell(p.subscriptions, true), cell(p.ticker_count ?? (p.tickers || []).length, true),
       cell(bytes(bp.max_buffered_amount || 0), true), cell(bytes(bp.total_buffered_amount || 0), true),
       cell(bp.slow_consumers || 0, true), cell(bp.drops || 0, true), cell(bp.closes || 0, true),
     );

@@ -1,0 +1,87 @@
+"""The hub's own bounds, in-process: a custom backplane by dotted path, cadences and tickers
+a client can start, the probe's size, publications that cannot be sent."""
+
+from __future__ import annotations
+
+import pytest
+from django.test import override_settings
+
+from realtime_app import PublicationError, PublicationTooLarge
+from realtime_app.conf import get_config
+from tests.test_consumer import Client
+from tests.testapp import backplanes
+
+
+def settings_with(**changes):
+    return override_settings(REALTIME_APP={**get_config(), **changes})
+
+
+async def test_a_custom_backplane_by_dotted_path_carries_the_cluster_work():
+    from realtime_app.hub import get_hub
+
+    backplanes.CALLS.clear()
+    with settings_with(BACKPLANE="tests.testapp.backplanes.RecordingBackplane"):
+        hub = await get_hub()
+        try:
+            assert type(hub.backplane).__name__ == "RecordingBackplane"
+            async with Client() as c, Client() as publisher:
+                assert "result" in await c.call("subscribe", {"channel": "demo:events"})
+                seq = (await publisher.call("publish", {"channel": "demo:events", "data": 1}))["result"]["seq"]
+                assert (await c.frames(1))[0]["seq"] == seq
+                await c.call("unsubscribe", {"channel": "demo:events"})
+        finally:
+            await hub.aclose()
+    assert ("join", ["demo:events"]) in backplanes.CALLS
+    assert ("publish", "demo:events") in backplanes.CALLS
+    assert ("leave", "demo:events") in backplanes.CALLS
+
+
+async def test_past_the_cadence_cap_a_subscribe_gets_the_nearest_running_cadence(hub):
+    with settings_with(MAX_CADENCES_PER_FAMILY=2):
+        async with Client() as c:
+            assert (await c.call("subscribe", {"channel": "demo:clock:200"}))["result"]["channel"] == "demo:clock:200"
+            assert (await c.call("subscribe", {"channel": "demo:clock:2000"}))["result"]["channel"] == "demo:clock:2000"
+            third = (await c.call("subscribe", {"channel": "demo:clock:500"}))["result"]
+            assert third == {"channel": "demo:clock:200", "kind": "state", "interval_ms": 200}
+            fourth = (await c.call("subscribe", {"channel": "demo:clock:1500"}))["result"]
+            assert fourth["channel"] == "demo:clock:2000"
+            assert hub.running_cadences("demo:clock") == [200, 2000]
+            assert hub.probe()["refused"]["cadences"] == 2
+
+
+async def test_past_the_ticker_cap_a_subscribe_is_refused_with_a_reason(hub):
+    with settings_with(MAX_TICKERS=1):
+        async with Client() as c:
+            await c.call("subscribe", {"channel": "demo:clock:200"})
+            error = (await c.call("subscribe", {"channel": "demo:clock:300"}))["error"]
+            assert error["code"] == -32003
+            assert error["data"]["reason"] == "too_many_tickers" and error["data"]["retry_after_ms"] > 0
+            assert "result" in await c.call("subscribe", {"channel": "demo:events"})  # no ticker: not counted
+            assert hub.probe()["refused"]["tickers"] == 1
+
+
+async def test_the_probe_lists_the_busiest_channels_and_counts_the_rest(hub):
+    with settings_with(MAX_CADENCES_PER_FAMILY=0, PROBE_TOP_CHANNELS=5):
+        async with Client() as c:
+            for ms in range(10000, 10030):
+                assert "result" in await c.call("subscribe", {"channel": f"demo:clock:{ms}"})
+            probe = hub.probe()
+            assert len(probe["channels"]) == 5 and probe["channel_count"] == 30
+            assert len(probe["tickers"]) == 5 and probe["ticker_count"] == 30
+
+
+async def test_publications_that_cannot_be_sent_take_no_seq(hub):
+    first = await hub.publish("demo:events", "ok")
+    with pytest.raises(PublicationError):
+        await hub.publish("demo:events", float("inf"))
+    with settings_with(MAX_PUBLICATION_BYTES=10_000), pytest.raises(PublicationTooLarge) as info:
+        await hub.publish("demo:events", "x" * 10_000)
+    assert info.value.limit == 10_000 and "MAX_PUBLICATION_BYTES" in str(info.value)
+    assert await hub.publish("demo:events", "\ud800") == first + 1  # a lone surrogate is escaped, not an error
+
+
+async def test_a_publication_error_is_answered_as_invalid_params(hub):
+    async with Client() as c:
+        await c.send('{"jsonrpc":"2.0","method":"publish","params":{"channel":"demo:events","data":1e400},"id":1}')
+        error = (await c.recv())["error"]
+        assert error["code"] == -32602 and error["data"]["reason"] == "invalid_data"
