@@ -5,13 +5,15 @@ Ids are stable and listed in docs/checks.md.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from typing import Any
 
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
 from .conf import DEFAULTS, get_config
 from .policies import Rule, compile_rules, matching_rule
-from .registry import registry
+from .registry import Family, registry
 
 __all__ = ["check_policies", "check_server_versions", "check_settings"]
 
@@ -69,20 +71,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                     id="realtime_app.E002",
                 )
             )
-    backplane = config["BACKPLANE"]
-    if backplane not in ("auto", "memory", "redis"):
-        from django.utils.module_loading import import_string
-
-        try:
-            import_string(backplane)
-        except ImportError:
-            messages.append(
-                Error(
-                    f"REALTIME_APP['BACKPLANE'] is {backplane!r}: "
-                    "not 'auto', 'memory', 'redis' or an importable class.",
-                    id="realtime_app.E003",
-                )
-            )
+    messages += _check_backplane(config["BACKPLANE"])
     if config["BACKPRESSURE_POLICY"] not in ("drop", "close"):
         messages.append(
             Error(
@@ -94,20 +83,82 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     return messages
 
 
-def _variant_samples(base: str) -> list[str]:
-    fam = registry.families[base]
-    values = {1, fam.bounds.min, fam.bounds.default + 1, fam.bounds.max, fam.bounds.max * 10, 999_999_999}
-    return [f"{base}:{v}" for v in sorted(values)]
+def _check_backplane(backplane: Any) -> list[CheckMessage]:
+    """E003 a backplane that is not one; E005 the Redis backplane without the Redis layer."""
+    from django.utils.module_loading import import_string
+
+    from .backplane import Backplane
+
+    if backplane in ("auto", "memory"):
+        return []
+    if backplane == "redis":
+        from .backplane_redis import uses_channels_redis
+
+        if uses_channels_redis():
+            return []
+        return [
+            Error(
+                "REALTIME_APP['BACKPLANE'] is 'redis' but the default channel layer is not channels-redis'.",
+                hint="Configure CHANNEL_LAYERS with channels_redis.core.RedisChannelLayer, or use 'auto'.",
+                id="realtime_app.E005",
+            )
+        ]
+    try:
+        cls = import_string(backplane) if isinstance(backplane, str) else None
+    except ImportError:
+        cls = None
+    if not (isinstance(cls, type) and issubclass(cls, Backplane)):
+        return [
+            Error(
+                f"REALTIME_APP['BACKPLANE'] is {backplane!r}: "
+                "not 'auto', 'memory', 'redis' or the dotted path of a Backplane subclass.",
+                hint="See docs/configuration.md.",
+                id="realtime_app.E003",
+            )
+        ]
+    return []
+
+
+def _cadences_matched(rule: Rule, fam: Family) -> Iterator[str]:
+    """The canonical cadence names of ``fam`` (``base:<ms>``, ms in bounds, not the
+    default) that ``rule``'s pattern matches — exactly, without sampling."""
+    base, (default, low, high) = fam.base, fam.bounds
+    if not rule.is_glob:
+        prefix = f"{base}:"
+        if rule.pattern.startswith(prefix) and rule.pattern != prefix:
+            digits = rule.pattern[len(prefix) :]
+            ok = digits.isascii() and digits.isdigit() and str(int(digits)) == digits
+            if ok and low <= int(digits) <= high and int(digits) != default:
+                yield rule.pattern
+            return
+        if not rule.matches(f"{base}:{low if low != default else high}"):
+            return  # a literal pattern matches all cadences of a family or none
+    for ms in range(low, high + 1):
+        name = f"{base}:{ms}"
+        if ms != default and rule.matches(name):
+            yield name
+
+
+def _loosened_cadence(rules: list[Rule], rule: Rule, fam: Family) -> str | None:
+    """A cadence of ``fam`` where ``rule`` wins over the family's rule and asks less."""
+    family_rule = matching_rule(rules, fam.base)
+    if family_rule is None or rule is family_rule or rule.subscribe.implies(family_rule.subscribe):
+        return None
+    for name in itertools.islice(_cadences_matched(rule, fam), 5000):
+        if matching_rule(rules, name, fam.base) is rule:
+            return name
+    return None
 
 
 @register(Tags.security)
 def check_policies(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """E010 invalid rules; W010 duplicate patterns; W011 a cadence looser than its base;
-    W012 a rule matching no registered channel; W013 client publishing on a state channel."""
+    """E010 invalid rules; W010 duplicate patterns; W011 a rule on cadences looser than its
+    family's rule; W012 a rule matching no registered channel; W013 client publishing on a
+    state channel."""
     config = get_config()
     try:
         rules = compile_rules([*config["POLICIES"], *config["BUILTIN_POLICIES"]])
-    except (ValueError, ImportError) as exc:
+    except (ValueError, ImportError, TypeError) as exc:
         return [
             Error(
                 f"REALTIME_APP['POLICIES'] is invalid: {exc}", hint="See docs/configuration.md.", id="realtime_app.E010"
@@ -128,35 +179,45 @@ def check_policies(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             )
         else:
             seen[rule.pattern] = rule
-    for base in sorted(registry.families):
-        base_rule = matching_rule(rules, base)
-        base_strength = base_rule.subscribe.strength() if base_rule else (0,)
-        for name in _variant_samples(base):
-            variant = matching_rule(rules, name, base)
-            strength = variant.subscribe.strength() if variant else (0,)
-            if strength < base_strength:
-                where = f"POLICIES[{variant.index}] ({variant.pattern!r})" if variant else "no rule"
+    for rule in rules[:user_count]:
+        if rule.override_family:
+            continue  # opened on purpose
+        for base, fam in sorted(registry.families.items()):
+            name = _loosened_cadence(rules, rule, fam)
+            if name is not None:
+                family_rule = matching_rule(rules, base)
+                assert family_rule is not None
                 messages.append(
                     Warning(
-                        f"{where} leaves {name!r} less guarded than its family base {base!r}.",
-                        hint="A rule on the base guards every cadence; remove the looser rule or make it as strict.",
+                        f"POLICIES[{rule.index}] ({rule.pattern!r}) asks less than the rule of family {base!r} "
+                        f"(POLICIES[{family_rule.index}], {family_rule.pattern!r}) for cadences such as {name!r}; "
+                        "the family's rule applies to them as well.",
+                        hint="A rule on a family guards every cadence. To open some cadences wider on purpose, "
+                        'add "override_family": True to this rule; otherwise make it as strict or remove it.',
                         obj=base,
                         id="realtime_app.W011",
                     )
                 )
-                break
-    candidates = [*registry.exact, *registry.families]
-    candidates += [f"{b}:{f.bounds.min}" for b, f in registry.families.items()]
-    if candidates:
+    if registry.exact or registry.families:
         for rule in rules[:user_count]:
-            if not any(rule.matches(name) for name in candidates):
-                messages.append(
-                    Warning(
-                        f"POLICIES[{rule.index}] pattern {rule.pattern!r} matches no registered channel.",
-                        hint="Check the spelling, or that the module registering it is imported.",
-                        id="realtime_app.W012",
-                    )
+            if any(rule.matches(name) for name in [*registry.exact, *registry.families]):
+                continue
+            if any(next(_cadences_matched(rule, fam), None) for fam in registry.families.values()):
+                continue
+            default_name = next(
+                (f for f in (f"{b}:{fam.bounds.default}" for b, fam in registry.families.items()) if rule.matches(f)),
+                None,
+            )
+            hint = "Check the spelling, or that the module registering it is imported."
+            if default_name is not None:
+                hint = f"{default_name!r} is a family's default cadence, named by its base: write the base instead."
+            messages.append(
+                Warning(
+                    f"POLICIES[{rule.index}] pattern {rule.pattern!r} matches no registered channel.",
+                    hint=hint,
+                    id="realtime_app.W012",
                 )
+            )
     for rule in rules[:user_count]:
         if rule.publish.allowed:
             state = [n for n, s in registry.exact.items() if s.kind == "state" and rule.matches(n)]

@@ -86,6 +86,8 @@ def get_config() -> dict[str, Any]:
     from django.conf import settings
 
     user = getattr(settings, "REALTIME_APP", None) or {}
+    if not isinstance(user, dict):  # reported by check E001; the defaults meanwhile
+        user = {}
     return {**DEFAULTS, **user}
 
 

@@ -9,7 +9,10 @@ A rule is a dict: ``{"pattern": "atelier:", "authenticated": True}``. Patterns:
 
 A cadenced channel is also checked against the rules of its family's base, so a rule
 on the base always guards every cadence. The most specific matching rule wins: an exact
-name first, then the longest literal part, then a prefix over a glob.
+name first, then the longest literal part, then a prefix over a glob. A rule that names
+cadences of a family (``atelier:load:2000``, ``atelier:load:*``) may only *add* to the
+family's rule — both must be met — unless it says ``"override_family": True``, the
+explicit opt-in to open some cadences of a guarded family wider than its base.
 
 Requirements: ``authenticated``, ``staff``, ``superuser`` (bools), ``permission`` (a
 permission name or a list), ``check`` (a callable ``(user, channel, action) -> bool`` or its
@@ -43,7 +46,7 @@ __all__ = [
 Action: TypeAlias = Literal["subscribe", "publish"]
 
 REQUIREMENT_KEYS = frozenset({"authenticated", "staff", "superuser", "permission", "check"})
-RULE_KEYS = REQUIREMENT_KEYS | {"pattern", "subscribe", "publish"}
+RULE_KEYS = REQUIREMENT_KEYS | {"pattern", "subscribe", "publish", "override_family"}
 _GLOB_CHARS = frozenset("*?[")
 
 
@@ -63,6 +66,40 @@ class Requirement:
         """Permission and custom checks may query the database: run them off the loop."""
         return bool(self.permissions) or self.check is not None
 
+    def implies(self, other: Requirement) -> bool:
+        """True when whoever meets ``self`` meets ``other`` (conservatively: False when unsure)."""
+        if not self.allowed:
+            return True
+        if not other.allowed:
+            return False
+        identified = self.authenticated or self.staff or self.superuser or bool(self.permissions)
+        return (
+            (not other.authenticated or identified)
+            and (not other.staff or self.staff)
+            and (not other.superuser or self.superuser)
+            and set(other.permissions) <= set(self.permissions)
+            and (other.check is None or other.check is self.check)
+        )
+
+    def both(self, other: Requirement) -> Requirement:
+        """The requirement of meeting ``self`` and ``other``."""
+        checks = [c for c in (self.check, other.check) if c is not None]
+        check: Callable[[Any, str, str], bool] | None = checks[0] if len(checks) == 1 else None
+        if len(checks) == 2:
+            first, second = checks
+
+            def check(user: Any, channel: str, action: str) -> bool:
+                return bool(first(user, channel, action)) and bool(second(user, channel, action))
+
+        return Requirement(
+            allowed=self.allowed and other.allowed,
+            authenticated=self.authenticated or other.authenticated,
+            staff=self.staff or other.staff,
+            superuser=self.superuser or other.superuser,
+            permissions=tuple(dict.fromkeys((*self.permissions, *other.permissions))),
+            check=check,
+        )
+
     def strength(self) -> tuple[int, ...]:
         """A partial order of strictness, for the 'loosens' system check."""
         return (
@@ -80,6 +117,7 @@ class Rule:
     subscribe: Requirement
     publish: Requirement
     index: int  # position in settings, for messages
+    override_family: bool = False  # may open cadences wider than the family's own rule
 
     @property
     def is_glob(self) -> bool:
@@ -144,6 +182,10 @@ def compile_rules(raw: Iterable[Any]) -> list[Rule]:
         pattern = spec.get("pattern")
         if not isinstance(pattern, str) or not pattern:
             raise ValueError(f"{where}: 'pattern' must be a non-empty string, got {pattern!r}")
+        _require_balanced(pattern, where)
+        override = spec.get("override_family", False)
+        if not isinstance(override, bool):
+            raise ValueError(f"{where}: 'override_family' must be a bool, got {override!r}")
         unknown = set(spec) - RULE_KEYS
         if unknown:
             raise ValueError(f"{where}: unknown keys {sorted(unknown)}; expected some of {sorted(RULE_KEYS)}")
@@ -151,8 +193,18 @@ def compile_rules(raw: Iterable[Any]) -> list[Rule]:
         base = _requirement(top, where)
         subscribe = _requirement(spec["subscribe"], f"{where}.subscribe") if "subscribe" in spec else base
         publish = _requirement(spec["publish"], f"{where}.publish") if "publish" in spec else Requirement(allowed=False)
-        rules.append(Rule(pattern, subscribe, publish, index))
+        rules.append(Rule(pattern, subscribe, publish, index, override))
     return rules
+
+
+def _require_balanced(pattern: str, where: str) -> None:
+    """Refuse a glob whose ``[`` has no ``]``: fnmatch would quietly read it as a literal."""
+    i = 0
+    while (i := pattern.find("[", i)) != -1:
+        close = pattern.find("]", i + 2 if pattern[i + 1 : i + 2] in ("!", "]") else i + 1)
+        if close == -1:
+            raise ValueError(f"{where}: pattern {pattern!r} has a '[' without a closing ']'")
+        i = close + 1
 
 
 def matching_rule(rules: Iterable[Rule], name: str, base: str | None = None) -> Rule | None:
@@ -176,10 +228,18 @@ DEFAULT_PUBLISH = Requirement(allowed=False)
 
 
 def requirement_for(rules: Iterable[Rule], name: str, base: str | None, action: Action) -> Requirement:
+    """What ``action`` on ``name`` requires: its most specific rule, and for a cadence of a
+    family also the family's own rule (unless the cadence's rule overrides the family)."""
+    rules = list(rules)
     rule = matching_rule(rules, name, base)
     if rule is None:
         return DEFAULT_SUBSCRIBE if action == "subscribe" else DEFAULT_PUBLISH
-    return rule.requirement(action)
+    requirement = rule.requirement(action)
+    if base is not None and name != base and not rule.override_family:
+        family_rule = matching_rule(rules, base)
+        if family_rule is not None and family_rule is not rule:
+            requirement = requirement.both(family_rule.requirement(action))
+    return requirement
 
 
 def evaluate(req: Requirement, user: Any, channel: str, action: Action) -> bool:

@@ -1,4 +1,5 @@
-from django.core.checks import Error, Warning
+import pytest
+from django.core.checks import Error
 from django.test import override_settings
 
 from realtime_app.checks import check_policies, check_settings
@@ -44,22 +45,75 @@ def test_duplicate_pattern():
     assert ids(check_policies()) == ["realtime_app.W010"]
 
 
-@override_settings(
-    REALTIME_APP={
-        "POLICIES": [
-            {"pattern": "atelier:load", "authenticated": True},
-            {"pattern": "atelier:load:*", "authenticated": False},
-        ]
-    }
+GUARDED = {"pattern": "atelier:load", "authenticated": True}
+
+
+@pytest.mark.parametrize(
+    ("pattern", "example"),
+    [
+        ("atelier:load:2000", "atelier:load:2000"),  # an exact cadence
+        ("atelier:load:*", "atelier:load:250"),  # a glob over every cadence
+        ("atelier:load:2?00", "atelier:load:2000"),
+        ("atelier:load:[45]000", "atelier:load:4000"),
+        ("atelier:load:", "atelier:load:250"),  # a prefix of the cadences only
+    ],
 )
-def test_a_cadence_rule_looser_than_its_base_is_flagged():
+def test_a_rule_asking_less_for_cadences_of_a_guarded_family_is_flagged(pattern, example):
+    with override_settings(REALTIME_APP={"POLICIES": [GUARDED, {"pattern": pattern, "subscribe": True}]}):
+        [message] = check_policies()
+    assert message.id == "realtime_app.W011" and message.obj == "atelier:load"
+    assert f"POLICIES[1] ({pattern!r})" in message.msg and repr(example) in message.msg
+    assert "override_family" in message.hint
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        {"pattern": "atelier:load:2000", "staff": True},  # stricter: fine
+        {"pattern": "atelier:load:2000", "subscribe": True, "override_family": True},  # opened on purpose
+        {"pattern": "atelier:load:10"},  # below the bounds: matches no canonical name (W012 instead)
+    ],
+)
+def test_stricter_or_opted_in_cadence_rules_are_not_flagged(rule):
+    with override_settings(REALTIME_APP={"POLICIES": [GUARDED, rule]}):
+        assert "realtime_app.W011" not in ids(check_policies())
+
+
+def test_a_rule_on_the_default_cadence_name_matches_nothing_and_says_why():
+    rules = [GUARDED, {"pattern": "atelier:load:1000", "subscribe": True}]
+    with override_settings(REALTIME_APP={"POLICIES": rules}):
+        [message] = check_policies()
+    assert message.id == "realtime_app.W012" and "default cadence" in message.hint
+
+
+def test_a_rule_on_a_cadence_of_a_registered_family_is_not_unknown():
+    with override_settings(REALTIME_APP={"POLICIES": [{"pattern": "atelier:load:2000", "staff": True}]}):
+        assert check_policies() == []
+
+
+@override_settings(REALTIME_APP={"POLICIES": [{"pattern": "atelier:[load", "authenticated": True}]})
+def test_an_unbalanced_glob_is_an_error():
     [message] = check_policies()
-    assert message == Warning(
-        "POLICIES[1] ('atelier:load:*') leaves 'atelier:load:1' less guarded than its family base 'atelier:load'.",
-        hint=message.hint,
-        obj="atelier:load",
-        id="realtime_app.W011",
-    )
+    assert message.id == "realtime_app.E010" and "'['" in message.msg
+
+
+@override_settings(REALTIME_APP=["not", "a", "dict"])
+def test_a_realtime_app_that_is_not_a_dict_is_an_error_not_a_crash():
+    from django.apps import apps
+
+    apps.get_app_config("realtime_app").ready()  # no TypeError
+    assert ids(check_settings()) == ["realtime_app.E001"]
+    assert check_policies() == []
+
+
+@override_settings(REALTIME_APP={"BACKPLANE": "redis"})
+def test_the_redis_backplane_without_the_redis_layer_is_an_error():
+    assert ids(check_settings()) == ["realtime_app.E005"]
+
+
+@override_settings(REALTIME_APP={"BACKPLANE": "realtime_app.conf.get_config"})
+def test_a_backplane_path_that_is_not_a_backplane_is_an_error():
+    assert ids(check_settings()) == ["realtime_app.E003"]
 
 
 @override_settings(REALTIME_APP={"POLICIES": [{"pattern": "atelier:lod", "authenticated": True}]})

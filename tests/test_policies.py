@@ -87,3 +87,33 @@ def test_permissions_and_callables():
 def test_invalid_rules_are_refused_with_their_index(raw):
     with pytest.raises(ValueError, match=r"POLICIES\[0\]"):
         compile_rules(raw)
+
+
+@pytest.mark.parametrize("pattern", ["atelier:load:2000", "atelier:load:*", "atelier:load:2?00", "atelier:load:[2]000"])
+def test_a_rule_on_a_cadence_cannot_open_a_guarded_family(pattern):
+    """Found: a rule opening atelier:load:2000 beside a guarded atelier:load let anonymous in."""
+    rules = compile_rules([{"pattern": "atelier:load", "authenticated": True}, {"pattern": pattern, "subscribe": True}])
+    assert not may(rules, ANON, "atelier:load:2000", "atelier:load")
+    assert may(rules, USER, "atelier:load:2000", "atelier:load")
+
+
+def test_a_cadence_rule_adds_to_the_family_rule():
+    rules = compile_rules(
+        [{"pattern": "atelier:load", "authenticated": True}, {"pattern": "atelier:load:2000", "staff": True}]
+    )
+    assert not may(rules, USER, "atelier:load:2000", "atelier:load") and may(
+        rules, STAFF, "atelier:load:2000", "atelier:load"
+    )
+
+
+def test_override_family_opens_a_cadence_on_purpose():
+    rules = compile_rules(
+        [
+            {"pattern": "atelier:load", "authenticated": True},
+            {"pattern": "atelier:load:60000", "subscribe": True, "override_family": True},
+        ]
+    )
+    assert may(rules, ANON, "atelier:load:60000", "atelier:load")
+    assert not may(rules, ANON, "atelier:load:2000", "atelier:load")
+    with pytest.raises(ValueError, match="override_family"):
+        compile_rules([{"pattern": "x", "override_family": "yes"}])
