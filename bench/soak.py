@@ -10,7 +10,8 @@ frames received; at the end every client leaves and it waits for the probe and t
 to come back to their baseline (keys without a TTL as before the clients came; keys with
 one — sequences, group sets — expire on their own).
 
-Prints: RSS slope after warm-up (MB/min, per process), frames per second around each
+Prints: RSS slope after warm-up (MB/min, per process; the warm-up lasts until the dead
+clients' queues are full and the first of them are closed, 180 s by default), frames per second around each
 restart, the probe and the key count at the end; writes the series (JSON) and a plot.
 
 Usage: python bench/soak.py [--minutes 10] [--clients 500] [--json FILE] [--plot FILE.png]
@@ -234,7 +235,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             final = {"probe": totals, "instances": len(found), "keys": keys, "baseline_keys": baseline}
     finally:
         redis_server.close()
-    warm = [s for s in series if s["t"] >= 60]
+    warm = [s for s in series if s["t"] >= args.warmup]
     slopes = [slope_mb_per_min([(s["t"], int(s["rss_mb"][i] * MIB)) for s in warm]) for i in range(2)]
     around = []
     for moment in restarts:
@@ -289,6 +290,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=10)
     parser.add_argument("--clients", type=int, default=500)
+    parser.add_argument(
+        "--warmup", type=float, default=180, help="seconds before the RSS slope is measured (dead clients fill up)"
+    )
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)
     args = parser.parse_args()

@@ -21,6 +21,7 @@ import random
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import websockets
@@ -99,6 +100,9 @@ class RealtimeClient:
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._handlers: dict[str, list[Handler]] = {}
         self._canonical: dict[str, str] = {}
+        self._on_error: dict[str, list[Callable[[Exception], None]]] = {}
+        #: Called with ``(channel, error)`` for every refused subscribe, renewals included.
+        self.on_subscribe_error: list[Callable[[str, Exception], None]] = []
         self._runner: asyncio.Task[None] | None = None
         self._open = asyncio.Event()
         self._stopped = True
@@ -190,7 +194,7 @@ class RealtimeClient:
 
     async def _resubscribe(self) -> None:
         for name in list(self._handlers):
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # reported by _subscribe_remote
                 await self._subscribe_remote(name)
 
     # -- messages --------------------------------------------------------------------
@@ -261,21 +265,49 @@ class RealtimeClient:
         await self._ws.send(json.dumps(request))
 
     async def _subscribe_remote(self, name: str) -> dict[str, Any]:
-        result: dict[str, Any] = await self.call("subscribe", {"channel": name})
+        try:
+            result: dict[str, Any] = await self.call("subscribe", {"channel": name})
+        except RPCError as error:
+            if name in self._handlers:
+                logger.warning("subscribe %s refused: %s", name, error)
+                callbacks: list[Callable[[Exception], None]] = list(self._on_error.get(name, []))
+                callbacks += [partial(f, name) for f in self.on_subscribe_error]
+                for callback in callbacks:
+                    try:
+                        callback(error)
+                    except Exception:
+                        logger.exception("error callback of %s failed", name)
+            raise
         self._canonical[name] = result["channel"]
         return result
 
-    async def subscribe(self, channel: str, handler: Handler) -> dict[str, Any]:
-        """Subscribe ``handler(params)`` (sync or async) to ``channel``; kept across reconnects."""
+    async def subscribe(
+        self, channel: str, handler: Handler, *, on_error: Callable[[Exception], None] | None = None
+    ) -> dict[str, Any]:
+        """Subscribe ``handler(params)`` (sync or async) to ``channel``; kept across reconnects.
+
+        Returns the server's answer; raises :class:`RPCError` when it refuses (the handler
+        is not kept). Before :meth:`connect` the subscription is made when the connection
+        opens: a refusal then, or of a renewal after a reconnect, calls ``on_error(error)``
+        and every ``on_subscribe_error(channel, error)``, and is logged.
+        """
         first = channel not in self._handlers
         self._handlers.setdefault(channel, []).append(handler)
-        if first and self._ws is not None:
-            try:
-                return await self._subscribe_remote(channel)
-            except Exception:
+        if on_error is not None:
+            self._on_error.setdefault(channel, []).append(on_error)
+        if not first and channel in self._canonical:
+            return {"channel": self._canonical[channel]}
+        if self._stopped:  # not connected yet: subscribed when the connection opens
+            return {"channel": channel, "pending": True}
+        if self._ws is None:
+            await self.wait_open(self.call_timeout)
+        try:
+            return await self._subscribe_remote(channel)
+        except Exception:
+            if first:
                 self._handlers.pop(channel, None)
-                raise
-        return {"channel": self._canonical.get(channel, channel)}
+                self._on_error.pop(channel, None)
+            raise
 
     async def unsubscribe(self, channel: str, handler: Handler | None = None) -> None:
         """Remove ``handler`` (or all) from ``channel``; the last one out unsubscribes."""
@@ -289,6 +321,7 @@ class RealtimeClient:
         if handlers:
             return
         del self._handlers[channel]
+        self._on_error.pop(channel, None)
         canonical = self._canonical.pop(channel, channel)
         if canonical not in self._canonical.values() and self._ws is not None:
             with contextlib.suppress(Exception):

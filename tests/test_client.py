@@ -110,3 +110,23 @@ async def test_adaptive_binding_switches_make_before_break(server):
         slow["on"] = False
         await until(lambda: bound.interval_ms == 100, timeout=20)
         await bound.close()
+
+
+async def test_refused_subscribes_reach_the_application(server):
+    """Found: a subscribe before connect() answered at once and a refusal on the way
+    (or on a renewal after a reconnect) was swallowed."""
+    seen: list[tuple[str, str]] = []
+    client = RealtimeClient(server.ws, backoff_initial=0.1, backoff_max=0.5)
+    client.on_subscribe_error.append(lambda channel, error: seen.append((channel, error.reason)))
+    mine: list[Exception] = []
+    pending = await client.subscribe("atelier:load", lambda _: None, on_error=mine.append)
+    assert pending == {"channel": "atelier:load", "pending": True}  # not an answer of the server
+    await client.connect()
+    try:
+        await until(lambda: seen)
+        assert seen == [("atelier:load", "forbidden_channel")] and mine[0].reason == "forbidden_channel"
+        with pytest.raises(RPCError) as info:  # once connected, a refusal is raised
+            await client.subscribe("test:staff", lambda _: None)
+        assert info.value.reason == "forbidden_channel"
+    finally:
+        await client.close()

@@ -136,7 +136,8 @@ function defaultUrl() {
 /**
  * WebSocket client of the realtime_app endpoint. Events: "state" (detail: "connecting" |
  * "open" | "reconnecting" | "closed"), "close" (detail: {code, reason, willReconnect}),
- * "subscribed" (detail: subscribe result).
+ * "subscribed" (detail: subscribe result), "subscribeerror" (detail: {channel, error}:
+ * a subscribe the server refused, also when it is renewed after a reconnect).
  */
 export class RealtimeClient extends EventTarget {
   /**
@@ -160,6 +161,9 @@ export class RealtimeClient extends EventTarget {
     this._pending = new Map(); // id -> {resolve, reject, timer}
     this._handlers = new Map(); // requested name -> Set(handler)
     this._canonical = new Map(); // requested name -> canonical name
+    this._waiters = new Map(); // requested name -> [{resolve, reject}] until the server answers
+    this._answers = new Map(); // requested name -> the server's last answer
+    this._onError = new Map(); // requested name -> Set(onError)
     this._stopped = true;
     this._timer = null;
   }
@@ -179,7 +183,7 @@ export class RealtimeClient extends EventTarget {
     ws.onopen = () => {
       this.attempt = 0;
       this._setState("open");
-      for (const name of this._handlers.keys()) this._subscribeRemote(name).catch(() => {});
+      for (const name of this._handlers.keys()) this._subscribeRemote(name).catch(() => {}); // reported there
     };
     ws.onmessage = (event) => this._onMessage(event.data);
     ws.onclose = (event) => this._onClose(event.code, event.reason);
@@ -264,23 +268,52 @@ export class RealtimeClient extends EventTarget {
   }
 
   async _subscribeRemote(name) {
-    const result = await this.call("subscribe", { channel: name });
+    let result;
+    try {
+      result = await this.call("subscribe", { channel: name });
+    } catch (error) {
+      if (!this._handlers.has(name)) throw error; // unsubscribed meanwhile
+      for (const waiter of this._waiters.get(name) || []) waiter.reject(error);
+      this._waiters.delete(name);
+      for (const onError of this._onError.get(name) || []) {
+        try { onError(error); } catch (err) { console.error(err); }
+      }
+      this.dispatchEvent(new CustomEvent("subscribeerror", { detail: { channel: name, error } }));
+      throw error;
+    }
     this._canonical.set(name, result.channel);
+    this._answers.set(name, result);
+    for (const waiter of this._waiters.get(name) || []) waiter.resolve(result);
+    this._waiters.delete(name);
     this.dispatchEvent(new CustomEvent("subscribed", { detail: result }));
     return result;
   }
 
   /**
    * Subscribe `handler(params)` to `channel`; kept across reconnects until unsubscribed.
-   * Resolves with the server's answer ({channel, kind, interval_ms}) once open.
+   * Resolves with the server's answer ({channel, kind, interval_ms}) — when the connection
+   * opens, if it is not open yet — and rejects with an RpcError when the server refuses
+   * (forbidden, unknown channel...). A refusal of a later re-subscription (after a
+   * reconnect) calls `options.onError(error)` and dispatches "subscribeerror".
+   * @param {string} channel @param {(params: object) => void} handler
+   * @param {{onError?: (error: Error) => void}} [options]
    */
-  subscribe(channel, handler) {
+  subscribe(channel, handler, options = {}) {
     let handlers = this._handlers.get(channel);
     const first = !handlers;
     if (first) { handlers = new Set(); this._handlers.set(channel, handlers); }
     handlers.add(handler);
-    if (first && this._ws && this._ws.readyState === 1) return this._subscribeRemote(channel);
-    return Promise.resolve({ channel: this._canonical.get(channel) || channel });
+    if (options.onError) {
+      if (!this._onError.has(channel)) this._onError.set(channel, new Set());
+      this._onError.get(channel).add(options.onError);
+    }
+    if (!first && this._answers.has(channel)) return Promise.resolve(this._answers.get(channel));
+    const answer = new Promise((resolve, reject) => {
+      if (!this._waiters.has(channel)) this._waiters.set(channel, []);
+      this._waiters.get(channel).push({ resolve, reject });
+    });
+    if (first && this._ws && this._ws.readyState === 1) this._subscribeRemote(channel).catch(() => {}); // settles `answer`
+    return answer;
   }
 
   /** Remove `handler` (or all handlers) from `channel`; the last one out unsubscribes. */
@@ -290,6 +323,10 @@ export class RealtimeClient extends EventTarget {
     if (handler) handlers.delete(handler); else handlers.clear();
     if (handlers.size) return;
     this._handlers.delete(channel);
+    this._onError.delete(channel);
+    this._answers.delete(channel);
+    for (const waiter of this._waiters.get(channel) || []) waiter.reject(new Error(`unsubscribed from ${channel}`));
+    this._waiters.delete(channel);
     const canonical = this._canonical.get(channel) || channel;
     this._canonical.delete(channel);
     const stillUsed = [...this._canonical.values()].includes(canonical);
@@ -306,7 +343,8 @@ export class RealtimeClient extends EventTarget {
  * cadence there would lose messages.
  * @param {RealtimeClient} client @param {string} base @param {number} intervalMs desired cadence
  * @param {(params: object) => void} handler
- * @param {AdaptiveOptions & {defaultMs?: number, now?: () => number}} [options]
+ * @param {AdaptiveOptions & {defaultMs?: number, now?: () => number, onError?: (error: Error) => void}} [options]
+ *   `onError`: a refused subscribe (default: logged to the console)
  */
 export function bindAdaptiveChannel(client, base, intervalMs, handler, options = {}) {
   const now = options.now || (() => performance.now());
@@ -340,12 +378,13 @@ export function bindAdaptiveChannel(client, base, intervalMs, handler, options =
     target.dispatchEvent(new CustomEvent("cadence", { detail: { intervalMs: rate.intervalMs, decision, channel } }));
     arm();
     switching = switching.then(async () => {
-      await client.subscribe(channel, handlerFor(channel)); // make…
+      await client.subscribe(channel, handlerFor(channel), { onError: report }); // make…
       if (old !== channel) await client.unsubscribe(old, handlerFor(old)); // …before break
-    }).catch((err) => console.error("adaptive switch failed", err));
+    }).catch(report);
   }
 
-  client.subscribe(channel, handlerFor(channel));
+  const report = options.onError || ((err) => console.error(`subscribe ${base} refused`, err));
+  client.subscribe(channel, handlerFor(channel), { onError: report }).catch(report);
   arm();
   return Object.assign(target, {
     rate,
@@ -361,9 +400,9 @@ export function bindAdaptiveChannel(client, base, intervalMs, handler, options =
         channel = rateChannel(base, rate.intervalMs, options.defaultMs);
         if (old !== channel) {
           switching = switching.then(async () => {
-            await client.subscribe(channel, handlerFor(channel));
+            await client.subscribe(channel, handlerFor(channel), { onError: report });
             await client.unsubscribe(old, handlerFor(old));
-          });
+          }).catch(report);
         }
       }
       arm();

@@ -1,0 +1,71 @@
+// RealtimeClient against a scripted WebSocket: refused subscribes reach the application.
+// Run: node --test tests/js/
+import { test } from "node:test";
+import assert from "node:assert/strict";
+import { RealtimeClient, RpcError } from "../../realtime_app/static/realtime_app/realtime.js";
+
+class FakeSocket {
+  static instances = [];
+  constructor(url) {
+    this.url = url;
+    this.readyState = 0;
+    this.sent = [];
+    FakeSocket.instances.push(this);
+  }
+  send(text) { this.sent.push(JSON.parse(text)); }
+  close(code = 1000) { this.readyState = 3; this.onclose({ code, reason: "" }); }
+  open() { this.readyState = 1; this.onopen(); }
+  reply(result, error) {
+    const request = this.sent.at(-1);
+    this.onmessage({ data: JSON.stringify({ jsonrpc: "2.0", id: request.id, ...(error ? { error } : { result }) }) });
+  }
+}
+
+const FORBIDDEN = { code: -32001, message: "Forbidden", data: { reason: "forbidden_channel", channel: "atelier:load" } };
+const until = async (predicate) => { for (let i = 0; i < 200 && !predicate(); i++) await new Promise((r) => setTimeout(r, 5)); };
+
+test("a subscribe made before connect() settles with the server's answer, and rejects when refused", async () => {
+  FakeSocket.instances = [];
+  const client = new RealtimeClient({ url: "ws://x/realtime/", WebSocket: FakeSocket });
+  const errors = [];
+  const refused = client.subscribe("atelier:load", () => {}, { onError: (e) => errors.push(e) });
+  const accepted = client.subscribe("demo:clock", () => {});
+  let settled = false;
+  refused.then(() => { settled = true; }, () => { settled = true; });
+  await new Promise((r) => setTimeout(r, 10));
+  assert.equal(settled, false); // not before the server has answered
+  client.connect();
+  const socket = FakeSocket.instances[0];
+  socket.open();
+  const [first, second] = socket.sent;
+  assert.deepEqual([first.method, first.params], ["subscribe", { channel: "atelier:load" }]);
+  socket.onmessage({ data: JSON.stringify({ jsonrpc: "2.0", id: first.id, error: FORBIDDEN }) });
+  socket.onmessage({ data: JSON.stringify({ jsonrpc: "2.0", id: second.id, result: { channel: "demo:clock", kind: "state", interval_ms: 1000 } }) });
+  await assert.rejects(refused, (e) => e instanceof RpcError && e.reason === "forbidden_channel");
+  assert.deepEqual(await accepted, { channel: "demo:clock", kind: "state", interval_ms: 1000 });
+  assert.equal(errors.length, 1);
+  client.close();
+});
+
+test("a re-subscription refused after a reconnect calls onError and dispatches subscribeerror", async () => {
+  FakeSocket.instances = [];
+  const client = new RealtimeClient({ url: "ws://x/realtime/", WebSocket: FakeSocket, backoffInitialMs: 1, backoffMaxMs: 2 });
+  const errors = [];
+  const events = [];
+  client.addEventListener("subscribeerror", (e) => events.push(e.detail));
+  client.connect();
+  FakeSocket.instances[0].open();
+  const answer = client.subscribe("atelier:load", () => {}, { onError: (e) => errors.push(e) });
+  FakeSocket.instances[0].reply({ channel: "atelier:load", kind: "state", interval_ms: 1000 });
+  assert.equal((await answer).channel, "atelier:load");
+  FakeSocket.instances[0].close(1006); // the server went away; the client reconnects
+  await until(() => FakeSocket.instances.length === 2);
+  const again = FakeSocket.instances[1];
+  again.open();
+  assert.equal(again.sent[0].method, "subscribe");
+  again.reply(null, FORBIDDEN); // e.g. the session ended meanwhile
+  await until(() => errors.length === 1);
+  assert.equal(errors[0].reason, "forbidden_channel");
+  assert.deepEqual(events.map((d) => d.channel), ["atelier:load"]);
+  client.close();
+});
