@@ -64,6 +64,31 @@ class Connection:
         self.guard = Guard(self.send)
 
 
+class TickerPublish:
+    """``publish(data)`` of one ticker channel (latest value wins, callable from any thread);
+    ``publish.failed(exc)`` marks the ticker failing in the probe until the next value."""
+
+    __slots__ = ("channel", "hub")
+
+    def __init__(self, hub: Hub, channel: str) -> None:
+        self.hub = hub
+        self.channel = channel
+
+    def __call__(self, data: Any) -> None:
+        self._on_loop(self.hub._offer, data)
+
+    def failed(self, exc: BaseException) -> None:
+        self._on_loop(self.hub._tick_failed)
+
+    def _on_loop(self, method: Callable[..., None], *args: Any) -> None:
+        hub = self.hub
+        if threading.get_ident() != hub._thread_id:
+            assert hub.loop is not None
+            hub.loop.call_soon_threadsafe(method, self.channel, *args)
+        else:
+            method(self.channel, *args)
+
+
 class Hub:
     """Everything one process knows about its connections and channels (one event loop)."""
 
@@ -174,6 +199,7 @@ class Hub:
         del self.subscribers[channel]
         self.specs.pop(channel, None)
         self.last_seq.pop(channel, None)
+        self._failing.discard(channel)
         self.reconciler.unsubscribed(channel)
         return True
 
@@ -331,19 +357,18 @@ class Hub:
         except Exception:
             logger.exception("cleanup of %s failed", safe(channel))
 
-    def _publisher_for(self, channel: str) -> Callable[[Any], None]:
+    def _publisher_for(self, channel: str) -> TickerPublish:
         """The ``publish(data)`` handed to a factory: latest value wins, thread-safe."""
+        return TickerPublish(self, channel)
 
-        def publish(data: Any) -> None:
-            if threading.get_ident() != self._thread_id:
-                assert self.loop is not None
-                self.loop.call_soon_threadsafe(publish, data)
-                return
-            if channel in self._cleanups:
-                self._pending[channel] = data
-                self._wake.set()
+    def _offer(self, channel: str, data: Any) -> None:
+        if channel in self._cleanups:
+            self._pending[channel] = data
+            self._wake.set()
 
-        return publish
+    def _tick_failed(self, channel: str) -> None:
+        if channel in self._cleanups:
+            self._failing.add(channel)  # shown by the probe until a tick succeeds
 
     async def _publisher(self) -> None:
         """Send tickers' latest values; channels never wait behind each other."""
@@ -563,6 +588,7 @@ class Hub:
             "channel_count": len(self.subscribers),
             "tickers": sorted(self._cleanups)[:top],
             "ticker_count": len(self._cleanups),
+            "failing_tickers": sorted(self._failing)[:top],
             "published": self.published,
             "refused": dict(self.refused),
             "send_failures": self.send_failures,

@@ -15,6 +15,7 @@ _GAUGES = {  # metric name: (probe field, help)
     "subscriptions": ("subscriptions", "Channel subscriptions of local connections"),
     "channels": ("channel_count", "Channels with local subscribers"),
     "tickers": ("ticker_count", "Tickers this process runs"),
+    "failing_tickers": ("failing_tickers", "Tickers whose factory, tick or publication fails now"),
     "uptime_s": ("uptime_s", "Seconds since the process started"),
 }
 _BP_GAUGES = {
@@ -43,7 +44,8 @@ class _ProbeCollector:
         for name, (key, doc) in _GAUGES.items():
             gauge = GaugeMetricFamily(f"realtime_{name}", doc, labels=labels)
             for p in instances:
-                gauge.add_metric(label(p), float(p.get(key) or 0))
+                value = p.get(key) or 0
+                gauge.add_metric(label(p), float(len(value) if isinstance(value, list) else value))
             yield gauge
         published = CounterMetricFamily("realtime_published", "Publications sent by this process", labels=labels)
         for p in instances:

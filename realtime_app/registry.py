@@ -196,10 +196,13 @@ async def _run_ticker(channel: ChannelSpec, tick: Callable[[ChannelSpec], Any], 
                 data = await data
         except asyncio.CancelledError:
             raise
-        except Exception:
+        except Exception as exc:
             if not failing:  # log once per failure streak, not once per beat
                 logger.exception("tick of %s failed", channel.name)
             failing = True
+            report = getattr(publish, "failed", None)  # the probe shows the ticker failing
+            if report is not None:
+                report(exc)
         else:
             failing = False
             publish(data)

@@ -85,3 +85,16 @@ async def test_a_publication_error_is_answered_as_invalid_params(hub):
         await c.send('{"jsonrpc":"2.0","method":"publish","params":{"channel":"demo:events","data":1e400},"id":1}')
         error = (await c.recv())["error"]
         assert error["code"] == -32602 and error["data"]["reason"] == "invalid_data"
+
+
+@pytest.mark.parametrize("channel", ["test:broken", "test:failing-tick"])
+async def test_a_failing_ticker_shows_in_the_probe(hub, channel):
+    """Found: a ticker whose factory or tick fails sent nothing while subscribe succeeded,
+    and nothing showed it."""
+    from tests.test_faults import until
+
+    async with Client() as c:
+        assert "result" in await c.call("subscribe", {"channel": channel})
+        await until(lambda: hub.probe()["failing_tickers"] == [channel], 5, "the failing ticker in the probe")
+        await c.call("unsubscribe", {"channel": channel})
+        assert hub.probe()["failing_tickers"] == []

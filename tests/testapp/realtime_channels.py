@@ -60,6 +60,11 @@ def perm_only(channel: ChannelSpec, publish: Any) -> None:
     return None
 
 
+@realtime_app.ticker("test:failing-tick", default=1000, min=100, max=60000)
+def failing_tick(channel: ChannelSpec) -> Any:
+    return {"load": measure_load()}  # type: ignore[name-defined]  # noqa: F821  (the Quick start's old slip)
+
+
 @realtime_app.family("test:broken", default=1000, min=100, max=60000)
 def broken(channel: ChannelSpec, publish: Any) -> None:
     raise RuntimeError("this factory always fails")

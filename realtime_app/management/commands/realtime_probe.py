@@ -21,6 +21,7 @@ COLUMNS: list[tuple[str, Callable[[dict[str, Any]], Any]]] = [
     ("conns", lambda p: p.get("connections", 0)),
     ("subs", lambda p: p.get("subscriptions", 0)),
     ("tickers", lambda p: p.get("ticker_count", len(p.get("tickers", [])))),
+    ("failing", lambda p: len(p.get("failing_tickers", []))),
     ("worst queue", lambda p: _bytes(p.get("backpressure", {}).get("max_buffered_amount", 0))),
     ("total queued", lambda p: _bytes(p.get("backpressure", {}).get("total_buffered_amount", 0))),
     ("slow", lambda p: p.get("backpressure", {}).get("slow_consumers", 0)),

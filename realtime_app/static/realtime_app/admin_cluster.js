@@ -33,6 +33,7 @@ function render(probe) {
     tr.append(
       cell(p.instance), cell(p.host), cell(p.pid, true), cell(`${Math.round(p.uptime_s)} s`, true),
       cell(p.connections, true), cell(p.subscriptions, true), cell(p.ticker_count ?? (p.tickers || []).length, true),
+      cell((p.failing_tickers || []).join(", ") || "–"), cell(p.backplane && p.backplane.up === false ? "down" : "up"),
       cell(bytes(bp.max_buffered_amount || 0), true), cell(bytes(bp.total_buffered_amount || 0), true),
       cell(bp.slow_consumers || 0, true), cell(bp.drops || 0, true), cell(bp.closes || 0, true),
     );

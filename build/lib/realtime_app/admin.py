@@ -1,0 +1,45 @@
+"""Django admin: the live "Realtime cluster" screen (staff), fed by the health channel."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import admin
+from django.http import HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
+
+from .models import RealtimeCluster
+from .realtime_channels import HEALTH_CHANNEL
+
+
+@admin.register(RealtimeCluster)
+class RealtimeClusterAdmin(admin.ModelAdmin):
+    change_list_template = "admin/realtime_app/realtimecluster/change_list.html"
+    #: Cadence of the health channel the screen follows, ms.
+    refresh_ms = 2000
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return bool(request.user.is_active and request.user.is_staff)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        if not self.has_view_permission(request):
+            from django.core.exceptions import PermissionDenied
+
+            raise PermissionDenied
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Realtime cluster",
+            "opts": self.model._meta,
+            "health_channel": f"{HEALTH_CHANNEL}:{self.refresh_ms}",
+            **(extra_context or {}),
+        }
+        return TemplateResponse(request, self.change_list_template, context)

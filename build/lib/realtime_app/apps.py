@@ -1,0 +1,34 @@
+"""AppConfig: register the system checks and the settings-reset signal, discover channels."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.apps import AppConfig
+from django.core.signals import request_started, setting_changed
+from django.utils.module_loading import autodiscover_modules
+
+
+async def start_hub_with_first_request(sender: Any, scope: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    """Start this process's hub at its first ASGI HTTP request (not only its first
+    WebSocket), so that it joins the cluster view early. WSGI requests carry no scope."""
+    if scope is None:
+        return
+    from .hub import get_hub
+
+    await get_hub()
+
+
+class RealtimeAppConfig(AppConfig):
+    name = "realtime_app"
+    verbose_name = "Realtime"
+    default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from . import checks  # noqa: F401  (registers the checks)
+        from .conf import get_config, reset_config
+
+        setting_changed.connect(reset_config, dispatch_uid="realtime_app.reset_config")
+        request_started.connect(start_hub_with_first_request, dispatch_uid="realtime_app.start_hub")
+        # Importing each app's channel module registers its families (no I/O).
+        autodiscover_modules(get_config()["AUTODISCOVER_MODULE"])

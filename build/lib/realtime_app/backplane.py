@@ -1,0 +1,157 @@
+"""How processes share publications, ticker leases, sequences and probes: the interface.
+
+:class:`Backplane` is the contract, and only the contract; the implementations live in
+their own modules:
+
+* :mod:`realtime_app.backplane_memory` — the embedded default, one process;
+* :mod:`realtime_app.backplane_redis` — a cluster on channels-redis.
+
+``REALTIME_APP["BACKPLANE"]`` chooses one: ``"auto"`` (Redis when the default channel
+layer is channels-redis), ``"memory"``, ``"redis"``, or the dotted path of a subclass.
+
+The hub hands ``start()`` a ``deliver`` callback and never looks inside: what arrives for
+this process (a frame of a channel it joined, another process giving a lease up) comes
+back through it. Every method may raise when the backplane is unreachable; the hub
+treats that as an outage, keeps its desired state and re-asserts it once the backplane
+answers again (see :mod:`realtime_app.reconciler`). State a backplane keeps for a
+process (group membership, leases, sequence numbers) may vanish at any time (a restart,
+an expiry): :meth:`check` reports it, and the hub joins and reseeds again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .logsafe import Outage
+
+__all__ = ["Backplane", "Delivery", "Deliver", "backplane_class", "make_backplane", "now_ms"]
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """Something the backplane brings to this process."""
+
+    kind: Literal["frame", "released"]
+    channel: str
+    text: str = ""  # the encoded ``message`` notification (frames)
+    seq: int = 0  # its ``seq`` (frames)
+
+
+Deliver = Callable[[Delivery], Awaitable[None]]
+
+
+logger = logging.getLogger("realtime_app.backplane")
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Backplane:
+    """What the hub needs from the rest of the cluster. Subclass and implement every method."""
+
+    #: True when several processes may share channels (leases and groups matter).
+    clustered = False
+    #: Exceptions that mean "unreachable now, try again later" (anything else is a bug).
+    errors: tuple[type[BaseException], ...] = (OSError, TimeoutError)
+
+    def __init__(self, *, instance_id: str = "headless", config: dict[str, Any] | None = None) -> None:
+        self.instance_id = instance_id
+        self.config = config or {}
+        #: Up/down as logged: one line when it goes, one when it comes back.
+        self.outage = Outage(logger, f"backplane {type(self).__name__}")
+
+    async def start(self, deliver: Deliver) -> None:
+        """Begin receiving for this process: hand every :class:`Delivery` to ``deliver``."""
+        raise NotImplementedError
+
+    async def stop(self) -> None:
+        """Stop receiving and close connections (leases expire on their own)."""
+        raise NotImplementedError
+
+    async def check(self) -> bool:
+        """False when the backplane lost what it kept for this process since the last
+        check (restart, flush, expiry): the hub then re-asserts its state."""
+        raise NotImplementedError
+
+    async def join(self, channels: list[str]) -> None:
+        """Make this process a member of each channel's group (idempotent: also a refresh)."""
+        raise NotImplementedError
+
+    async def leave(self, channel: str) -> None:
+        """This process's last local subscriber of ``channel`` has left."""
+        raise NotImplementedError
+
+    async def publish(self, channel: str, data_json: str, floor: int = 0) -> int:
+        """Number one publication (already encoded data) and deliver it; returns its ``seq``.
+
+        ``seq`` is one more than the channel's previous one and always above ``floor``
+        (the highest ``seq`` this process has seen), even if the backplane lost its count.
+        """
+        raise NotImplementedError
+
+    async def reseed(self, floors: dict[str, int]) -> None:
+        """Raise each channel's count to at least its floor (after a loss of state)."""
+        raise NotImplementedError
+
+    async def acquire(self, channel: str) -> bool:
+        """Try to become the process that runs ``channel``'s ticker."""
+        raise NotImplementedError
+
+    async def renew(self, channel: str) -> bool:
+        """Keep the lease (or take it again if it vanished); False: another process has it."""
+        raise NotImplementedError
+
+    async def release(self, channel: str) -> None:
+        """Give the lease up and tell the other subscribed processes."""
+        raise NotImplementedError
+
+    async def put_probe(self, probe: dict[str, Any], ttl_ms: int) -> None:
+        """Publish this process's probe for ``ttl_ms``."""
+        raise NotImplementedError
+
+    async def drop_probe(self) -> None:
+        """Withdraw this process's probe (clean shutdown)."""
+        raise NotImplementedError
+
+    async def cluster_probes(self) -> list[dict[str, Any]]:
+        """The probes of every live process."""
+        raise NotImplementedError
+
+
+def backplane_class() -> type[Backplane]:
+    """The backplane the settings choose (``"auto"``: Redis iff the layer is channels-redis)."""
+    from django.utils.module_loading import import_string
+
+    from .conf import get_config
+
+    choice = get_config()["BACKPLANE"]
+    if choice == "memory":
+        from .backplane_memory import MemoryBackplane
+
+        return MemoryBackplane
+    if choice == "redis":
+        from .backplane_redis import RedisBackplane
+
+        return RedisBackplane
+    if choice == "auto":
+        from .backplane_redis import RedisBackplane, uses_channels_redis
+
+        if uses_channels_redis():
+            return RedisBackplane
+        from .backplane_memory import MemoryBackplane
+
+        return MemoryBackplane
+    cls: type[Backplane] = import_string(choice)
+    return cls
+
+
+def make_backplane(instance_id: str = "headless") -> Backplane:
+    """Build the configured backplane (``"headless"``: publish or read probes, no receiving)."""
+    from .conf import get_config
+
+    return backplane_class()(instance_id=instance_id, config=get_config())

@@ -1,0 +1,68 @@
+"""The embedded backplane: one process, nothing to elect, frames handed straight back.
+
+Used with the in-memory channel layer (or none). Sequence numbers live in this process;
+there is no lease to compete for and no other process to tell.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .backplane import Backplane, Deliver, Delivery, now_ms
+from .protocol import notification_text
+
+__all__ = ["MemoryBackplane"]
+
+
+class MemoryBackplane(Backplane):
+    """One process: every method answers at once and never fails."""
+
+    def __init__(self, *, instance_id: str = "headless", config: dict[str, Any] | None = None) -> None:
+        super().__init__(instance_id=instance_id, config=config)
+        self._deliver: Deliver | None = None
+        self._seq: dict[str, int] = {}
+        self._probe: dict[str, Any] | None = None
+
+    async def start(self, deliver: Deliver) -> None:
+        self._deliver = deliver
+
+    async def stop(self) -> None:
+        self._deliver = None
+
+    async def check(self) -> bool:
+        return True
+
+    async def join(self, channels: list[str]) -> None:
+        pass
+
+    async def leave(self, channel: str) -> None:
+        pass
+
+    async def publish(self, channel: str, data_json: str, floor: int = 0) -> int:
+        seq = max(self._seq.get(channel, 0), floor) + 1
+        self._seq[channel] = seq
+        if self._deliver is not None:
+            await self._deliver(Delivery("frame", channel, notification_text(channel, data_json, seq, now_ms()), seq))
+        return seq
+
+    async def reseed(self, floors: dict[str, int]) -> None:
+        for channel, floor in floors.items():
+            self._seq[channel] = max(self._seq.get(channel, 0), floor)
+
+    async def acquire(self, channel: str) -> bool:
+        return True
+
+    async def renew(self, channel: str) -> bool:
+        return True
+
+    async def release(self, channel: str) -> None:
+        pass
+
+    async def put_probe(self, probe: dict[str, Any], ttl_ms: int) -> None:
+        self._probe = probe
+
+    async def drop_probe(self) -> None:
+        self._probe = None
+
+    async def cluster_probes(self) -> list[dict[str, Any]]:
+        return [self._probe] if self._probe else []

@@ -1,0 +1,271 @@
+"""The cluster backplane on channels-redis (and its Redis).
+
+Each process owns one layer channel and is a member of a channel's group while it has
+local subscribers, so a publication costs one backplane message per subscribed process.
+A lease per ticker channel (``SET NX PX``, renewed by its holder) elects the one process
+that runs the ticker; a Lua ``INCR`` numbers publications cluster-wide, above a floor the
+publisher supplies, so ``seq`` survives a failover and never goes back even when Redis
+loses its data. Probes are keys with a TTL, so the cluster view lists live processes only.
+
+Nothing here is assumed to stay in Redis: :meth:`RedisBackplane.check` keeps a sentinel
+key per process whose disappearance (restart, flush, eviction) or expiry (every
+``REASSERT_INTERVAL_MS``, and always well within channels-redis' ``group_expiry``) tells
+the hub to join every group and reseed every sequence again.
+
+Group membership is written exactly as channels-redis 4.3's ``group_add`` does (the
+layer's own key and shard), but pipelined, so a re-assert of a thousand groups is one
+round trip per shard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import Any
+
+from redis import asyncio as aioredis
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeout
+
+from .backplane import Backplane, Deliver, Delivery, now_ms
+from .names import group_name
+from .protocol import notification_text
+
+__all__ = ["RedisBackplane", "uses_channels_redis"]
+
+logger = logging.getLogger("realtime_app.backplane")
+
+FRAME = "realtime.frame"
+RELEASED = "realtime.released"
+
+# Keep the lease, or take it again if it vanished (Redis restarted empty): the holder
+# keeps its ticker across a restart instead of stopping and starting it.
+_RENEW = """
+local holder = redis.call('get', KEYS[1])
+if holder == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end
+if not holder then redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 1 end
+return 0
+"""
+_RELEASE = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
+return 0
+"""
+# The next seq, above the publisher's floor; the key expires when the channel is idle.
+_SEQ = """
+local v = redis.call('incr', KEYS[1])
+local floor = tonumber(ARGV[1])
+if v <= floor then
+  v = floor + 1
+  redis.call('set', KEYS[1], v)
+end
+redis.call('pexpire', KEYS[1], ARGV[2])
+return v
+"""
+_RESEED = """
+local cur = tonumber(redis.call('get', KEYS[1]) or '0')
+if cur < tonumber(ARGV[1]) then redis.call('set', KEYS[1], ARGV[1]) end
+redis.call('pexpire', KEYS[1], ARGV[2])
+return 0
+"""
+
+
+def uses_channels_redis() -> bool:
+    """True when the default channel layer is channels-redis' (the cluster backplane fits)."""
+    from channels.layers import get_channel_layer
+    from channels_redis.core import RedisChannelLayer
+
+    return isinstance(get_channel_layer(), RedisChannelLayer)
+
+
+class RedisBackplane(Backplane):
+    """A cluster of processes sharing the channels-redis layer (and its Redis)."""
+
+    clustered = True
+    errors: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
+
+    def __init__(
+        self,
+        *,
+        instance_id: str = "headless",
+        config: dict[str, Any] | None = None,
+        layer: Any = None,
+        redis: Any = None,
+    ) -> None:
+        super().__init__(instance_id=instance_id, config=config)
+        from .conf import DEFAULTS
+
+        settings = {**DEFAULTS, **(config or {})}
+        if layer is None:
+            from channels.layers import get_channel_layer
+
+            layer = get_channel_layer()
+        self.layer = layer
+        self.prefix: str = settings["KEY_PREFIX"]
+        self.lease_ttl_ms: int = settings["LEASE_TTL_MS"]
+        self.seq_ttl_ms: int = settings["SEQ_IDLE_TTL_MS"]
+        expiry_ms = int(getattr(layer, "group_expiry", 86400)) * 1000
+        self.reassert_ms: int = max(1000, min(settings["REASSERT_INTERVAL_MS"], expiry_ms // 3))
+        self.redis = redis if redis is not None else _client(layer, settings)
+        # Bound what this process asks of the layer's own pools at once (they raise, not
+        # wait, past their size): a burst of subscribes queues here instead of failing.
+        self._slots = asyncio.Semaphore(settings["REDIS_MAX_CONNECTIONS"])
+        self._renew = self.redis.register_script(_RENEW)
+        self._release = self.redis.register_script(_RELEASE)
+        self._seq = self.redis.register_script(_SEQ)
+        self._reseed = self.redis.register_script(_RESEED)
+        self.process_channel: str | None = None
+        self._receiver: asyncio.Task[None] | None = None
+
+    def key(self, kind: str, channel: str) -> str:
+        return f"{self.prefix}:{kind}:{group_name(channel)}"
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    async def start(self, deliver: Deliver) -> None:
+        # The default prefix on purpose: channels-redis serves every process-local ("!")
+        # channel of a layer through one receive lock that pops one Redis key per prefix;
+        # a channel under another prefix would starve the application's own consumers.
+        self.process_channel = await self.layer.new_channel()
+        self._receiver = asyncio.get_running_loop().create_task(self._receive(deliver), name="realtime-receive")
+
+    async def stop(self) -> None:
+        if self._receiver is not None:
+            self._receiver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._receiver
+            self._receiver = None
+        await self.redis.aclose()
+
+    async def _receive(self, deliver: Deliver) -> None:
+        assert self.process_channel is not None
+        while True:
+            try:
+                message = await self.layer.receive(self.process_channel)
+            except asyncio.CancelledError:
+                raise
+            except RedisTimeout:
+                continue  # an idle blocking pop outliving the socket timeout: not an outage
+            except self.errors as exc:
+                self.outage.failed(exc)
+                await asyncio.sleep(0.5)
+                continue
+            kind = message.get("type")
+            try:
+                if kind == FRAME:
+                    await deliver(Delivery("frame", message["channel"], message["text"], int(message.get("seq", 0))))
+                elif kind == RELEASED and message.get("by") != self.instance_id:
+                    await deliver(Delivery("released", message["channel"]))
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a delivery must never stop this process's receiving
+                logger.exception("delivering a backplane message failed")
+
+    async def check(self) -> bool:
+        created = await self.redis.set(f"{self.prefix}:alive:{self.instance_id}", 1, nx=True, px=self.reassert_ms)
+        return not created
+
+    # -- groups and publications -----------------------------------------------------
+
+    async def join(self, channels: list[str]) -> None:
+        assert self.process_channel is not None
+        layer = self.layer
+        shards: dict[int, list[bytes]] = {}
+        for channel in channels:
+            group = group_name(channel)
+            shards.setdefault(layer.consistent_hash(group), []).append(layer._group_key(group))
+        now = time.time()
+        async with self._slots:
+            for index, keys in shards.items():
+                async with layer.connection(index).pipeline(transaction=False) as pipe:
+                    for key in keys:
+                        pipe.zadd(key, {self.process_channel: now})
+                        pipe.expire(key, layer.group_expiry)
+                    await pipe.execute()
+
+    async def leave(self, channel: str) -> None:
+        assert self.process_channel is not None
+        async with self._slots:
+            await self.layer.group_discard(group_name(channel), self.process_channel)
+
+    async def publish(self, channel: str, data_json: str, floor: int = 0) -> int:
+        seq = int(await self._seq(keys=[self.key("seq", channel)], args=[floor, self.seq_ttl_ms]))
+        text = notification_text(channel, data_json, seq, now_ms())
+        async with self._slots:
+            await self.layer.group_send(
+                group_name(channel), {"type": FRAME, "channel": channel, "text": text, "seq": seq}
+            )
+        return seq
+
+    async def reseed(self, floors: dict[str, int]) -> None:
+        if not floors:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for channel, floor in floors.items():
+                await self._reseed(keys=[self.key("seq", channel)], args=[floor, self.seq_ttl_ms], client=pipe)
+            await pipe.execute()
+
+    # -- leases -----------------------------------------------------------------------
+
+    async def acquire(self, channel: str) -> bool:
+        return bool(await self.redis.set(self.key("lease", channel), self.instance_id, nx=True, px=self.lease_ttl_ms))
+
+    async def renew(self, channel: str) -> bool:
+        return bool(await self._renew(keys=[self.key("lease", channel)], args=[self.instance_id, self.lease_ttl_ms]))
+
+    async def release(self, channel: str) -> None:
+        await self._release(keys=[self.key("lease", channel)], args=[self.instance_id])
+        async with self._slots:
+            await self.layer.group_send(
+                group_name(channel), {"type": RELEASED, "channel": channel, "by": self.instance_id}
+            )
+
+    async def lease_holder(self, channel: str) -> str | None:
+        value = await self.redis.get(self.key("lease", channel))
+        return value.decode() if isinstance(value, bytes) else value
+
+    # -- probes -----------------------------------------------------------------------
+
+    async def put_probe(self, probe: dict[str, Any], ttl_ms: int) -> None:
+        now = now_ms()
+        instances = f"{self.prefix}:instances"
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(f"{self.prefix}:probe:{self.instance_id}", json.dumps(probe), px=ttl_ms)
+            pipe.zadd(instances, {self.instance_id: now + ttl_ms})
+            pipe.zremrangebyscore(instances, "-inf", now)
+            await pipe.execute()
+
+    async def drop_probe(self) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.delete(f"{self.prefix}:probe:{self.instance_id}", f"{self.prefix}:alive:{self.instance_id}")
+            pipe.zrem(f"{self.prefix}:instances", self.instance_id)
+            await pipe.execute()
+
+    async def cluster_probes(self) -> list[dict[str, Any]]:
+        ids = await self.redis.zrangebyscore(f"{self.prefix}:instances", now_ms(), "+inf")
+        if not ids:
+            return []
+        names = [i.decode() if isinstance(i, bytes) else i for i in ids]
+        raw = await self.redis.mget([f"{self.prefix}:probe:{n}" for n in names])
+        return [json.loads(r) for r in raw if r]
+
+
+def _client(layer: Any, settings: dict[str, Any]) -> Any:
+    """A redis.asyncio client with a *blocking* pool (a burst waits for a connection
+    instead of failing) on ``REDIS_URL`` or the layer's first host."""
+    url = settings["REDIS_URL"] or dict(layer.hosts[0]).get("address")
+    if not url:  # a sentinel or keyword host: the layer's own kind of pool
+        from channels_redis.utils import create_pool
+
+        return aioredis.Redis(connection_pool=create_pool(layer.hosts[0]))
+    timeout_s = settings["REDIS_TIMEOUT_MS"] / 1000
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url,
+        max_connections=settings["REDIS_MAX_CONNECTIONS"],
+        timeout=timeout_s,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+    )
+    return aioredis.Redis(connection_pool=pool)

@@ -1,0 +1,262 @@
+"""System checks: configuration errors at startup, not at the first frame.
+
+Ids are stable and listed in docs/checks.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+from django.core.checks import CheckMessage, Error, Tags, Warning, register
+
+from .conf import DEFAULTS, get_config
+from .policies import Rule, compile_rules, matching_rule
+from .registry import Family, registry
+
+__all__ = ["check_policies", "check_server_versions", "check_settings"]
+
+_INT_SETTINGS = {
+    "MAX_FRAME_BYTES": 0,
+    "MAX_BATCH": 1,
+    "MAX_CHANNEL_NAME": 1,
+    "MAX_SUBSCRIPTIONS": 0,
+    "LEASE_TTL_MS": 300,
+    "PROBE_TTL_MS": 300,
+    "MAX_BACKPRESSURE": 0,
+    "CLOSE_AFTER_DROPS": 0,
+    "SLOW_CONSUMER_BYTES": 0,
+    "CLOSE_DRAIN_MS": 0,
+    "REASSERT_INTERVAL_MS": 1000,
+    "SEQ_IDLE_TTL_MS": 1000,
+    "REDIS_MAX_CONNECTIONS": 2,
+    "REDIS_TIMEOUT_MS": 100,
+    "PUBLISH_CONCURRENCY": 1,
+    "MAX_PUBLICATION_BYTES": 1024,
+    "MAX_CADENCES_PER_FAMILY": 0,
+    "MAX_TICKERS": 0,
+    "MAX_CONNECTIONS_PER_USER": 0,
+    "MAX_CONNECTIONS_PER_ADDRESS": 0,
+    "PROBE_TOP_CHANNELS": 1,
+}
+
+
+@register(Tags.compatibility)
+def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """E001 unknown keys, E002 bad numbers, E003 bad backplane, E004 bad backpressure policy."""
+    from django.conf import settings
+
+    messages: list[CheckMessage] = []
+    user = getattr(settings, "REALTIME_APP", {}) or {}
+    if not isinstance(user, dict):
+        return [Error("REALTIME_APP must be a dict.", hint="See docs/configuration.md.", id="realtime_app.E001")]
+    unknown = sorted(set(user) - set(DEFAULTS))
+    if unknown:
+        messages.append(
+            Error(
+                f"REALTIME_APP has unknown keys: {', '.join(unknown)}.",
+                hint=f"Known keys: {', '.join(sorted(DEFAULTS))}.",
+                id="realtime_app.E001",
+            )
+        )
+    config = get_config()
+    for key, low in _INT_SETTINGS.items():
+        value = config[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            messages.append(
+                Error(
+                    f"REALTIME_APP[{key!r}] must be an int >= {low}, got {value!r}.",
+                    hint="See docs/configuration.md for its unit and what 0 means.",
+                    id="realtime_app.E002",
+                )
+            )
+    messages += _check_backplane(config["BACKPLANE"])
+    if config["BACKPRESSURE_POLICY"] not in ("drop", "close"):
+        messages.append(
+            Error(
+                "REALTIME_APP['BACKPRESSURE_POLICY'] must be 'drop' or 'close', "
+                f"got {config['BACKPRESSURE_POLICY']!r}.",
+                id="realtime_app.E004",
+            )
+        )
+    return messages
+
+
+def _check_backplane(backplane: Any) -> list[CheckMessage]:
+    """E003 a backplane that is not one; E005 the Redis backplane without the Redis layer."""
+    from django.utils.module_loading import import_string
+
+    from .backplane import Backplane
+
+    if backplane in ("auto", "memory"):
+        return []
+    if backplane == "redis":
+        from .backplane_redis import uses_channels_redis
+
+        if uses_channels_redis():
+            return []
+        return [
+            Error(
+                "REALTIME_APP['BACKPLANE'] is 'redis' but the default channel layer is not channels-redis'.",
+                hint="Configure CHANNEL_LAYERS with channels_redis.core.RedisChannelLayer, or use 'auto'.",
+                id="realtime_app.E005",
+            )
+        ]
+    try:
+        cls = import_string(backplane) if isinstance(backplane, str) else None
+    except ImportError:
+        cls = None
+    if not (isinstance(cls, type) and issubclass(cls, Backplane)):
+        return [
+            Error(
+                f"REALTIME_APP['BACKPLANE'] is {backplane!r}: "
+                "not 'auto', 'memory', 'redis' or the dotted path of a Backplane subclass.",
+                hint="See docs/configuration.md.",
+                id="realtime_app.E003",
+            )
+        ]
+    return []
+
+
+def _cadences_matched(rule: Rule, fam: Family) -> Iterator[str]:
+    """The canonical cadence names of ``fam`` (``base:<ms>``, ms in bounds, not the
+    default) that ``rule``'s pattern matches — exactly, without sampling."""
+    base, (default, low, high) = fam.base, fam.bounds
+    if not rule.is_glob:
+        prefix = f"{base}:"
+        if rule.pattern.startswith(prefix) and rule.pattern != prefix:
+            digits = rule.pattern[len(prefix) :]
+            ok = digits.isascii() and digits.isdigit() and str(int(digits)) == digits
+            if ok and low <= int(digits) <= high and int(digits) != default:
+                yield rule.pattern
+            return
+        if not rule.matches(f"{base}:{low if low != default else high}"):
+            return  # a literal pattern matches all cadences of a family or none
+    for ms in range(low, high + 1):
+        name = f"{base}:{ms}"
+        if ms != default and rule.matches(name):
+            yield name
+
+
+def _loosened_cadence(rules: list[Rule], rule: Rule, fam: Family) -> str | None:
+    """A cadence of ``fam`` where ``rule`` wins over the family's rule and asks less."""
+    family_rule = matching_rule(rules, fam.base)
+    if family_rule is None or rule is family_rule or rule.subscribe.implies(family_rule.subscribe):
+        return None
+    for name in itertools.islice(_cadences_matched(rule, fam), 5000):
+        if matching_rule(rules, name, fam.base) is rule:
+            return name
+    return None
+
+
+@register(Tags.security)
+def check_policies(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """E010 invalid rules; W010 duplicate patterns; W011 a rule on cadences looser than its
+    family's rule; W012 a rule matching no registered channel; W013 client publishing on a
+    state channel."""
+    config = get_config()
+    try:
+        rules = compile_rules([*config["POLICIES"], *config["BUILTIN_POLICIES"]])
+    except (ValueError, ImportError, TypeError) as exc:
+        return [
+            Error(
+                f"REALTIME_APP['POLICIES'] is invalid: {exc}", hint="See docs/configuration.md.", id="realtime_app.E010"
+            )
+        ]
+    user_count = len(config["POLICIES"])
+    messages: list[CheckMessage] = []
+    seen: dict[str, Rule] = {}
+    for rule in rules[:user_count]:
+        if rule.pattern in seen:
+            messages.append(
+                Warning(
+                    f"POLICIES[{rule.index}] repeats the pattern {rule.pattern!r} "
+                    f"of POLICIES[{seen[rule.pattern].index}]; only the first applies.",
+                    hint="Merge the two rules.",
+                    id="realtime_app.W010",
+                )
+            )
+        else:
+            seen[rule.pattern] = rule
+    for rule in rules[:user_count]:
+        if rule.override_family:
+            continue  # opened on purpose
+        for base, fam in sorted(registry.families.items()):
+            name = _loosened_cadence(rules, rule, fam)
+            if name is not None:
+                family_rule = matching_rule(rules, base)
+                assert family_rule is not None
+                messages.append(
+                    Warning(
+                        f"POLICIES[{rule.index}] ({rule.pattern!r}) asks less than the rule of family {base!r} "
+                        f"(POLICIES[{family_rule.index}], {family_rule.pattern!r}) for cadences such as {name!r}; "
+                        "the family's rule applies to them as well.",
+                        hint="A rule on a family guards every cadence. To open some cadences wider on purpose, "
+                        'add "override_family": True to this rule; otherwise make it as strict or remove it.',
+                        obj=base,
+                        id="realtime_app.W011",
+                    )
+                )
+    if registry.exact or registry.families:
+        for rule in rules[:user_count]:
+            if any(rule.matches(name) for name in [*registry.exact, *registry.families]):
+                continue
+            if any(next(_cadences_matched(rule, fam), None) for fam in registry.families.values()):
+                continue
+            default_name = next(
+                (f for f in (f"{b}:{fam.bounds.default}" for b, fam in registry.families.items()) if rule.matches(f)),
+                None,
+            )
+            hint = "Check the spelling, or that the module registering it is imported."
+            if default_name is not None:
+                hint = f"{default_name!r} is a family's default cadence, named by its base: write the base instead."
+            messages.append(
+                Warning(
+                    f"POLICIES[{rule.index}] pattern {rule.pattern!r} matches no registered channel.",
+                    hint=hint,
+                    id="realtime_app.W012",
+                )
+            )
+    for rule in rules[:user_count]:
+        if rule.publish.allowed:
+            state = [n for n, s in registry.exact.items() if s.kind == "state" and rule.matches(n)]
+            state += [b for b in registry.families if rule.matches(b)]
+            if state and not any(rule.matches(n) for n, s in registry.exact.items() if s.kind == "event"):
+                messages.append(
+                    Warning(
+                        f"POLICIES[{rule.index}] allows clients to publish on {rule.pattern!r}, which holds only "
+                        "state channels; clients can publish on event channels only.",
+                        id="realtime_app.W013",
+                    )
+                )
+    return messages
+
+
+#: Versions whose private transport internals realtime_app.transports was written against.
+TESTED_SERVERS = {"daphne": ("4.2",), "autobahn": ("26.",), "twisted": ("26.",), "uvicorn": ("0.54",)}
+
+
+@register(Tags.compatibility)
+def check_server_versions(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """W020: an installed server whose transport internals the guard was not tested against."""
+    from importlib import metadata
+
+    if get_config()["MAX_BACKPRESSURE"] == 0:
+        return []
+    messages: list[CheckMessage] = []
+    for package, prefixes in TESTED_SERVERS.items():
+        try:
+            version = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            continue
+        if not version.startswith(prefixes):
+            messages.append(
+                Warning(
+                    f"{package} {version} is installed; transport backpressure reads its private internals and was "
+                    f"tested with {package} {' / '.join(p.rstrip('.') + '.x' for p in prefixes)}.",
+                    hint="Run realtime_app's transport tests against this version, or pin the tested one.",
+                    id="realtime_app.W020",
+                )
+            )
+    return messages

@@ -1,0 +1,483 @@
+"""An asyncio client of the realtime endpoint, the twin of the browser module.
+
+Same features as ``RealtimeClient`` in ``realtime.js``: JSON-RPC calls with timeouts,
+subscriptions with handlers kept across reconnects, capped jittered exponential backoff
+on transient close codes, and :func:`bind_adaptive_channel` (make-before-break, watchdog).
+Built on the ``websockets`` library. Also a small CLI for operators::
+
+    python -m realtime_app.client ws://127.0.0.1:8000/realtime/ demo:clock --adaptive
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import inspect
+import itertools
+import json
+import logging
+import random
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import websockets
+from websockets.typing import Origin
+
+from .adaptive import AdaptiveRate
+from .exceptions import RPCError
+from .rate import rate_channel
+
+__all__ = [
+    "RECONNECT_CODES",
+    "AdaptiveChannel",
+    "RealtimeClient",
+    "bind_adaptive_channel",
+    "is_reconnectable_close_code",
+]
+
+logger = logging.getLogger("realtime_app.client")
+
+#: Close codes after which the client reconnects; 1008 and 4xxx are fatal.
+RECONNECT_CODES = frozenset({1001, 1005, 1006, 1011, 1012, 1013})
+
+Handler = Callable[[dict[str, Any]], Awaitable[None] | None]
+
+
+def is_reconnectable_close_code(code: int | None) -> bool:
+    """True for the transient close codes (1013 included), False for 1008, 4xxx and the rest."""
+    return code in RECONNECT_CODES
+
+
+def _now_ms() -> float:
+    return time.monotonic() * 1000
+
+
+class RealtimeClient:
+    """One logical connection that reconnects by itself until :meth:`close`.
+
+    Handlers run in the reading task, one frame at a time: a slow handler slows the
+    reading down, as a slow browser tab would (and the server's backpressure sees it).
+
+    Args:
+        url: ``ws://host/realtime/`` or ``wss://…``.
+        origin: the Origin header (default: the URL's host over http/https).
+        headers: extra handshake headers (``{"Cookie": "sessionid=…"}``).
+        call_timeout: seconds before a call fails with ``TimeoutError``.
+        backoff_initial, backoff_max: reconnect delays in seconds (capped, jittered).
+        connect_kwargs: passed to ``websockets.connect`` (``ssl``, ``sock``, …).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        origin: str | None = None,
+        headers: dict[str, str] | None = None,
+        call_timeout: float = 10.0,
+        backoff_initial: float = 0.5,
+        backoff_max: float = 30.0,
+        **connect_kwargs: Any,
+    ) -> None:
+        self.url = url
+        host = url.split("/")[2]
+        self.origin = origin or f"{'https' if url.startswith('wss') else 'http'}://{host}"
+        self.headers = headers or {}
+        self.call_timeout = call_timeout
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self.connect_kwargs = connect_kwargs
+        self.state = "closed"
+        self.attempt = 0
+        self.last_close: tuple[int | None, str] | None = None
+        self.on_state: list[Callable[[str], None]] = []
+        self.on_close: list[Callable[[int | None, str, bool], None]] = []
+        self._ws: Any = None
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._handlers: dict[str, list[Handler]] = {}
+        self._canonical: dict[str, str] = {}
+        self._on_error: dict[str, list[Callable[[Exception], None]]] = {}
+        #: Called with ``(channel, error)`` for every refused subscribe, renewals included.
+        self.on_subscribe_error: list[Callable[[str, Exception], None]] = []
+        self._runner: asyncio.Task[None] | None = None
+        self._open = asyncio.Event()
+        self._stopped = True
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def __aenter__(self) -> RealtimeClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _set_state(self, state: str) -> None:
+        self.state = state
+        for callback in self.on_state:
+            callback(state)
+
+    async def connect(self, timeout: float = 10.0) -> None:
+        """Start the connection loop and wait until the first connection is open."""
+        self._stopped = False
+        if self._runner is None or self._runner.done():
+            self._runner = asyncio.get_running_loop().create_task(self._run(), name="realtime-client")
+        await asyncio.wait_for(self._open.wait(), timeout)
+
+    async def close(self) -> None:
+        """Close for good: no reconnect."""
+        self._stopped = True
+        if self._ws is not None:
+            await self._ws.close()
+        if self._runner is not None:
+            self._runner.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._runner
+        self._set_state("closed")
+
+    async def wait_open(self, timeout: float = 30.0) -> None:
+        await asyncio.wait_for(self._open.wait(), timeout)
+
+    async def _run(self) -> None:
+        while not self._stopped:
+            self._set_state("reconnecting" if self.attempt else "connecting")
+            code: int | None = 1006
+            reason = ""
+            try:
+                async with websockets.connect(
+                    self.url,
+                    origin=Origin(self.origin) if self.origin else None,
+                    additional_headers=self.headers,
+                    max_size=None,
+                    **self.connect_kwargs,
+                ) as ws:
+                    self._ws = ws
+                    self.attempt = 0
+                    self._open.set()
+                    self._set_state("open")
+                    resubscribe = asyncio.get_running_loop().create_task(self._resubscribe())
+                    try:
+                        async for text in ws:
+                            await self._on_message(text)
+                    finally:
+                        resubscribe.cancel()
+                    code, reason = ws.close_code or 1006, ws.close_reason or ""
+            except websockets.ConnectionClosed as closed:
+                code, reason = (closed.rcvd.code, closed.rcvd.reason) if closed.rcvd else (1006, "")
+            except websockets.InvalidStatus as refused:
+                code, reason = 4000 + refused.response.status_code, "handshake refused"
+            except OSError as error:
+                code, reason = 1006, str(error)
+            finally:
+                self._ws = None
+                self._open.clear()
+                for future in self._pending.values():
+                    if not future.done():
+                        future.set_exception(ConnectionError(f"connection closed ({code})"))
+                self._pending.clear()
+            self.last_close = (code, reason)
+            again = not self._stopped and is_reconnectable_close_code(code)
+            for callback in self.on_close:
+                callback(code, reason, again)
+            if not again:
+                self._stopped = True
+                self._set_state("closed")
+                return
+            cap = min(self.backoff_max, self.backoff_initial * 2**self.attempt)
+            self.attempt += 1
+            self._set_state("reconnecting")
+            await asyncio.sleep(cap / 2 + random.random() * cap / 2)
+
+    async def _resubscribe(self) -> None:
+        for name in list(self._handlers):
+            with contextlib.suppress(Exception):  # reported by _subscribe_remote
+                await self._subscribe_remote(name)
+
+    # -- messages --------------------------------------------------------------------
+
+    async def _on_message(self, text: str | bytes) -> None:
+        try:
+            message = json.loads(text)
+        except ValueError:
+            return
+        for item in message if isinstance(message, list) else [message]:
+            if not isinstance(item, dict):
+                continue
+            if item.get("method") == "message" and isinstance(item.get("params"), dict):
+                await self._deliver(item["params"])
+            elif item.get("id") in self._pending:
+                future = self._pending.pop(item["id"])
+                if future.done():
+                    continue
+                if "error" in item:
+                    error = item["error"]
+                    data = error.get("data") or {}
+                    future.set_exception(
+                        RPCError(
+                            error.get("code", 0),
+                            error.get("message", ""),
+                            data.get("reason", ""),
+                            **{k: v for k, v in data.items() if k != "reason"},
+                        )
+                    )
+                else:
+                    future.set_result(item.get("result"))
+
+    async def _deliver(self, params: dict[str, Any]) -> None:
+        channel = params.get("channel")
+        for name, handlers in list(self._handlers.items()):
+            if self._canonical.get(name, name) == channel:
+                for handler in list(handlers):
+                    try:
+                        result = handler(params)
+                        if inspect.isawaitable(result):
+                            await result
+                    except Exception:
+                        logger.exception("handler of %s failed", name)
+
+    async def call(self, method: str, params: Any = None, *, timeout: float | None = None) -> Any:
+        """Call ``method``; returns its result, raises :class:`RPCError` or ``TimeoutError``."""
+        if self._ws is None:
+            raise ConnectionError("not connected")
+        request_id = next(self._ids)
+        request: dict[str, Any] = {"jsonrpc": "2.0", "method": method, "id": request_id}
+        if params is not None:
+            request["params"] = params
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = future
+        try:
+            await self._ws.send(json.dumps(request))
+            return await asyncio.wait_for(future, timeout if timeout is not None else self.call_timeout)
+        finally:
+            self._pending.pop(request_id, None)
+
+    async def notify(self, method: str, params: Any = None) -> None:
+        """Send a notification (no answer)."""
+        if self._ws is None:
+            raise ConnectionError("not connected")
+        request: dict[str, Any] = {"jsonrpc": "2.0", "method": method}
+        if params is not None:
+            request["params"] = params
+        await self._ws.send(json.dumps(request))
+
+    async def _subscribe_remote(self, name: str) -> dict[str, Any]:
+        try:
+            result: dict[str, Any] = await self.call("subscribe", {"channel": name})
+        except RPCError as error:
+            if name in self._handlers:
+                logger.warning("subscribe %s refused: %s", name, error)
+                callbacks: list[Callable[[Exception], None]] = list(self._on_error.get(name, []))
+                callbacks += [partial(f, name) for f in self.on_subscribe_error]
+                for callback in callbacks:
+                    try:
+                        callback(error)
+                    except Exception:
+                        logger.exception("error callback of %s failed", name)
+            raise
+        self._canonical[name] = result["channel"]
+        return result
+
+    async def subscribe(
+        self, channel: str, handler: Handler, *, on_error: Callable[[Exception], None] | None = None
+    ) -> dict[str, Any]:
+        """Subscribe ``handler(params)`` (sync or async) to ``channel``; kept across reconnects.
+
+        Returns the server's answer; raises :class:`RPCError` when it refuses (the handler
+        is not kept). Before :meth:`connect` the subscription is made when the connection
+        opens: a refusal then, or of a renewal after a reconnect, calls ``on_error(error)``
+        and every ``on_subscribe_error(channel, error)``, and is logged.
+        """
+        first = channel not in self._handlers
+        self._handlers.setdefault(channel, []).append(handler)
+        if on_error is not None:
+            self._on_error.setdefault(channel, []).append(on_error)
+        if not first and channel in self._canonical:
+            return {"channel": self._canonical[channel]}
+        if self._stopped:  # not connected yet: subscribed when the connection opens
+            return {"channel": channel, "pending": True}
+        if self._ws is None:
+            await self.wait_open(self.call_timeout)
+        try:
+            return await self._subscribe_remote(channel)
+        except Exception:
+            if first:
+                self._handlers.pop(channel, None)
+                self._on_error.pop(channel, None)
+            raise
+
+    async def unsubscribe(self, channel: str, handler: Handler | None = None) -> None:
+        """Remove ``handler`` (or all) from ``channel``; the last one out unsubscribes."""
+        handlers = self._handlers.get(channel)
+        if handlers is None:
+            return
+        if handler is not None and handler in handlers:
+            handlers.remove(handler)
+        elif handler is None:
+            handlers.clear()
+        if handlers:
+            return
+        del self._handlers[channel]
+        self._on_error.pop(channel, None)
+        canonical = self._canonical.pop(channel, channel)
+        if canonical not in self._canonical.values() and self._ws is not None:
+            with contextlib.suppress(Exception):
+                await self.call("unsubscribe", {"channel": channel})
+
+
+class AdaptiveChannel:
+    """A cadenced state family followed at the cadence the client can absorb.
+
+    Decisions of :class:`AdaptiveRate` are applied make-before-break: subscribe to the
+    new cadence, then leave the old one, so the handler sees one uninterrupted stream.
+    Never use it on event channels: a slower cadence there would lose messages.
+    """
+
+    def __init__(
+        self,
+        client: RealtimeClient,
+        base: str,
+        interval_ms: int,
+        handler: Handler,
+        *,
+        default_ms: int | None = None,
+        **options: Any,
+    ) -> None:
+        self.client = client
+        self.base = base
+        self.handler = handler
+        self.default_ms = default_ms
+        self.rate = AdaptiveRate(interval_ms, **options)
+        self.channel = self._name()
+        self.changes: list[tuple[float, str | None, int]] = []
+        self.on_change: list[Callable[[str, int], None]] = []
+        self._handlers: dict[str, Handler] = {}
+        self._switching = asyncio.Lock()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._watchdog: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def _name(self) -> str:
+        return rate_channel(self.base, self.rate.interval_ms, self.default_ms if self.default_ms else -1)
+
+    @property
+    def interval_ms(self) -> int:
+        """The effective cadence (for a badge)."""
+        return self.rate.interval_ms
+
+    def _handler_for(self, name: str) -> Handler:
+        if name not in self._handlers:
+
+            async def on_frame(params: dict[str, Any]) -> None:
+                result = self.handler(params)
+                if inspect.isawaitable(result):
+                    await result
+                if name == self.channel:  # only the current cadence is measured
+                    self._apply(self.rate.note_frame(_now_ms()))
+
+            self._handlers[name] = on_frame
+        return self._handlers[name]
+
+    async def start(self) -> AdaptiveChannel:
+        await self.client.subscribe(self.channel, self._handler_for(self.channel))
+        if self.rate.enabled:
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+        return self
+
+    async def _watch(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(self.rate.interval_ms / 1000)
+            self._apply(self.rate.check_starvation(_now_ms()))
+
+    def _apply(self, decision: str | None) -> None:
+        if decision is None or self._closed:
+            return
+        old, self.channel = self.channel, self._name()
+        self.changes.append((time.time(), decision, self.rate.interval_ms))
+        for callback in self.on_change:
+            callback(decision, self.rate.interval_ms)
+        task = asyncio.get_running_loop().create_task(self._switch(old, self.channel))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _switch(self, old: str, new: str) -> None:
+        async with self._switching:
+            try:
+                await self.client.subscribe(new, self._handler_for(new))  # make…
+                if old != new:
+                    await self.client.unsubscribe(old, self._handler_for(old))  # …before break
+            except Exception:
+                logger.exception("adaptive switch %s → %s failed", old, new)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(Exception):
+                await task
+        await self.client.unsubscribe(self.channel, self._handler_for(self.channel))
+
+
+async def bind_adaptive_channel(
+    client: RealtimeClient, base: str, interval_ms: int, handler: Handler, **options: Any
+) -> AdaptiveChannel:
+    """Follow ``base`` adaptively from ``interval_ms`` (``AdaptiveRate`` options accepted)."""
+    return await AdaptiveChannel(client, base, interval_ms, handler, **options).start()
+
+
+async def _cli(args: argparse.Namespace) -> int:
+    headers = {"Cookie": args.cookie} if args.cookie else {}
+    client = RealtimeClient(args.url, origin=args.origin, headers=headers)
+    client.on_state.append(lambda state: print(f"# {state}", file=sys.stderr))
+    count = 0
+    done = asyncio.Event()
+
+    def show(params: dict[str, Any]) -> None:
+        nonlocal count
+        count += 1
+        data = json.dumps(params.get("data"), separators=(",", ":"))
+        print(f"{params.get('channel')}\tseq={params.get('seq')}\t{data[:200]}", flush=True)
+        if args.count and count >= args.count:
+            done.set()
+
+    await client.connect()
+    try:
+        if args.adaptive:
+            base, _, digits = args.channel.rpartition(":")
+            if not (digits.isascii() and digits.isdigit()):
+                base, digits = args.channel, str(args.interval)
+            bound = await bind_adaptive_channel(client, base, int(digits), show)
+            bound.on_change.append(lambda d, ms: print(f"# cadence {d}: {ms} ms", file=sys.stderr))
+        else:
+            print(f"# {await client.subscribe(args.channel, show)}", file=sys.stderr)
+        await done.wait()
+    except RPCError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    finally:
+        await client.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m realtime_app.client", description="Watch a realtime channel.")
+    parser.add_argument("url", help="ws://host:port/realtime/")
+    parser.add_argument("channel", help="e.g. demo:clock or demo:clock:2000")
+    parser.add_argument("--adaptive", action="store_true", help="follow the family at the cadence you can absorb")
+    parser.add_argument("--interval", type=int, default=1000, help="desired cadence with --adaptive on a bare base")
+    parser.add_argument("--cookie", help="Cookie header (a Django session) for guarded channels")
+    parser.add_argument("--origin", help="Origin header (default: the URL's host)")
+    parser.add_argument("--count", type=int, default=0, help="stop after this many frames (0: never)")
+    args = parser.parse_args(argv)
+    try:
+        return asyncio.run(_cli(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

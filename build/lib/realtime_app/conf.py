@@ -1,0 +1,100 @@
+"""Settings: one ``REALTIME_APP`` dict, defaults here, merged lazily, reset on change.
+
+Read through :func:`get_config` inside functions, never at import time, so that
+``override_settings`` works and pure modules stay importable without Django.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+__all__ = ["DEFAULTS", "get_config", "reset_config"]
+
+DEFAULTS: dict[str, Any] = {
+    # Channel access rules (see docs/configuration.md). The most specific rule wins; a rule
+    # on a family's base name guards every cadence of that family.
+    "POLICIES": [],
+    # Rules always appended after the user's (the user's own rule on the same pattern wins).
+    "BUILTIN_POLICIES": [{"pattern": "realtime:socket", "staff": True}],
+    # Modules named so in each installed app are imported at startup to register channels.
+    "AUTODISCOVER_MODULE": "realtime_channels",
+    # Largest inbound WebSocket text frame, bytes; over it the connection closes with 1009.
+    "MAX_FRAME_BYTES": 64 * 1024,
+    # Most requests in one JSON-RPC batch; over it the batch is refused (-32600).
+    "MAX_BATCH": 50,
+    # Longest channel name a client may name, characters.
+    "MAX_CHANNEL_NAME": 200,
+    # Subscriptions one connection may hold at once; 0 = unlimited.
+    "MAX_SUBSCRIPTIONS": 100,
+    # Backplane: "auto" = Redis when the default channel layer is channels-redis, else
+    # in-process. Or a dotted path to a Backplane class.
+    "BACKPLANE": "auto",
+    # Redis URL of the backplane; None = taken from the channel layer's first host.
+    "REDIS_URL": None,
+    # Prefix of every Redis key the backplane writes (leases, sequences, probes).
+    "KEY_PREFIX": "realtime",
+    # Lifetime of a ticker lease, milliseconds: the failover time when a process dies. The
+    # maintenance beat (renew, compete, retry) runs every third of it.
+    "LEASE_TTL_MS": 3000,
+    # Every this many ms (and whenever Redis lost its state) each process joins all its
+    # groups again and reseeds its sequences; capped at a third of the layer's group_expiry.
+    "REASSERT_INTERVAL_MS": 60000,
+    # A channel's seq key expires after this many ms without publications or subscribers.
+    "SEQ_IDLE_TTL_MS": 3600000,
+    # Redis connections the backplane uses at most (its own pool, and at once from the
+    # layer's); a burst beyond it waits for a free one rather than failing.
+    "REDIS_MAX_CONNECTIONS": 50,
+    # Socket, connect and pool-wait timeout of the backplane's Redis client, ms.
+    "REDIS_TIMEOUT_MS": 5000,
+    # Publications of different channels sent to the backplane at once (no head-of-line
+    # blocking between channels).
+    "PUBLISH_CONCURRENCY": 16,
+    # Largest publication frame, bytes: over it publish() raises PublicationTooLarge (the
+    # servers refuse to send frames over 1 MiB, daphne's maxMessagePayloadSize).
+    "MAX_PUBLICATION_BYTES": 1_000_000,
+    # Hostile subscribers: distinct cadences of one family running in a process (past it
+    # a subscribe gets the nearest running cadence), ticker channels running in a process
+    # (past it -32003 too_many_tickers), connections per authenticated user and per client
+    # address (past it the socket is closed with 1008); 0 = unlimited.
+    "MAX_CADENCES_PER_FAMILY": 16,
+    "MAX_TICKERS": 1000,
+    "MAX_CONNECTIONS_PER_USER": 100,
+    "MAX_CONNECTIONS_PER_ADDRESS": 0,
+    # Channels listed by name in a process's probe (the busiest); the rest are counted.
+    "PROBE_TOP_CHANNELS": 50,
+    # Lifetime of a published process probe, milliseconds; it is republished every third.
+    "PROBE_TTL_MS": 6000,
+    # Transport backpressure (SPEC §5): bytes (0 disables), "drop" | "close", balance.
+    "MAX_BACKPRESSURE": 4 * 1024 * 1024,
+    "BACKPRESSURE_POLICY": "drop",
+    "CLOSE_AFTER_DROPS": 1000,
+    # Connections at or above this many queued bytes count as slow consumers (no action).
+    "SLOW_CONSUMER_BYTES": 1024 * 1024,
+    # After a 1013 close, how long queued frames may still drain before the drop, ms.
+    "CLOSE_DRAIN_MS": 10000,
+    # JSON-RPC responses are written even over the threshold (they still count as drops).
+    "NEVER_DROP_RESPONSES": True,
+    # Who may read /realtime/metrics besides staff: a bearer token, or None.
+    "METRICS_TOKEN": None,
+}
+
+
+@cache
+def get_config() -> dict[str, Any]:
+    """The effective settings: the user's ``REALTIME_APP`` merged over :data:`DEFAULTS`."""
+    from django.conf import settings
+
+    user = getattr(settings, "REALTIME_APP", None) or {}
+    if not isinstance(user, dict):  # reported by check E001; the defaults meanwhile
+        user = {}
+    return {**DEFAULTS, **user}
+
+
+def reset_config(*, setting: str, **kwargs: Any) -> None:
+    """``setting_changed`` receiver: forget the cached config when the settings change."""
+    if setting in ("REALTIME_APP", "CHANNEL_LAYERS"):
+        get_config.cache_clear()
+        from .policies import active_rules
+
+        active_rules.cache_clear()

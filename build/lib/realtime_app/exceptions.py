@@ -1,0 +1,120 @@
+"""Exceptions of realtime_app.
+
+::
+
+    RealtimeError
+    ├── ConfigurationError (also ImproperlyConfigured-like: ValueError)
+    ├── BackplaneUnavailable      the backplane (Redis) did not answer
+    ├── PublicationError (also ValueError)
+    │   └── PublicationTooLarge   the frame would be over MAX_PUBLICATION_BYTES
+    └── RPCError                  carries a JSON-RPC error code, reason and data
+        ├── ChannelError
+        │   ├── UnknownChannel
+        │   └── ForbiddenChannel
+        └── Refused              a limit refused the request (tickers, cadences)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .protocol import ErrorObject
+
+__all__ = [
+    "BackplaneUnavailable",
+    "ChannelError",
+    "ConfigurationError",
+    "ForbiddenChannel",
+    "PublicationError",
+    "PublicationTooLarge",
+    "RPCError",
+    "RealtimeError",
+    "UnknownChannel",
+]
+
+
+class RealtimeError(Exception):
+    """Base class of every error raised by realtime_app."""
+
+
+class ConfigurationError(RealtimeError, ValueError):
+    """A setting or registration breaks an invariant."""
+
+
+class BackplaneUnavailable(RealtimeError):
+    """The backplane did not answer; the operation may succeed later."""
+
+    def __init__(self, operation: str, cause: BaseException) -> None:
+        super().__init__(operation, cause)
+        self.operation = operation
+        self.cause = cause
+
+    def __str__(self) -> str:
+        return f"backplane unavailable during {self.operation}: {type(self.cause).__name__}: {self.cause}"
+
+
+class PublicationError(RealtimeError, ValueError):
+    """A publication cannot be sent: its data is not JSON (``inf``, ``nan``, an object)."""
+
+    def __init__(self, channel: str, problem: str) -> None:
+        super().__init__(channel, problem)
+        self.channel = channel
+        self.problem = problem
+
+    def __str__(self) -> str:
+        return f"cannot publish on {self.channel[:200]!r}: {self.problem}"
+
+
+class PublicationTooLarge(PublicationError):
+    """The encoded frame would be over ``MAX_PUBLICATION_BYTES`` (the servers' frame limit)."""
+
+    def __init__(self, channel: str, size: int, limit: int) -> None:
+        super().__init__(channel, f"frame of {size} bytes is over MAX_PUBLICATION_BYTES ({limit})")
+        self.size = size
+        self.limit = limit
+
+
+class RPCError(RealtimeError):
+    """An error answered to the client as a JSON-RPC error object."""
+
+    def __init__(self, code: int, message: str, reason: str, **data: Any) -> None:
+        super().__init__(code, message, reason)
+        self.code = code
+        self.message = message
+        self.reason = reason
+        self.data = data
+
+    def __str__(self) -> str:
+        return f"{self.message} ({self.reason}, code {self.code})"
+
+    def as_error(self) -> ErrorObject:
+        """The ``error`` member of the JSON-RPC response."""
+        return {"code": self.code, "message": self.message, "data": {"reason": self.reason, **self.data}}  # type: ignore[typeddict-item]
+
+
+class ChannelError(RPCError):
+    """A channel cannot be used as asked."""
+
+    def __init__(self, code: int, message: str, reason: str, channel: str) -> None:
+        super().__init__(code, message, reason, channel=channel[:200])
+        self.channel = channel
+
+
+class UnknownChannel(ChannelError):
+    """No family, exact channel or event channel has this name."""
+
+    def __init__(self, channel: str) -> None:
+        from .protocol import UNKNOWN_CHANNEL
+
+        super().__init__(UNKNOWN_CHANNEL, "Unknown channel", "unknown_channel", channel)
+
+
+class ForbiddenChannel(ChannelError):
+    """The channel policy refuses this user this action on this channel."""
+
+    def __init__(self, channel: str, action: str = "subscribe") -> None:
+        from .protocol import FORBIDDEN_CHANNEL
+
+        super().__init__(FORBIDDEN_CHANNEL, f"Forbidden: may not {action} this channel", "forbidden_channel", channel)
+        self.action = action

@@ -1,0 +1,94 @@
+"""Transport backpressure applied to a connection: read, decide, then write, drop or close.
+
+:class:`Guard` joins a connection's :class:`~realtime_app.transports.Transport` to the pure
+:func:`~realtime_app.backpressure.decide_send`. The hub guards every frame it sends with
+it (ticks, publications, RPC responses); :class:`GuardedSendMixin` gives a custom Channels
+consumer the same protection.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from .backpressure import CLOSE, DROP, SEND, BackpressureConfig, Decision, DropState, decide_send
+from .protocol import CloseCode
+from .transports import Transport, transport_for
+
+__all__ = ["BACKPRESSURE_REASON", "Guard", "GuardedSendMixin", "backpressure_config"]
+
+logger = logging.getLogger("realtime_app.backpressure")
+
+BACKPRESSURE_REASON = "backpressure"
+
+
+def backpressure_config() -> BackpressureConfig:
+    """The guard's settings from ``REALTIME_APP``."""
+    from .conf import get_config
+
+    config = get_config()
+    return BackpressureConfig(config["MAX_BACKPRESSURE"], config["BACKPRESSURE_POLICY"], config["CLOSE_AFTER_DROPS"])
+
+
+class Guard:
+    """One connection's guard. Nominal path: one read of the queued bytes, no allocation."""
+
+    __slots__ = ("closed", "config", "drain_s", "measure", "never_drop_responses", "state", "transport")
+
+    def __init__(self, send: Callable[..., Any], config: BackpressureConfig | None = None) -> None:
+        from .conf import get_config
+
+        settings = get_config()
+        self.config = config or backpressure_config()
+        self.transport: Transport = transport_for(send, require_measurable=self.config.max_backpressure > 0)
+        self.state = DropState()
+        self.drain_s = settings["CLOSE_DRAIN_MS"] / 1000
+        self.never_drop_responses = settings["NEVER_DROP_RESPONSES"]
+        self.closed = False
+        self.measure = self.config.max_backpressure > 0  # a disabled guard reads nothing
+
+    def buffered(self) -> int:
+        return self.transport.buffered()
+
+    def send(self, payload: bytes, *, response: bool = False) -> Decision:
+        """Send one text message (UTF-8 ``payload``) unless the guard refuses it.
+
+        Returns the decision; on CLOSE the connection has been closed with 1013. A JSON-RPC
+        response (``response=True``) is never dropped when ``NEVER_DROP_RESPONSES`` is on:
+        it is written even above the threshold, but still adds to the drop balance, so a
+        client that asks without ever reading is closed all the same.
+        """
+        if self.closed:
+            return DROP
+        decision = decide_send(self.transport.buffered() if self.measure else 0, self.config, self.state)
+        if decision is SEND or (decision is DROP and response and self.never_drop_responses):
+            self.transport.write(payload)
+        elif decision is CLOSE:
+            self.close(CloseCode.TRY_AGAIN_LATER, BACKPRESSURE_REASON)
+        return decision
+
+    def close(self, code: int, reason: str) -> None:
+        """Close with ``code``; queued frames get ``CLOSE_DRAIN_MS`` to reach the client."""
+        if not self.closed:
+            self.closed = True
+            self.transport.close(code, reason, self.drain_s)
+
+
+class GuardedSendMixin:
+    """Mixin for a Channels ``AsyncWebsocketConsumer``: guard its ``send()`` too.
+
+    ``class Feed(GuardedSendMixin, AsyncWebsocketConsumer): ...`` — frames over the
+    threshold are dropped or the connection is closed with 1013, per ``REALTIME_APP``.
+    """
+
+    _realtime_guard: Guard | None = None
+
+    async def send(self, text_data: str | None = None, bytes_data: bytes | None = None, close: bool = False) -> None:
+        if text_data is None or close:
+            await super().send(text_data=text_data, bytes_data=bytes_data, close=close)  # type: ignore[misc]
+            return
+        if self._realtime_guard is None:
+            self._realtime_guard = Guard(self.base_send)  # type: ignore[attr-defined]
+        if self._realtime_guard.send(text_data.encode("utf-8")) is CLOSE:
+            logger.warning("closed %s with 1013: backpressure", type(self).__name__)

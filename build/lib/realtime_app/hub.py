@@ -1,0 +1,662 @@
+"""The per-process hub: local subscriptions, tickers, publications and fan-out.
+
+Each process keeps, for every channel, the set of its own connections subscribed to it,
+and tells its :class:`~realtime_app.reconciler.Reconciler` when a channel gets its first
+local subscriber or loses its last. The reconciler decides what to do on the backplane
+(join, acquire, start the ticker, release, leave...) and the hub only carries it out, one
+action at a time per channel. A maintenance beat renews leases, retries what failed and,
+after the backplane lost its state, re-asserts everything, so delivery heals by itself.
+
+Local state never waits for the backplane: a disconnect forgets its connection and
+subscriptions at once, whatever Redis does; the backplane catches up at the next beat.
+Frames arrive once per process and are fanned out locally, encoded once; a failing send
+to one connection closes that connection and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import itertools
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .backplane import Backplane, Delivery, make_backplane
+from .backpressure import CLOSE, DROP, SEND, Decision
+from .conf import get_config
+from .exceptions import BackplaneUnavailable, PublicationError, PublicationTooLarge
+from .guard import Guard
+from .logsafe import safe
+from .protocol import CloseCode, encode
+from .reconciler import REMOTE, Action, Reconciler
+from .registry import ChannelSpec
+
+__all__ = ["Connection", "Hub", "get_hub", "running_hub"]
+
+logger = logging.getLogger("realtime_app.hub")
+
+_connection_ids = itertools.count(1)
+_MISSING = object()
+
+
+@dataclass(eq=False, slots=True)
+class Connection:
+    """One WebSocket connection as the hub sees it: its guarded transport, its channels."""
+
+    send: Callable[[dict[str, Any]], Any]
+    scope: dict[str, Any] = field(default_factory=dict, repr=False)
+    id: int = field(default_factory=lambda: next(_connection_ids))
+    subscriptions: set[str] = field(default_factory=set)
+    closed: bool = False
+    identity: tuple[str, str] | None = None
+    guard: Guard = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.guard = Guard(self.send)
+
+
+class TickerPublish:
+    """``publish(data)`` of one ticker channel (latest value wins, callable from any thread);
+    ``publish.failed(exc)`` marks the ticker failing in the probe until the next value."""
+
+    __slots__ = ("channel", "hub")
+
+    def __init__(self, hub: Hub, channel: str) -> None:
+        self.hub = hub
+        self.channel = channel
+
+    def __call__(self, data: Any) -> None:
+        self._on_loop(self.hub._offer, data)
+
+    def failed(self, exc: BaseException) -> None:
+        self._on_loop(self.hub._tick_failed)
+
+    def _on_loop(self, method: Callable[..., None], *args: Any) -> None:
+        hub = self.hub
+        if threading.get_ident() != hub._thread_id:
+            assert hub.loop is not None
+            hub.loop.call_soon_threadsafe(method, self.channel, *args)
+        else:
+            method(self.channel, *args)
+
+
+class Hub:
+    """Everything one process knows about its connections and channels (one event loop)."""
+
+    def __init__(self) -> None:
+        self.instance_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.started_at = _process_start()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.backplane: Backplane | None = None
+        self.reconciler = Reconciler()
+        self.connections: set[Connection] = set()
+        self.subscribers: dict[str, set[Connection]] = {}
+        self.specs: dict[str, ChannelSpec] = {}  # channels with local subscribers
+        self.identities: dict[tuple[str, str], int] = {}  # open connections per identity
+        self.last_seq: dict[str, int] = {}  # highest seq seen per subscribed channel: the floor
+        self._cleanups: dict[str, Callable[[], Any] | None] = {}  # running tickers
+        self._failing: set[str] = set()  # factories or publications failing (logged once)
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._pending: dict[str, Any] = {}  # latest unpublished value per ticker channel
+        self._in_flight: set[str] = set()
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._start_lock = asyncio.Lock()
+        self._started = False
+        self._reassert = True
+        self._thread_id = threading.get_ident()
+        self._background: set[asyncio.Task[Any]] = set()
+        self.published = 0
+        self.drops = 0  # frames refused by the guard, cumulative
+        self.closes = 0  # connections closed with 1013 by the guard
+        self.send_failures = 0  # connections closed because a send raised
+        self.refused: dict[str, int] = {"tickers": 0, "cadences": 0, "connections": 0, "publications": 0}
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect to the backplane and start the background loops (idempotent)."""
+        async with self._start_lock:
+            if self._started:
+                return
+            self.loop = asyncio.get_running_loop()
+            self._thread_id = threading.get_ident()
+            self.backplane = make_backplane(self.instance_id)
+            await self.backplane.start(self._deliver)
+            self._tasks.append(self.loop.create_task(self._publisher(), name="realtime-publisher"))
+            self._tasks.append(self.loop.create_task(self._maintain(), name="realtime-maintain"))
+            self._started = True
+            logger.info("hub %s started on %s", self.instance_id, type(self.backplane).__name__)
+
+    async def aclose(self) -> None:
+        """Stop tickers, hand leases over, leave groups and stop the loops."""
+        if not self._started:
+            return
+        self._started = False
+        for conn in list(self.connections):
+            await self.remove_connection(conn)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        assert self.backplane is not None
+        with contextlib.suppress(Exception):
+            await self.backplane.drop_probe()
+        await self.backplane.stop()
+
+    # -- connections and subscriptions --------------------------------------------------
+
+    def add_connection(self, conn: Connection, identity: tuple[str, str] | None = None) -> bool:
+        """Count ``conn`` in; False (and not added) when its identity is over its cap."""
+        if identity is not None:
+            config = get_config()
+            cap = config["MAX_CONNECTIONS_PER_USER" if identity[0] == "user" else "MAX_CONNECTIONS_PER_ADDRESS"]
+            if cap and self.identities.get(identity, 0) >= cap:
+                self.refused["connections"] += 1
+                return False
+            self.identities[identity] = self.identities.get(identity, 0) + 1
+            conn.identity = identity
+        self.connections.add(conn)
+        return True
+
+    async def remove_connection(self, conn: Connection) -> None:
+        """Forget a connection and everything it subscribed, locally and at once; the
+        backplane follows (now if it answers, else at a later beat)."""
+        conn.closed = True
+        if conn in self.connections:
+            self.connections.discard(conn)
+            if conn.identity is not None:
+                left = self.identities.get(conn.identity, 1) - 1
+                if left > 0:
+                    self.identities[conn.identity] = left
+                else:
+                    self.identities.pop(conn.identity, None)
+        emptied = [channel for channel in list(conn.subscriptions) if self._drop_local(conn, channel)]
+        conn.subscriptions.clear()
+        for channel in emptied:
+            await self._converge(channel)
+
+    def _drop_local(self, conn: Connection, channel: str) -> bool:
+        """Remove one local subscription; True when it was the channel's last."""
+        conn.subscriptions.discard(channel)
+        subs = self.subscribers.get(channel)
+        if subs is None:
+            return False
+        subs.discard(conn)
+        if subs:
+            return False
+        del self.subscribers[channel]
+        self.specs.pop(channel, None)
+        self.last_seq.pop(channel, None)
+        self._failing.discard(channel)
+        self.reconciler.unsubscribed(channel)
+        return True
+
+    def running_cadences(self, base: str) -> list[int]:
+        """Cadences (ms) of family ``base`` with local subscribers in this process."""
+        return sorted(s.interval_ms for s in self.specs.values() if s.base == base and s.interval_ms is not None)
+
+    def ticker_count(self) -> int:
+        """Ticker channels with local subscribers (each may run a ticker somewhere)."""
+        return sum(1 for s in self.specs.values() if s.has_ticker)
+
+    async def subscribe(self, conn: Connection, spec: ChannelSpec) -> bool:
+        """Add ``conn`` to ``spec``'s subscribers; False if it already was one.
+
+        Returns once the backplane has been asked to deliver the channel here; if it does
+        not answer, the subscription stands and the next beats catch up.
+        """
+        channel = spec.name
+        if conn.closed or channel in conn.subscriptions:
+            return False
+        subs = self.subscribers.get(channel)
+        if subs is None:
+            subs = self.subscribers[channel] = set()
+            self.specs[channel] = spec
+            self.reconciler.subscribed(channel, ticker=spec.has_ticker)
+        subs.add(conn)
+        conn.subscriptions.add(channel)
+        await self._converge(channel)
+        return True
+
+    async def unsubscribe(self, conn: Connection, channel: str) -> bool:
+        """Remove ``conn`` from ``channel``; the last one out stops what the channel held."""
+        if channel not in conn.subscriptions:
+            return False
+        if self._drop_local(conn, channel):
+            await self._converge(channel)
+        return True
+
+    # -- carrying out the reconciler's actions ---------------------------------------------
+
+    def _lock(self, channel: str) -> asyncio.Lock:
+        lock = self._locks.get(channel)
+        if lock is None:
+            lock = self._locks[channel] = asyncio.Lock()
+        return lock
+
+    async def _converge(self, channel: str) -> None:
+        """Carry out the channel's actions until it is settled or the backplane fails.
+        Never raises: what failed is retried at the next beat."""
+        backplane = self.backplane
+        assert backplane is not None
+        lock = self._lock(channel)
+        async with lock:
+            for _ in range(16):  # a settled channel needs at most a handful
+                action = self.reconciler.next_action(channel)
+                if action is None:
+                    break
+                try:
+                    ok = await self._carry_out(channel, action)
+                except asyncio.CancelledError:
+                    raise
+                except backplane.errors as exc:
+                    backplane.outage.failed(exc)
+                    self.reconciler.failed(channel, action)
+                    break
+                except Exception:
+                    logger.exception("%s of %s failed", action.value, safe(channel))
+                    self.reconciler.failed(channel, action)
+                    break
+                if action in REMOTE and backplane.outage.succeeded():
+                    self._reassert = True
+                self.reconciler.done(channel, action, ok)
+        if channel not in self.reconciler.channels and not lock.locked():
+            self._locks.pop(channel, None)
+
+    async def _carry_out(self, channel: str, action: Action) -> bool:
+        backplane = self.backplane
+        assert backplane is not None
+        if action is Action.JOIN:
+            await backplane.join([channel])
+            return True
+        if action is Action.LEAVE:
+            await backplane.leave(channel)
+            return True
+        if action is Action.ACQUIRE:
+            return await backplane.acquire(channel)
+        if action is Action.RENEW:
+            held = await backplane.renew(channel)
+            if not held:
+                logger.warning("lost the lease of %s; stopping its ticker", safe(channel))
+            return held
+        if action is Action.RELEASE:
+            await backplane.release(channel)
+            return True
+        if action is Action.START:
+            return await self._start_ticker(channel)
+        await self._stop_ticker(channel)
+        return True
+
+    async def _converge_all(self, channels: list[str]) -> None:
+        """Converge many channels, a bounded number at a time; group joins batched."""
+        backplane = self.backplane
+        assert backplane is not None
+        joins = [c for c in channels if self.reconciler.next_action(c) is Action.JOIN]
+        if len(joins) > 1:
+            try:
+                await backplane.join(joins)
+            except backplane.errors as exc:
+                backplane.outage.failed(exc)
+                for channel in joins:
+                    self.reconciler.failed(channel, Action.JOIN)
+            else:
+                for channel in joins:
+                    self.reconciler.done(channel, Action.JOIN, True)
+        slots = asyncio.Semaphore(max(1, get_config()["PUBLISH_CONCURRENCY"]))
+
+        async def one(channel: str) -> None:
+            async with slots:
+                await self._converge(channel)
+
+        await asyncio.gather(*(one(c) for c in channels))
+
+    # -- tickers -----------------------------------------------------------------------
+
+    async def _start_ticker(self, channel: str) -> bool:
+        spec = self.specs.get(channel)
+        if spec is None or spec.factory is None:
+            return False
+        self._cleanups[channel] = None
+        try:
+            result = spec.factory(spec, self._publisher_for(channel))
+            if inspect.isawaitable(result):
+                result = await result
+        except Exception:
+            self._cleanups.pop(channel, None)
+            if channel not in self._failing:
+                logger.exception("factory of %s failed; retrying at each beat", safe(channel))
+                self._failing.add(channel)
+            return False
+        self._failing.discard(channel)
+        self._cleanups[channel] = result if callable(result) else None
+        logger.debug("ticker %s started on %s", channel, self.instance_id)
+        return True
+
+    async def _stop_ticker(self, channel: str) -> None:
+        cleanup = self._cleanups.pop(channel, None)
+        self._pending.pop(channel, None)
+        self._failing.discard(channel)
+        if cleanup is None:
+            return
+        try:
+            result = cleanup()
+            if inspect.isawaitable(result):
+                await result
+        except Exception:
+            logger.exception("cleanup of %s failed", safe(channel))
+
+    def _publisher_for(self, channel: str) -> TickerPublish:
+        """The ``publish(data)`` handed to a factory: latest value wins, thread-safe."""
+        return TickerPublish(self, channel)
+
+    def _offer(self, channel: str, data: Any) -> None:
+        if channel in self._cleanups:
+            self._pending[channel] = data
+            self._wake.set()
+
+    def _tick_failed(self, channel: str) -> None:
+        if channel in self._cleanups:
+            self._failing.add(channel)  # shown by the probe until a tick succeeds
+
+    async def _publisher(self) -> None:
+        """Send tickers' latest values; channels never wait behind each other."""
+        slots = asyncio.Semaphore(max(1, get_config()["PUBLISH_CONCURRENCY"]))
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            for channel in [c for c in self._pending if c not in self._in_flight]:
+                await slots.acquire()
+                data = self._pending.pop(channel, _MISSING)
+                if data is _MISSING:
+                    slots.release()
+                    continue
+                self._in_flight.add(channel)
+                task = asyncio.get_running_loop().create_task(self._publish_tick(channel, data))
+
+                def done(_: asyncio.Task[None], channel: str = channel) -> None:
+                    slots.release()
+                    self._in_flight.discard(channel)
+                    if channel in self._pending:
+                        self._wake.set()
+
+                task.add_done_callback(done)
+
+    async def _publish_tick(self, channel: str, data: Any) -> None:
+        try:
+            await self.publish(channel, data)
+        except BackplaneUnavailable:
+            pass  # counted and logged by the outage
+        except PublicationError as exc:
+            if channel not in self._failing:
+                logger.error("ticker of %s: %s", safe(channel), exc)
+                self._failing.add(channel)
+        except Exception:
+            if channel not in self._failing:
+                logger.exception("publication on %s failed", safe(channel))
+                self._failing.add(channel)
+        else:
+            self._failing.discard(channel)
+
+    async def _maintain(self) -> None:
+        """The beat: notice lost backplane state, renew, compete, retry, re-assert; probe."""
+        config = get_config()
+        period = config["LEASE_TTL_MS"] / 3000
+        probe_every = max(1, round(config["PROBE_TTL_MS"] / 3 / (period * 1000)))
+        backplane = self.backplane
+        assert backplane is not None
+        for beat in itertools.count():
+            try:
+                await self._beat(backplane)
+                if beat % probe_every == 0:
+                    await backplane.put_probe(self.probe(), config["PROBE_TTL_MS"])
+            except asyncio.CancelledError:
+                raise
+            except backplane.errors as exc:
+                backplane.outage.failed(exc)
+            except Exception:
+                logger.exception("hub maintenance failed; retrying")
+            await asyncio.sleep(period)
+
+    async def _beat(self, backplane: Backplane) -> None:
+        try:
+            intact = await backplane.check()
+        except backplane.errors as exc:
+            backplane.outage.failed(exc)
+            self._reassert = True
+            return
+        if backplane.outage.succeeded() or not intact:
+            self._reassert = True
+        reassert, self._reassert = self._reassert, False
+        self.reconciler.beat(reassert=reassert)
+        if reassert:
+            await backplane.reseed({c: s for c, s in self.last_seq.items() if c in self.subscribers})
+        await self._converge_all(list(self.reconciler.pending()))
+
+    # -- delivery ----------------------------------------------------------------------
+
+    async def _deliver(self, delivery: Delivery) -> None:
+        if delivery.kind == "frame":
+            if delivery.seq and delivery.channel in self.subscribers:
+                if delivery.seq > self.last_seq.get(delivery.channel, 0):
+                    self.last_seq[delivery.channel] = delivery.seq
+            self.fanout(delivery.channel, delivery.text)
+        elif delivery.kind == "released":
+            self.reconciler.released_elsewhere(delivery.channel)
+            if self.reconciler.next_action(delivery.channel) is not None:
+                self._spawn(self._converge(delivery.channel))
+
+    def fanout(self, channel: str, text: str) -> None:
+        """Hand one encoded frame to every local subscriber of ``channel``, guarded."""
+        subs = self.subscribers.get(channel)
+        if not subs:
+            return
+        payload = text.encode("utf-8")  # once per publication, not per subscriber
+        for conn in tuple(subs):
+            try:
+                decision = conn.guard.send(payload)
+            except Exception as exc:
+                self._send_failed(conn, exc)
+                continue
+            if decision is not SEND:
+                self._account(conn, decision)
+
+    def send_to(self, conn: Connection, text: str, *, response: bool = False) -> Decision:
+        """Send one frame to one connection through its guard (RPC responses, errors)."""
+        try:
+            decision = conn.guard.send(text.encode("utf-8"), response=response)
+        except Exception as exc:
+            self._send_failed(conn, exc)
+            return CLOSE
+        if decision is not SEND:
+            self._account(conn, decision)
+        return decision
+
+    def _send_failed(self, conn: Connection, exc: Exception) -> None:
+        """A send raised (the server refused the frame): close that connection, only it."""
+        if conn.closed:
+            return
+        self.send_failures += 1
+        logger.warning(
+            "connection %s closed with %s: a send failed (%s: %s)",
+            conn.id,
+            int(CloseCode.INTERNAL_ERROR),
+            type(exc).__name__,
+            safe(exc, 200),
+        )
+        with contextlib.suppress(Exception):
+            conn.guard.close(CloseCode.INTERNAL_ERROR, "send failed")
+        self.forget(conn)
+
+    def _account(self, conn: Connection, decision: Decision) -> None:
+        if decision is DROP:
+            self.drops += 1
+        elif decision is CLOSE and not conn.closed:
+            self.closes += 1
+            logger.warning(
+                "connection %s closed with %s: backpressure (%s bytes queued, %s drops)",
+                conn.id,
+                int(CloseCode.TRY_AGAIN_LATER),
+                conn.guard.buffered(),
+                conn.guard.state.drops,
+            )
+            self.forget(conn)
+
+    def _spawn(self, coro: Any) -> None:
+        assert self.loop is not None
+        task = self.loop.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def forget(self, conn: Connection) -> None:
+        """Release a connection's subscriptions now, from synchronous code."""
+        conn.closed = True
+        self._spawn(self.remove_connection(conn))
+
+    async def publish(self, channel: str, data: Any) -> int:
+        """Publish one message on ``channel``; returns its ``seq``.
+
+        Raises :class:`PublicationError` when ``data`` is not JSON,
+        :class:`PublicationTooLarge` when the frame would exceed ``MAX_PUBLICATION_BYTES``
+        (no ``seq`` is taken for either), :class:`BackplaneUnavailable` when the backplane
+        does not answer.
+        """
+        if not self._started:
+            await self.start()
+        backplane = self.backplane
+        assert backplane is not None
+        data_json = encode_publication(channel, data)
+        try:
+            seq = await backplane.publish(channel, data_json, self.last_seq.get(channel, 0))
+        except backplane.errors as exc:
+            backplane.outage.failed(exc)
+            raise BackplaneUnavailable("publish", exc) from exc
+        if backplane.outage.succeeded():
+            self._reassert = True
+        if channel in self.subscribers and seq > self.last_seq.get(channel, 0):
+            self.last_seq[channel] = seq
+        self.published += 1
+        return seq
+
+    # -- probe -------------------------------------------------------------------------
+
+    def backpressure_probe(self) -> dict[str, int]:
+        """Queued bytes per connection, read now from the transports (no decision taken)."""
+        slow = get_config()["SLOW_CONSUMER_BYTES"]
+        worst = total = slow_count = balance = 0
+        for conn in self.connections:
+            queued = conn.guard.buffered()
+            total += queued
+            worst = max(worst, queued)
+            balance = max(balance, conn.guard.state.balance)
+            if slow and queued >= slow:
+                slow_count += 1
+        return {
+            "max_buffered_amount": worst,
+            "max_drop_balance": balance,
+            "total_buffered_amount": total,
+            "slow_consumers": slow_count,
+            "drops": self.drops,
+            "closes": self.closes,
+        }
+
+    def probe(self) -> dict[str, Any]:
+        """This process's counters (no decision is taken from them). Its size is bounded:
+        the busiest ``PROBE_TOP_CHANNELS`` channels by name, the others counted."""
+        top = get_config()["PROBE_TOP_CHANNELS"]
+        busiest = sorted(self.subscribers.items(), key=lambda item: (-len(item[1]), item[0]))[:top]
+        backplane = self.backplane
+        return {
+            "instance": self.instance_id,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "connections": len(self.connections),
+            "subscriptions": sum(len(s) for s in self.subscribers.values()),
+            "channels": {name: len(subs) for name, subs in busiest},
+            "channel_count": len(self.subscribers),
+            "tickers": sorted(self._cleanups)[:top],
+            "ticker_count": len(self._cleanups),
+            "failing_tickers": sorted(self._failing)[:top],
+            "published": self.published,
+            "refused": dict(self.refused),
+            "send_failures": self.send_failures,
+            "backplane": {
+                "up": not (backplane is not None and backplane.outage.down),
+                "outages": backplane.outage.outages if backplane is not None else 0,
+            },
+            "backpressure": self.backpressure_probe(),
+        }
+
+    async def cluster_probes(self) -> list[dict[str, Any]]:
+        """Every live process's probe, this one's fresh."""
+        assert self.backplane is not None
+        others = [p for p in await self.backplane.cluster_probes() if p.get("instance") != self.instance_id]
+        return [self.probe(), *others]
+
+
+def encode_publication(channel: str, data: Any) -> str:
+    """``data`` as JSON text, checked before any ``seq`` is taken: a publication that cannot
+    be sent must not burn a number."""
+    try:
+        data_json = encode(data)
+    except (ValueError, TypeError) as exc:
+        raise PublicationError(channel, f"data is not JSON ({exc})") from None
+    limit = get_config()["MAX_PUBLICATION_BYTES"]
+    size = len(data_json) if data_json.isascii() else len(data_json.encode("utf-8"))
+    size += len(channel) + 96  # the envelope, seq and ts
+    if limit and size > limit:
+        raise PublicationTooLarge(channel, size, limit)
+    return data_json
+
+
+def _process_start() -> float:
+    """When this process started (uptime is the process's, not the hub's)."""
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:
+        return time.time()
+
+
+_hubs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Hub] = weakref.WeakKeyDictionary()
+
+
+async def get_hub() -> Hub:
+    """The started hub of the running event loop (created on first use)."""
+    loop = asyncio.get_running_loop()
+    hub = _hubs.get(loop)
+    if hub is None:
+        hub = _hubs[loop] = Hub()
+    if not hub._started:
+        await hub.start()
+    return hub
+
+
+def running_hub() -> Hub | None:
+    """A started hub of this process on another live loop, for publishing from threads."""
+    for loop, hub in list(_hubs.items()):
+        if hub._started and loop.is_running() and not loop.is_closed():
+            return hub
+    return None
+
+
+def hub_of_current_loop() -> Hub | None:
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+    hub = _hubs.get(loop)
+    return hub if hub is not None and hub._started else None

@@ -1,0 +1,81 @@
+"""``manage.py realtime_probe [--json] [--watch SECONDS]``: the cluster probe, from outside."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from asgiref.sync import async_to_sync
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from realtime_app.probes import cluster_probe
+
+__all__ = ["Command"]
+
+COLUMNS: list[tuple[str, Callable[[dict[str, Any]], Any]]] = [
+    ("instance", lambda p: p.get("instance", "")),
+    ("pid", lambda p: p.get("pid", "")),
+    ("uptime", lambda p: f"{p.get('uptime_s', 0):.0f}s"),
+    ("conns", lambda p: p.get("connections", 0)),
+    ("subs", lambda p: p.get("subscriptions", 0)),
+    ("tickers", lambda p: p.get("ticker_count", len(p.get("tickers", [])))),
+    ("failing", lambda p: len(p.get("failing_tickers", []))),
+    ("worst queue", lambda p: _bytes(p.get("backpressure", {}).get("max_buffered_amount", 0))),
+    ("total queued", lambda p: _bytes(p.get("backpressure", {}).get("total_buffered_amount", 0))),
+    ("slow", lambda p: p.get("backpressure", {}).get("slow_consumers", 0)),
+    ("drops", lambda p: p.get("backpressure", {}).get("drops", 0)),
+    ("1013", lambda p: p.get("backpressure", {}).get("closes", 0)),
+]
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def table(probe: dict[str, Any]) -> str:
+    """The probe as a fixed-width table, one row per live process."""
+    rows = [[str(get(p)) for _, get in COLUMNS] for p in probe["instances"]]
+    heads = [name for name, _ in COLUMNS]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(heads)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(heads, widths, strict=True))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    if not rows:
+        lines.append("(no live process)")
+    return "\n".join(lines)
+
+
+class Command(BaseCommand):
+    help = "Show the realtime cluster's probe: one row per live server process."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--json", action="store_true", help="print the probe as JSON")
+        parser.add_argument("--watch", type=float, metavar="SECONDS", help="repeat every SECONDS until interrupted")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        watch = options["watch"]
+        if watch is not None and watch <= 0:
+            raise CommandError("--watch takes a positive number of seconds")
+        while True:
+            probe = async_to_sync(cluster_probe)()
+            if not probe["clustered"]:
+                raise CommandError(
+                    "the channel layer is in-memory: each server process is alone and this command cannot see it; "
+                    "use GET /realtime/api/health on the server, or run the servers on the Redis channel layer"
+                )
+            if options["json"]:
+                self.stdout.write(json.dumps(probe, indent=None if watch else 2))
+            else:
+                stamp = time.strftime("%H:%M:%S")
+                self.stdout.write(f"{stamp}  {probe['totals']['instances']} live process(es)\n{table(probe)}\n")
+            if watch is None:
+                return
+            try:
+                time.sleep(watch)
+            except KeyboardInterrupt:
+                return

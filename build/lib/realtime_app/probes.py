@@ -1,0 +1,66 @@
+"""The cluster view: every live process's probe, read without deciding anything."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .backplane import make_backplane
+from .hub import hub_of_current_loop
+
+__all__ = ["PROBE_FIELDS", "cluster_probe", "totals"]
+
+#: Numeric fields of an instance's probe, in the order the table and metrics show them.
+PROBE_FIELDS = ("connections", "subscriptions", "published")
+BACKPRESSURE_FIELDS = (
+    "max_buffered_amount",
+    "max_drop_balance",
+    "total_buffered_amount",
+    "slow_consumers",
+    "drops",
+    "closes",
+)
+
+
+async def cluster_probe() -> dict[str, Any]:
+    """``{"generated_at": ms, "clustered": bool, "instances": [...], "totals": {...}}``.
+
+    From a serving process its own probe is fresh and the others are read from the
+    backplane, where each process republishes its probe with a TTL (dead ones drop out).
+    From any other process (a command) everything comes from the backplane.
+    """
+    hub = hub_of_current_loop()
+    if hub is not None:
+        assert hub.backplane is not None
+        clustered = hub.backplane.clustered
+        instances = await hub.cluster_probes()
+    else:
+        backplane = make_backplane()
+        clustered = backplane.clustered
+        try:
+            instances = await backplane.cluster_probes()
+        finally:
+            await backplane.stop()
+    instances.sort(key=lambda p: p.get("instance", ""))
+    return {
+        "generated_at": int(time.time() * 1000),
+        "clustered": clustered,
+        "instances": instances,
+        "totals": totals(instances),
+    }
+
+
+def totals(instances: list[dict[str, Any]]) -> dict[str, Any]:
+    """Cluster-wide sums (worst queue: the maximum) and subscribers per channel."""
+    out: dict[str, Any] = {name: sum(p.get(name, 0) for p in instances) for name in PROBE_FIELDS}
+    bp = [p.get("backpressure", {}) for p in instances]
+    for name in BACKPRESSURE_FIELDS:
+        values = [b.get(name, 0) for b in bp]
+        out[name] = max(values, default=0) if name.startswith("max_") else sum(values)
+    channels: dict[str, int] = {}
+    for p in instances:
+        for channel, count in p.get("channels", {}).items():
+            channels[channel] = channels.get(channel, 0) + count
+    out["channels"] = channels
+    out["instances"] = len(instances)
+    return out

@@ -1,0 +1,57 @@
+"""``publish()`` / ``apublish()``: application code puts a message on a channel.
+
+Callable from async code (``apublish``), from sync views, signals and tasks
+(``publish``), in a serving process or in any other process of the cluster (a
+management command, a worker) — the backplane carries it to every subscribed process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from asgiref.sync import async_to_sync
+
+from .backplane import make_backplane
+from .exceptions import BackplaneUnavailable, ConfigurationError
+from .hub import encode_publication, hub_of_current_loop, running_hub
+from .registry import registry
+
+__all__ = ["apublish", "publish"]
+
+
+async def apublish(channel: str, data: Any) -> int:
+    """Publish ``data`` on ``channel`` (an event channel or an exact state channel).
+
+    Returns the publication's ``seq``. Raises :class:`~realtime_app.exceptions.UnknownChannel`
+    for a name nobody registered, :class:`ConfigurationError` for a cadenced channel, whose
+    frames belong to its ticker, :class:`~realtime_app.exceptions.PublicationError` for
+    data that is not JSON and :class:`~realtime_app.exceptions.PublicationTooLarge` for a
+    frame over ``MAX_PUBLICATION_BYTES`` (neither takes a ``seq``), and
+    :class:`~realtime_app.exceptions.BackplaneUnavailable` when Redis does not answer.
+    """
+    spec = registry.resolve(channel)
+    if spec.interval_ms is not None:
+        raise ConfigurationError(f"{channel!r} is a cadenced channel: its ticker publishes it, not application code")
+    hub = hub_of_current_loop()
+    if hub is not None:
+        return await hub.publish(spec.name, data)
+    other = running_hub()
+    if other is not None and other.loop is not None:
+        future = asyncio.run_coroutine_threadsafe(other.publish(spec.name, data), other.loop)
+        return await asyncio.wrap_future(future)
+    # No server in this process (a command, a worker): publish through a short-lived
+    # backplane; with one process and no Redis nobody can be listening.
+    data_json = encode_publication(spec.name, data)
+    backplane = make_backplane()
+    try:
+        return await backplane.publish(spec.name, data_json)
+    except backplane.errors as exc:
+        raise BackplaneUnavailable("publish", exc) from exc
+    finally:
+        await backplane.stop()
+
+
+def publish(channel: str, data: Any) -> int:
+    """Synchronous :func:`apublish`, for views, signals and tasks (not for async code)."""
+    return int(async_to_sync(apublish)(channel, data))

@@ -1,0 +1,196 @@
+"""The cluster membership of one process as a pure state machine (no asyncio, no Redis).
+
+For every channel the process keeps the *desired* state — it has local subscribers, the
+channel has a ticker — next to what it *believes* the backplane holds: it is in the
+channel's group, it holds the ticker's lease, the ticker runs here. Events come in
+(local subscribe and unsubscribe, the result of each action, another process released a
+lease, a maintenance beat, the backplane lost its state); :meth:`Reconciler.next_action`
+says what to do next to bring belief and desire together. The hub only carries the
+actions out, one at a time per channel, and reports each result with :meth:`done`.
+
+It is level-triggered, not edge-triggered (docs/reliability.md): nothing on the
+backplane is assumed to stay. Every beat asks again for what a live member must keep
+(renew the lease, compete for a free one, retry what failed), and a *re-assert* — at a
+beat after the backplane lost its state, or periodically, well within channels-redis'
+``group_expiry`` — joins every wanted group again, so any lost membership heals within
+one period.
+
+Order of actions for a channel, first applicable wins: stop a ticker that should not
+run; release a lease that is not wanted; join a wanted group; acquire a wanted lease;
+start a ticker whose lease is held; leave an unwanted group; renew a held lease. Hence
+a ticker runs only while the lease is held and the channel has local subscribers.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+__all__ = ["Action", "ChannelState", "Reconciler"]
+
+
+class Action(enum.Enum):
+    """What the hub does for one channel."""
+
+    JOIN = "join"  # add this process to the channel's backplane group
+    LEAVE = "leave"  # remove it
+    ACQUIRE = "acquire"  # try to take the ticker's lease (granted or not)
+    RENEW = "renew"  # keep the lease (False: it was lost)
+    RELEASE = "release"  # give the lease up and tell the other processes
+    START = "start"  # call the channel's factory here
+    STOP = "stop"  # call its cleanup
+
+
+#: Actions that talk to the backplane (they can fail because it is unreachable).
+REMOTE = frozenset({Action.JOIN, Action.LEAVE, Action.ACQUIRE, Action.RENEW, Action.RELEASE})
+
+
+@dataclass(slots=True)
+class ChannelState:
+    """Desired and believed state of one channel in this process."""
+
+    wanted: bool = False  # the process has local subscribers
+    ticker: bool = False  # the channel has a factory (a ticker to elect)
+    joined: bool = False  # believed to be in the channel's group
+    held: bool = False  # believed to hold the ticker's lease
+    running: bool = False  # the ticker runs here
+    rejoin: bool = False  # a re-assert asks to join again even if believed joined
+    acquire_due: bool = False  # compete for the lease at the next step
+    renew_due: bool = False  # renew the lease at the next step
+    backoff: bool = False  # the factory failed: release the lease, retry at the next beat
+    parked: bool = False  # a remote action failed: wait for the next beat
+
+    @property
+    def idle(self) -> bool:
+        """Nothing wanted, nothing held: the record can be forgotten."""
+        return not (self.wanted or self.joined or self.held or self.running)
+
+
+class Reconciler:
+    """Per-process desired vs believed state of every channel; says what to do next."""
+
+    def __init__(self) -> None:
+        self.channels: dict[str, ChannelState] = {}
+
+    def _state(self, channel: str) -> ChannelState:
+        state = self.channels.get(channel)
+        if state is None:
+            state = self.channels[channel] = ChannelState()
+        return state
+
+    def _forget_if_idle(self, channel: str) -> None:
+        state = self.channels.get(channel)
+        if state is not None and state.idle:
+            del self.channels[channel]
+
+    # -- events -------------------------------------------------------------------
+
+    def subscribed(self, channel: str, *, ticker: bool) -> None:
+        """The channel got its first local subscriber."""
+        state = self._state(channel)
+        state.wanted, state.ticker = True, ticker
+        state.acquire_due = ticker and not state.held
+
+    def unsubscribed(self, channel: str) -> None:
+        """The channel's last local subscriber left."""
+        state = self.channels.get(channel)
+        if state is not None:
+            state.wanted = False
+            state.rejoin = state.acquire_due = False
+            self._forget_if_idle(channel)
+
+    def released_elsewhere(self, channel: str) -> None:
+        """Another process gave the lease up: compete for it now, not at the next beat."""
+        state = self.channels.get(channel)
+        if state is not None and state.wanted and state.ticker and not state.held:
+            state.acquire_due = True
+
+    def beat(self, *, reassert: bool = False) -> None:
+        """The maintenance beat: renew, compete, retry; ``reassert`` re-joins every group.
+
+        Pass ``reassert=True`` after the backplane lost (or may have lost) its state, and
+        periodically within ``group_expiry``.
+        """
+        for state in self.channels.values():
+            state.parked = False
+            state.renew_due = state.held
+            state.acquire_due = state.wanted and state.ticker and not state.held
+            state.backoff = False
+            if reassert and state.wanted:
+                state.rejoin = True
+
+    # -- decisions ----------------------------------------------------------------
+
+    def next_action(self, channel: str) -> Action | None:
+        """The next action that brings ``channel`` closer to its desired state, or None."""
+        state = self.channels.get(channel)
+        if state is None:
+            return None
+        keep_ticker = state.wanted and state.ticker
+        if state.running and not (keep_ticker and state.held):
+            return Action.STOP
+        if state.parked:
+            return None
+        if state.held and (not keep_ticker or state.backoff):
+            return Action.RELEASE
+        if state.wanted and (not state.joined or state.rejoin):
+            return Action.JOIN
+        if keep_ticker and not state.held and state.acquire_due and not state.backoff:
+            return Action.ACQUIRE
+        if keep_ticker and state.held and not state.running:
+            return Action.START
+        if state.joined and not state.wanted:
+            return Action.LEAVE
+        if state.held and state.renew_due:
+            return Action.RENEW
+        return None
+
+    def pending(self) -> Iterator[str]:
+        """Channels with an action to carry out now (a snapshot: safe to act while iterating)."""
+        return iter([name for name in self.channels if self.next_action(name) is not None])
+
+    def done(self, channel: str, action: Action, ok: bool) -> None:
+        """Report the result of ``action``.
+
+        ``ok`` is the outcome: for ACQUIRE whether the lease was granted, for RENEW
+        whether it is still held, for START whether the factory succeeded; for the other
+        remote actions whether the backplane answered. Use :meth:`failed` when a remote
+        action raised (the backplane is unreachable).
+        """
+        state = self.channels.get(channel)
+        if state is None:
+            return
+        if action is Action.JOIN:
+            state.joined = ok or state.joined
+            state.rejoin = state.rejoin and not ok
+        elif action is Action.LEAVE:
+            state.joined = state.joined and not ok
+        elif action is Action.ACQUIRE:
+            state.held = ok
+            state.acquire_due = False
+        elif action is Action.RENEW:
+            state.held = ok
+            state.renew_due = False
+        elif action is Action.RELEASE:
+            state.held = False  # released, or it expires on its own
+        elif action is Action.START:
+            state.running = ok
+            state.backoff = not ok  # let another process try; retry at the next beat
+        elif action is Action.STOP:
+            state.running = False
+        self._forget_if_idle(channel)
+
+    def failed(self, channel: str, action: Action) -> None:
+        """A remote action raised: keep what is believed and wait for the next beat."""
+        state = self.channels.get(channel)
+        if state is None:
+            return
+        state.parked = True
+        if action is Action.RELEASE:
+            state.held = False  # the lease expires on its own
+        elif action is Action.RENEW:
+            state.renew_due = False  # believed held until the backplane answers
+        elif action is Action.ACQUIRE:
+            state.acquire_due = False
+        self._forget_if_idle(channel)

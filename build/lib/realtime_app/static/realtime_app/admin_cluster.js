@@ -1,0 +1,78 @@
+// The admin's Realtime cluster screen: follows the health channel, one row per live process,
+// and a small chart of each process's total queued bytes over the last minutes.
+import { RealtimeClient } from "./realtime.js";
+
+const root = document.getElementById("realtime-cluster");
+const rows = document.getElementById("rc-rows");
+const chart = document.getElementById("rc-chart");
+const legend = document.getElementById("rc-legend");
+const WINDOW_MS = 5 * 60 * 1000;
+const COLORS = ["#417690", "#c0392b", "#27ae60", "#8e44ad", "#d35400", "#2c3e50"];
+const history = new Map(); // instance -> [[t, bytes], ...]
+
+function bytes(n) {
+  const units = ["B", "KiB", "MiB", "GiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
+  return i ? `${n.toFixed(1)} ${units[i]}` : `${n} B`;
+}
+
+function cell(text, num) {
+  const td = document.createElement("td");
+  td.textContent = text;
+  if (num) td.className = "num";
+  return td;
+}
+
+function render(probe) {
+  rows.replaceChildren();
+  for (const p of probe.instances) {
+    const bp = p.backpressure || {};
+    const tr = document.createElement("tr");
+    tr.dataset.instance = p.instance;
+    tr.append(
+      cell(p.instance), cell(p.host), cell(p.pid, true), cell(`${Math.round(p.uptime_s)} s`, true),
+      cell(p.connections, true), cell(p.subscriptions, true), cell(p.ticker_count ?? (p.tickers || []).length, true),
+      cell((p.failing_tickers || []).join(", ") || "–"), cell(p.backplane && p.backplane.up === false ? "down" : "up"),
+      cell(bytes(bp.max_buffered_amount || 0), true), cell(bytes(bp.total_buffered_amount || 0), true),
+      cell(bp.slow_consumers || 0, true), cell(bp.drops || 0, true), cell(bp.closes || 0, true),
+    );
+    rows.append(tr);
+    const series = history.get(p.instance) || [];
+    series.push([probe.generated_at, bp.total_buffered_amount || 0]);
+    history.set(p.instance, series.filter(([t]) => t > probe.generated_at - WINDOW_MS));
+  }
+  const live = new Set(probe.instances.map((p) => p.instance));
+  for (const id of history.keys()) if (!live.has(id)) history.delete(id);
+  draw(probe.generated_at);
+  document.getElementById("rc-updated").textContent = `updated ${new Date(probe.generated_at).toLocaleTimeString()}`;
+}
+
+function draw(now) {
+  const max = Math.max(1, ...[...history.values()].flat().map(([, v]) => v));
+  chart.replaceChildren();
+  legend.replaceChildren();
+  [...history.entries()].forEach(([id, series], i) => {
+    const color = COLORS[i % COLORS.length];
+    const points = series.map(([t, v]) => `${(600 * (1 - (now - t) / WINDOW_MS)).toFixed(1)},${(155 - 150 * v / max).toFixed(1)}`);
+    const line = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
+    line.setAttribute("points", points.join(" "));
+    line.setAttribute("fill", "none");
+    line.setAttribute("stroke", color);
+    line.setAttribute("stroke-width", "2");
+    chart.append(line);
+    const key = document.createElement("span");
+    key.style.color = color;
+    key.textContent = `■ ${id}`;
+    legend.append(key);
+  });
+  const top = document.createElement("span");
+  top.textContent = `scale: ${bytes(max)}`;
+  legend.append(top);
+}
+
+const client = new RealtimeClient();
+client.addEventListener("state", (e) => { document.getElementById("rc-state").textContent = e.detail; });
+client.subscribe(root.dataset.channel, (params) => render(params.data));
+client.connect();
+window.realtimeCluster = { client, history };

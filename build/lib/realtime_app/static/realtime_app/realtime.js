@@ -1,0 +1,418 @@
+// realtime_app browser client: JSON-RPC 2.0 over WebSocket, subscriptions with automatic
+// resubscription, capped jittered reconnect, and adaptive cadence (AIMD) bound by
+// make-before-break. ES module, no build step, no dependency.
+// The Python twin is realtime_app/adaptive.py; both pass tests/vectors/adaptive.json.
+
+/** Close codes after which the client reconnects (with backoff). 1008 and 4xxx are fatal. */
+export const RECONNECT_CODES = Object.freeze([1001, 1005, 1006, 1011, 1012, 1013]);
+
+/** @param {number} code @returns {boolean} */
+export function isReconnectableCloseCode(code) {
+  return RECONNECT_CODES.includes(code);
+}
+
+/**
+ * Name the channel of `base` at cadence `ms`: `base` at the family default, else `base:ms`.
+ * @param {string} base @param {number} ms @param {number} [defaultMs]
+ */
+export function rateChannel(base, ms, defaultMs) {
+  if (!Number.isInteger(ms) || ms <= 0) throw new RangeError(`cadence must be a positive integer of ms, got ${ms}`);
+  return ms === defaultMs ? base : `${base}:${ms}`;
+}
+
+/**
+ * Double the desired cadence up to `maxMs`: 1000 → [1000, 2000, …, 32000, 60000].
+ * @param {number} intervalMs @param {number} [maxMs=60000] @returns {number[]}
+ */
+export function deriveLadder(intervalMs, maxMs = 60000) {
+  if (!(intervalMs > 0)) throw new RangeError(`intervalMs must be > 0, got ${intervalMs}`);
+  const ladder = [intervalMs];
+  while (ladder[ladder.length - 1] * 2 < maxMs) ladder.push(ladder[ladder.length - 1] * 2);
+  if (ladder[ladder.length - 1] < maxMs) ladder.push(maxMs);
+  return ladder;
+}
+
+/**
+ * @typedef {object} AdaptiveOptions
+ * @property {number} [maxMs=60000] top of the derived ladder
+ * @property {number[]} [ladder] explicit cadences (rungs under intervalMs are ignored)
+ * @property {number} [starvationFactor=1.8] gap over this × cadence: one step slower at once
+ * @property {number} [healthyFactor=1.25] gap at most this × cadence: healthy
+ * @property {number} [recoveryWindow=4] healthy gaps in a row before one step faster
+ * @property {boolean} [enabled=true] false: fixed cadence, no measuring, no watchdog
+ */
+
+/** Decides, one frame at a time, whether to ask for a slower or faster cadence (AIMD). */
+export class AdaptiveRate {
+  /** @param {number} intervalMs desired cadence @param {AdaptiveOptions} [options] */
+  constructor(intervalMs, options = {}) {
+    const {
+      maxMs = 60000, ladder, starvationFactor = 1.8, healthyFactor = 1.25, recoveryWindow = 4, enabled = true,
+    } = options;
+    if (!(healthyFactor >= 1 && healthyFactor < starvationFactor)) {
+      throw new RangeError(`need 1 <= healthyFactor < starvationFactor, got ${healthyFactor} and ${starvationFactor}`);
+    }
+    if (!(recoveryWindow >= 1)) throw new RangeError(`recoveryWindow must be >= 1, got ${recoveryWindow}`);
+    this.desiredMs = intervalMs;
+    this.ladder = ladder
+      ? [...new Set([intervalMs, ...ladder.filter((r) => r >= intervalMs)])].sort((a, b) => a - b)
+      : deriveLadder(intervalMs, maxMs);
+    this.starvationFactor = starvationFactor;
+    this.healthyFactor = healthyFactor;
+    this.recoveryWindow = recoveryWindow;
+    this.enabled = enabled;
+    this._index = 0;
+    this._last = null;
+    this._since = null;
+    this._healthy = 0;
+  }
+
+  /** The cadence to subscribe to now, in ms. */
+  get intervalMs() { return this.ladder[this._index]; }
+
+  get healthyCount() { return this._healthy; }
+
+  /** Restart the measurement: the next frame is only a reference. @param {number|null} [now] */
+  reset(now = null) { this._last = null; this._since = now; this._healthy = 0; }
+
+  _step(delta, now) {
+    this._index += delta;
+    this.reset(now);
+    return delta > 0 ? "slower" : "faster";
+  }
+
+  /** Record a frame received at `now` (ms). @returns {"slower"|"faster"|null} */
+  noteFrame(now) {
+    if (!this.enabled) return null;
+    const last = this._last;
+    this._last = now;
+    if (last === null) { this._since = now; return null; }
+    const gap = now - last;
+    const cadence = this.intervalMs;
+    if (gap > this.starvationFactor * cadence) {
+      this._healthy = 0;
+      return this._index < this.ladder.length - 1 ? this._step(1, now) : null;
+    }
+    if (gap <= this.healthyFactor * cadence) {
+      this._healthy += 1;
+      if (this._healthy >= this.recoveryWindow) {
+        this._healthy = 0;
+        if (this._index > 0) return this._step(-1, now);
+      }
+      return null;
+    }
+    this._healthy = 0; // dead band
+    return null;
+  }
+
+  /** Watchdog: with no frame for too long, step slower. @returns {"slower"|null} */
+  checkStarvation(now) {
+    if (!this.enabled) return null;
+    const reference = this._last !== null ? this._last : this._since;
+    if (reference === null) { this._since = now; return null; }
+    if (now - reference > this.starvationFactor * this.intervalMs && this._index < this.ladder.length - 1) {
+      return this._step(1, now);
+    }
+    return null;
+  }
+}
+
+/** A JSON-RPC error answered by the server (`data.reason` says why). */
+export class RpcError extends Error {
+  constructor(error) {
+    super(error.message);
+    this.name = "RpcError";
+    this.code = error.code;
+    this.data = error.data || {};
+    this.reason = this.data.reason;
+  }
+}
+
+function defaultUrl() {
+  const scheme = globalThis.location && globalThis.location.protocol === "https:" ? "wss" : "ws";
+  return `${scheme}://${globalThis.location.host}/realtime/`;
+}
+
+/**
+ * WebSocket client of the realtime_app endpoint. Events: "state" (detail: "connecting" |
+ * "open" | "reconnecting" | "closed"), "close" (detail: {code, reason, willReconnect}),
+ * "subscribed" (detail: subscribe result), "subscribeerror" (detail: {channel, error}:
+ * a subscribe the server refused, also when it is renewed after a reconnect).
+ */
+export class RealtimeClient extends EventTarget {
+  /**
+   * @param {object} [options]
+   * @param {string} [options.url] default: ws(s)://<this host>/realtime/
+   * @param {number} [options.callTimeoutMs=10000]
+   * @param {number} [options.backoffInitialMs=500] @param {number} [options.backoffMaxMs=30000]
+   * @param {typeof WebSocket} [options.WebSocket]
+   */
+  constructor(options = {}) {
+    super();
+    this.url = options.url || defaultUrl();
+    this.callTimeoutMs = options.callTimeoutMs ?? 10000;
+    this.backoffInitialMs = options.backoffInitialMs ?? 500;
+    this.backoffMaxMs = options.backoffMaxMs ?? 30000;
+    this.WebSocket = options.WebSocket || globalThis.WebSocket;
+    this.state = "closed";
+    this.attempt = 0;
+    this._ws = null;
+    this._nextId = 1;
+    this._pending = new Map(); // id -> {resolve, reject, timer}
+    this._handlers = new Map(); // requested name -> Set(handler)
+    this._canonical = new Map(); // requested name -> canonical name
+    this._waiters = new Map(); // requested name -> [{resolve, reject}] until the server answers
+    this._answers = new Map(); // requested name -> the server's last answer
+    this._onError = new Map(); // requested name -> Set(onError)
+    this._stopped = true;
+    this._timer = null;
+  }
+
+  _setState(state) {
+    this.state = state;
+    this.dispatchEvent(new CustomEvent("state", { detail: state }));
+  }
+
+  /** Open the connection (and keep it open until `close()`). */
+  connect() {
+    this._stopped = false;
+    if (this._ws) return;
+    this._setState(this.attempt ? "reconnecting" : "connecting");
+    const ws = new this.WebSocket(this.url);
+    this._ws = ws;
+    ws.onopen = () => {
+      this.attempt = 0;
+      this._setState("open");
+      for (const name of this._handlers.keys()) this._subscribeRemote(name).catch(() => {}); // reported there
+    };
+    ws.onmessage = (event) => this._onMessage(event.data);
+    ws.onclose = (event) => this._onClose(event.code, event.reason);
+  }
+
+  /** Close for good (no reconnect). */
+  close(code = 1000) {
+    this._stopped = true;
+    clearTimeout(this._timer);
+    if (this._ws) this._ws.close(code);
+  }
+
+  _onClose(code, reason) {
+    this._ws = null;
+    for (const [id, call] of this._pending) {
+      clearTimeout(call.timer);
+      call.reject(new Error(`connection closed (${code})`));
+      this._pending.delete(id);
+    }
+    const willReconnect = !this._stopped && isReconnectableCloseCode(code);
+    this.dispatchEvent(new CustomEvent("close", { detail: { code, reason, willReconnect } }));
+    if (!willReconnect) { this._stopped = true; this._setState("closed"); return; }
+    const cap = Math.min(this.backoffMaxMs, this.backoffInitialMs * 2 ** this.attempt);
+    const delay = cap / 2 + Math.random() * (cap / 2); // jittered, capped exponential
+    this.attempt += 1;
+    this._setState("reconnecting");
+    this._timer = setTimeout(() => this.connect(), delay);
+  }
+
+  _onMessage(text) {
+    let message;
+    try { message = JSON.parse(text); } catch { return; }
+    for (const item of Array.isArray(message) ? message : [message]) {
+      if (item && item.method === "message" && item.params) {
+        this._deliver(item.params);
+      } else if (item && item.id !== undefined && this._pending.has(item.id)) {
+        const call = this._pending.get(item.id);
+        this._pending.delete(item.id);
+        clearTimeout(call.timer);
+        if (item.error) call.reject(new RpcError(item.error)); else call.resolve(item.result);
+      }
+    }
+  }
+
+  _deliver(params) {
+    for (const [name, handlers] of this._handlers) {
+      if (this._canonical.get(name) === params.channel || name === params.channel) {
+        for (const handler of handlers) {
+          try { handler(params); } catch (err) { console.error(err); }
+        }
+      }
+    }
+  }
+
+  /**
+   * Call a method; resolves with its result, rejects with RpcError or a timeout Error.
+   * @param {string} method @param {object|Array} [params] @param {{timeoutMs?: number}} [options]
+   */
+  call(method, params, options = {}) {
+    const ws = this._ws;
+    if (!ws || ws.readyState !== 1) return Promise.reject(new Error("not connected"));
+    const id = this._nextId++;
+    const timeoutMs = options.timeoutMs ?? this.callTimeoutMs;
+    return new Promise((resolve, reject) => {
+      const timer = setTimeout(() => {
+        this._pending.delete(id);
+        reject(new Error(`${method} timed out after ${timeoutMs} ms`));
+      }, timeoutMs);
+      this._pending.set(id, { resolve, reject, timer });
+      const request = { jsonrpc: "2.0", method, id };
+      if (params !== undefined) request.params = params;
+      ws.send(JSON.stringify(request));
+    });
+  }
+
+  /** Send a notification (no answer). */
+  notify(method, params) {
+    if (!this._ws || this._ws.readyState !== 1) return;
+    const request = { jsonrpc: "2.0", method };
+    if (params !== undefined) request.params = params;
+    this._ws.send(JSON.stringify(request));
+  }
+
+  async _subscribeRemote(name) {
+    let result;
+    try {
+      result = await this.call("subscribe", { channel: name });
+    } catch (error) {
+      if (!this._handlers.has(name)) throw error; // unsubscribed meanwhile
+      for (const waiter of this._waiters.get(name) || []) waiter.reject(error);
+      this._waiters.delete(name);
+      for (const onError of this._onError.get(name) || []) {
+        try { onError(error); } catch (err) { console.error(err); }
+      }
+      this.dispatchEvent(new CustomEvent("subscribeerror", { detail: { channel: name, error } }));
+      throw error;
+    }
+    this._canonical.set(name, result.channel);
+    this._answers.set(name, result);
+    for (const waiter of this._waiters.get(name) || []) waiter.resolve(result);
+    this._waiters.delete(name);
+    this.dispatchEvent(new CustomEvent("subscribed", { detail: result }));
+    return result;
+  }
+
+  /**
+   * Subscribe `handler(params)` to `channel`; kept across reconnects until unsubscribed.
+   * Resolves with the server's answer ({channel, kind, interval_ms}) — when the connection
+   * opens, if it is not open yet — and rejects with an RpcError when the server refuses
+   * (forbidden, unknown channel...). A refusal of a later re-subscription (after a
+   * reconnect) calls `options.onError(error)` and dispatches "subscribeerror".
+   * @param {string} channel @param {(params: object) => void} handler
+   * @param {{onError?: (error: Error) => void}} [options]
+   */
+  subscribe(channel, handler, options = {}) {
+    let handlers = this._handlers.get(channel);
+    const first = !handlers;
+    if (first) { handlers = new Set(); this._handlers.set(channel, handlers); }
+    handlers.add(handler);
+    if (options.onError) {
+      if (!this._onError.has(channel)) this._onError.set(channel, new Set());
+      this._onError.get(channel).add(options.onError);
+    }
+    if (!first && this._answers.has(channel)) return Promise.resolve(this._answers.get(channel));
+    const answer = new Promise((resolve, reject) => {
+      if (!this._waiters.has(channel)) this._waiters.set(channel, []);
+      this._waiters.get(channel).push({ resolve, reject });
+    });
+    if (first && this._ws && this._ws.readyState === 1) this._subscribeRemote(channel).catch(() => {}); // settles `answer`
+    return answer;
+  }
+
+  /** Remove `handler` (or all handlers) from `channel`; the last one out unsubscribes. */
+  async unsubscribe(channel, handler) {
+    const handlers = this._handlers.get(channel);
+    if (!handlers) return;
+    if (handler) handlers.delete(handler); else handlers.clear();
+    if (handlers.size) return;
+    this._handlers.delete(channel);
+    this._onError.delete(channel);
+    this._answers.delete(channel);
+    for (const waiter of this._waiters.get(channel) || []) waiter.reject(new Error(`unsubscribed from ${channel}`));
+    this._waiters.delete(channel);
+    const canonical = this._canonical.get(channel) || channel;
+    this._canonical.delete(channel);
+    const stillUsed = [...this._canonical.values()].includes(canonical);
+    if (!stillUsed && this._ws && this._ws.readyState === 1) {
+      await this.call("unsubscribe", { channel }).catch(() => {});
+    }
+  }
+}
+
+/**
+ * Follow a cadenced state family adaptively: subscribe to `base` at the cadence the
+ * client can absorb, switching make-before-break (new cadence first, then leave the old)
+ * so `handler` sees one uninterrupted stream. Never use it on event channels: a slower
+ * cadence there would lose messages.
+ * @param {RealtimeClient} client @param {string} base @param {number} intervalMs desired cadence
+ * @param {(params: object) => void} handler
+ * @param {AdaptiveOptions & {defaultMs?: number, now?: () => number, onError?: (error: Error) => void}} [options]
+ *   `onError`: a refused subscribe (default: logged to the console)
+ */
+export function bindAdaptiveChannel(client, base, intervalMs, handler, options = {}) {
+  const now = options.now || (() => performance.now());
+  const rate = new AdaptiveRate(intervalMs, options);
+  const target = new EventTarget();
+  let channel = rateChannel(base, rate.intervalMs, options.defaultMs);
+  let watchdog = null;
+  let closed = false;
+  let switching = Promise.resolve();
+
+  const onFrame = (name) => (params) => {
+    handler(params);
+    if (name === channel) decide(rate.noteFrame(now()));
+  };
+  const handlers = new Map();
+  const handlerFor = (name) => {
+    if (!handlers.has(name)) handlers.set(name, onFrame(name));
+    return handlers.get(name);
+  };
+
+  function arm() {
+    clearTimeout(watchdog);
+    if (closed || !rate.enabled) return;
+    watchdog = setTimeout(() => { decide(rate.checkStarvation(now())); arm(); }, rate.intervalMs);
+  }
+
+  function decide(decision) {
+    if (!decision || closed) return;
+    const old = channel;
+    channel = rateChannel(base, rate.intervalMs, options.defaultMs);
+    target.dispatchEvent(new CustomEvent("cadence", { detail: { intervalMs: rate.intervalMs, decision, channel } }));
+    arm();
+    switching = switching.then(async () => {
+      await client.subscribe(channel, handlerFor(channel), { onError: report }); // make…
+      if (old !== channel) await client.unsubscribe(old, handlerFor(old)); // …before break
+    }).catch(report);
+  }
+
+  const report = options.onError || ((err) => console.error(`subscribe ${base} refused`, err));
+  client.subscribe(channel, handlerFor(channel), { onError: report }).catch(report);
+  arm();
+  return Object.assign(target, {
+    rate,
+    get intervalMs() { return rate.intervalMs; },
+    get channel() { return channel; },
+    /** Switch adaptation on or off; off returns to the desired cadence. */
+    setEnabled(enabled) {
+      rate.enabled = enabled;
+      if (!enabled) {
+        while (rate.intervalMs > rate.desiredMs) rate._index -= 1;
+        rate.reset(now());
+        const old = channel;
+        channel = rateChannel(base, rate.intervalMs, options.defaultMs);
+        if (old !== channel) {
+          switching = switching.then(async () => {
+            await client.subscribe(channel, handlerFor(channel), { onError: report });
+            await client.unsubscribe(old, handlerFor(old));
+          }).catch(report);
+        }
+      }
+      arm();
+    },
+    /** Stop following the family. */
+    async close() {
+      closed = true;
+      clearTimeout(watchdog);
+      await switching;
+      await client.unsubscribe(channel, handlerFor(channel));
+    },
+  });
+}

@@ -1,0 +1,12 @@
+"""HTTP routes of realtime_app: ``path("realtime/", include("realtime_app.urls"))``."""
+
+from django.urls import path
+
+from . import views
+
+app_name = "realtime_app"
+
+urlpatterns = [
+    path("api/health", views.health, name="health"),
+    path("metrics", views.metrics, name="metrics"),
+]

@@ -1,0 +1,57 @@
+"""HTTP probes: the cluster health JSON and Prometheus metrics (staff, or a metrics token)."""
+
+from __future__ import annotations
+
+import hmac
+
+from django.http import HttpRequest, HttpResponse, JsonResponse
+
+from .conf import get_config
+from .probes import cluster_probe
+
+__all__ = ["health", "metrics"]
+
+
+async def _refusal(request: HttpRequest, *, allow_token: bool = False) -> HttpResponse | None:
+    """None when the request may read probes: 401 anonymous, 403 non-staff."""
+    if allow_token:
+        token = get_config()["METRICS_TOKEN"]
+        header = request.headers.get("Authorization", "")
+        if token and hmac.compare_digest(header.encode(), f"Bearer {token}".encode()):
+            return None
+    user = await request.auser()
+    if not user.is_authenticated:
+        response = JsonResponse({"error": "authentication required"}, status=401)
+        response["WWW-Authenticate"] = 'Bearer realm="realtime"'
+        return response
+    if not (user.is_active and user.is_staff):
+        return JsonResponse({"error": "staff only"}, status=403)
+    return None
+
+
+async def _probe(request: HttpRequest) -> dict[str, object]:
+    if hasattr(request, "scope"):  # served by this ASGI process: include its own hub
+        from .hub import get_hub
+
+        await get_hub()
+    return await cluster_probe()
+
+
+async def health(request: HttpRequest) -> HttpResponse:
+    """``GET /realtime/api/health``: every live process's probe, as JSON."""
+    refusal = await _refusal(request)
+    if refusal is not None:
+        return refusal
+    return JsonResponse(await _probe(request))
+
+
+async def metrics(request: HttpRequest) -> HttpResponse:
+    """``GET /realtime/metrics``: the cluster probe in Prometheus' text format."""
+    refusal = await _refusal(request, allow_token=True)
+    if refusal is not None:
+        return refusal
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    from .metrics import render
+
+    return HttpResponse(render(await _probe(request)), content_type=CONTENT_TYPE_LATEST)
