@@ -25,10 +25,14 @@ class RealtimeAppConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
+        from django.contrib.auth.signals import user_logged_out
+
         from . import checks  # noqa: F401  (registers the checks)
         from .conf import get_config, reset_config
+        from .sessions import on_logout
 
         setting_changed.connect(reset_config, dispatch_uid="realtime_app.reset_config")
+        user_logged_out.connect(on_logout, dispatch_uid="realtime_app.on_logout")
         request_started.connect(start_hub_with_first_request, dispatch_uid="realtime_app.start_hub")
         # Importing each app's channel module registers its families (no I/O).
         autodiscover_modules(get_config()["AUTODISCOVER_MODULE"])

@@ -61,6 +61,10 @@ DEFAULTS: dict[str, Any] = {
     "MAX_TICKERS": 1000,
     "MAX_CONNECTIONS_PER_USER": 100,
     "MAX_CONNECTIONS_PER_ADDRESS": 0,
+    # Every this many ms each socket holding guarded subscriptions is checked against its
+    # session and the database again (closed with 4001 / 4003 when its rights ended); 0 = only
+    # at each subscribe and at logout.
+    "REVALIDATE_INTERVAL_MS": 30000,
     # Channels listed by name in a process's probe (the busiest); the rest are counted.
     "PROBE_TOP_CHANNELS": 50,
     # Lifetime of a published process probe, milliseconds; it is republished every third.

@@ -22,6 +22,7 @@ from .policies import allowed
 from .protocol import CloseCode, Request, Response
 from .rate import nearest_cadence, rate_channel
 from .registry import ChannelSpec, registry
+from .sessions import current_user, needs_user
 from .transports import UnsupportedServer
 
 __all__ = ["RealtimeConsumer", "rpc_method"]
@@ -253,8 +254,11 @@ class RealtimeConsumer:
         return {"channel": spec.name, "kind": spec.kind, "interval_ms": spec.interval_ms}
 
     async def _require(self, spec: ChannelSpec, action: Literal["subscribe", "publish"]) -> None:
+        """Refuse unless the user may ``action`` the channel — the user as its session and
+        the database say now, for a guarded channel (logout, deactivation, demotion)."""
         family = registry.family_of(spec.name)
-        if not await allowed(self.user, spec.name, family.base if family else None, action):
+        user = await current_user(self.scope) if needs_user(spec.name, action) else self.user
+        if not await allowed(user, spec.name, family.base if family else None, action):
             raise ForbiddenChannel(spec.name, action)
 
     async def _bounded(self, hub: Any, spec: ChannelSpec, config: dict[str, Any]) -> ChannelSpec:
@@ -296,8 +300,9 @@ class RealtimeConsumer:
         if not isinstance(params, dict) or "data" not in params:
             raise _invalid('Invalid params: expected {"channel": name, "data": ...}', "missing_data")
         spec = registry.resolve(name)
-        if spec.kind != "event" or not await allowed(self.user, spec.name, None, "publish"):
+        if spec.kind != "event":
             raise ForbiddenChannel(spec.name, "publish")
+        await self._require(spec, "publish")
         try:
             seq = await apublish(spec.name, params["data"])
         except PublicationTooLarge as exc:

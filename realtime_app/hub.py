@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import inspect
 import itertools
+import json
 import logging
 import os
 import secrets
@@ -45,6 +46,9 @@ __all__ = ["Connection", "Hub", "get_hub", "running_hub"]
 logger = logging.getLogger("realtime_app.hub")
 
 _connection_ids = itertools.count(1)
+
+#: The backplane channel of the cluster's control messages (never a client's channel).
+CONTROL_CHANNEL = "realtime.control"
 _MISSING = object()
 
 
@@ -119,7 +123,7 @@ class Hub:
         self.drops = 0  # frames refused by the guard, cumulative
         self.closes = 0  # connections closed with 1013 by the guard
         self.send_failures = 0  # connections closed because a send raised
-        self.refused: dict[str, int] = {"tickers": 0, "cadences": 0, "connections": 0, "publications": 0}
+        self.refused: dict[str, int] = {"tickers": 0, "cadences": 0, "connections": 0, "revoked": 0}
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -132,8 +136,13 @@ class Hub:
             self._thread_id = threading.get_ident()
             self.backplane = make_backplane(self.instance_id)
             await self.backplane.start(self._deliver)
+            self.reconciler.subscribed(CONTROL_CHANNEL, ticker=False)  # wanted as long as the hub runs
+            await self._converge(CONTROL_CHANNEL)
+            from .sessions import revalidation_loop
+
             self._tasks.append(self.loop.create_task(self._publisher(), name="realtime-publisher"))
             self._tasks.append(self.loop.create_task(self._maintain(), name="realtime-maintain"))
+            self._tasks.append(self.loop.create_task(revalidation_loop(self), name="realtime-revalidate"))
             self._started = True
             logger.info("hub %s started on %s", self.instance_id, type(self.backplane).__name__)
 
@@ -447,7 +456,9 @@ class Hub:
     # -- delivery ----------------------------------------------------------------------
 
     async def _deliver(self, delivery: Delivery) -> None:
-        if delivery.kind == "frame":
+        if delivery.kind == "frame" and delivery.channel == CONTROL_CHANNEL:
+            self._on_control(delivery.text)
+        elif delivery.kind == "frame":
             if delivery.seq and delivery.channel in self.subscribers:
                 if delivery.seq > self.last_seq.get(delivery.channel, 0):
                     self.last_seq[delivery.channel] = delivery.seq
@@ -456,6 +467,43 @@ class Hub:
             self.reconciler.released_elsewhere(delivery.channel)
             if self.reconciler.next_action(delivery.channel) is not None:
                 self._spawn(self._converge(delivery.channel))
+
+    def _on_control(self, text: str) -> None:
+        try:
+            message = json.loads(text)["params"]["data"]
+            kind = message["kind"]
+        except (ValueError, KeyError, TypeError):
+            logger.warning("ignoring a malformed control message")
+            return
+        if kind == "logout":
+            from .sessions import close_session
+
+            closed = close_session(self, str(message.get("session", "")))
+            if closed:
+                logger.info("closed %d connection(s) of a session that logged out", closed)
+
+    async def control(self, message: dict[str, Any]) -> None:
+        """Send a control message to every process of the cluster, this one included."""
+        if not self._started:
+            await self.start()
+        backplane = self.backplane
+        assert backplane is not None
+        try:
+            await backplane.publish(CONTROL_CHANNEL, encode(message))
+        except backplane.errors as exc:
+            backplane.outage.failed(exc)
+            raise BackplaneUnavailable("control", exc) from exc
+
+    def revoke(self, conn: Connection, code: int) -> None:
+        """Close ``conn`` because its rights ended (4001 session ended, 4003 revoked)."""
+        if conn.closed:
+            return
+        self.refused["revoked"] += 1
+        reason = "session ended" if code == CloseCode.SESSION_ENDED else "rights revoked"
+        logger.info("connection %s closed with %s: %s", conn.id, code, reason)
+        with contextlib.suppress(Exception):
+            conn.guard.close(code, reason)
+        self.forget(conn)
 
     def fanout(self, channel: str, text: str) -> None:
         """Hand one encoded frame to every local subscriber of ``channel``, guarded."""

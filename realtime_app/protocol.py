@@ -71,6 +71,8 @@ class CloseCode(enum.IntEnum):
     INTERNAL_ERROR = 1011
     SERVICE_RESTART = 1012
     TRY_AGAIN_LATER = 1013
+    SESSION_ENDED = 4001  # the socket's session logged out, expired, or its user was deactivated
+    RIGHTS_REVOKED = 4003  # a subscription of the socket is no longer allowed (demotion)
 
 
 RequestId: TypeAlias = str | int | float | None

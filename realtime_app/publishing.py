@@ -17,7 +17,7 @@ from .exceptions import BackplaneUnavailable, ConfigurationError
 from .hub import encode_publication, hub_of_current_loop, running_hub
 from .registry import registry
 
-__all__ = ["apublish", "publish"]
+__all__ = ["acontrol", "apublish", "publish"]
 
 
 async def apublish(channel: str, data: Any) -> int:
@@ -55,3 +55,25 @@ async def apublish(channel: str, data: Any) -> int:
 def publish(channel: str, data: Any) -> int:
     """Synchronous :func:`apublish`, for views, signals and tasks (not for async code)."""
     return int(async_to_sync(apublish)(channel, data))
+
+
+async def acontrol(message: dict[str, Any]) -> None:
+    """Send a control message to every serving process (e.g. a logout); internal."""
+    from .hub import CONTROL_CHANNEL
+    from .protocol import encode
+
+    hub = hub_of_current_loop()
+    if hub is not None:
+        await hub.control(message)
+        return
+    other = running_hub()
+    if other is not None and other.loop is not None:
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(other.control(message), other.loop))
+        return
+    backplane = make_backplane()
+    try:
+        await backplane.publish(CONTROL_CHANNEL, encode(message))
+    except backplane.errors as exc:
+        raise BackplaneUnavailable("control", exc) from exc
+    finally:
+        await backplane.stop()

@@ -11,6 +11,7 @@ from channels.testing import WebsocketCommunicator
 from django.contrib.auth.models import AnonymousUser
 from django.test import override_settings
 
+from realtime_app.hub import CONTROL_CHANNEL
 from realtime_app.routing import websocket_urlpatterns
 from tests.testapp import realtime_channels as test_channels
 
@@ -95,7 +96,7 @@ async def test_one_ticker_per_cadence_started_at_first_and_cleaned_after_last(hu
             break
         await asyncio.sleep(0.02)
     assert ("cleanup", "test:counter:400") in test_channels.EVENTS
-    assert hub.subscribers == {} and hub.probe()["tickers"] == [] and hub.reconciler.channels == {}
+    assert hub.subscribers == {} and hub.probe()["tickers"] == [] and list(hub.reconciler.channels) == [CONTROL_CHANNEL]
 
 
 async def test_unknown_and_garbage_channels_are_refused(hub):

@@ -30,6 +30,7 @@ PUBLIC_MODULES = [
     "reconciler",
     "registry",
     "scenarios",
+    "sessions",
     "transports",
 ]
 

@@ -1,0 +1,163 @@
+"""An open socket keeps only the rights its session still has.
+
+The user of a WebSocket comes from its Django session at the handshake; a socket may stay
+open for days. Three things keep its rights current:
+
+* **each subscribe** to a guarded channel reads the user again from the session store and
+  the database (logged out, deactivated, demoted, password changed: refused at once);
+* **logout** (``user_logged_out``) tells every process of the cluster, through the
+  backplane, to close the sockets of that session with 4001;
+* **every** ``REVALIDATE_INTERVAL_MS`` each socket holding guarded subscriptions is
+  checked again: 4001 when its session no longer yields its user (deactivation, a
+  session deleted or expired), 4003 when one of its subscriptions is now forbidden
+  (demotion, a permission removed).
+
+Session keys never travel: the control message carries a digest of the key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+from .conf import get_config
+from .policies import Action, active_rules, evaluate, requirement_for
+from .protocol import CloseCode
+from .registry import registry
+
+if TYPE_CHECKING:
+    from .hub import Connection, Hub
+
+__all__ = ["current_user", "needs_user", "on_logout", "revalidate", "revalidation_loop", "session_digest"]
+
+logger = logging.getLogger("realtime_app.sessions")
+
+
+def session_digest(session_key: str) -> str:
+    """What identifies a session across the cluster without revealing its key."""
+    return hashlib.sha256(f"realtime_app.session:{session_key}".encode()).hexdigest()[:32]
+
+
+def needs_user(channel: str, action: Action = "subscribe") -> bool:
+    """True when ``action`` on ``channel`` depends on who the user is (not open to anyone)."""
+    family = registry.family_of(channel)
+    req = requirement_for(active_rules(), channel, family.base if family else None, action)
+    identified = req.authenticated or req.staff or req.superuser or bool(req.permissions)
+    return req.allowed and (identified or req.check is not None)
+
+
+def _load_user(session_key: str | None) -> Any:
+    """Django's own ``get_user`` on a freshly read session: backend, ``is_active`` and the
+    session hash (a changed password ends the session) are checked as for a request."""
+    from types import SimpleNamespace
+
+    from django.conf import settings
+    from django.contrib.auth import get_user
+    from django.contrib.auth.models import AnonymousUser
+
+    if not session_key:
+        return AnonymousUser()
+    store = import_module(settings.SESSION_ENGINE).SessionStore(session_key)
+    return get_user(SimpleNamespace(session=store))
+
+
+def _reload_user(user: Any) -> Any:
+    """A user authenticated by something other than a session: read again by primary key."""
+    from django.contrib.auth import get_user_model
+    from django.contrib.auth.models import AnonymousUser
+
+    fresh = get_user_model()._default_manager.filter(pk=user.pk).first()
+    return fresh if fresh is not None and getattr(fresh, "is_active", True) else AnonymousUser()
+
+
+async def current_user(scope: dict[str, Any]) -> Any:
+    """The socket's user as its session and the database say *now* (the handshake's user
+    for anonymous sockets: they have no rights to lose)."""
+    user = scope.get("user")
+    if not getattr(user, "is_authenticated", False):
+        return user
+    from channels.db import database_sync_to_async
+
+    session = scope.get("session")
+    key = getattr(session, "session_key", None)
+    if session is None:  # authenticated by other middleware (a token...): the database alone
+        fresh = await database_sync_to_async(_reload_user)(user)
+    else:
+        fresh = await database_sync_to_async(_load_user)(key)
+    if getattr(fresh, "pk", None) != getattr(user, "pk", None):
+        from django.contrib.auth.models import AnonymousUser
+
+        return AnonymousUser()
+    return fresh
+
+
+async def revalidate(conn: Connection) -> int | None:
+    """The close code ``conn`` deserves now (None: its rights still hold)."""
+    guarded = [c for c in conn.subscriptions if needs_user(c)]
+    if not guarded:
+        return None
+    user = await current_user(conn.scope)
+    if not getattr(user, "is_authenticated", False):
+        return int(CloseCode.SESSION_ENDED)
+    from channels.db import database_sync_to_async
+
+    rules = active_rules()
+    for channel in guarded:
+        family = registry.family_of(channel)
+        req = requirement_for(rules, channel, family.base if family else None, "subscribe")
+        if req.needs_database:
+            ok = await database_sync_to_async(evaluate)(req, user, channel, "subscribe")
+        else:
+            ok = evaluate(req, user, channel, "subscribe")
+        if not ok:
+            return int(CloseCode.RIGHTS_REVOKED)
+    conn.scope["user"] = user  # the next checks start from the fresh user
+    return None
+
+
+async def revalidation_loop(hub: Hub) -> None:
+    """Every ``REVALIDATE_INTERVAL_MS``, close the sockets whose rights have gone."""
+    while True:
+        interval = get_config()["REVALIDATE_INTERVAL_MS"]
+        await asyncio.sleep(max(interval, 1000) / 1000)
+        if not interval:
+            continue
+        for conn in [c for c in hub.connections if not c.closed and c.subscriptions]:
+            try:
+                code = await revalidate(conn)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("re-validating connection %s failed", conn.id)
+                continue
+            if code is not None:
+                hub.revoke(conn, code)
+
+
+def close_session(hub: Hub, digest: str) -> int:
+    """Close this process's sockets of the session with ``digest``; how many were closed."""
+    closed = 0
+    for conn in list(hub.connections):
+        key = getattr(conn.scope.get("session"), "session_key", None)
+        if key and session_digest(key) == digest and not conn.closed:
+            hub.revoke(conn, int(CloseCode.SESSION_ENDED))
+            closed += 1
+    return closed
+
+
+def on_logout(sender: Any, request: Any = None, user: Any = None, **kwargs: Any) -> None:
+    """``user_logged_out`` receiver: every process closes the sockets of this session."""
+    key = getattr(getattr(request, "session", None), "session_key", None)
+    if not key:
+        return
+    from asgiref.sync import async_to_sync
+
+    from .publishing import acontrol
+
+    try:
+        async_to_sync(acontrol)({"kind": "logout", "session": session_digest(key)})
+    except Exception:  # the periodic re-validation closes them anyway
+        logger.exception("telling the cluster about a logout failed")
