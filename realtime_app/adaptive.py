@@ -1,4 +1,4 @@
-"""Adaptive cadence on the client side (SPEC §4): AIMD on the gaps between frames.
+"""Adaptive cadence on the client side (docs/clients.md): AIMD on the gaps between frames.
 
 The Python twin of ``AdaptiveRate`` in ``static/realtime_app/realtime.js``; both pass
 the same JSON test vectors. Pure: times are numbers in ms handed in by the caller, so

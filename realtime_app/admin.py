@@ -10,6 +10,7 @@ from django.template.response import TemplateResponse
 
 from .models import RealtimeCluster
 from .realtime_channels import HEALTH_CHANNEL
+from .registry import registry
 
 
 @admin.register(RealtimeCluster)
@@ -39,7 +40,7 @@ class RealtimeClusterAdmin(admin.ModelAdmin):
             **self.admin_site.each_context(request),
             "title": "Realtime cluster",
             "opts": self.model._meta,
-            "health_channel": f"{HEALTH_CHANNEL}:{self.refresh_ms}",
+            "health_channel": registry.resolve(f"{HEALTH_CHANNEL}:{self.refresh_ms}").name,  # canonical
             **(extra_context or {}),
         }
         return TemplateResponse(request, self.change_list_template, context)

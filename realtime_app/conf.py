@@ -69,7 +69,7 @@ DEFAULTS: dict[str, Any] = {
     "PROBE_TOP_CHANNELS": 50,
     # Lifetime of a published process probe, milliseconds; it is republished every third.
     "PROBE_TTL_MS": 6000,
-    # Transport backpressure (SPEC §5): bytes (0 disables), "drop" | "close", balance.
+    # Transport backpressure (docs/backpressure.md): bytes (0 disables), "drop" | "close", balance.
     "MAX_BACKPRESSURE": 4 * 1024 * 1024,
     "BACKPRESSURE_POLICY": "drop",
     "CLOSE_AFTER_DROPS": 1000,

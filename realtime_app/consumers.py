@@ -119,8 +119,12 @@ class RealtimeConsumer:
         try:
             conn = Connection(send, scope)
         except UnsupportedServer as exc:
+            # Accepted, then closed: the client sees 1011 and the reason, not a bare 403.
             _log_unsupported_once(exc)
-            await send({"type": "websocket.close", "code": int(CloseCode.INTERNAL_ERROR)})
+            await send({"type": "websocket.accept"})
+            await send(
+                {"type": "websocket.close", "code": int(CloseCode.INTERNAL_ERROR), "reason": "unsupported server"}
+            )
             return
         await send({"type": "websocket.accept"})
         self.connection = conn

@@ -1,11 +1,39 @@
-"""URL routes of the WebSocket endpoint, for the project's ``URLRouter``."""
+"""URL routes of the WebSocket endpoint, for the project's ``URLRouter``.
+
+``websocket_urlpatterns`` routes ``/realtime/``. Put ``not_found_urlpatterns`` last in your
+``URLRouter`` so that a WebSocket to any other path is refused cleanly (HTTP 403, one
+INFO line) instead of Channels' ``ValueError: No route found`` and a 500 with a traceback.
+"""
 
 from __future__ import annotations
 
-from django.urls import path
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from django.urls import path, re_path
 
 from .consumers import RealtimeConsumer
+from .logsafe import safe
 
-__all__ = ["websocket_urlpatterns"]
+__all__ = ["WebSocketNotFound", "not_found_urlpatterns", "websocket_urlpatterns"]
+
+logger = logging.getLogger("realtime_app.consumers")
+
+
+class WebSocketNotFound:
+    """ASGI app refusing a WebSocket handshake on a path nothing serves."""
+
+    async def __call__(
+        self, scope: dict[str, Any], receive: Callable[[], Awaitable[Any]], send: Callable[[Any], Awaitable[None]]
+    ) -> None:
+        if scope["type"] != "websocket":
+            raise ValueError(f"WebSocketNotFound serves websocket scopes, got {scope['type']!r}")
+        message = await receive()
+        if message["type"] == "websocket.connect":
+            logger.info("no WebSocket route for %s", safe(scope.get("path", "")))
+            await send({"type": "websocket.close"})  # before accept: the server answers 403
+
 
 websocket_urlpatterns = [path("realtime/", RealtimeConsumer.as_asgi())]
+not_found_urlpatterns = [re_path(r"", WebSocketNotFound())]

@@ -1,4 +1,4 @@
-"""The scenarios of SPEC §9, replayed on a controlled clock (no sleeping, no I/O).
+"""The scenarios of docs/cadence-and-backpressure.md, replayed on a controlled clock (no sleeping, no I/O).
 
 They drive the real :class:`~realtime_app.adaptive.AdaptiveRate` and the real
 :func:`~realtime_app.backpressure.decide_send` — no copy of their logic — with a simple

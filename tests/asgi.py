@@ -10,7 +10,7 @@ from channels.security.websocket import AllowedHostsOriginValidator
 from django.urls import path
 
 from project.asgi import application as demo_application
-from realtime_app.routing import websocket_urlpatterns
+from realtime_app.routing import not_found_urlpatterns, websocket_urlpatterns
 from tests.testapp.consumers import GuardedFloodConsumer, PlainGroupConsumer
 
 application = ProtocolTypeRouter(
@@ -23,6 +23,7 @@ application = ProtocolTypeRouter(
                         *websocket_urlpatterns,
                         path("plain/", PlainGroupConsumer.as_asgi()),
                         path("guarded/", GuardedFloodConsumer.as_asgi()),
+                        *not_found_urlpatterns,
                     ]
                 )
             )

@@ -1,4 +1,4 @@
-"""The pure rule: decide_send (SPEC §5)."""
+"""The pure rule: decide_send (docs/backpressure.md)."""
 
 import tracemalloc
 

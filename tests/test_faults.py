@@ -441,3 +441,18 @@ async def test_invalid_utf8_and_huge_frames_close_as_documented(server, expected
             assert "Traceback" not in site.output()
     finally:
         site.stop()
+
+
+async def test_an_unsupported_server_closes_with_1011_as_documented():
+    """Found: docs said 1011 under uvicorn's other WebSocket implementations; the client got
+    an HTTP 403."""
+    site = Server({"REDIS_URL": ""}, server="uvicorn", extra_args=["--ws", "websockets"]).start()
+    try:
+        for _ in range(2):
+            async with RPC(site.ws) as c:
+                with pytest.raises(websockets.ConnectionClosed) as info:
+                    await c.recv()
+                assert (info.value.rcvd.code, info.value.rcvd.reason) == (1011, "unsupported server")
+        assert len([line for line in site.output().splitlines() if "refusing WebSocket connections" in line]) == 1
+    finally:
+        site.stop()

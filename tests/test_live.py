@@ -96,3 +96,12 @@ def test_demo_pages_are_served(site):
     js = urllib.request.urlopen(site.http + "/static/realtime_app/realtime.js").read().decode()
     assert "export class RealtimeClient" in js
     assert urllib.request.urlopen(site.http + "/accounts/login/").status == 200
+
+
+async def test_a_websocket_to_a_path_nothing_serves_is_refused_cleanly(site):
+    """Found: Channels' default for an unknown WebSocket path is a 500 with a traceback."""
+    with pytest.raises(websockets.InvalidStatus) as info:
+        async with RPC(site.ws.replace("/realtime/", "/nowhere/")):
+            pass
+    assert info.value.response.status_code == 403
+    assert "Traceback" not in site.output() and "no WebSocket route for /nowhere/" in site.output()

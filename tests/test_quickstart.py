@@ -9,6 +9,7 @@ import http.cookiejar
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from tests.wsclient import RPC
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(600)]
 
+NOT_SOURCE = (".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis", "staticfiles")
 FENCE = re.compile(r"^( *)```(\w+)\n(.*?)^\1```", re.S | re.M)
 
 
@@ -53,7 +55,10 @@ def project(tmp_path_factory):
     blocks = quick_start()
     shells = [text for lang, text in blocks if lang == "sh"]
     assert len(shells) == 2, "the Quick start has a setup block and a run block"
-    setup = shells[0].replace("/path/to/realtime_app", str(ROOT))
+    # pip builds in the source tree (setuptools writes build/): install from a copy
+    checkout = tmp_path_factory.mktemp("checkout") / "realtime_app"
+    shutil.copytree(ROOT, checkout, ignore=shutil.ignore_patterns(*NOT_SOURCE))
+    setup = shells[0].replace("/path/to/realtime_app", str(checkout))
     env = {k: v for k, v in os.environ.items() if k not in ("DJANGO_SETTINGS_MODULE", "VIRTUAL_ENV", "PYTHONPATH")}
     env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if not p.startswith(str(ROOT)))
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"

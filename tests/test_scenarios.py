@@ -1,4 +1,5 @@
-"""SPEC §9 replayed with the real AdaptiveRate and decide_send: the results are pinned."""
+"""The scenarios of docs/cadence-and-backpressure.md, replayed with the real AdaptiveRate and
+decide_send: the results are pinned."""
 
 import json
 

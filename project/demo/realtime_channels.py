@@ -1,4 +1,4 @@
-"""Channels of the demo site (SPEC §10), registered when realtime_app starts."""
+"""Channels of the demo site (README, docs/channels-and-cadence.md), registered when realtime_app starts."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""``manage.py realtime_figures [--out DIR] [--json FILE]``: replay SPEC §9 and draw it."""
+"""``manage.py realtime_figures [--out DIR] [--json FILE]``: replay and draw the scenarios of
+docs/cadence-and-backpressure.md."""
 
 from __future__ import annotations
 
@@ -65,33 +66,38 @@ class Command(BaseCommand):
 
     def _plot_cadence(self, t: list[int], ms: list[int], path: Path) -> None:
         plt = _pyplot()
-        fig, ax = plt.subplots(figsize=(8, 3.2))
-        ax.step(t, [m / 1000 for m in ms], where="post", color="#417690")
+        fig, ax = plt.subplots(figsize=(8, 3.6))
+        ax.step(t, [m / 1000 for m in ms], where="post", color="#417690", label="effective cadence")
         ax.axvspan(20, 70, color="#c0392b", alpha=0.1, label="client needs 4.5 s per frame")
         ax.set_xlabel("time (s)")
         ax.set_ylabel("effective cadence (s)")
         ax.set_title("Adaptive cadence under degradation (desired 1 s)")
         ax.set_yticks([1, 2, 4])
-        ax.legend(loc="upper right")
+        ax.set_ylim(0, 5.5)  # room above the 4 s plateau for the legend
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
 
     def _plot_queue(self, series: QueueSeries, title: str, path: Path) -> None:
         plt = _pyplot()
-        fig, ax = plt.subplots(figsize=(8, 3.2))
+        fig, ax = plt.subplots(figsize=(8, 3.6))
         ax.plot(series.t, [q / MIB for q in series.queue_bytes], color="#417690", label="queued (MiB)")
-        ax.axhline(4, color="#417690", linestyle=":", linewidth=1)
+        ax.axhline(4, color="#417690", linestyle=":", linewidth=1, label="threshold (4 MiB)")
         ax.set_xlabel("time (s)")
         ax.set_ylabel("queued bytes (MiB)", color="#417690")
         ax2 = ax.twinx()
         ax2.plot(series.t, series.balance, color="#c0392b", label="drop balance")
-        ax2.axhline(1000, color="#c0392b", linestyle=":", linewidth=1)
+        ax2.axhline(1000, color="#c0392b", linestyle=":", linewidth=1, label="close after a balance of 1000")
         ax2.set_ylabel("drop balance", color="#c0392b")
         ax2.set_ylim(0, 1100)
         if series.closed_at_s is not None:
-            ax.axvline(series.closed_at_s, color="black", linewidth=1)
-            ax.annotate(f"1013 at {series.closed_at_s:g} s", (series.closed_at_s, 4.3), ha="right")
+            ax.axvline(
+                series.closed_at_s, color="black", linewidth=1, label=f"closed with 1013 at {series.closed_at_s:g} s"
+            )
+        handles = [h for a in (ax, ax2) for h in a.get_legend_handles_labels()[0]]
+        labels = [lbl for a in (ax, ax2) for lbl in a.get_legend_handles_labels()[1]]
+        ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False, fontsize=8)
         ax.set_title(title)
         fig.tight_layout()
         fig.savefig(path, dpi=110)

@@ -48,13 +48,23 @@ function render(probe) {
   document.getElementById("rc-updated").textContent = `updated ${new Date(probe.generated_at).toLocaleTimeString()}`;
 }
 
+/** A round 1-2-5 value at or above `v`. */
+function niceCeil(v) {
+  const step = 10 ** Math.floor(Math.log10(v));
+  return [1, 2, 5, 10].map((m) => m * step).find((c) => c >= v);
+}
+
 function draw(now) {
-  const max = Math.max(1, ...[...history.values()].flat().map(([, v]) => v));
+  // The scale follows what is usual in the window (90th percentile), not one spike: a
+  // spike is drawn clipped at the top instead of flattening every other line.
+  const values = [...history.values()].flat().map(([, v]) => v).sort((a, b) => a - b);
+  const usual = values.length ? values[Math.floor(0.9 * (values.length - 1))] : 0;
+  const max = niceCeil(Math.max(1024, usual * 1.25));
   chart.replaceChildren();
   legend.replaceChildren();
   [...history.entries()].forEach(([id, series], i) => {
     const color = COLORS[i % COLORS.length];
-    const points = series.map(([t, v]) => `${(600 * (1 - (now - t) / WINDOW_MS)).toFixed(1)},${(155 - 150 * v / max).toFixed(1)}`);
+    const points = series.map(([t, v]) => `${(600 * (1 - (now - t) / WINDOW_MS)).toFixed(1)},${(155 - 150 * Math.min(v, max) / max).toFixed(1)}`);
     const line = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
     line.setAttribute("points", points.join(" "));
     line.setAttribute("fill", "none");
