@@ -48,7 +48,6 @@ class Stats:
     def __init__(self) -> None:
         self.frames = 0
         self.connected = 0
-        self.closed_1013 = 0
         self.other_closes: dict[int, int] = {}
 
 
@@ -77,10 +76,7 @@ async def live_client(url: str, stats: Stats, lifetime: float, dead: bool) -> No
             stats.frames += 1
     except websockets.ConnectionClosed as closed:
         code = closed.rcvd.code if closed.rcvd else 1006
-        if code == 1013:
-            stats.closed_1013 += 1
-        else:
-            stats.other_closes[code] = stats.other_closes.get(code, 0) + 1
+        stats.other_closes[code] = stats.other_closes.get(code, 0) + 1
     finally:
         stats.connected -= 1
         with contextlib.suppress(Exception):
@@ -211,13 +207,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "tickers": sum(p.get("ticker_count", len(p["tickers"])) for p in found),
                     "keys": key_count(redis_server),
                     "frames_per_s": round((stats.frames - last_frames) / 5, 1),
-                    "closed_1013": stats.closed_1013,
+                    # the guard's 1013 closes, from the probe (a client that never reads never sees them)
+                    "closes_1013": sum(p.get("backpressure", {}).get("closes", 0) for p in found),
+                    "drops": sum(p.get("backpressure", {}).get("drops", 0) for p in found),
                 }
                 last_frames = stats.frames
                 series.append(sample)
                 progress(
                     f"{sample['t']:.0f} s: {sample['clients']} clients, RSS {sample['rss_mb']} MB, "
-                    f"{sample['frames_per_s']} frames/s, {sample['tickers']} tickers, {sample['keys']} keys"
+                    f"{sample['frames_per_s']} frames/s, {sample['tickers']} tickers, {sample['keys']} keys, "
+                    f"{sample['closes_1013']} closed with 1013"
                 )
             stop.set()
             await asyncio.gather(*tasks)
@@ -250,7 +249,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "rss_slope_mb_per_min_after_warmup": [round(s, 2) for s in slopes],
         "rss_mb_first_last": [series[0]["rss_mb"], series[-1]["rss_mb"]] if series else None,
         "restarts": around,
-        "closed_1013": series[-1]["closed_1013"] if series else 0,
+        "closes_seen_by_reading_clients": stats.other_closes,
+        "closes_1013": max((s["closes_1013"] for s in series), default=0),
+        "drops": max((s["drops"] for s in series), default=0),
+        "rss_mb_max_after_warmup": [max((s["rss_mb"][i] for s in warm), default=None) for i in range(2)],
         "final": final,
         "series": series,
     }
