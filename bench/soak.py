@@ -85,12 +85,13 @@ async def live_client(url: str, stats: Stats, lifetime: float, dead: bool) -> No
 
 async def population(urls: list[str], target: int, stats: Stats, stop: asyncio.Event) -> None:
     """Keep about ``target`` clients alive; each leaves after 5-60 s (a dead one after
-    90-150 s) and is replaced."""
+    240-360 s: filling the socket buffers, the guard's 4 MiB and a drop balance of 1000
+    takes about two minutes at 640 KB/s) and is replaced."""
     running: set[asyncio.Task[None]] = set()
     while not stop.is_set():
         while len(running) < target:
             dead = random.random() < 0.05  # stays long enough for the guard to close it
-            lifetime = random.uniform(90, 150) if dead else random.uniform(5, 60)
+            lifetime = random.uniform(240, 360) if dead else random.uniform(5, 60)
             task = asyncio.create_task(live_client(random.choice(urls), stats, lifetime, dead))
             running.add(task)
             task.add_done_callback(running.discard)

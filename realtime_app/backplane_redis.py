@@ -117,6 +117,8 @@ class RedisBackplane(Backplane):
         self._seq = self.redis.register_script(_SEQ)
         self._reseed = self.redis.register_script(_RESEED)
         self.process_channel: str | None = None
+        self._receive_errors: set[type[BaseException]] = set()  # logged once per kind
+        self._run_id: str | None = None
         self._receiver: asyncio.Task[None] | None = None
 
     def key(self, kind: str, channel: str) -> str:
@@ -152,6 +154,12 @@ class RedisBackplane(Backplane):
                 self.outage.failed(exc)
                 await asyncio.sleep(0.5)
                 continue
+            except Exception as exc:  # a message it cannot decode...: never stop receiving
+                if type(exc) not in self._receive_errors:
+                    self._receive_errors.add(type(exc))
+                    logger.exception("receiving from the backplane failed; going on")
+                await asyncio.sleep(0.1)
+                continue
             kind = message.get("type")
             try:
                 if kind == FRAME:
@@ -164,8 +172,15 @@ class RedisBackplane(Backplane):
                 logger.exception("delivering a backplane message failed")
 
     async def check(self) -> bool:
-        created = await self.redis.set(f"{self.prefix}:alive:{self.instance_id}", 1, nx=True, px=self.reassert_ms)
-        return not created
+        """False when the sentinel key vanished (restart, flush, eviction; and every
+        ``REASSERT_INTERVAL_MS``) or Redis' ``run_id`` changed (a restart that restored a
+        snapshot brings the sentinel back, not what happened since)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(f"{self.prefix}:alive:{self.instance_id}", 1, nx=True, px=self.reassert_ms)
+            pipe.info("server")
+            created, info = await pipe.execute()
+        run_id, self._run_id = self._run_id, str(info.get("run_id", ""))
+        return not created and run_id in (None, self._run_id)
 
     # -- groups and publications -----------------------------------------------------
 

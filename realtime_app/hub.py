@@ -39,7 +39,7 @@ from .guard import Guard
 from .logsafe import safe
 from .protocol import CloseCode, encode
 from .reconciler import REMOTE, Action, Reconciler
-from .registry import ChannelSpec
+from .registry import RESERVED, ChannelSpec
 
 __all__ = ["Connection", "Hub", "get_hub", "running_hub"]
 
@@ -47,8 +47,9 @@ logger = logging.getLogger("realtime_app.hub")
 
 _connection_ids = itertools.count(1)
 
-#: The backplane channel of the cluster's control messages (never a client's channel).
-CONTROL_CHANNEL = "realtime.control"
+#: The backplane channel of the cluster's control messages (never a client's channel:
+#: the registry refuses the name).
+CONTROL_CHANNEL = RESERVED
 _MISSING = object()
 
 
@@ -110,12 +111,15 @@ class Hub:
         self._cleanups: dict[str, Callable[[], Any] | None] = {}  # running tickers
         self._failing: set[str] = set()  # factories or publications failing (logged once)
         self._locks: dict[str, asyncio.Lock] = {}
+        self._lock_users: dict[str, int] = {}  # converges holding or awaiting each lock
+        self._lease_at: dict[str, float] = {}  # when each held lease was last granted or renewed
         self._pending: dict[str, Any] = {}  # latest unpublished value per ticker channel
         self._in_flight: set[str] = set()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self._start_lock = asyncio.Lock()
         self._started = False
+        self._closed = False
         self._reassert = True
         self._thread_id = threading.get_ident()
         self._background: set[asyncio.Task[Any]] = set()
@@ -123,6 +127,7 @@ class Hub:
         self.drops = 0  # frames refused by the guard, cumulative
         self.closes = 0  # connections closed with 1013 by the guard
         self.send_failures = 0  # connections closed because a send raised
+        self.stale_ticks = 0  # ticks not published: the lease could not be renewed in time
         self.refused: dict[str, int] = {"tickers": 0, "cadences": 0, "connections": 0, "revoked": 0}
 
     # -- lifecycle -------------------------------------------------------------------
@@ -132,6 +137,8 @@ class Hub:
         async with self._start_lock:
             if self._started:
                 return
+            if self._closed:
+                raise BackplaneUnavailable("start", RuntimeError("the hub of this loop was closed"))
             self.loop = asyncio.get_running_loop()
             self._thread_id = threading.get_ident()
             self.backplane = make_backplane(self.instance_id)
@@ -140,9 +147,14 @@ class Hub:
             await self._converge(CONTROL_CHANNEL)
             from .sessions import revalidation_loop
 
-            self._tasks.append(self.loop.create_task(self._publisher(), name="realtime-publisher"))
-            self._tasks.append(self.loop.create_task(self._maintain(), name="realtime-maintain"))
-            self._tasks.append(self.loop.create_task(revalidation_loop(self), name="realtime-revalidate"))
+            for coro, name in (
+                (self._publisher(), "realtime-publisher"),
+                (self._maintain(), "realtime-maintain"),
+                (revalidation_loop(self), "realtime-revalidate"),
+            ):
+                task = self.loop.create_task(coro, name=name)
+                task.add_done_callback(_log_death)
+                self._tasks.append(task)
             self._started = True
             logger.info("hub %s started on %s", self.instance_id, type(self.backplane).__name__)
 
@@ -151,6 +163,7 @@ class Hub:
         if not self._started:
             return
         self._started = False
+        self._closed = True
         for conn in list(self.connections):
             await self.remove_connection(conn)
         for task in self._tasks:
@@ -261,6 +274,21 @@ class Hub:
         backplane = self.backplane
         assert backplane is not None
         lock = self._lock(channel)
+        self._lock_users[channel] = self._lock_users.get(channel, 0) + 1
+        try:
+            await self._converge_locked(channel, lock, backplane)
+        finally:
+            # A lock is forgotten only when nobody holds or awaits it (``locked()`` is
+            # already False while waiters queue): else two converges would run at once.
+            users = self._lock_users[channel] - 1
+            if users:
+                self._lock_users[channel] = users
+            else:
+                del self._lock_users[channel]
+                if channel not in self.reconciler.channels:
+                    self._locks.pop(channel, None)
+
+    async def _converge_locked(self, channel: str, lock: asyncio.Lock, backplane: Backplane) -> None:
         async with lock:
             for _ in range(16):  # a settled channel needs at most a handful
                 action = self.reconciler.next_action(channel)
@@ -280,9 +308,12 @@ class Hub:
                     break
                 if action in REMOTE and backplane.outage.succeeded():
                     self._reassert = True
+                if action in (Action.ACQUIRE, Action.RENEW):
+                    if ok:
+                        self._lease_at[channel] = time.monotonic()
+                    else:
+                        self._lease_at.pop(channel, None)
                 self.reconciler.done(channel, action, ok)
-        if channel not in self.reconciler.channels and not lock.locked():
-            self._locks.pop(channel, None)
 
     async def _carry_out(self, channel: str, action: Action) -> bool:
         backplane = self.backplane
@@ -309,20 +340,7 @@ class Hub:
         return True
 
     async def _converge_all(self, channels: list[str]) -> None:
-        """Converge many channels, a bounded number at a time; group joins batched."""
-        backplane = self.backplane
-        assert backplane is not None
-        joins = [c for c in channels if self.reconciler.next_action(c) is Action.JOIN]
-        if len(joins) > 1:
-            try:
-                await backplane.join(joins)
-            except backplane.errors as exc:
-                backplane.outage.failed(exc)
-                for channel in joins:
-                    self.reconciler.failed(channel, Action.JOIN)
-            else:
-                for channel in joins:
-                    self.reconciler.done(channel, Action.JOIN, True)
+        """Converge many channels, a bounded number at a time, each under its own lock."""
         slots = asyncio.Semaphore(max(1, get_config()["PUBLISH_CONCURRENCY"]))
 
         async def one(channel: str) -> None:
@@ -342,6 +360,9 @@ class Hub:
             result = spec.factory(spec, self._publisher_for(channel))
             if inspect.isawaitable(result):
                 result = await result
+        except asyncio.CancelledError:
+            self._cleanups.pop(channel, None)
+            raise
         except Exception:
             self._cleanups.pop(channel, None)
             if channel not in self._failing:
@@ -355,6 +376,7 @@ class Hub:
 
     async def _stop_ticker(self, channel: str) -> None:
         cleanup = self._cleanups.pop(channel, None)
+        self._lease_at.pop(channel, None)
         self._pending.pop(channel, None)
         self._failing.discard(channel)
         if cleanup is None:
@@ -402,7 +424,20 @@ class Hub:
 
                 task.add_done_callback(done)
 
+    def _lease_fresh(self, channel: str) -> bool:
+        """True while this process may publish for ``channel``'s ticker: the lease was
+        granted or renewed less than a lease TTL ago (in a cluster). A process cut off from
+        the backplane stops publishing before another one can take the lease over."""
+        backplane = self.backplane
+        if backplane is None or not backplane.clustered:
+            return True
+        ttl_s: float = get_config()["LEASE_TTL_MS"] / 1000
+        return time.monotonic() - self._lease_at.get(channel, float("-inf")) < ttl_s
+
     async def _publish_tick(self, channel: str, data: Any) -> None:
+        if not self._lease_fresh(channel):
+            self.stale_ticks += 1
+            return
         try:
             await self.publish(channel, data)
         except BackplaneUnavailable:
@@ -439,9 +474,11 @@ class Hub:
             await asyncio.sleep(period)
 
     async def _beat(self, backplane: Backplane) -> None:
+        period = get_config()["LEASE_TTL_MS"] / 3000
+        unreachable: tuple[type[BaseException], ...] = (*backplane.errors, TimeoutError)
         try:
-            intact = await backplane.check()
-        except backplane.errors as exc:
+            intact = await asyncio.wait_for(backplane.check(), max(period, 0.5))
+        except unreachable as exc:
             backplane.outage.failed(exc)
             self._reassert = True
             return
@@ -640,6 +677,7 @@ class Hub:
             "published": self.published,
             "refused": dict(self.refused),
             "send_failures": self.send_failures,
+            "stale_ticks": self.stale_ticks,
             "backplane": {
                 "up": not (backplane is not None and backplane.outage.down),
                 "outages": backplane.outage.outages if backplane is not None else 0,
@@ -652,6 +690,12 @@ class Hub:
         assert self.backplane is not None
         others = [p for p in await self.backplane.cluster_probes() if p.get("instance") != self.instance_id]
         return [self.probe(), *others]
+
+
+def _log_death(task: asyncio.Task[Any]) -> None:
+    """A background loop must never end while the hub runs: say so loudly if one does."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("%s stopped: %r", task.get_name(), task.exception(), exc_info=task.exception())
 
 
 def encode_publication(channel: str, data: Any) -> str:

@@ -34,6 +34,9 @@ __all__ = [
 
 logger = logging.getLogger("realtime_app.registry")
 
+#: The backplane channel of the cluster's own control messages (``hub.CONTROL_CHANNEL``).
+RESERVED = "realtime.control"
+
 Publish: TypeAlias = Callable[[Any], None]
 Cleanup: TypeAlias = Callable[[], Any]
 Factory: TypeAlias = Callable[["ChannelSpec", Publish], "Cleanup | None | Awaitable[Cleanup | None]"]
@@ -94,6 +97,8 @@ class Registry:
             raise ConfigurationError(f"channel name must be a non-empty string without outer spaces, got {name!r}")
         if name in self.families or name in self.exact:
             raise ConfigurationError(f"channel {name!r} is already registered")
+        if name == RESERVED:
+            raise ConfigurationError(f"channel name {name!r} is reserved for the cluster's control messages")
         base, _, suffix = name.rpartition(":")
         if base in self.families and suffix.isascii() and suffix.isdigit():
             raise ConfigurationError(f"channel {name!r} is a cadence of family {base!r}")

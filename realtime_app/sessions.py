@@ -81,9 +81,8 @@ async def current_user(scope: dict[str, Any]) -> Any:
         return user
     from channels.db import database_sync_to_async
 
-    session = scope.get("session")
-    key = getattr(session, "session_key", None)
-    if session is None:  # authenticated by other middleware (a token...): the database alone
+    key = getattr(scope.get("session"), "session_key", None)
+    if key is None:  # authenticated by other middleware (a token...): the database alone
         fresh = await database_sync_to_async(_reload_user)(user)
     else:
         fresh = await database_sync_to_async(_load_user)(key)
@@ -99,8 +98,9 @@ async def revalidate(conn: Connection) -> int | None:
     guarded = [c for c in conn.subscriptions if needs_user(c)]
     if not guarded:
         return None
+    was_authenticated = getattr(conn.scope.get("user"), "is_authenticated", False)
     user = await current_user(conn.scope)
-    if not getattr(user, "is_authenticated", False):
+    if was_authenticated and not getattr(user, "is_authenticated", False):
         return int(CloseCode.SESSION_ENDED)
     from channels.db import database_sync_to_async
 

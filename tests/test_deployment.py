@@ -116,7 +116,7 @@ def test_static_files_come_from_nginx_and_the_admin_works_through_it(deployment)
     status, page, _ = fetch(base + "/admin/", cookie)
     assert status == 200 and "Realtime cluster" in page
     status, page, _ = fetch(base + "/admin/realtime_app/realtimecluster/", cookie)
-    assert status == 200 and "realtime:socket" in page
+    assert status == 200 and "<code>realtime:socket</code>" in page  # the canonical name of the default cadence
 
 
 async def test_the_websocket_endpoint_through_the_proxy_reaches_both_processes(deployment):

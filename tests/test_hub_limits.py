@@ -98,3 +98,84 @@ async def test_a_failing_ticker_shows_in_the_probe(hub, channel):
         await until(lambda: hub.probe()["failing_tickers"] == [channel], 5, "the failing ticker in the probe")
         await c.call("unsubscribe", {"channel": channel})
         assert hub.probe()["failing_tickers"] == []
+
+
+async def test_a_channel_lock_is_not_forgotten_while_a_converge_waits_for_it():
+    """Found in review: a lock dropped while a waiter queued let two converges of one
+    channel run at once, and an orphan ticker outlived its last subscriber."""
+    import asyncio
+
+    from realtime_app.hub import Connection, get_hub
+    from realtime_app.registry import ChannelSpec
+
+    live: set[int] = set()
+    calls = [0]
+
+    async def factory(spec, publish):
+        await asyncio.sleep(0.02)
+        calls[0] += 1
+        n = calls[0]
+        live.add(n)
+        return lambda: live.discard(n)
+
+    async def send(message):
+        pass
+
+    with settings_with(BACKPLANE="tests.testapp.backplanes.GatedBackplane", MAX_BACKPRESSURE=0):
+        hub = await get_hub()
+        try:
+            spec = ChannelSpec("x", "state", "x", None, factory)
+            c1, c2, c3 = Connection(send), Connection(send), Connection(send)
+            for c in (c1, c2, c3):
+                hub.add_connection(c)
+            await hub.subscribe(c1, spec)
+            backplanes.GatedBackplane.gate = asyncio.Event()
+            leaving = asyncio.create_task(hub.unsubscribe(c1, "x"))  # waits in leave, holding the lock
+            await asyncio.sleep(0)
+            queued = [asyncio.create_task(hub.subscribe(c3, spec)), asyncio.create_task(hub.unsubscribe(c3, "x"))]
+            await asyncio.sleep(0)
+
+            async def late():
+                await backplanes.GatedBackplane.gate.wait()
+                await hub.subscribe(c2, spec)
+
+            latecomer = asyncio.create_task(late())
+            await asyncio.sleep(0)
+            backplanes.GatedBackplane.gate.set()
+            await asyncio.gather(leaving, *queued, latecomer)
+            await asyncio.sleep(0.1)
+            assert len(live) == 1  # one ticker for the one subscriber left
+            await hub.unsubscribe(c2, "x")
+            await asyncio.sleep(0.1)
+            assert live == set() and hub.probe()["tickers"] == []
+        finally:
+            backplanes.GatedBackplane.gate = None
+            await hub.aclose()
+
+
+async def test_a_ticker_stops_publishing_once_its_lease_cannot_be_renewed():
+    """Found in review: a process cut off from Redis kept its ticker publishing while
+    another process could take the lease over."""
+    import asyncio
+
+    from realtime_app.hub import get_hub
+
+    backplanes.ClusteredMemoryBackplane.renew_fails = False
+    with settings_with(BACKPLANE="tests.testapp.backplanes.ClusteredMemoryBackplane", LEASE_TTL_MS=600):
+        hub = await get_hub()
+        try:
+            async with Client() as c:
+                await c.call("subscribe", {"channel": "demo:clock:100"})
+                await c.frames(3)
+                from tests.test_faults import until
+
+                backplanes.ClusteredMemoryBackplane.renew_fails = True
+                await until(lambda: hub.stale_ticks > 0, 5, "ticks held back")  # past the lease TTL
+                published = hub.published
+                await asyncio.sleep(0.5)
+                assert hub.published == published  # nothing goes out without a fresh lease
+                backplanes.ClusteredMemoryBackplane.renew_fails = False
+                await until(lambda: hub.published > published, 5, "publishing again once renewed")
+        finally:
+            backplanes.ClusteredMemoryBackplane.renew_fails = False
+            await hub.aclose()
