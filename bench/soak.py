@@ -167,6 +167,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "REALTIME_KEY_PREFIX": PREFIX,
         "REALTIME_DEMO_FLOOD": "1",
         "REALTIME_LOG_LEVEL": "WARNING",
+        # a dead client is closed once it refused 200 frames more than it took (1000 by
+        # default: at a loaded machine's flood rate that outlasts a 10-minute run)
+        "REALTIME_CLOSE_AFTER_DROPS": str(args.close_after_drops),
     }
     ports = [free_port(), free_port()]
     commands = [daphne(port, "project.asgi:application") for port in ports]
@@ -293,6 +296,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=10)
     parser.add_argument("--clients", type=int, default=500)
+    parser.add_argument("--close-after-drops", type=int, default=200)
     parser.add_argument(
         "--warmup", type=float, default=180, help="seconds before the RSS slope is measured (dead clients fill up)"
     )
