@@ -9,6 +9,7 @@ import realtime_app
 
 PUBLIC_MODULES = [
     "adaptive",
+    "admission",
     "backplane",
     "backplane_memory",
     "backplane_redis",
@@ -58,7 +59,8 @@ def test_pure_modules_import_without_a_django_project():
     env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
     code = (
         "import realtime_app.rate, realtime_app.adaptive, realtime_app.backpressure, realtime_app.protocol, "
-        "realtime_app.names, realtime_app.scenarios, realtime_app.reconciler, realtime_app.logsafe; "
+        "realtime_app.names, realtime_app.scenarios, realtime_app.reconciler, realtime_app.logsafe, "
+        "realtime_app.admission; "
         "from realtime_app import rate_channel, AdaptiveRate, decide_send; "
         "print(rate_channel('a', 2000, 1000))"
     )

@@ -1,0 +1,251 @@
+"""Admission of inbound requests, as a pure core: caps before tokens, then a token bucket.
+
+A request is decided **before** it is queued, in this order:
+
+1. the process's global cap — requests queued or running (``max_pending``) → -32003
+   ``overloaded``;
+2. the identity's cap — its requests in flight or waiting (``max_per_identity``) → -32004
+   ``too_many_in_flight``;
+3. the identity's token bucket — ``bucket_capacity`` tokens, refilled at ``refill_per_s``,
+   computed lazily from the time elapsed since the identity's last request
+   (``tokens = min(capacity, tokens + elapsed × rate)``); a request costs its method's
+   ``cost`` (a float: 0.25 for cheap operations) → -32005 ``rate_limited``.
+
+Caps come first and cost nothing: a request refused by a cap consumes no token, so a
+client that is merely early keeps its budget. Every refusal says when to come back
+(``retry_after_ms``: exact for the bucket, ``(cost − tokens) / rate``).
+
+A request **merged** into a compatible waiting one (:class:`CoalescingQueue`) takes no
+global slot — it adds no work to the queue — but still counts against its identity's cap
+and pays its cost.
+
+No asyncio, no Django: the clock is injected, so tests and the replay drive it directly.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from .protocol import OVERLOADED, RATE_LIMITED, TOO_MANY_IN_FLIGHT
+
+__all__ = ["Admission", "AdmissionLimits", "CoalescingQueue", "Job", "Refusal"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionLimits:
+    """The limits of one process. ``0`` switches a cap or the bucket off."""
+
+    max_pending: int = 3000  # requests queued + running in the process
+    max_per_identity: int = 10  # requests of one identity in flight or waiting
+    bucket_capacity: float = 18.0  # tokens
+    refill_per_s: float = 9.0  # tokens per second
+    idle_s: float = 60.0  # an identity with nothing pending is forgotten after this long
+    cap_retry_ms: int = 250  # the retry hint of a cap refusal (when a slot frees is unknown)
+
+    def __post_init__(self) -> None:
+        if self.max_pending < 0 or self.max_per_identity < 0:
+            raise ValueError("caps must be >= 0 (0 = no cap)")
+        if self.bucket_capacity < 0 or self.refill_per_s < 0:
+            raise ValueError("bucket_capacity and refill_per_s must be >= 0 (0 = no bucket)")
+        if self.bucket_capacity and not self.refill_per_s:
+            raise ValueError("a bucket needs refill_per_s > 0, or it empties for good")
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a request was not admitted, and when to try again."""
+
+    code: int
+    reason: str
+    retry_after_ms: int
+    limit: float
+
+    def data(self) -> dict[str, Any]:
+        """``error.data`` of the JSON-RPC error (without the method's snapshot)."""
+        return {"reason": self.reason, "retry_after_ms": self.retry_after_ms, "limit": self.limit}
+
+
+@dataclass(slots=True)
+class _Identity:
+    pending: int = 0
+    tokens: float = 0.0
+    stamp: float = 0.0  # when ``tokens`` was last brought up to date
+    seen: float = 0.0  # its last request
+
+
+class Admission:
+    """The decisions of one process. Call :meth:`admit` before queueing a request and
+    :meth:`release` exactly once when an admitted request is answered or dropped."""
+
+    def __init__(self, limits: AdmissionLimits | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits = limits or AdmissionLimits()
+        self.clock = clock
+        self.pending = 0  # queued + running, merged requests excluded
+        self._identities: OrderedDict[Hashable, _Identity] = OrderedDict()  # least recently seen first
+        self.admitted = 0
+        self.merged = 0
+        self.refused: dict[str, int] = {"overloaded": 0, "too_many_in_flight": 0, "rate_limited": 0}
+
+    def tokens(self, identity: Hashable) -> float:
+        """The identity's tokens now (a full bucket for an unknown identity)."""
+        state = self._identities.get(identity)
+        if state is None:
+            return self.limits.bucket_capacity
+        return self._refilled(state, self.clock())
+
+    def _refilled(self, state: _Identity, now: float) -> float:
+        limits = self.limits
+        return min(limits.bucket_capacity, state.tokens + max(0.0, now - state.stamp) * limits.refill_per_s)
+
+    def _identity(self, identity: Hashable, now: float) -> _Identity:
+        state = self._identities.get(identity)
+        if state is None:
+            state = self._identities[identity] = _Identity(tokens=self.limits.bucket_capacity, stamp=now)
+        else:
+            self._identities.move_to_end(identity)
+        state.seen = now
+        return state
+
+    def _refuse(self, code: int, reason: str, retry_after_ms: int, limit: float) -> Refusal:
+        self.refused[reason] += 1
+        return Refusal(code, reason, retry_after_ms, limit)
+
+    def admit(self, identity: Hashable, cost: float = 1.0, *, merged: bool = False) -> Refusal | None:
+        """Admit one request of ``identity`` costing ``cost`` tokens, or say why not.
+
+        ``merged``: the request joins a waiting one and takes no global slot.
+        """
+        if cost < 0:
+            raise ValueError(f"cost must be >= 0, got {cost!r}")
+        limits = self.limits
+        now = self.clock()
+        self.forget_idle(now)
+        if not merged and limits.max_pending and self.pending >= limits.max_pending:
+            return self._refuse(OVERLOADED, "overloaded", limits.cap_retry_ms, limits.max_pending)
+        state = self._identity(identity, now)
+        if limits.max_per_identity and state.pending >= limits.max_per_identity:
+            return self._refuse(TOO_MANY_IN_FLIGHT, "too_many_in_flight", limits.cap_retry_ms, limits.max_per_identity)
+        if limits.bucket_capacity:
+            tokens = self._refilled(state, now)
+            if tokens < cost:
+                wait_ms = math.ceil((cost - tokens) / limits.refill_per_s * 1000)
+                state.tokens, state.stamp = tokens, now
+                return self._refuse(RATE_LIMITED, "rate_limited", wait_ms, limits.bucket_capacity)
+            state.tokens, state.stamp = tokens - cost, now
+        state.pending += 1
+        if merged:
+            self.merged += 1
+        else:
+            self.pending += 1
+        self.admitted += 1
+        return None
+
+    def release(self, identity: Hashable, *, merged: bool = False) -> None:
+        """An admitted request is done (answered, failed, cancelled or dropped)."""
+        state = self._identities.get(identity)
+        if state is None or state.pending <= 0:
+            raise ValueError(f"release without an admitted request of {identity!r}")
+        state.pending -= 1
+        if not merged:
+            self.pending -= 1
+
+    def forget_idle(self, now: float | None = None) -> int:
+        """Forget identities with nothing pending, unseen for ``idle_s`` (by then their
+        bucket is full again): memory follows the active identities only."""
+        now = self.clock() if now is None else now
+        forgotten = 0
+        for identity in list(self._identities):
+            state = self._identities[identity]
+            if now - state.seen < self.limits.idle_s:
+                break  # the rest were seen later
+            if state.pending == 0:
+                del self._identities[identity]
+                forgotten += 1
+        return forgotten
+
+    @property
+    def identities(self) -> int:
+        """Identities tracked now."""
+        return len(self._identities)
+
+
+@dataclass(eq=False, slots=True)
+class Job(Generic[T]):
+    """Waiting (or running) work: one request, or several merged into one execution."""
+
+    key: Hashable | None
+    entries: list[tuple[T, float]] = field(default_factory=list)  # (item, its units)
+    running: bool = False
+
+    @property
+    def items(self) -> list[T]:
+        return [item for item, _ in self.entries]
+
+    @property
+    def units(self) -> float:
+        return sum(units for _, units in self.entries)
+
+
+class CoalescingQueue(Generic[T]):
+    """FIFO of waiting jobs where a compatible request joins a job **still waiting**.
+
+    Requests with the same ``key`` merge while their job waits, up to ``cap`` units; past
+    the cap (or once the job runs) a new job is queued. Each merged item stays in the job's
+    ``items`` so that every caller gets its own answer.
+    """
+
+    def __init__(self) -> None:
+        self._waiting: OrderedDict[int, Job[T]] = OrderedDict()
+        self._open: dict[Hashable, Job[T]] = {}  # key -> the waiting job that may grow
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def __iter__(self) -> Iterator[Job[T]]:
+        return iter(list(self._waiting.values()))
+
+    def can_merge(self, key: Hashable | None, units: float, cap: float) -> bool:
+        """Whether a request would join a waiting job rather than queue one."""
+        job = self._open.get(key) if key is not None else None
+        return job is not None and job.units + units <= cap
+
+    def push(self, item: T, key: Hashable | None = None, units: float = 1.0, cap: float = 0.0) -> tuple[Job[T], bool]:
+        """Queue ``item``; returns its job and whether it merged into a waiting one."""
+        if key is not None and self.can_merge(key, units, cap):
+            job = self._open[key]
+            job.entries.append((item, units))
+            return job, True
+        job = Job(key, [(item, units)])
+        self._waiting[id(job)] = job
+        if key is not None:
+            self._open[key] = job  # the newest waiting job of this key takes the next merges
+        return job, False
+
+    def pop(self) -> Job[T] | None:
+        """The oldest waiting job, now running: nothing merges into it any more."""
+        if not self._waiting:
+            return None
+        _, job = self._waiting.popitem(last=False)
+        if job.key is not None and self._open.get(job.key) is job:
+            del self._open[job.key]
+        job.running = True
+        return job
+
+    def remove(self, predicate: Callable[[T], bool]) -> list[T]:
+        """Take the waiting items matching ``predicate`` out (their connection closed)."""
+        removed: list[T] = []
+        for job in list(self._waiting.values()):
+            removed += [item for item, _ in job.entries if predicate(item)]
+            job.entries[:] = [(item, units) for item, units in job.entries if not predicate(item)]
+            if not job.entries:
+                del self._waiting[id(job)]
+                if job.key is not None and self._open.get(job.key) is job:
+                    del self._open[job.key]
+        return removed

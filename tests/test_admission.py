@@ -1,0 +1,134 @@
+"""The pure admission core: caps before tokens, a lazy bucket with float costs, idle
+identities forgotten, coalescing only into waiting work (a controlled clock, no I/O)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from realtime_app.admission import Admission, AdmissionLimits, CoalescingQueue
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_caps_come_before_tokens_and_cost_none():
+    clock = Clock()
+    admission = Admission(AdmissionLimits(max_pending=3000, max_per_identity=2), clock)
+    assert admission.admit("u") is None and admission.admit("u") is None
+    refusal = admission.admit("u")
+    assert (refusal.code, refusal.reason, refusal.limit) == (-32004, "too_many_in_flight", 2)
+    assert admission.tokens("u") == 16  # two admitted requests paid; the refused one did not
+    admission.release("u")
+    assert admission.admit("u") is None and admission.tokens("u") == 15
+
+
+def test_the_global_cap_refuses_first():
+    admission = Admission(AdmissionLimits(max_pending=1, max_per_identity=10), Clock())
+    assert admission.admit("a") is None
+    refusal = admission.admit("b")
+    assert (refusal.code, refusal.reason) == (-32003, "overloaded")
+    assert admission.tokens("b") == 18  # no token taken, and "b" not even tracked
+    assert admission.identities == 1
+
+
+def test_a_float_cost_drains_the_bucket_and_it_refills_lazily():
+    clock = Clock()
+    admission = Admission(AdmissionLimits(max_per_identity=0), clock)
+    for _ in range(72):  # 0.25 x 72 = 18: a full bucket
+        assert admission.admit("u", 0.25) is None
+        admission.release("u")
+    assert admission.tokens("u") == 0
+    refusal = admission.admit("u", 0.25)
+    assert (refusal.code, refusal.reason, refusal.retry_after_ms) == (-32005, "rate_limited", 28)  # 0.25 / 9 s
+    clock.now += 0.5
+    assert admission.tokens("u") == pytest.approx(4.5)  # exactly rate x elapsed
+    clock.now += 10
+    assert admission.tokens("u") == 18  # never past the capacity
+
+
+@given(tokens_spent=st.integers(0, 18), cost=st.sampled_from([0.25, 0.5, 1.0, 2.0, 5.0]))
+def test_retry_after_is_exactly_when_the_request_would_pass(tokens_spent, cost):
+    clock = Clock()
+    admission = Admission(AdmissionLimits(max_per_identity=0), clock)
+    for _ in range(tokens_spent):
+        assert admission.admit("u") is None
+        admission.release("u")
+    refusal = admission.admit("u", cost)
+    if refusal is None:
+        return
+    clock.now += (refusal.retry_after_ms - 1) / 1000
+    assert admission.admit("u", cost) is not None  # a millisecond early: still refused
+    clock.now += 1 / 1000
+    assert admission.admit("u", cost) is None
+
+
+def test_idle_identities_are_forgotten_and_busy_ones_kept():
+    clock = Clock()
+    admission = Admission(AdmissionLimits(idle_s=60), clock)
+    for i in range(1000):
+        assert admission.admit(f"user-{i}") is None
+        admission.release(f"user-{i}")
+    assert admission.admit("busy") is None  # not released: still pending
+    clock.now += 61
+    assert admission.admit("fresh") is None
+    assert admission.identities == 2  # "busy" (pending) and "fresh"; 1000 idle ones gone
+
+
+def test_a_merged_request_takes_no_global_slot_but_pays_and_counts():
+    admission = Admission(AdmissionLimits(max_pending=1, max_per_identity=3), Clock())
+    assert admission.admit("u") is None
+    assert admission.admit("u", merged=True) is None  # the global cap is full, a merge still fits
+    assert admission.pending == 1 and admission.merged == 1 and admission.tokens("u") == 16
+    assert admission.admit("u", merged=True) is None
+    assert admission.admit("u", merged=True).reason == "too_many_in_flight"
+    admission.release("u", merged=True)
+    admission.release("u")
+    assert admission.pending == 0
+
+
+def test_release_without_admit_is_a_bug_not_a_silent_negative():
+    admission = Admission(clock=Clock())
+    with pytest.raises(ValueError):
+        admission.release("nobody")
+
+
+def test_limits_are_validated():
+    with pytest.raises(ValueError):
+        AdmissionLimits(max_pending=-1)
+    with pytest.raises(ValueError):
+        AdmissionLimits(bucket_capacity=10, refill_per_s=0)
+
+
+def test_requests_merge_only_into_waiting_jobs_up_to_the_cap():
+    queue: CoalescingQueue[str] = CoalescingQueue()
+    first, merged = queue.push("a", key=("u", "ammo"), units=100, cap=250)
+    assert not merged
+    assert queue.push("b", key=("u", "ammo"), units=150, cap=250) == (first, True)  # exactly 250
+    third, merged = queue.push("c", key=("u", "ammo"), units=1, cap=250)
+    assert not merged and third is not first  # past the cap: a job of its own
+    assert queue.push("d", key=("u", "gold"), units=5, cap=250)[1] is False  # another key
+    running = queue.pop()
+    assert running is first and running.running and running.items == ["a", "b"] and running.units == 250
+    fourth, merged = queue.push("e", key=("u", "ammo"), units=10, cap=250)
+    assert merged and fourth is third  # into the job still waiting, never into the running one
+    assert [job.items for job in queue] == [["c", "e"], ["d"]]
+
+
+def test_every_merged_caller_stays_in_its_job_and_closed_connections_leave():
+    queue: CoalescingQueue[tuple[str, int]] = CoalescingQueue()
+    for conn in ("x", "y", "x"):
+        queue.push((conn, 1), key="k", units=1, cap=250)
+    queue.push(("y", 2), key=None)
+    assert [len(job.items) for job in queue] == [3, 1]
+    removed = queue.remove(lambda item: item[0] == "y")
+    assert removed == [("y", 1), ("y", 2)]
+    [job] = list(queue)
+    assert job.items == [("x", 1), ("x", 1)] and job.units == 2
+    assert queue.pop() is job and queue.pop() is None
