@@ -280,6 +280,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     axes[0].set_ylabel("MB")
     axes[1].plot(t, [s["clients"] for s in series], label="clients connected")
     axes[1].plot(t, [s["frames_per_s"] for s in series], label="frames received / s")
+    axes[1].plot(t, [s.get("closes_1013", 0) for s in series], label="dead clients closed with 1013 (total)")
     axes[2].plot(t, [s["keys"] if s["keys"] is not None else float("nan") for s in series], label="Redis keys")
     axes[2].plot(t, [s["tickers"] for s in series], label="tickers (cluster)")
     axes[2].set_xlabel("minutes")
