@@ -18,7 +18,7 @@ import tempfile
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,6 +121,18 @@ def servers(count: int, env: dict[str, str], **kwargs: object) -> Iterator[list[
     finally:
         for s in started:
             s.stop()
+
+
+def wait_listening(port: int, process: subprocess.Popen[bytes], timeout: float, log: Callable[[], str]) -> None:
+    """Poll until something listens on 127.0.0.1:``port``; fail with ``log()`` if the
+    process exits first or the deadline passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"nothing listens on port {port}:\n{log()}")
+        time.sleep(0.05)
 
 
 def prepare_database(path: str) -> dict[str, str]:

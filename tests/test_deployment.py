@@ -6,7 +6,6 @@ nginx, never by daphne."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import secrets
 import shutil
@@ -22,7 +21,7 @@ import psutil
 import pytest
 import redis
 
-from tests.servers import ROOT, free_port, login, prepare_database, servers
+from tests.servers import ROOT, free_port, login, prepare_database, servers, wait_listening
 from tests.wsclient import RPC
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
@@ -81,12 +80,7 @@ def deployment(tmp_path_factory):
             stderr=subprocess.STDOUT,
         )
         try:
-            deadline = time.monotonic() + 15
-            while True:
-                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    break
-                assert proxy.poll() is None and time.monotonic() < deadline, (root / "nginx.log").read_text()
-                time.sleep(0.05)
+            wait_listening(port, proxy, 15, (root / "nginx.log").read_text)
             yield f"http://127.0.0.1:{port}", (a, b)
         finally:
             proxy.terminate()

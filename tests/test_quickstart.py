@@ -4,22 +4,19 @@ checkout into a fresh virtualenv, and the project runs under daphne."""
 
 from __future__ import annotations
 
-import contextlib
 import http.cookiejar
 import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
-import time
 import urllib.parse
 import urllib.request
 
 import pytest
 
-from tests.servers import ROOT, free_port
+from tests.servers import ROOT, free_port, wait_listening
 from tests.wsclient import RPC
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(600)]
@@ -108,12 +105,7 @@ def project(tmp_path_factory):
             stderr=subprocess.STDOUT,
         )
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                break
-            assert server.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
+        wait_listening(port, server, 30, log.read_text)
         yield f"http://127.0.0.1:{port}", log
     finally:
         server.terminate()
