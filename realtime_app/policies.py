@@ -24,6 +24,7 @@ Clients may publish only where a rule says so.
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cache
@@ -48,6 +49,7 @@ Action: TypeAlias = Literal["subscribe", "publish"]
 REQUIREMENT_KEYS = frozenset({"authenticated", "staff", "superuser", "permission", "check"})
 RULE_KEYS = REQUIREMENT_KEYS | {"pattern", "subscribe", "publish", "override_family"}
 _GLOB_CHARS = frozenset("*?[")
+_BRACKETS = re.compile(r"\[!?\]?[^\]]*\]")  # one fnmatch bracket expression
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +126,8 @@ class Rule:
         return any(c in _GLOB_CHARS for c in self.pattern)
 
     def literal_length(self) -> int:
-        return sum(1 for c in self.pattern if c not in _GLOB_CHARS)
+        """Characters matched literally: ``[...]`` counts as none, like ``?``."""
+        return sum(1 for c in _BRACKETS.sub("", self.pattern) if c not in "*?")
 
     def matches(self, name: str) -> bool:
         p = self.pattern

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
 from .exceptions import ConfigurationError, UnknownChannel
-from .rate import RateBounds, parse_rate, rate_channel
+from .rate import RateBounds, is_rate_channel, parse_rate, rate_channel
 
 __all__ = [
     "ChannelKind",
@@ -141,11 +141,13 @@ class Registry:
         raise UnknownChannel(name)
 
     def family_of(self, name: str) -> Family | None:
-        """The family whose base or cadence ``name`` is, if any."""
+        """The family whose base or cadence (``base:<ASCII digits>``) ``name`` is, if any;
+        ``base:chat`` is not a cadence, so not of the family (its rules do not apply)."""
         if name in self.families:
             return self.families[name]
         base, sep, _ = name.rpartition(":")
-        return self.families.get(base) if sep else None
+        fam = self.families.get(base) if sep else None
+        return fam if fam is not None and is_rate_channel(name, base) else None
 
 
 registry = Registry()

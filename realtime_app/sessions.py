@@ -50,18 +50,37 @@ def needs_user(channel: str, action: Action = "subscribe") -> bool:
 
 
 def _load_user(session_key: str | None) -> Any:
-    """Django's own ``get_user`` on a freshly read session: backend, ``is_active`` and the
-    session hash (a changed password ends the session) are checked as for a request."""
-    from types import SimpleNamespace
-
+    """The user of a freshly read session, checked as Django checks a request's: its
+    backend still configured, the user still there (and active, for the usual backends),
+    the session hash still valid (a changed password ends the session). Unlike Django's
+    ``get_user`` it never writes the session: a hash valid under ``SECRET_KEY_FALLBACKS``
+    is accepted without cycling the key, which the browser would lose."""
     from django.conf import settings
-    from django.contrib.auth import get_user
+    from django.contrib.auth import BACKEND_SESSION_KEY, HASH_SESSION_KEY, SESSION_KEY, get_user_model, load_backend
     from django.contrib.auth.models import AnonymousUser
+    from django.utils.crypto import constant_time_compare
 
+    anonymous = AnonymousUser()
     if not session_key:
-        return AnonymousUser()
+        return anonymous
     store = import_module(settings.SESSION_ENGINE).SessionStore(session_key)
-    return get_user(SimpleNamespace(session=store))
+    try:
+        user_id = get_user_model()._meta.pk.to_python(store[SESSION_KEY])
+        backend_path = store[BACKEND_SESSION_KEY]
+    except (KeyError, ValueError):
+        return anonymous
+    if backend_path not in settings.AUTHENTICATION_BACKENDS:
+        return anonymous
+    user = load_backend(backend_path).get_user(user_id)
+    if user is None:
+        return anonymous
+    if hasattr(user, "get_session_auth_hash"):
+        session_hash = store.get(HASH_SESSION_KEY) or ""
+        hashes = [user.get_session_auth_hash()]
+        hashes += [user._get_session_auth_hash(secret=key) for key in getattr(settings, "SECRET_KEY_FALLBACKS", [])]
+        if not any(constant_time_compare(session_hash, h) for h in hashes):
+            return anonymous
+    return user
 
 
 def _reload_user(user: Any) -> Any:
@@ -96,12 +115,12 @@ async def current_user(scope: dict[str, Any]) -> Any:
 async def revalidate(conn: Connection) -> int | None:
     """The close code ``conn`` deserves now (None: its rights still hold)."""
     guarded = [c for c in conn.subscriptions if needs_user(c)]
-    if not guarded:
-        return None
     was_authenticated = getattr(conn.scope.get("user"), "is_authenticated", False)
+    if not guarded and not was_authenticated:
+        return None  # an anonymous socket on public channels has nothing to lose
     user = await current_user(conn.scope)
     if was_authenticated and not getattr(user, "is_authenticated", False):
-        return int(CloseCode.SESSION_ENDED)
+        return int(CloseCode.SESSION_ENDED)  # also for application methods that read the user
     from channels.db import database_sync_to_async
 
     rules = active_rules()
@@ -125,7 +144,7 @@ async def revalidation_loop(hub: Hub) -> None:
         await asyncio.sleep(max(interval, 1000) / 1000)
         if not interval:
             continue
-        for conn in [c for c in hub.connections if not c.closed and c.subscriptions]:
+        for conn in [c for c in hub.connections if not c.closed]:
             try:
                 code = await revalidate(conn)
             except asyncio.CancelledError:
@@ -151,8 +170,8 @@ def close_session(hub: Hub, digest: str) -> int:
 def on_logout(sender: Any, request: Any = None, user: Any = None, **kwargs: Any) -> None:
     """``user_logged_out`` receiver: every process closes the sockets of this session."""
     key = getattr(getattr(request, "session", None), "session_key", None)
-    if not key:
-        return
+    if not key or not getattr(user, "is_authenticated", False):
+        return  # an anonymous session has no socket rights to end
     from asgiref.sync import async_to_sync
 
     from .publishing import acontrol

@@ -117,3 +117,16 @@ def test_override_family_opens_a_cadence_on_purpose():
     assert not may(rules, ANON, "atelier:load:2000", "atelier:load")
     with pytest.raises(ValueError, match="override_family"):
         compile_rules([{"pattern": "x", "override_family": "yes"}])
+
+
+def test_a_bracket_expression_is_not_literal_text_when_ranking_rules():
+    """Found in review: ``*:[1-9][0-9][0-9][0-9]`` with override_family counted its
+    brackets as literal characters and outranked the built-in staff rule of the health channel."""
+    rules = compile_rules(
+        [
+            {"pattern": "*:[1-9][0-9][0-9][0-9]", "subscribe": True, "override_family": True},
+            {"pattern": "realtime:socket", "staff": True},
+        ]
+    )
+    assert rules[0].literal_length() == 1  # only the ":"
+    assert not may(rules, ANON, "realtime:socket:5000", "realtime:socket")

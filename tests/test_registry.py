@@ -52,3 +52,14 @@ def test_registration_errors(reg):
         reg.add_channel("ev", "event", factory)
     with pytest.raises(ConfigurationError):
         reg.add_channel(" spaced", "event")
+
+
+def test_only_digit_suffixes_are_cadences_of_a_family():
+    """Found in review: ``base:chat`` counted as a cadence of family ``base``, so the
+    family's rules applied to an unrelated event channel."""
+    from realtime_app.registry import registry
+
+    assert registry.family_of("demo:clock:2000") is registry.families["demo:clock"]
+    assert registry.family_of("demo:clock") is registry.families["demo:clock"]
+    assert registry.family_of("demo:clock:chat") is None
+    assert registry.family_of("demo:clock:-5") is None
