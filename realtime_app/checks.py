@@ -40,6 +40,8 @@ _INT_SETTINGS = {
     "MAX_CONNECTIONS_PER_ADDRESS": 0,
     "PROBE_TOP_CHANNELS": 1,
     "REVALIDATE_INTERVAL_MS": 0,
+    "ADMISSION_MAX_PENDING": 0,
+    "ADMISSION_MAX_PER_IDENTITY": 0,
 }
 
 
@@ -73,6 +75,17 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                 )
             )
     messages += _check_backplane(config["BACKPLANE"])
+    capacity, refill = config["ADMISSION_BUCKET_CAPACITY"], config["ADMISSION_REFILL_PER_S"]
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in (capacity, refill))
+    if not numbers or (capacity and not refill):
+        messages.append(
+            Error(
+                "REALTIME_APP['ADMISSION_BUCKET_CAPACITY'] and ['ADMISSION_REFILL_PER_S'] must be numbers >= 0, "
+                f"and a bucket needs a refill; got {capacity!r} and {refill!r}.",
+                hint="ADMISSION_BUCKET_CAPACITY = 0 switches the bucket off.",
+                id="realtime_app.E006",
+            )
+        )
     if config["BACKPRESSURE_POLICY"] not in ("drop", "close"):
         messages.append(
             Error(

@@ -65,6 +65,13 @@ DEFAULTS: dict[str, Any] = {
     # session and the database again (closed with 4001 / 4003 when its rights ended); 0 = only
     # at each subscribe and at logout.
     "REVALIDATE_INTERVAL_MS": 30000,
+    # Admission of application methods and ``publish`` (docs/admission.md): requests queued
+    # or running in the process, requests of one identity in flight, and each identity's
+    # token bucket (tokens, refill per second); 0 switches a cap or the bucket off.
+    "ADMISSION_MAX_PENDING": 3000,
+    "ADMISSION_MAX_PER_IDENTITY": 10,
+    "ADMISSION_BUCKET_CAPACITY": 18.0,
+    "ADMISSION_REFILL_PER_S": 9.0,
     # Channels listed by name in a process's probe (the busiest); the rest are counted.
     "PROBE_TOP_CHANNELS": 50,
     # Lifetime of a published process probe, milliseconds; it is republished every third.

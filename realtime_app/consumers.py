@@ -12,6 +12,7 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from . import protocol
@@ -34,20 +35,41 @@ logger = logging.getLogger("realtime_app.consumers")
 FRESH_USER_S = 1.0
 
 Handler = Callable[["RealtimeConsumer", Any], Awaitable[Any] | Any]
-_methods: dict[str, Handler] = {}
+Snapshot = Callable[["RealtimeConsumer"], Awaitable[Any] | Any]
 
 
-def rpc_method(name: str) -> Callable[[Handler], Handler]:
+@dataclass(frozen=True, slots=True)
+class Method:
+    """A registered application method and what admission needs to know of it."""
+
+    handler: Handler
+    cost: float = 1.0
+    snapshot: Snapshot | None = None
+
+
+_methods: dict[str, Method] = {}
+
+#: Cost of the built-in ``publish`` in tokens of the publisher's bucket.
+PUBLISH_COST = 1.0
+
+
+def rpc_method(name: str, *, cost: float = 1.0, snapshot: Snapshot | None = None) -> Callable[[Handler], Handler]:
     """Register an application JSON-RPC method: ``handler(consumer, params) -> result``.
 
-    Raise :class:`~realtime_app.exceptions.RPCError` to answer an error; any other
-    exception answers -32603 and is logged.
+    Each call is admitted first (docs/admission.md): ``cost`` tokens of the caller's
+    bucket (a float: 0.25 for cheap operations); a refusal is answered at once with its
+    reason and ``retry_after_ms``, plus ``snapshot(consumer)`` (sync or async) when
+    given, so that the client can resync. Raise
+    :class:`~realtime_app.exceptions.RPCError` to answer an error; any other exception
+    answers -32603 and is logged.
     """
     if name in ("subscribe", "unsubscribe", "ping", "publish") or name.startswith("rpc."):
         raise ValueError(f"method name {name!r} is reserved")
+    if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost < float("inf"):
+        raise ValueError(f"method {name!r}: cost must be a number >= 0, got {cost!r}")
 
     def register(handler: Handler) -> Handler:
-        _methods[name] = handler
+        _methods[name] = Method(handler, float(cost), snapshot)
         return handler
 
     return register
@@ -201,8 +223,39 @@ class RealtimeConsumer:
             return
         await self.send_json(responses if frame.is_batch else responses[0])
 
+    def admission_identity(self) -> tuple[str, str]:
+        """Whose bucket and cap a request draws on: the user's (shared by all of its
+        connections in this process), else this connection's."""
+        user = self.user
+        if user is not None and getattr(user, "is_authenticated", False):
+            return ("user", str(user.pk))
+        return ("connection", str(self.connection.id if self.connection else id(self)))
+
     async def handle_request(self, request: Request) -> Response | None:
-        """Run one request and build its response (None for notifications)."""
+        """Admit one request, run it and build its response (None for notifications)."""
+        method = _methods.get(request.method)
+        cost = method.cost if method is not None else PUBLISH_COST if request.method == "publish" else None
+        if cost is None:  # built-ins other than publish, unknown methods: no work to bound
+            return await self._run(request)
+        hub = await get_hub()
+        identity = self.admission_identity()
+        refusal = hub.admission.admit(identity, cost)
+        if refusal is not None:
+            data = refusal.data()
+            if method is not None and method.snapshot is not None:
+                snapshot = method.snapshot(self)
+                data["snapshot"] = await snapshot if inspect.isawaitable(snapshot) else snapshot
+            message = {"overloaded": "Overloaded", "too_many_in_flight": "Too many in flight"}.get(
+                refusal.reason, "Rate limited"
+            )
+            reason = data.pop("reason")
+            return protocol.error_response(request.id, refusal.code, message, reason, **data)
+        try:
+            return await self._run(request)
+        finally:
+            hub.admission.release(identity)
+
+    async def _run(self, request: Request) -> Response:
         try:
             result = await self.dispatch(request.method, request.params)
         except BackplaneUnavailable:  # logged once per outage by the hub
@@ -227,10 +280,10 @@ class RealtimeConsumer:
         }.get(method)
         if builtin is not None:
             return await builtin(params)
-        handler = _methods.get(method)
-        if handler is None:
+        registered = _methods.get(method)
+        if registered is None:
             raise RPCError(protocol.METHOD_NOT_FOUND, "Method not found", "unknown_method", method=method[:100])
-        result = handler(self, params)
+        result = registered.handler(self, params)
         if inspect.isawaitable(result):
             result = await result
         return result

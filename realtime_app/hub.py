@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .admission import Admission, AdmissionLimits
 from .backplane import Backplane, Delivery, make_backplane
 from .backpressure import CLOSE, DROP, SEND, Decision
 from .conf import get_config
@@ -103,6 +104,7 @@ class Hub:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.backplane: Backplane | None = None
         self.reconciler = Reconciler()
+        self.admission = Admission(admission_limits())
         self.connections: set[Connection] = set()
         self.subscribers: dict[str, set[Connection]] = {}
         self.specs: dict[str, ChannelSpec] = {}  # channels with local subscribers
@@ -676,6 +678,12 @@ class Hub:
             "failing_tickers": sorted(self._failing)[:top],
             "published": self.published,
             "refused": dict(self.refused),
+            "admission": {
+                "pending": self.admission.pending,
+                "admitted": self.admission.admitted,
+                "refused": dict(self.admission.refused),
+                "identities": self.admission.identities,
+            },
             "send_failures": self.send_failures,
             "stale_ticks": self.stale_ticks,
             "backplane": {
@@ -690,6 +698,17 @@ class Hub:
         assert self.backplane is not None
         others = [p for p in await self.backplane.cluster_probes() if p.get("instance") != self.instance_id]
         return [self.probe(), *others]
+
+
+def admission_limits() -> AdmissionLimits:
+    """The admission limits of ``REALTIME_APP`` (checked by ``realtime_app.E006``)."""
+    config = get_config()
+    return AdmissionLimits(
+        max_pending=config["ADMISSION_MAX_PENDING"],
+        max_per_identity=config["ADMISSION_MAX_PER_IDENTITY"],
+        bucket_capacity=float(config["ADMISSION_BUCKET_CAPACITY"]),
+        refill_per_s=float(config["ADMISSION_REFILL_PER_S"]),
+    )
 
 
 def _log_death(task: asyncio.Task[Any]) -> None:

@@ -132,3 +132,72 @@ def test_every_merged_caller_stays_in_its_job_and_closed_connections_leave():
     [job] = list(queue)
     assert job.items == [("x", 1), ("x", 1)] and job.units == 2
     assert queue.pop() is job and queue.pop() is None
+
+
+# -- wired into the endpoint (in-process, the memory backplane) -------------------------
+
+
+async def test_a_publish_flood_from_one_socket_is_bounded_by_its_bucket(hub):
+    """Found: one anonymous socket published 2,522 events/s on demo:events."""
+    from tests.test_consumer import Client
+
+    async with Client() as c:
+        batch = [
+            {"jsonrpc": "2.0", "method": "publish", "params": {"channel": "demo:events", "data": i}, "id": i}
+            for i in range(30)
+        ]
+        await c.send(batch)
+        answers = await c.recv()
+        while not isinstance(answers, list):  # (its own frames are not subscribed: none come)
+            answers = await c.recv()
+        assert [a["id"] for a in answers if "result" in a] == list(range(18))  # a full bucket: 18
+        refused = [a["error"] for a in answers if "error" in a]
+        assert len(refused) == 12
+        assert all(e["code"] == -32005 and e["data"]["reason"] == "rate_limited" for e in refused)
+        assert all(0 < e["data"]["retry_after_ms"] <= 112 and e["data"]["limit"] == 18 for e in refused)
+        seqs = [a["result"]["seq"] for a in answers if "result" in a]
+        assert seqs == list(range(seqs[0], seqs[0] + 18))  # refusals burn no seq
+    probe = hub.probe()["admission"]
+    assert probe["refused"]["rate_limited"] == 12 and probe["pending"] == 0
+
+
+async def test_connections_of_one_user_share_a_bucket_and_anonymous_ones_do_not(hub, django_user_model):
+    from asgiref.sync import sync_to_async
+
+    from tests.test_consumer import Client
+
+    user = await sync_to_async(django_user_model.objects.create_user)("ann", password="p")
+
+    async def publish_n(client, n):
+        answers = []
+        for i in range(n):
+            answers.append(await client.call("publish", {"channel": "demo:events", "data": i}))
+        return ["result" in a for a in answers]
+
+    async with Client(user) as a, Client(user) as b:
+        assert all(await publish_n(a, 10))
+        assert await publish_n(b, 10) == [True] * 8 + [False] * 2
+    async with Client() as x, Client() as y:
+        assert all(await publish_n(x, 18)) and all(await publish_n(y, 18))
+
+
+async def test_a_refusal_carries_the_methods_snapshot_and_slots_are_released(hub):
+    from tests.test_consumer import Client
+
+    async with Client() as c:
+        for _ in range(3):  # 3 x 6 = 18 tokens
+            assert (await c.call("test.costly"))["result"] == "done"
+        error = (await c.call("test.costly"))["error"]
+        assert error["data"]["reason"] == "rate_limited" and error["data"]["snapshot"] == {"who": "connection"}
+        assert 600 < error["data"]["retry_after_ms"] <= 667  # (6 - tokens) / 9 s, nearly empty
+    async with Client() as c:
+        for _ in range(3):
+            assert (await c.call("test.crash"))["error"]["code"] == -32603  # a raising handler...
+    assert hub.admission.pending == 0  # ...releases its slot
+
+
+def test_costs_are_validated_at_registration():
+    from realtime_app import rpc_method
+
+    with pytest.raises(ValueError, match="cost"):
+        rpc_method("test.bad", cost=-1)

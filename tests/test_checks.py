@@ -141,3 +141,11 @@ def test_an_untested_server_version_is_flagged(monkeypatch):
     monkeypatch.setattr(metadata, "version", lambda name: "5.0" if name == "daphne" else real(name))
     [message] = check_server_versions()
     assert message.id == "realtime_app.W020" and "daphne 5.0" in message.msg
+
+
+@pytest.mark.parametrize(
+    "values", [{"ADMISSION_BUCKET_CAPACITY": 10, "ADMISSION_REFILL_PER_S": 0}, {"ADMISSION_BUCKET_CAPACITY": "18"}]
+)
+def test_an_impossible_bucket_is_an_error(values):
+    with override_settings(REALTIME_APP=values):
+        assert ids(check_settings()) == ["realtime_app.E006"]

@@ -93,3 +93,8 @@ async def close_with(consumer: Any, params: Any) -> None:
 async def sleep_for(consumer: Any, params: Any) -> str:
     await asyncio.sleep(float(params["seconds"]))
     return "slept"
+
+
+@realtime_app.rpc_method("test.costly", cost=6, snapshot=lambda consumer: {"who": consumer.admission_identity()[0]})
+def costly(consumer: Any, params: Any) -> str:
+    return "done"
