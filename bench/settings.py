@@ -6,3 +6,9 @@ ASGI_APPLICATION = "bench.asgi.application"
 DEBUG = False
 ALLOWED_HOSTS = ["127.0.0.1", "localhost"]
 LOGGING = {"version": 1, "disable_existing_loggers": False, "root": {"level": "WARNING"}}
+
+import json  # noqa: E402
+import os  # noqa: E402
+
+# A benchmark phase may change REALTIME_APP keys (admission off, say) through the environment.
+REALTIME_APP = {**REALTIME_APP, **json.loads(os.environ.get("REALTIME_BENCH_OVERRIDES") or "{}")}  # noqa: F405

@@ -33,7 +33,7 @@ from typing import Any, Generic, TypeVar
 
 from .protocol import OVERLOADED, RATE_LIMITED, TOO_MANY_IN_FLIGHT
 
-__all__ = ["Admission", "AdmissionLimits", "CoalescingQueue", "Job", "Refusal"]
+__all__ = ["Admission", "AdmissionLimits", "CoalescingQueue", "Job", "Refusal", "retry_after_ms", "retry_delay_ms"]
 
 T = TypeVar("T")
 
@@ -56,6 +56,19 @@ class AdmissionLimits:
             raise ValueError("bucket_capacity and refill_per_s must be >= 0 (0 = no bucket)")
         if self.bucket_capacity and not self.refill_per_s:
             raise ValueError("a bucket needs refill_per_s > 0, or it empties for good")
+
+
+def retry_after_ms(seconds: float) -> int:
+    """Milliseconds to wait, rounded up: coming back at that time always passes."""
+    return max(0, math.ceil(round(seconds * 1000, 6)))
+
+
+def retry_delay_ms(retry_after_ms: float, u: float) -> int:
+    """How long a client waits before retrying a refused request: ``retry_after_ms`` plus
+    up to a quarter more (``u`` uniform in [0, 1)), so that refused clients do not all come
+    back at once — never earlier than the server said. The browser module's
+    ``retryDelayMs`` is the same rule (shared vectors: tests/vectors/refusal.json)."""
+    return math.ceil(retry_after_ms * (1 + 0.25 * u))
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,8 +135,22 @@ class Admission:
 
         ``merged``: the request joins a waiting one and takes no global slot.
         """
-        if cost < 0:
-            raise ValueError(f"cost must be >= 0, got {cost!r}")
+        refusal = self.reserve(identity, merged=merged)
+        if refusal is None:
+            refusal = self.charge(identity, cost)
+            if refusal is not None:
+                self.cancel(identity, merged=merged)
+            else:
+                self.confirm(merged=merged)
+        return refusal
+
+    def reserve(self, identity: Hashable, *, merged: bool = False) -> Refusal | None:
+        """Steps 1 and 2, the caps: take a slot, or say why not (no token is touched).
+
+        Split from :meth:`charge` so that a bucket kept elsewhere (one shared by the
+        processes of a cluster) can be asked in between while the slot is held; follow with
+        :meth:`confirm`, or :meth:`cancel` when the bucket refuses.
+        """
         limits = self.limits
         now = self.clock()
         self.forget_idle(now)
@@ -132,20 +159,45 @@ class Admission:
         state = self._identity(identity, now)
         if limits.max_per_identity and state.pending >= limits.max_per_identity:
             return self._refuse(TOO_MANY_IN_FLIGHT, "too_many_in_flight", limits.cap_retry_ms, limits.max_per_identity)
-        if limits.bucket_capacity:
-            tokens = self._refilled(state, now)
-            if tokens < cost:
-                wait_ms = math.ceil((cost - tokens) / limits.refill_per_s * 1000)
-                state.tokens, state.stamp = tokens, now
-                return self._refuse(RATE_LIMITED, "rate_limited", wait_ms, limits.bucket_capacity)
-            state.tokens, state.stamp = tokens - cost, now
         state.pending += 1
+        if not merged:
+            self.pending += 1
+        return None
+
+    def charge(self, identity: Hashable, cost: float) -> Refusal | None:
+        """Step 3, this process's bucket: take ``cost`` tokens or say exactly when they will be there."""
+        if cost < 0:
+            raise ValueError(f"cost must be >= 0, got {cost!r}")
+        limits = self.limits
+        if not limits.bucket_capacity:
+            return None
+        now = self.clock()
+        state = self._identity(identity, now)
+        tokens = self._refilled(state, now)
+        if tokens < cost:
+            state.tokens, state.stamp = tokens, now
+            return self.rate_limited(retry_after_ms((cost - tokens) / limits.refill_per_s))
+        state.tokens, state.stamp = tokens - cost, now
+        return None
+
+    def rate_limited(self, retry_ms: int) -> Refusal:
+        """A bucket refusal (this process's bucket, or a shared one that said no)."""
+        return self._refuse(RATE_LIMITED, "rate_limited", retry_ms, self.limits.bucket_capacity)
+
+    def confirm(self, *, merged: bool = False) -> None:
+        """The reserved request is admitted."""
+        self.admitted += 1
         if merged:
             self.merged += 1
-        else:
-            self.pending += 1
-        self.admitted += 1
-        return None
+
+    def rebook(self, *, merged: bool) -> None:
+        """A request admitted as merged now queues alone (the job it was to join started
+        while its bucket was asked), or the other way round: move its global slot."""
+        self.pending += -1 if merged else 1
+
+    def cancel(self, identity: Hashable, *, merged: bool = False) -> None:
+        """Give back a reserved slot whose request the bucket refused."""
+        self.release(identity, merged=merged)
 
     def release(self, identity: Hashable, *, merged: bool = False) -> None:
         """An admitted request is done (answered, failed, cancelled or dropped)."""

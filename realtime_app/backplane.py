@@ -122,6 +122,12 @@ class Backplane:
         """The probes of every live process."""
         raise NotImplementedError
 
+    async def take_tokens(self, identity: str, cost: float, capacity: float, refill_per_s: float) -> int | None:
+        """Take ``cost`` tokens of a bucket shared by the cluster, atomically: ``None`` when
+        taken, else the milliseconds until they will be there. A backplane that shares no
+        state between processes raises ``NotImplementedError`` (each process keeps its own)."""
+        raise NotImplementedError
+
 
 def backplane_class() -> type[Backplane]:
     """The backplane the settings choose (``"auto"``: Redis iff the layer is channels-redis)."""

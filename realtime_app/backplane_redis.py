@@ -30,6 +30,7 @@ from redis import asyncio as aioredis
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeout
 
+from .admission import retry_after_ms
 from .backplane import Backplane, Deliver, Delivery, now_ms
 from .names import group_name
 from .protocol import notification_text
@@ -69,6 +70,22 @@ local cur = tonumber(redis.call('get', KEYS[1]) or '0')
 if cur < tonumber(ARGV[1]) then redis.call('set', KEYS[1], ARGV[1]) end
 redis.call('pexpire', KEYS[1], ARGV[2])
 return 0
+"""
+# One token bucket shared by the cluster (an identity on several processes), refilled
+# lazily with Redis' clock so that the processes' clocks never disagree about it.
+_TAKE = """
+local t = redis.call('time')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local cost, cap, rate = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local b = redis.call('hmget', KEYS[1], 'tokens', 'stamp')
+local tokens, stamp = tonumber(b[1]), tonumber(b[2])
+if tokens == nil or stamp == nil then tokens, stamp = cap, now end
+tokens = math.min(cap, tokens + math.max(0, now - stamp) * rate)
+local wait = 0
+if tokens >= cost then tokens = tokens - cost else wait = (cost - tokens) / rate end
+redis.call('hset', KEYS[1], 'tokens', string.format('%.17g', tokens), 'stamp', string.format('%.17g', now))
+redis.call('pexpire', KEYS[1], ARGV[4])
+return string.format('%.17g', wait)
 """
 
 
@@ -116,6 +133,7 @@ class RedisBackplane(Backplane):
         self._release = self.redis.register_script(_RELEASE)
         self._seq = self.redis.register_script(_SEQ)
         self._reseed = self.redis.register_script(_RESEED)
+        self._take = self.redis.register_script(_TAKE)
         self.process_channel: str | None = None
         self._receive_errors: set[type[BaseException]] = set()  # logged once per kind
         self._run_id: str | None = None
@@ -265,6 +283,16 @@ class RedisBackplane(Backplane):
         names = [i.decode() if isinstance(i, bytes) else i for i in ids]
         raw = await self.redis.mget([f"{self.prefix}:probe:{n}" for n in names])
         return [json.loads(r) for r in raw if r]
+
+    # -- admission ----------------------------------------------------------------------
+
+    async def take_tokens(self, identity: str, cost: float, capacity: float, refill_per_s: float) -> int | None:
+        refill_ms = int(capacity / refill_per_s * 1000) + 1000  # a full bucket needs no key
+        wait = await self._take(
+            keys=[f"{self.prefix}:bucket:{identity}"], args=[repr(cost), repr(capacity), repr(refill_per_s), refill_ms]
+        )
+        seconds = float(wait.decode() if isinstance(wait, bytes) else wait)
+        return retry_after_ms(seconds) if seconds > 0 else None
 
 
 def _client(layer: Any, settings: dict[str, Any]) -> Any:

@@ -41,6 +41,7 @@ _INT_SETTINGS = {
     "PROBE_TOP_CHANNELS": 1,
     "REVALIDATE_INTERVAL_MS": 0,
     "ADMISSION_MAX_PENDING": 0,
+    "ADMISSION_MAX_RUNNING": 1,
     "ADMISSION_MAX_PER_IDENTITY": 0,
 }
 
@@ -274,3 +275,24 @@ def check_server_versions(app_configs: Any = None, **kwargs: Any) -> list[CheckM
                 )
             )
     return messages
+
+
+@register(Tags.compatibility)
+def check_method_costs(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """W030: a method that costs more than a full bucket holds is refused every time."""
+    from .consumers import BUILTIN_COSTS, _methods
+
+    capacity = get_config()["ADMISSION_BUCKET_CAPACITY"]
+    if not isinstance(capacity, (int, float)) or isinstance(capacity, bool) or not capacity:
+        return []
+    costs = {**BUILTIN_COSTS, **{name: method.cost for name, method in _methods.items()}}
+    return [
+        Warning(
+            f"RPC method {name!r} costs {cost:g} tokens, more than ADMISSION_BUCKET_CAPACITY ({capacity:g}): "
+            "every call is refused with rate_limited.",
+            hint="Lower its cost or raise ADMISSION_BUCKET_CAPACITY.",
+            id="realtime_app.W030",
+        )
+        for name, cost in sorted(costs.items())
+        if cost > capacity
+    ]

@@ -28,13 +28,15 @@ import websockets
 from websockets.typing import Origin
 
 from .adaptive import AdaptiveRate
-from .exceptions import RPCError
+from .admission import retry_delay_ms
+from .exceptions import Refused, RPCError, error_from_response
 from .rate import rate_channel
 
 __all__ = [
     "RECONNECT_CODES",
     "AdaptiveChannel",
     "RealtimeClient",
+    "Refused",
     "bind_adaptive_channel",
     "is_reconnectable_close_code",
 ]
@@ -215,15 +217,7 @@ class RealtimeClient:
                     continue
                 if "error" in item:
                     error = item["error"]
-                    data = error.get("data") or {}
-                    future.set_exception(
-                        RPCError(
-                            error.get("code", 0),
-                            error.get("message", ""),
-                            data.get("reason", ""),
-                            **{k: v for k, v in data.items() if k != "reason"},
-                        )
-                    )
+                    future.set_exception(error_from_response(error if isinstance(error, dict) else {}))
                 else:
                     future.set_result(item.get("result"))
 
@@ -239,8 +233,24 @@ class RealtimeClient:
                     except Exception:
                         logger.exception("handler of %s failed", name)
 
-    async def call(self, method: str, params: Any = None, *, timeout: float | None = None) -> Any:
-        """Call ``method``; returns its result, raises :class:`RPCError` or ``TimeoutError``."""
+    async def call(self, method: str, params: Any = None, *, timeout: float | None = None, retries: int = 0) -> Any:
+        """Call ``method``; returns its result, raises :class:`RPCError` (:class:`Refused`
+        when admission refused it) or ``TimeoutError``.
+
+        ``retries``: how many times a refused call is sent again after its
+        ``retry_after_ms`` (jittered by :func:`~realtime_app.admission.retry_delay_ms`);
+        0 by default — whether a late retry still makes sense is the application's call.
+        """
+        while True:
+            try:
+                return await self._call_once(method, params, timeout)
+            except Refused as refused:
+                if retries <= 0:
+                    raise
+                retries -= 1
+                await asyncio.sleep(retry_delay_ms(refused.retry_after_ms, random.random()) / 1000)
+
+    async def _call_once(self, method: str, params: Any, timeout: float | None) -> Any:
         if self._ws is None:
             raise ConnectionError("not connected")
         request_id = next(self._ids)

@@ -69,6 +69,7 @@ DEFAULTS: dict[str, Any] = {
     # or running in the process, requests of one identity in flight, and each identity's
     # token bucket (tokens, refill per second); 0 switches a cap or the bucket off.
     "ADMISSION_MAX_PENDING": 3000,
+    "ADMISSION_MAX_RUNNING": 64,
     "ADMISSION_MAX_PER_IDENTITY": 10,
     "ADMISSION_BUCKET_CAPACITY": 18.0,
     "ADMISSION_REFILL_PER_S": 9.0,

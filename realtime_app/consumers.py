@@ -8,17 +8,21 @@ so a connection costs nothing on the backplane.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from channels.db import database_sync_to_async
+
 from . import protocol
+from .admission import Refusal
 from .conf import get_config
 from .exceptions import BackplaneUnavailable, ForbiddenChannel, PublicationError, PublicationTooLarge, RPCError
-from .hub import Connection, get_hub
+from .hub import Connection, Hub, get_hub
 from .logsafe import safe
 from .policies import allowed
 from .protocol import CloseCode, Request, Response
@@ -26,6 +30,7 @@ from .rate import nearest_cadence, rate_channel
 from .registry import ChannelSpec, registry
 from .sessions import current_user, needs_user
 from .transports import UnsupportedServer
+from .workers import Call, Coalesce
 
 __all__ = ["RealtimeConsumer", "rpc_method"]
 
@@ -45,31 +50,45 @@ class Method:
     handler: Handler
     cost: float = 1.0
     snapshot: Snapshot | None = None
+    coalesce: Coalesce | None = None
+    is_async: bool = True
 
 
 _methods: dict[str, Method] = {}
 
+#: Tokens the built-in methods take from the caller's bucket (docs/admission.md): small,
+#: so that a client's own subscriptions and heartbeats never starve its application calls,
+#: but not nothing, so that a batch of thousands of subscribes is bounded all the same.
+BUILTIN_COSTS: dict[str, float] = {"ping": 0.1, "subscribe": 0.25, "unsubscribe": 0.1, "publish": 1.0}
 #: Cost of the built-in ``publish`` in tokens of the publisher's bucket.
-PUBLISH_COST = 1.0
+PUBLISH_COST = BUILTIN_COSTS["publish"]
 
 
-def rpc_method(name: str, *, cost: float = 1.0, snapshot: Snapshot | None = None) -> Callable[[Handler], Handler]:
+def rpc_method(
+    name: str, *, cost: float = 1.0, coalesce: Coalesce | None = None, snapshot: Snapshot | None = None
+) -> Callable[[Handler], Handler]:
     """Register an application JSON-RPC method: ``handler(consumer, params) -> result``.
 
     Each call is admitted first (docs/admission.md): ``cost`` tokens of the caller's
     bucket (a float: 0.25 for cheap operations); a refusal is answered at once with its
     reason and ``retry_after_ms``, plus ``snapshot(consumer)`` (sync or async) when
-    given, so that the client can resync. Raise
-    :class:`~realtime_app.exceptions.RPCError` to answer an error; any other exception
-    answers -32603 and is logged.
+    given, so that the client can resync. Admitted calls wait their turn in the process's
+    pool (``ADMISSION_MAX_RUNNING`` at once): an ``async def`` handler runs on the event
+    loop, a plain ``def`` one in a worker thread (it may use the ORM). ``coalesce``
+    (:class:`~realtime_app.workers.Coalesce`) lets compatible waiting calls merge into one
+    execution. Raise :class:`~realtime_app.exceptions.RPCError` to answer an error; any
+    other exception answers -32603 and is logged.
     """
-    if name in ("subscribe", "unsubscribe", "ping", "publish") or name.startswith("rpc."):
+    if name in BUILTIN_COSTS or name.startswith("rpc."):
         raise ValueError(f"method name {name!r} is reserved")
     if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost < float("inf"):
         raise ValueError(f"method {name!r}: cost must be a number >= 0, got {cost!r}")
+    if coalesce is not None and not isinstance(coalesce, Coalesce):
+        raise ValueError(f"method {name!r}: coalesce must be a realtime_app.Coalesce")
 
     def register(handler: Handler) -> Handler:
-        _methods[name] = Method(handler, float(cost), snapshot)
+        is_async = inspect.iscoroutinefunction(handler)
+        _methods[name] = Method(handler, float(cost), snapshot, coalesce, is_async)
         return handler
 
     return register
@@ -177,6 +196,7 @@ class RealtimeConsumer:
                 if kind == "websocket.receive" and not conn.closed:
                     await self.receive_frame(message.get("text"), message.get("bytes"))
         finally:
+            hub.pool.abandon(self)
             await hub.remove_connection(conn)
 
     async def close(self, code: int, reason: str) -> None:
@@ -206,54 +226,93 @@ class RealtimeConsumer:
         if limit and len(text) * 4 > limit and len(text.encode("utf-8", "surrogatepass")) > limit:
             await self.close(CloseCode.MESSAGE_TOO_BIG, f"frame over {limit} bytes")
             return
+        assert self.connection is not None
+        hub = await get_hub()
+        if hub.unread_responses(self.connection):
+            return  # the client does not read its answers: none of these requests runs
         frame = protocol.parse_frame(text, config["MAX_BATCH"])
-        responses: list[Response] = list(frame.errors)
+        reply = _Reply(self, hub, frame.is_batch, list(frame.errors))
         if frame.errors:  # once per frame, however many bad parts a batch has
             logger.info(
                 "connection %s: %d bad request(s) (%s)",
-                self.connection.id if self.connection else "-",
+                self.connection.id,
                 len(frame.errors),
                 frame.errors[0].get("error", {}).get("data", {}).get("reason"),
             )
         for request in frame.requests:
-            response = await self.handle_request(request)
-            if response is not None and not request.is_notification:
-                responses.append(response)
-        if not responses:
-            return
-        await self.send_json(responses if frame.is_batch else responses[0])
+            outcome = await self.handle_request(request)
+            if not request.is_notification:
+                reply.add(outcome)
+        reply.seal()
 
     def admission_identity(self) -> tuple[str, str]:
         """Whose bucket and cap a request draws on: the user's (shared by all of its
-        connections in this process), else this connection's."""
+        connections, across the cluster on the Redis backplane), else this connection's."""
         user = self.user
         if user is not None and getattr(user, "is_authenticated", False):
             return ("user", str(user.pk))
         return ("connection", str(self.connection.id if self.connection else id(self)))
 
-    async def handle_request(self, request: Request) -> Response | None:
-        """Admit one request, run it and build its response (None for notifications)."""
+    async def handle_request(self, request: Request) -> Response | Pending | None:
+        """Admit one request, then run it: a built-in inline (its answer is returned), an
+        application method in the pool (a future of its answer is returned)."""
         method = _methods.get(request.method)
-        cost = method.cost if method is not None else PUBLISH_COST if request.method == "publish" else None
-        if cost is None:  # built-ins other than publish, unknown methods: no work to bound
+        cost = method.cost if method is not None else BUILTIN_COSTS.get(request.method)
+        if cost is None:  # unknown method: answered at once, no work to bound
             return await self._run(request)
         hub = await get_hub()
         identity = self.admission_identity()
-        refusal = hub.admission.admit(identity, cost)
+        key: Hashable | None = None
+        units = 1.0
+        if method is not None and method.coalesce is not None:
+            key, units = self._coalescing(method.coalesce, identity, request)
+        merged = method is not None and hub.pool.would_merge(key, units, method.coalesce.cap if method.coalesce else 0)
+        refusal = await hub.admit(identity, cost, merged=merged)
         if refusal is not None:
-            data = refusal.data()
-            if method is not None and method.snapshot is not None:
+            return await self._refused(request, method, refusal)
+        if method is None:  # a built-in: cheap, ordered with this connection's frames
+            try:
+                return await self._run(request)
+            finally:
+                hub.admission.release(identity)
+        call = Call(self, request.method, request.params, identity, merged, method.coalesce, method.is_async)
+        if hub.pool.submit(call, key, units, method.coalesce.cap if method.coalesce else 0.0) != merged:
+            hub.admission.rebook(merged=not merged)  # the job it was to join started meanwhile
+            call.merged = not merged
+        return Pending(request.id, call.future)
+
+    def _coalescing(self, coalesce: Coalesce, identity: Hashable, request: Request) -> tuple[Hashable | None, float]:
+        """The request's merge key and units; ``None`` (runs alone) when its params do not
+        give them — the handler then answers what is wrong with them."""
+        try:
+            key = coalesce.key(identity, request.params)
+            units = float(coalesce.units(request.params)) if key is not None else 1.0
+        except Exception:
+            return None, 1.0
+        if key is None or not 0 < units <= coalesce.cap:
+            return None, 1.0
+        return (request.method, key), units
+
+    async def _refused(self, request: Request, method: Method | None, refusal: Refusal) -> Response:
+        data = refusal.data()
+        if method is not None and method.snapshot is not None:
+            try:
                 snapshot = method.snapshot(self)
                 data["snapshot"] = await snapshot if inspect.isawaitable(snapshot) else snapshot
-            message = {"overloaded": "Overloaded", "too_many_in_flight": "Too many in flight"}.get(
-                refusal.reason, "Rate limited"
-            )
-            reason = data.pop("reason")
-            return protocol.error_response(request.id, refusal.code, message, reason, **data)
-        try:
-            return await self._run(request)
-        finally:
-            hub.admission.release(identity)
+            except Exception:
+                logger.exception("method %s: snapshot failed", safe(request.method))
+        message = {"overloaded": "Overloaded", "too_many_in_flight": "Too many in flight"}.get(
+            refusal.reason, "Rate limited"
+        )
+        reason = data.pop("reason")
+        return protocol.error_response(request.id, refusal.code, message, reason, **data)
+
+    async def execute(self, method: str, params: Any) -> tuple[bool, Any]:
+        """Run one (possibly merged) call: ``(True, result)`` or ``(False, error object)``."""
+        response = await self._run(Request(method, params, 0))
+        if "error" in response:
+            return False, response["error"]
+        return True, response["result"]
 
     async def _run(self, request: Request) -> Response:
         try:
@@ -283,6 +342,8 @@ class RealtimeConsumer:
         registered = _methods.get(method)
         if registered is None:
             raise RPCError(protocol.METHOD_NOT_FOUND, "Method not found", "unknown_method", method=method[:100])
+        if not registered.is_async:
+            return await database_sync_to_async(registered.handler, thread_sensitive=False)(self, params)
         result = registered.handler(self, params)
         if inspect.isawaitable(result):
             result = await result
@@ -380,3 +441,62 @@ class RealtimeConsumer:
         except PublicationError as exc:
             raise _invalid(f"Invalid params: {exc.problem}", "invalid_data") from None
         return {"channel": spec.name, "seq": seq}
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """A queued request's answer to come: ``future`` gives ``(ok, result or error)``."""
+
+    id: Any
+    future: asyncio.Future[Any]
+
+    def response(self) -> Response:
+        ok, outcome = self.future.result()
+        if ok:
+            return protocol.result_response(self.id, outcome)
+        return {"jsonrpc": "2.0", "error": outcome, "id": self.id}
+
+
+class _Reply:
+    """The answer to one frame: sent at once when every request is done, else when the
+    last queued one is (a batch gets one array, in request order — JSON-RPC allows any)."""
+
+    __slots__ = ("batch", "consumer", "entries", "hub", "pending", "sealed")
+
+    def __init__(self, consumer: RealtimeConsumer, hub: Hub, batch: bool, errors: list[Response]) -> None:
+        self.consumer = consumer
+        self.hub = hub
+        self.batch = batch
+        self.entries: list[Response | None] = list(errors)
+        self.pending = 0
+        self.sealed = False
+
+    def add(self, outcome: Response | Pending | None) -> None:
+        if outcome is None:
+            return
+        if not isinstance(outcome, Pending):
+            self.entries.append(outcome)
+            return
+        index = len(self.entries)
+        self.entries.append(None)
+        self.pending += 1
+        outcome.future.add_done_callback(lambda _: self._filled(index, outcome))
+
+    def _filled(self, index: int, pending: Pending) -> None:
+        self.pending -= 1
+        if pending.future.cancelled():  # its connection closed while it waited
+            return
+        self.entries[index] = pending.response()
+        self._maybe_send()
+
+    def seal(self) -> None:
+        self.sealed = True
+        self._maybe_send()
+
+    def _maybe_send(self) -> None:
+        if not self.sealed or self.pending:
+            return
+        conn = self.consumer.connection
+        responses = [entry for entry in self.entries if entry is not None]
+        if responses and conn is not None and not conn.closed:
+            self.hub.send_to(conn, protocol.encode(responses if self.batch else responses[0]), response=True)

@@ -11,7 +11,7 @@
         ├── ChannelError
         │   ├── UnknownChannel
         │   └── ForbiddenChannel
-        └── Refused              a limit refused the request (tickers, cadences)
+        └── Refused               admission refused the request: retry_after_ms, snapshot
 """
 
 from __future__ import annotations
@@ -28,9 +28,12 @@ __all__ = [
     "ForbiddenChannel",
     "PublicationError",
     "PublicationTooLarge",
+    "REFUSAL_CODES",
     "RPCError",
     "RealtimeError",
+    "Refused",
     "UnknownChannel",
+    "error_from_response",
 ]
 
 
@@ -118,3 +121,37 @@ class ForbiddenChannel(ChannelError):
 
         super().__init__(FORBIDDEN_CHANNEL, f"Forbidden: may not {action} this channel", "forbidden_channel", channel)
         self.action = action
+
+
+#: JSON-RPC codes of "not now" answers (docs/admission.md): nothing ran.
+REFUSAL_CODES = (-32003, -32004, -32005)
+
+
+class Refused(RPCError):
+    """A request refused before any work (``overloaded``, ``too_many_in_flight``,
+    ``rate_limited``): come back after ``retry_after_ms``; ``snapshot`` is the state to
+    resync to when the method declares one; ``limit`` the limit that applied."""
+
+    @property
+    def retry_after_ms(self) -> int:
+        return int(self.data.get("retry_after_ms", 0))
+
+    @property
+    def snapshot(self) -> Any:
+        return self.data.get("snapshot")
+
+    @property
+    def limit(self) -> Any:
+        return self.data.get("limit")
+
+
+def error_from_response(error: dict[str, Any]) -> RPCError:
+    """The exception of a JSON-RPC error object: :class:`Refused` for a refusal."""
+    data = error.get("data") or {}
+    if not isinstance(data, dict):
+        data = {}
+    retry = data.get("retry_after_ms")
+    refused = error.get("code") in REFUSAL_CODES and isinstance(retry, (int, float)) and not isinstance(retry, bool)
+    cls = Refused if refused else RPCError
+    extra = {k: v for k, v in data.items() if k != "reason"}
+    return cls(error.get("code", 0), error.get("message", ""), data.get("reason", ""), **extra)

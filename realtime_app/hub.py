@@ -31,16 +31,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .admission import Admission, AdmissionLimits
+from .admission import Admission, AdmissionLimits, Refusal
 from .backplane import Backplane, Delivery, make_backplane
-from .backpressure import CLOSE, DROP, SEND, Decision
+from .backpressure import CLOSE, DROP, SEND, Decision, decide_send
 from .conf import get_config
 from .exceptions import BackplaneUnavailable, PublicationError, PublicationTooLarge
-from .guard import Guard
+from .guard import BACKPRESSURE_REASON, Guard
 from .logsafe import safe
 from .protocol import CloseCode, encode
 from .reconciler import REMOTE, Action, Reconciler
 from .registry import RESERVED, ChannelSpec
+from .workers import RequestPool
 
 __all__ = ["Connection", "Hub", "get_hub", "running_hub"]
 
@@ -54,6 +55,11 @@ CONTROL_CHANNEL = RESERVED
 _MISSING = object()
 
 
+#: Answers a connection over its backpressure threshold may still be written before its
+#: requests stop running (docs/admission.md): enough for a slow client's small calls.
+UNREAD_ANSWER_BYTES = 64 * 1024
+
+
 @dataclass(eq=False, slots=True)
 class Connection:
     """One WebSocket connection as the hub sees it: its guarded transport, its channels."""
@@ -64,6 +70,7 @@ class Connection:
     subscriptions: set[str] = field(default_factory=set)
     closed: bool = False
     identity: tuple[str, str] | None = None
+    unread_bytes: int = 0  # answers written over the threshold since the queue was last under it
     guard: Guard = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -105,6 +112,9 @@ class Hub:
         self.backplane: Backplane | None = None
         self.reconciler = Reconciler()
         self.admission = Admission(admission_limits())
+        self.pool = RequestPool(self.admission, get_config()["ADMISSION_MAX_RUNNING"], _execute)
+        self._bucket_fallback: str | None = None  # why users' buckets are local now, if they are
+        self.unread_refused = 0  # requests not run: their connection does not read its answers
         self.connections: set[Connection] = set()
         self.subscribers: dict[str, set[Connection]] = {}
         self.specs: dict[str, ChannelSpec] = {}  # channels with local subscribers
@@ -561,14 +571,88 @@ class Hub:
 
     def send_to(self, conn: Connection, text: str, *, response: bool = False) -> Decision:
         """Send one frame to one connection through its guard (RPC responses, errors)."""
+        payload = text.encode("utf-8")
         try:
-            decision = conn.guard.send(text.encode("utf-8"), response=response)
+            decision = conn.guard.send(payload, response=response)
         except Exception as exc:
             self._send_failed(conn, exc)
             return CLOSE
         if decision is not SEND:
+            if response and decision is DROP and conn.guard.never_drop_responses:
+                conn.unread_bytes += len(payload)  # written all the same: it counts
             self._account(conn, decision)
         return decision
+
+    # -- admission ----------------------------------------------------------------------
+
+    async def admit(self, identity: tuple[str, str], cost: float, *, merged: bool = False) -> Refusal | None:
+        """Admit one request (docs/admission.md): the caps here, then the bucket — the
+        cluster's, shared by a user's processes, on a backplane that keeps one; else this
+        process's, and the probe says why."""
+        admission = self.admission
+        refusal = admission.reserve(identity, merged=merged)
+        if refusal is not None:
+            return refusal
+        limits = admission.limits
+        if identity[0] == "user" and limits.bucket_capacity and self.backplane is not None and self.backplane.clustered:
+            refusal = await self._take_shared(identity, cost)
+        else:
+            refusal = admission.charge(identity, cost)
+        if refusal is not None:
+            admission.cancel(identity, merged=merged)
+        else:
+            admission.confirm(merged=merged)
+        return refusal
+
+    async def _take_shared(self, identity: tuple[str, str], cost: float) -> Refusal | None:
+        assert self.backplane is not None
+        limits = self.admission.limits
+        try:
+            wait_ms = await self.backplane.take_tokens(
+                f"{identity[0]}:{identity[1]}", cost, limits.bucket_capacity, limits.refill_per_s
+            )
+        except NotImplementedError:
+            self._bucket_fallback = "the backplane shares no buckets"
+            return self.admission.charge(identity, cost)
+        except self.backplane.errors:  # the outage is logged by the beat
+            self._bucket_fallback = "backplane unreachable"
+            return self.admission.charge(identity, cost)
+        self._bucket_fallback = None
+        return None if wait_ms is None else self.admission.rate_limited(wait_ms)
+
+    @property
+    def shared_bucket(self) -> str:
+        """Where users' buckets live: ``"shared"`` (the cluster's), ``"local"`` (one
+        process, no cluster), or ``"local (why)"`` while the backplane cannot share them."""
+        if self.backplane is None or not self.backplane.clustered:
+            return "local"
+        return "shared" if self._bucket_fallback is None else f"local ({self._bucket_fallback})"
+
+    def unread_responses(self, conn: Connection) -> bool:
+        """True when the requests of ``conn``'s next frame must not run: its queue is over
+        the threshold *and* the answers written since it went over reach
+        ``UNREAD_ANSWER_BYTES``. The client does not read; each such frame counts as a
+        dropped frame toward its 1013. A client that is only slow still gets small answers
+        through (the adaptive client's subscribe to a slower cadence, a ping), while what
+        the server holds stays within the threshold plus that budget plus one answer,
+        whatever the client sends."""
+        guard = conn.guard
+        if conn.closed:
+            return True
+        if not guard.measure:
+            return False
+        buffered = guard.buffered()
+        if buffered <= guard.config.max_backpressure:
+            conn.unread_bytes = 0
+            return False
+        if conn.unread_bytes < UNREAD_ANSWER_BYTES:
+            return False
+        decision = decide_send(buffered, guard.config, guard.state)
+        self.unread_refused += 1
+        if decision is CLOSE:
+            guard.close(CloseCode.TRY_AGAIN_LATER, BACKPRESSURE_REASON)
+        self._account(conn, decision)
+        return True
 
     def _send_failed(self, conn: Connection, exc: Exception) -> None:
         """A send raised (the server refused the frame): close that connection, only it."""
@@ -680,9 +764,15 @@ class Hub:
             "refused": dict(self.refused),
             "admission": {
                 "pending": self.admission.pending,
+                "queued": self.pool.waiting,
+                "running": self.pool.running,
                 "admitted": self.admission.admitted,
-                "refused": dict(self.admission.refused),
+                "completed": self.pool.completed,
+                "coalesced": self.pool.merges,
+                "abandoned": self.pool.abandoned,
+                "refused": {**self.admission.refused, "unread_responses": self.unread_refused},
                 "identities": self.admission.identities,
+                "bucket": self.shared_bucket,
             },
             "send_failures": self.send_failures,
             "stale_ticks": self.stale_ticks,
@@ -709,6 +799,10 @@ def admission_limits() -> AdmissionLimits:
         bucket_capacity=float(config["ADMISSION_BUCKET_CAPACITY"]),
         refill_per_s=float(config["ADMISSION_REFILL_PER_S"]),
     )
+
+
+async def _execute(owner: Any, method: str, params: Any) -> Any:
+    return await owner.execute(method, params)
 
 
 def _log_death(task: asyncio.Task[Any]) -> None:

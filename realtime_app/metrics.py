@@ -30,6 +30,20 @@ _BP_COUNTERS = {
 }
 
 
+_ADMISSION_GAUGES = {
+    "pending": "Admitted requests queued or running",
+    "queued": "Admitted requests waiting for the pool",
+    "running": "Requests running in the pool",
+    "identities": "Identities (users, anonymous connections) admission tracks",
+}
+_ADMISSION_COUNTERS = {
+    "admitted": "Requests admitted",
+    "completed": "Admitted requests answered, failed or cancelled",
+    "coalesced": "Requests merged into a waiting one",
+    "abandoned": "Waiting requests dropped because their connection closed",
+}
+
+
 class _ProbeCollector:
     def __init__(self, probe: dict[str, Any]) -> None:
         self.probe = probe
@@ -79,9 +93,36 @@ class _ProbeCollector:
             for limit, count in sorted(p.get("refused", {}).items()):
                 refused.add_metric([*label(p), limit], float(count))
         yield from (failures, up, outages, refused)
+        yield from _admission(instances, labels, label)
         live = GaugeMetricFamily("realtime_instances", "Live processes in the cluster view")
         live.add_metric([], float(len(instances)))
         yield live
+
+
+def _admission(instances: list[dict[str, Any]], labels: list[str], label: Any) -> Iterator[Metric]:
+    for name, doc in _ADMISSION_GAUGES.items():
+        gauge = GaugeMetricFamily(f"realtime_admission_{name}", doc, labels=labels)
+        for p in instances:
+            gauge.add_metric(label(p), float(p.get("admission", {}).get(name, 0)))
+        yield gauge
+    for name, doc in _ADMISSION_COUNTERS.items():
+        counter = CounterMetricFamily(f"realtime_admission_{name}", doc, labels=labels)
+        for p in instances:
+            counter.add_metric(label(p), float(p.get("admission", {}).get(name, 0)))
+        yield counter
+    refused = CounterMetricFamily(
+        "realtime_admission_refused", "Requests admission refused, by reason", labels=[*labels, "reason"]
+    )
+    shared = GaugeMetricFamily(
+        "realtime_admission_shared_bucket", "1 while users' buckets are shared through the backplane", labels=labels
+    )
+    for p in instances:
+        admission = p.get("admission", {})
+        for reason, count in sorted(admission.get("refused", {}).items()):
+            refused.add_metric([*label(p), reason], float(count))
+        shared.add_metric(label(p), 1.0 if admission.get("bucket") == "shared" else 0.0)
+    yield refused
+    yield shared
 
 
 def render(probe: dict[str, Any]) -> bytes:

@@ -23,17 +23,21 @@ BACKPRESSURE_FIELDS = (
 
 
 async def cluster_probe() -> dict[str, Any]:
-    """``{"generated_at": ms, "clustered": bool, "instances": [...], "totals": {...}}``.
+    """``{"generated_at": ms, "clustered": bool, "complete": bool, "instances": [...], "totals": {...}}``.
 
     From a serving process its own probe is fresh and the others are read from the
     backplane, where each process republishes its probe with a TTL (dead ones drop out).
     From any other process (a command) everything comes from the backplane.
     """
     hub = hub_of_current_loop()
+    complete = True
     if hub is not None:
         assert hub.backplane is not None
         clustered = hub.backplane.clustered
-        instances = await hub.cluster_probes()
+        try:
+            instances = await hub.cluster_probes()
+        except hub.backplane.errors:  # Redis is down: this process still answers for itself
+            instances, complete = [hub.probe()], False
     else:
         backplane = make_backplane()
         clustered = backplane.clustered
@@ -45,6 +49,7 @@ async def cluster_probe() -> dict[str, Any]:
     return {
         "generated_at": int(time.time() * 1000),
         "clustered": clustered,
+        "complete": complete,  # False: the backplane did not answer, only this process is listed
         "instances": instances,
         "totals": totals(instances),
     }

@@ -201,3 +201,187 @@ def test_costs_are_validated_at_registration():
 
     with pytest.raises(ValueError, match="cost"):
         rpc_method("test.bad", cost=-1)
+
+
+# -- the pool: bounded, out of order, coalescing, always released ------------------------
+
+
+@pytest.fixture
+def holding():
+    from tests.testapp.realtime_channels import holding
+
+    holding.update(now=0, max=0, order=[])
+    return holding
+
+
+async def until_true(predicate, timeout=5.0):
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_burst_of_60_from_one_user_has_10_in_flight_and_the_rest_refused_at_once(
+    hub, holding, django_user_model
+):
+    from asgiref.sync import sync_to_async
+
+    from tests.test_consumer import Client
+
+    user = await sync_to_async(django_user_model.objects.create_user)("burst", password="p")
+    async with Client(user) as c:
+        for i in range(60):
+            await c.send({"jsonrpc": "2.0", "method": "test.hold", "params": {"seconds": 0.5}, "id": i})
+        answers = {}
+        while len(answers) < 60:
+            message = await c.recv()
+            answers[message["id"]] = message
+        admitted = [i for i, a in answers.items() if "result" in a]
+        refused = [a["error"] for a in answers.values() if "error" in a]
+    assert sorted(admitted) == list(range(10)) and holding["max"] == 10
+    assert len(refused) == 50
+    for error in refused:  # caps first: no token taken, so the next burst starts from 8
+        assert error["code"] == -32004 and error["message"] == "Too many in flight"
+        assert error["data"] == {"reason": "too_many_in_flight", "retry_after_ms": 250, "limit": 10}
+    probe = hub.probe()["admission"]
+    assert probe["pending"] == probe["queued"] == probe["running"] == 0
+    assert probe["refused"]["too_many_in_flight"] == 50 and probe["admitted"] == 10
+
+
+async def test_the_pool_bounds_what_runs_at_once_and_starts_in_arrival_order(hub, holding):
+    from tests.test_consumer import Client
+
+    hub.pool.max_running = 3
+    clients = [Client() for _ in range(4)]
+    for c in clients:
+        await c.__aenter__()
+    try:
+        for n, c in enumerate(clients):
+            for k in range(2):
+                await c.call_nowait("test.hold", {"seconds": 0.2, "tag": f"{n}{k}"})
+        await until_true(lambda: hub.pool.running == 3 and hub.pool.waiting == 5)
+        assert hub.probe()["admission"]["queued"] == 5 and hub.probe()["admission"]["running"] == 3
+        for c in clients:
+            for _ in range(2):
+                assert "result" in await c.recv()
+    finally:
+        for c in clients:
+            await c.__aexit__()
+    assert holding["max"] == 3
+    assert holding["order"] == ["00", "01", "10", "11", "20", "21", "30", "31"]
+
+
+async def test_answers_leave_in_completion_order_and_pings_never_wait(hub):
+    from tests.test_consumer import Client
+
+    async with Client() as c:
+        await c.call_nowait("test.sleep", {"seconds": 0.6})
+        slow_id = c.next_id
+        assert (await c.call("ping"))["result"] == "pong"  # answered while the slow call runs
+        assert (await c.call("demo.echo", {"text": "hi"}))["result"] == {"text": "hi"}
+        message = await c.recv()
+        assert message["id"] == slow_id and message["result"] == "slept"
+
+
+async def test_a_batch_is_answered_once_with_every_answer(hub):
+    from tests.test_consumer import Client
+
+    async with Client() as c:
+        await c.send(
+            [
+                {"jsonrpc": "2.0", "method": "test.sleep", "params": {"seconds": 0.2}, "id": "slow"},
+                {"jsonrpc": "2.0", "method": "ping", "id": "ping"},
+                {"jsonrpc": "2.0", "method": "demo.echo", "params": {"text": "x"}},  # a notification
+                {"jsonrpc": "2.0", "method": "test.crash", "id": "crash"},
+            ]
+        )
+        answers = await c.recv()
+    assert [a["id"] for a in answers] == ["slow", "ping", "crash"]
+    assert answers[0]["result"] == "slept" and answers[2]["error"]["code"] == -32603
+    assert hub.admission.pending == 0
+
+
+async def test_a_sync_handler_runs_in_a_thread_not_on_the_loop(hub):
+    from tests.test_consumer import Client
+
+    async with Client() as c:
+        result = (await c.call("test.thread"))["result"]
+    assert result["on_loop"] is False
+
+
+async def test_a_closed_connection_frees_its_queued_and_running_slots(hub, holding):
+    from tests.test_consumer import Client
+
+    hub.pool.max_running = 2
+    async with Client() as c:
+        for _ in range(8):
+            await c.call_nowait("test.hold", {"seconds": 30})
+        await until_true(lambda: hub.pool.running == 2 and hub.pool.waiting == 6)
+    await until_true(lambda: hub.admission.pending == 0 and hub.pool.running == 0)
+    probe = hub.probe()["admission"]
+    assert probe["queued"] == 0 and probe["abandoned"] == 6 and holding["now"] == 0
+
+
+async def test_waiting_consumes_merge_up_to_250_shots_and_every_caller_gets_its_answer(hub, holding):
+    from tests.test_consumer import Client
+
+    hub.pool.max_running = 1
+    async with Client() as blocker, Client() as c:
+        await blocker.call_nowait("test.hold", {"seconds": 0.3})  # the pool is busy: the rest waits
+        await until_true(lambda: hub.pool.running == 1)
+        for shots in (100, 100, 50, 100, 7):  # 250 exactly, then a new job: 107
+            await c.call_nowait("inventory.consume", {"item": "ammo", "shots": shots})
+        await c.call_nowait("inventory.consume", {"item": "ammo", "shots": 0})  # invalid: alone
+        answers = {}
+        while len(answers) < 6:
+            message = await c.recv()
+            answers[message["id"]] = message
+        snapshot = (await c.call("inventory.snapshot"))["result"]
+    results = [answers[i].get("result") for i in range(1, 6)]
+    assert [r["shots"] for r in results] == [100, 100, 50, 100, 7]
+    assert [r["merged"] for r in results] == [3, 3, 3, 2, 2]
+    assert results[0]["shots_left"] == 10_000 - 250 and results[3]["shots_left"] == 10_000 - 357
+    assert answers[6]["error"]["data"]["reason"] == "invalid_shots"
+    assert snapshot == {"items": {"ammo": 10_000 - 357}, "durable": {}}
+    probe = hub.probe()["admission"]
+    assert probe["coalesced"] == 3 and probe["pending"] == 0
+
+
+async def test_merged_requests_take_no_global_slot_but_count_for_their_identity(hub):
+    from tests.test_consumer import Client
+
+    hub.pool.max_running = 1
+    async with Client() as blocker, Client() as c:
+        await blocker.call_nowait("test.hold", {"seconds": 0.3})
+        await until_true(lambda: hub.pool.running == 1)
+        for _ in range(12):
+            await c.call_nowait("inventory.consume", {"item": "ammo", "shots": 1})
+        await until_true(lambda: hub.admission.pending == 2)  # the blocker and one merged job
+        answers = [await c.recv() for _ in range(12)]
+    reasons = [a["error"]["data"]["reason"] for a in answers if "error" in a]
+    assert reasons == ["too_many_in_flight", "too_many_in_flight"]  # 10 per identity, merged or not
+    refused = next(a["error"] for a in answers if "error" in a)
+    assert refused["data"]["snapshot"] == {"items": {"ammo": 10_000}, "durable": {}}  # before the merge ran
+
+
+async def test_builtins_are_admitted_with_small_costs(hub):
+    """A subscribe costs 0.25: a full bucket of 18 takes 72, then the rest is refused."""
+    from tests.test_consumer import Client
+
+    async with Client() as c:
+        answers = []
+        for start in (0, 50):
+            batch = [
+                {"jsonrpc": "2.0", "method": "subscribe", "params": {"channel": "demo:events"}, "id": i}
+                for i in range(start, start + 50)
+            ]
+            await c.send(batch)
+            answers += await c.recv()
+        assert (await c.call("ping"))["error"]["data"]["reason"] == "rate_limited"  # 0.1 > what is left
+    admitted = [a["id"] for a in answers if "result" in a]
+    assert all(a["error"]["code"] == -32005 for a in answers if "error" in a)
+    assert admitted == list(range(len(admitted)))  # a prefix: the bucket ran dry once
+    assert 72 <= len(admitted) <= 76  # 72 from the full bucket, plus what refilled meanwhile

@@ -149,3 +149,14 @@ def test_an_untested_server_version_is_flagged(monkeypatch):
 def test_an_impossible_bucket_is_an_error(values):
     with override_settings(REALTIME_APP=values):
         assert ids(check_settings()) == ["realtime_app.E006"]
+
+
+def test_a_method_costing_more_than_the_bucket_is_a_warning():
+    from realtime_app.checks import check_method_costs
+
+    assert ids(check_method_costs()) == []  # test.costly costs 6 of 18
+    with override_settings(REALTIME_APP={"ADMISSION_BUCKET_CAPACITY": 5.0}):
+        messages = check_method_costs()
+    assert ids(messages) == ["realtime_app.W030"] and "'test.costly' costs 6" in messages[0].msg
+    with override_settings(REALTIME_APP={"ADMISSION_BUCKET_CAPACITY": 0}):
+        assert check_method_costs() == []  # no bucket: nothing is refused for its cost

@@ -130,3 +130,41 @@ async def test_refused_subscribes_reach_the_application(server):
         assert info.value.reason == "forbidden_channel"
     finally:
         await client.close()
+
+
+# -- refusals: a typed error and an opt-in retry (the browser module passes the same vectors)
+
+REFUSAL_VECTORS = __import__("json").loads(
+    (__import__("pathlib").Path(__file__).parent / "vectors" / "refusal.json").read_text()
+)
+
+
+@pytest.mark.parametrize("case", REFUSAL_VECTORS["errors"], ids=lambda c: f"{c['error']['code']}-{c['refused']}")
+def test_refusals_become_a_typed_error(case):
+    from realtime_app.exceptions import Refused, error_from_response
+
+    error = error_from_response(case["error"])
+    assert isinstance(error, Refused) is case["refused"]
+    assert error.code == case["error"]["code"] and error.reason == case["error"]["data"]["reason"]
+    if case["refused"]:
+        assert error.retry_after_ms == case["error"]["data"]["retry_after_ms"]
+        assert error.snapshot == case["error"]["data"].get("snapshot")
+
+
+@pytest.mark.parametrize("case", REFUSAL_VECTORS["delays"], ids=lambda c: f"{c['retry_after_ms']}-{c['u']}")
+def test_the_retry_delay_is_jittered_upward_only(case):
+    from realtime_app.admission import retry_delay_ms
+
+    assert retry_delay_ms(case["retry_after_ms"], case["u"]) == case["delay_ms"] >= case["retry_after_ms"]
+
+
+async def test_a_rate_limited_call_raises_refused_and_an_opt_in_retry_gets_through(server):
+    from realtime_app.exceptions import Refused
+
+    async with RealtimeClient(server.ws) as client:
+        for i in range(18):  # a full bucket of 18 tokens, demo.echo costs 1
+            await client.call("demo.echo", {"text": str(i)})
+        with pytest.raises(Refused) as refused:
+            await client.call("demo.echo", {"text": "one too many"})
+        assert refused.value.reason == "rate_limited" and 0 < refused.value.retry_after_ms <= 112
+        assert await client.call("demo.echo", {"text": "again"}, retries=3) == {"text": "again"}

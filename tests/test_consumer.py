@@ -38,12 +38,17 @@ class Client:
     async def recv(self, timeout=3):
         return json.loads(await self.comm.receive_from(timeout))
 
-    async def call(self, method, params=None):
+    async def call_nowait(self, method, params=None):
+        """Send a request and return its id; the answer is read later."""
         self.next_id += 1
         request = {"jsonrpc": "2.0", "method": method, "id": self.next_id}
         if params is not None:
             request["params"] = params
         await self.send(request)
+        return self.next_id
+
+    async def call(self, method, params=None):
+        await self.call_nowait(method, params)
         while True:
             message = await self.recv()
             if message.get("id") == self.next_id:

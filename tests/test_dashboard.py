@@ -104,3 +104,21 @@ def test_close_codes(site, browser, code, reconnects):
         time.sleep(1.5)  # the first reconnect attempt would come within ~0.5 s
         assert text(browser, "#state") == "closed"
         assert browser.execute_script("return window.closes.length") == 1
+
+
+def test_the_burst_panel_shows_admitted_merged_and_refused_with_the_snapshot_applied(site, browser):
+    browser.get(site.http + "/")
+    wait(browser, 15).until(lambda b: text(b, "#inventory") == "ammo: 10000")
+    browser.find_element(By.ID, "burst").click()
+    wait(browser, 15).until(
+        lambda b: (
+            text(b, "#burst-sent") == "60" and int(text(b, "#burst-admitted")) + int(text(b, "#burst-refused")) == 60
+        )
+    )
+    admitted, refused = int(text(browser, "#burst-admitted")), int(text(browser, "#burst-refused"))
+    assert 1 <= admitted <= 18 / 0.25 and refused >= 60 - 18 / 0.25
+    assert "too_many_in_flight" in text(browser, "#burst-reasons")  # 10 in flight per identity
+    burst = browser.execute_script("return window.realtime.burst")
+    assert sum(burst["reasons"].values()) == refused
+    # Every answer and every refusal's snapshot left the badge on the true inventory.
+    wait(browser, 10).until(lambda b: text(b, "#inventory") == f"ammo: {10000 - 5 * admitted}")

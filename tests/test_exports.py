@@ -33,6 +33,7 @@ PUBLIC_MODULES = [
     "scenarios",
     "sessions",
     "transports",
+    "workers",
 ]
 
 

@@ -68,8 +68,15 @@ def test_health_and_metrics_are_for_staff(cluster):
         "drops",
         "closes",
     }
+    assert {"pending", "queued", "running", "admitted", "coalesced", "refused", "identities", "bucket"} <= set(
+        instance["admission"]
+    )
+    assert instance["admission"]["bucket"] == "shared"  # on Redis: users' buckets are the cluster's
     status, text = get(a.http + "/realtime/metrics", headers={"Authorization": "Bearer s3cret"})
     assert status == 200 and "realtime_backpressure_drops_total" in text and "realtime_connections{" in text
+    for metric in ("running{", "admitted_total{", "shared_bucket{"):
+        assert f"realtime_admission_{metric}" in text
+    assert "realtime_admission_refused_total{" in text and 'reason="rate_limited"' in text
     assert get(a.http + "/realtime/metrics", headers={"Authorization": "Bearer wrong"})[0] == 401
 
 
@@ -115,7 +122,7 @@ async def test_realtime_probe_command(cluster):
         await asyncio.sleep(0.5)
     assert pids == {a.process.pid, b.process.pid}
     table = await asyncio.to_thread(probe_command)
-    assert table.returncode == 0 and "worst queue" in table.stdout
+    assert table.returncode == 0 and "worst queue" in table.stdout and "rpc run/wait" in table.stdout
     assert str(a.process.pid) in table.stdout and str(b.process.pid) in table.stdout
     bad = await asyncio.to_thread(probe_command, "--watch", "0")
     assert bad.returncode != 0 and "positive" in bad.stderr
@@ -153,6 +160,9 @@ def test_admin_cluster_screen_is_live(cluster, tmp_path):
         )
         assert browser.execute_script("return window.__noReload === true")
         assert len(browser.find_elements(By.CSS_SELECTOR, "#rc-chart polyline")) == 2
+        heads = [th.text for th in browser.find_elements(By.XPATH, "//tbody[@id='rc-rows']/../thead//th")]
+        assert "requests running / waiting" in heads and "refused" in heads and "user buckets" in heads
+        assert all("shared" in r.text for r in rows(None))  # the admission columns are filled
         browser.save_screenshot(str(tmp_path / "admin-cluster.png"))
     finally:
         browser.quit()

@@ -11,6 +11,8 @@ from typing import Any
 import realtime_app
 from realtime_app.registry import ChannelSpec
 
+from . import inventory  # noqa: F401  (its RPC methods register on import)
+
 FLOOD_PAYLOAD_BYTES = 32 * 1024
 
 

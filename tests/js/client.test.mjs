@@ -69,3 +69,44 @@ test("a re-subscription refused after a reconnect calls onError and dispatches s
   assert.deepEqual(events.map((d) => d.channel), ["atelier:load"]);
   client.close();
 });
+
+import { readFileSync } from "node:fs";
+import { RefusedError, errorFromResponse, retryDelayMs } from "../../realtime_app/static/realtime_app/realtime.js";
+
+const REFUSAL = JSON.parse(readFileSync(new URL("../vectors/refusal.json", import.meta.url)));
+
+test("refusals become a RefusedError carrying reason, retryAfterMs and snapshot (shared vectors)", () => {
+  for (const { error, refused } of REFUSAL.errors) {
+    const err = errorFromResponse(error);
+    assert.equal(err instanceof RefusedError, refused, JSON.stringify(error));
+    assert.ok(err instanceof RpcError);
+    assert.equal(err.reason, error.data.reason);
+    if (refused) {
+      assert.equal(err.retryAfterMs, error.data.retry_after_ms);
+      assert.deepEqual(err.snapshot, error.data.snapshot);
+    }
+  }
+  for (const { retry_after_ms, u, delay_ms } of REFUSAL.delays) {
+    assert.equal(retryDelayMs(retry_after_ms, u), delay_ms);
+    assert.ok(delay_ms >= retry_after_ms);
+  }
+});
+
+test("a refused call rejects with RefusedError, and retries: n sends it again after retryAfterMs", async () => {
+  FakeSocket.instances = [];
+  const client = new RealtimeClient({ url: "ws://x/realtime/", WebSocket: FakeSocket });
+  client.connect();
+  const ws = FakeSocket.instances[0];
+  ws.open();
+  const limited = { code: -32005, message: "Rate limited", data: { reason: "rate_limited", retry_after_ms: 20, limit: 18 } };
+  const plain = client.call("demo.echo", { text: "a" });
+  ws.reply(null, limited);
+  await assert.rejects(plain, (err) => err instanceof RefusedError && err.retryAfterMs === 20);
+  const retried = client.call("demo.echo", { text: "b" }, { retries: 2 });
+  await until(() => ws.sent.length === 2);
+  ws.reply(null, limited);
+  await until(() => ws.sent.length === 3);
+  assert.deepEqual(ws.sent[2].params, { text: "b" });
+  ws.reply({ text: "b" });
+  assert.deepEqual(await retried, { text: "b" });
+});

@@ -98,3 +98,33 @@ async def sleep_for(consumer: Any, params: Any) -> str:
 @realtime_app.rpc_method("test.costly", cost=6, snapshot=lambda consumer: {"who": consumer.admission_identity()[0]})
 def costly(consumer: Any, params: Any) -> str:
     return "done"
+
+
+#: Concurrency seen inside ``test.hold``: the pool's bound, measured where the work runs.
+holding = {"now": 0, "max": 0, "order": []}
+
+
+@realtime_app.rpc_method("test.hold")
+async def hold(consumer: Any, params: Any) -> int:
+    """Stay inside for ``seconds``, counting how many calls are inside at once."""
+    holding["now"] += 1
+    holding["max"] = max(holding["max"], holding["now"])
+    holding["order"].append(params.get("tag"))
+    try:
+        await asyncio.sleep(float(params["seconds"]))
+    finally:
+        holding["now"] -= 1
+    return holding["max"]
+
+
+@realtime_app.rpc_method("test.thread")
+def on_thread(consumer: Any, params: Any) -> dict[str, Any]:
+    """A sync handler: where it runs (never on the event loop's thread)."""
+    import threading
+
+    try:
+        asyncio.get_running_loop()
+        on_loop = True
+    except RuntimeError:
+        on_loop = False
+    return {"on_loop": on_loop, "thread": threading.current_thread().name}

@@ -27,7 +27,19 @@ COLUMNS: list[tuple[str, Callable[[dict[str, Any]], Any]]] = [
     ("slow", lambda p: p.get("backpressure", {}).get("slow_consumers", 0)),
     ("drops", lambda p: p.get("backpressure", {}).get("drops", 0)),
     ("1013", lambda p: p.get("backpressure", {}).get("closes", 0)),
+    ("rpc run/wait", lambda p: f"{p.get('admission', {}).get('running', 0)}/{p.get('admission', {}).get('queued', 0)}"),
+    ("admitted", lambda p: p.get("admission", {}).get("admitted", 0)),
+    ("merged", lambda p: p.get("admission", {}).get("coalesced", 0)),
+    ("refused", lambda p: _refused(p.get("admission", {}).get("refused", {}))),
 ]
+
+
+def _refused(refused: dict[str, int]) -> str:
+    """``12 (rate_limited 10, too_many_in_flight 2)``: the total, then the reasons seen."""
+    seen = {reason: n for reason, n in refused.items() if n}
+    if not seen:
+        return "0"
+    return f"{sum(seen.values())} ({', '.join(f'{r} {n}' for r, n in sorted(seen.items()))})"
 
 
 def _bytes(n: int) -> str:

@@ -24,10 +24,18 @@ function cell(text, num) {
   return td;
 }
 
+function refusedText(refused) {
+  const seen = Object.entries(refused).filter(([, n]) => n > 0).sort();
+  if (!seen.length) return "0";
+  const total = seen.reduce((sum, [, n]) => sum + n, 0);
+  return `${total} (${seen.map(([reason, n]) => `${reason} ${n}`).join(", ")})`;
+}
+
 function render(probe) {
   rows.replaceChildren();
   for (const p of probe.instances) {
     const bp = p.backpressure || {};
+    const ad = p.admission || {};
     const tr = document.createElement("tr");
     tr.dataset.instance = p.instance;
     tr.append(
@@ -36,6 +44,8 @@ function render(probe) {
       cell((p.failing_tickers || []).join(", ") || "–"), cell(p.backplane && p.backplane.up === false ? "down" : "up"),
       cell(bytes(bp.max_buffered_amount || 0), true), cell(bytes(bp.total_buffered_amount || 0), true),
       cell(bp.slow_consumers || 0, true), cell(bp.drops || 0, true), cell(bp.closes || 0, true),
+      cell(`${ad.running || 0} / ${ad.queued || 0}`, true), cell(ad.admitted || 0, true),
+      cell(ad.coalesced || 0, true), cell(refusedText(ad.refused || {})), cell(ad.bucket || "–"),
     );
     rows.append(tr);
     const series = history.get(p.instance) || [];

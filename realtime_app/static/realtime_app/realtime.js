@@ -128,6 +128,40 @@ export class RpcError extends Error {
   }
 }
 
+/** JSON-RPC codes of "not now" answers: admission refused the request before any work. */
+export const REFUSAL_CODES = Object.freeze([-32003, -32004, -32005]);
+
+/**
+ * A request admission refused (overloaded, too_many_in_flight, rate_limited): nothing ran.
+ * `retryAfterMs` says when it would pass; `snapshot` (when the method declares one) is the
+ * state to resync to; `limit` the limit that applied.
+ */
+export class RefusedError extends RpcError {
+  constructor(error) {
+    super(error);
+    this.name = "RefusedError";
+    this.retryAfterMs = this.data.retry_after_ms;
+    this.snapshot = this.data.snapshot;
+    this.limit = this.data.limit;
+  }
+}
+
+/** The error object of a JSON-RPC error response: a RefusedError for a refusal. */
+export function errorFromResponse(error) {
+  const data = (error && error.data) || {};
+  const refused = REFUSAL_CODES.includes(error.code) && Number.isFinite(data.retry_after_ms);
+  return refused ? new RefusedError(error) : new RpcError(error);
+}
+
+/**
+ * How long to wait before retrying a refused request: `retryAfterMs`, plus up to a quarter
+ * more at random (`u` in [0, 1)), so that refused clients do not come back all at once —
+ * and never earlier than the server said.
+ */
+export function retryDelayMs(retryAfterMs, u = Math.random()) {
+  return Math.ceil(retryAfterMs * (1 + 0.25 * u));
+}
+
 function defaultUrl() {
   const scheme = globalThis.location && globalThis.location.protocol === "https:" ? "wss" : "ws";
   return `${scheme}://${globalThis.location.host}/realtime/`;
@@ -223,7 +257,7 @@ export class RealtimeClient extends EventTarget {
         const call = this._pending.get(item.id);
         this._pending.delete(item.id);
         clearTimeout(call.timer);
-        if (item.error) call.reject(new RpcError(item.error)); else call.resolve(item.result);
+        if (item.error) call.reject(errorFromResponse(item.error)); else call.resolve(item.result);
       }
     }
   }
@@ -239,10 +273,27 @@ export class RealtimeClient extends EventTarget {
   }
 
   /**
-   * Call a method; resolves with its result, rejects with RpcError or a timeout Error.
-   * @param {string} method @param {object|Array} [params] @param {{timeoutMs?: number}} [options]
+   * Call a method; resolves with its result, rejects with RpcError (RefusedError when
+   * admission refused it) or a timeout Error. `retries`: how many times a refused call is
+   * sent again after its `retryAfterMs` (jittered); 0 by default — retrying is the
+   * application's choice (a stale "fire" may be worse than none).
+   * @param {string} method @param {object|Array} [params]
+   * @param {{timeoutMs?: number, retries?: number}} [options]
    */
-  call(method, params, options = {}) {
+  async call(method, params, options = {}) {
+    let retries = options.retries ?? 0;
+    for (;;) {
+      try {
+        return await this._callOnce(method, params, options);
+      } catch (err) {
+        if (!(err instanceof RefusedError) || retries <= 0) throw err;
+        retries -= 1;
+        await new Promise((resolve) => setTimeout(resolve, retryDelayMs(err.retryAfterMs)));
+      }
+    }
+  }
+
+  _callOnce(method, params, options) {
     const ws = this._ws;
     if (!ws || ws.readyState !== 1) return Promise.reject(new Error("not connected"));
     const id = this._nextId++;

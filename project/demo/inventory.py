@@ -1,0 +1,114 @@
+"""The demo's per-user inventory and its RPC methods (SPEC §10): admission and coalescing.
+
+``inventory.consume`` is the cheap, frequent kind of call admission is built for (shots
+fired): cost 0.25, and requests of one user for one item that wait together merge into
+one execution of up to 250 shots. The inventory lives in this process's memory; a new
+user starts with 10,000 shots of ``"ammo"``; an anonymous connection gets its own
+inventory, gone with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Hashable
+from typing import Any
+
+import realtime_app
+from realtime_app import RPCError
+
+START = {"ammo": 10_000}
+MAX_SHOTS = 250
+MAX_SLEEP_MS = 5000
+OUT_OF_STOCK = -32010  # an application error code (-32000..-32099)
+
+_users: dict[str, dict[str, int]] = {}
+
+
+def inventory_of(consumer: Any) -> dict[str, int]:
+    """The caller's inventory: the user's (one per process), else the connection's."""
+    kind, who = consumer.admission_identity()
+    if kind == "user":
+        return _users.setdefault(who, dict(START))
+    inventory: dict[str, int] | None = getattr(consumer, "demo_inventory", None)
+    if inventory is None:
+        inventory = consumer.demo_inventory = dict(START)
+    return inventory
+
+
+def snapshot(consumer: Any) -> dict[str, Any]:
+    """What the client resyncs to after a refusal."""
+    return {"items": dict(inventory_of(consumer)), "durable": {}}
+
+
+def _invalid(message: str, reason: str, **data: Any) -> RPCError:
+    return RPCError(-32602, f"Invalid params: {message}", reason, **data)
+
+
+def _consume_params(params: Any) -> tuple[str, int]:
+    if not isinstance(params, dict):
+        raise _invalid('expected {"item": str, "shots": int}', "invalid_params")
+    item, shots = params.get("item"), params.get("shots")
+    if not isinstance(item, str) or not 0 < len(item) <= 64:
+        raise _invalid("'item' must be a string of 1..64 characters", "invalid_item")
+    if isinstance(shots, bool) or not isinstance(shots, int) or not 1 <= shots <= MAX_SHOTS:
+        raise _invalid(f"'shots' must be an int 1..{MAX_SHOTS}", "invalid_shots", max=MAX_SHOTS)
+    return item, shots
+
+
+def _key(identity: Hashable, params: Any) -> Hashable | None:
+    try:
+        item, _ = _consume_params(params)
+    except RPCError:
+        return None  # runs alone, and its handler says what is wrong
+    return (identity, item)
+
+
+def _merge(all_params: list[Any]) -> dict[str, Any]:
+    return {"item": all_params[0]["item"], "shots": sum(p["shots"] for p in all_params)}
+
+
+def _answer(result: dict[str, Any], params: Any, units: float, requests: int) -> dict[str, Any]:
+    return {**result, "shots": int(units), "merged": requests}
+
+
+@realtime_app.rpc_method(
+    "inventory.consume",
+    cost=0.25,
+    coalesce=realtime_app.Coalesce(
+        key=_key, units=lambda params: params["shots"], merge=_merge, cap=MAX_SHOTS, answer=_answer
+    ),
+    snapshot=snapshot,
+)
+async def consume(consumer: Any, params: Any) -> dict[str, Any]:
+    """Fire ``shots`` of ``item``: ``{"item", "shots_left", "shots", "merged"}``."""
+    item, shots = _consume_params(params)  # merged params too: a job never exceeds the cap
+    inventory = inventory_of(consumer)
+    left = inventory.get(item, 0)
+    if shots > left:
+        raise RPCError(OUT_OF_STOCK, "Out of stock", "out_of_stock", item=item, shots_left=left)
+    inventory[item] = left - shots
+    return {"item": item, "shots_left": left - shots, "shots": shots, "merged": 1}
+
+
+@realtime_app.rpc_method("inventory.snapshot", snapshot=snapshot)
+async def inventory_snapshot(consumer: Any, params: Any) -> dict[str, Any]:
+    """``{"items": {item: shots_left}, "durable": {item: shots_left}}``."""
+    return snapshot(consumer)
+
+
+@realtime_app.rpc_method("demo.echo")
+async def echo(consumer: Any, params: Any) -> dict[str, str]:
+    """``{"text": str}`` back."""
+    if not isinstance(params, dict) or not isinstance(params.get("text"), str):
+        raise _invalid('expected {"text": str}', "invalid_text")
+    return {"text": params["text"]}
+
+
+@realtime_app.rpc_method("demo.sleep")
+async def sleep(consumer: Any, params: Any) -> dict[str, int]:
+    """Hold a worker for ``ms`` (≤ 5000) milliseconds: ``{"slept_ms": ms}``."""
+    ms = params.get("ms") if isinstance(params, dict) else None
+    if isinstance(ms, bool) or not isinstance(ms, int) or not 0 <= ms <= MAX_SLEEP_MS:
+        raise _invalid(f"'ms' must be an int 0..{MAX_SLEEP_MS}", "invalid_ms", max=MAX_SLEEP_MS)
+    await asyncio.sleep(ms / 1000)
+    return {"slept_ms": ms}
