@@ -160,7 +160,10 @@ def test_admin_cluster_screen_is_live(cluster, tmp_path):
         )
         assert browser.execute_script("return window.__noReload === true")
         assert len(browser.find_elements(By.CSS_SELECTOR, "#rc-chart polyline")) == 2
-        heads = [th.text for th in browser.find_elements(By.XPATH, "//tbody[@id='rc-rows']/../thead//th")]
+        heads = [
+            th.get_attribute("textContent")
+            for th in browser.find_elements(By.XPATH, "//tbody[@id='rc-rows']/../thead//th")
+        ]
         assert "requests running / waiting" in heads and "refused" in heads and "user buckets" in heads
         assert all("shared" in r.text for r in rows(None))  # the admission columns are filled
         browser.save_screenshot(str(tmp_path / "admin-cluster.png"))
