@@ -6,18 +6,20 @@
 (b) In one run, on fresh daphne processes of the demo site (in-memory layer), three phases:
 
 * ``idle``  — 20 well-behaved clients ping every 100 ms, nobody else (admission on);
-* ``on``    — the same plus ``--abusers`` connections firing ``demo.sleep {ms}`` as fast as
-  their socket takes them (each keeps ``--window`` requests outstanding; refusals come back
-  at once, so it sends again at once) — admission with the defaults;
+* ``on``    — the same plus ``--abusers`` connections (in a process of their own) firing
+  ``demo.sleep {ms}`` as fast as they can: each keeps ``--window`` requests outstanding and
+  sends again as soon as one is answered, refused or not, and connects again a second after
+  the server closes it — admission with the defaults;
 * ``off``   — the same with every cap and the bucket off (``ADMISSION_MAX_PENDING = 0``,
   ``ADMISSION_MAX_PER_IDENTITY = 0``, ``ADMISSION_BUCKET_CAPACITY = 0``) and a pool as
   large as the flood (``ADMISSION_MAX_RUNNING = 100000``): every request is accepted.
 
 It prints, per phase: well-behaved ping p50/p99 (and p99 over ``idle``'s), refusals
-answered p99 (request to refusal), the server's peak RSS, requests completed and refused.
+answered p99 (request to refusal), the server's peak RSS, requests completed and refused,
+and how many times the server closed an abuser (1008: it ignored its refusals).
 
 Usage: python bench/admission.py [--seconds 30] [--abusers 100] [--polite 20] [--sleep-ms 200]
-       [--window 50] [--json FILE] [--plot FILE.png]
+       [--window 50] [--reconnect-s 1.0] [--json FILE] [--plot FILE.png]
 """
 
 from __future__ import annotations
@@ -83,7 +85,17 @@ async def polite(url: str, stop: asyncio.Event, latencies: list[float]) -> None:
 
 
 async def abuser(url: str, stop: asyncio.Event, args: argparse.Namespace, stats: dict[str, Any]) -> None:
-    """Keeps ``window`` demo.sleep requests outstanding; sends again as soon as one is answered."""
+    """Keeps ``window`` demo.sleep requests outstanding, sending again as soon as one is
+    answered — refused or not; closed by the server, it connects again a second later."""
+    while not stop.is_set():
+        await abuse_once(url, stop, args, stats)
+        if not args.reconnect_s:
+            await stop.wait()
+        elif not stop.is_set():
+            await asyncio.sleep(args.reconnect_s)
+
+
+async def abuse_once(url: str, stop: asyncio.Event, args: argparse.Namespace, stats: dict[str, Any]) -> None:
     try:
         async with websockets.connect(
             url, origin=url.replace("ws://", "http://").split("/realtime")[0], max_queue=None
@@ -117,6 +129,20 @@ async def abuser(url: str, stop: asyncio.Event, args: argparse.Namespace, stats:
         stats["disconnected"] += 1
 
 
+async def abusers_main(args: argparse.Namespace) -> None:
+    """``--role abusers``: the abusive population in a process of its own (so that its
+    event loop does not delay the well-behaved clients' measurements); prints its stats."""
+    stop = asyncio.Event()
+    stats: dict[str, Any] = {"completed": 0, "refused": 0, "disconnected": 0, "refusal_ms": []}
+    tasks = [asyncio.create_task(abuser(args.url, stop, args, stats)) for _ in range(args.abusers)]
+    await asyncio.sleep(args.seconds)
+    stop.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    refusal = sorted(stats.pop("refusal_ms"))
+    stats["refusal_p99_ms"] = refusal[int(0.99 * (len(refusal) - 1))] if refusal else 0.0
+    print(json.dumps(stats), flush=True)
+
+
 async def phase(name: str, env: dict[str, str], args: argparse.Namespace, abusers: int) -> dict[str, Any]:
     port = free_port()
     url = f"ws://127.0.0.1:{port}/realtime/"
@@ -124,10 +150,16 @@ async def phase(name: str, env: dict[str, str], args: argparse.Namespace, abuser
         pid = procs[0].pid
         stop = asyncio.Event()
         latencies: list[float] = []
-        stats: dict[str, Any] = {"completed": 0, "refused": 0, "disconnected": 0, "refusal_ms": []}
-        tasks = [asyncio.create_task(abuser(url, stop, args, stats)) for _ in range(abusers)]
-        await asyncio.sleep(1.0 if abusers else 0)
-        tasks += [asyncio.create_task(polite(url, stop, latencies)) for _ in range(args.polite)]
+        flood = None
+        if abusers:
+            flood = await asyncio.create_subprocess_exec(
+                sys.executable, __file__, "--role", "abusers", "--url", url, "--abusers", str(abusers),
+                "--seconds", str(args.seconds + 1.0), "--sleep-ms", str(args.sleep_ms), "--window", str(args.window),
+                "--reconnect-s", str(args.reconnect_s),
+                stdout=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+            await asyncio.sleep(1.0)
+        tasks = [asyncio.create_task(polite(url, stop, latencies)) for _ in range(args.polite)]
         peak = 0
         t0 = time.monotonic()
         series: list[tuple[float, int]] = []
@@ -136,19 +168,20 @@ async def phase(name: str, env: dict[str, str], args: argparse.Namespace, abuser
             peak = max(peak, rss)
             series.append((elapsed, rss))
             if len(series) % 10 == 0:
-                progress(
-                    f"{name}: {elapsed:.0f}/{args.seconds:.0f} s, RSS {rss / MIB:.0f} MiB, "
-                    f"{stats['completed']} completed, {stats['refused']} refused"
-                )
+                progress(f"{name}: {elapsed:.0f}/{args.seconds:.0f} s, RSS {rss / MIB:.0f} MiB")
             await asyncio.sleep(0.5)
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
+        stats: dict[str, Any] = {"completed": 0, "refused": 0, "disconnected": 0, "refusal_p99_ms": 0.0}
+        if flood is not None:
+            out, _ = await flood.communicate()
+            stats = json.loads(out.decode().strip().splitlines()[-1])
     return {
         "phase": name,
         "ping_p50_ms": percentile(latencies, 50),
         "ping_p99_ms": percentile(latencies, 99),
         "pings": len(latencies),
-        "refusal_p99_ms": percentile(stats["refusal_ms"], 99) if stats["refusal_ms"] else 0.0,
+        "refusal_p99_ms": stats["refusal_p99_ms"],
         "completed": stats["completed"],
         "refused": stats["refused"],
         "disconnected": stats["disconnected"],
@@ -186,9 +219,15 @@ async def main() -> None:
     parser.add_argument("--polite", type=int, default=20)
     parser.add_argument("--sleep-ms", type=int, default=200)
     parser.add_argument("--window", type=int, default=50)
+    parser.add_argument("--reconnect-s", type=float, default=1.0, help="abusers reconnect after a close (0: never)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
+    parser.add_argument("--role", choices=["bench", "abusers"], default="bench", help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.role == "abusers":
+        await abusers_main(args)
+        return
     os.chdir(ROOT)
 
     cost = decision_cost()
@@ -196,7 +235,7 @@ async def main() -> None:
         f"pure core: {cost['admitted_us']:.2f} µs per admitted decision (admit + release), "
         f"{cost['refused_us']:.2f} µs per refusal"
     )
-    db = prepare_database(str(Path(tempfile.mkdtemp()) / "db.sqlite3"), "bench.settings")
+    db = prepare_database(str(Path(tempfile.mkdtemp()) / "db.sqlite3"))
     base = {**db, "REDIS_URL": "", "DJANGO_SETTINGS_MODULE": "bench.settings", "REALTIME_LOG_LEVEL": "ERROR"}
     on = {**base, "REALTIME_BENCH_OVERRIDES": "{}"}
     off = {**base, "REALTIME_BENCH_OVERRIDES": json.dumps(OFF)}
@@ -212,7 +251,7 @@ async def main() -> None:
     )
     print(
         f"{'phase':<6}{'ping p50':>9}{'p99 ms':>8}{'p99/idle':>9}{'refusal p99':>12}{'RSS start→peak MiB':>20}"
-        f"{'completed':>10}{'refused':>9}{'dropped':>8}"
+        f"{'completed':>10}{'refused':>9}{'closed':>8}"
     )
     for row in results:
         span = f"{row['rss_start_mib']:.0f} → {row['rss_peak_mib']:.0f}"

@@ -33,6 +33,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "realtime_app.middleware.ConcurrencyLimitMiddleware",
 ]
 
 ROOT_URLCONF = "project.urls"
@@ -104,6 +105,10 @@ REALTIME_APP = {
         {"pattern": "atelier:", "authenticated": True},
         {"pattern": "demo:events", "publish": True},
     ],
+    # /demo/heavy/ allocates 20 MB: two at a time, fifty waiting at most, ten seconds each.
+    "HTTP_POOLS": {
+        "heavy": {"max_concurrent": 2, "max_waiting": 50, "wait_timeout_ms": 10000, "paths": ["/demo/heavy/"]},
+    },
 }
 
 AUTH_PASSWORD_VALIDATORS: list[dict[str, str]] = []  # demo users have demo passwords

@@ -33,7 +33,16 @@ from typing import Any, Generic, TypeVar
 
 from .protocol import OVERLOADED, RATE_LIMITED, TOO_MANY_IN_FLIGHT
 
-__all__ = ["Admission", "AdmissionLimits", "CoalescingQueue", "Job", "Refusal", "retry_after_ms", "retry_delay_ms"]
+__all__ = [
+    "Admission",
+    "AdmissionLimits",
+    "CoalescingQueue",
+    "Job",
+    "Refusal",
+    "RefusalBudget",
+    "retry_after_ms",
+    "retry_delay_ms",
+]
 
 T = TypeVar("T")
 
@@ -105,6 +114,7 @@ class Admission:
         self.admitted = 0
         self.merged = 0
         self.refused: dict[str, int] = {"overloaded": 0, "too_many_in_flight": 0, "rate_limited": 0}
+        self._swept = float("-inf")  # when idle identities were last looked for
 
     def tokens(self, identity: Hashable) -> float:
         """The identity's tokens now (a full bucket for an unknown identity)."""
@@ -210,22 +220,51 @@ class Admission:
 
     def forget_idle(self, now: float | None = None) -> int:
         """Forget identities with nothing pending, unseen for ``idle_s`` (by then their
-        bucket is full again): memory follows the active identities only."""
+        bucket is full again): memory follows the active identities only. Sweeps at most
+        once a second, from the least recently seen, so a decision stays O(1) amortized."""
         now = self.clock() if now is None else now
-        forgotten = 0
-        for identity in list(self._identities):
-            state = self._identities[identity]
+        if now - self._swept < 1.0 and now >= self._swept:
+            return 0
+        self._swept = now
+        stale: list[Hashable] = []
+        for identity, state in self._identities.items():
             if now - state.seen < self.limits.idle_s:
                 break  # the rest were seen later
             if state.pending == 0:
-                del self._identities[identity]
-                forgotten += 1
-        return forgotten
+                stale.append(identity)
+        for identity in stale:
+            del self._identities[identity]
+        return len(stale)
 
     @property
     def identities(self) -> int:
         """Identities tracked now."""
         return len(self._identities)
+
+
+@dataclass(slots=True)
+class RefusalBudget:
+    """How many refusals one connection may collect before it is closed (1008): a burst of
+    ``capacity`` (a page firing 60 requests at once gets 50 refusals and stays), refilled at
+    ``capacity / 10`` per second. A client that ignores ``retry_after_ms`` and keeps
+    sending makes the server spend on refusals what it saved on work; this ends that."""
+
+    capacity: float
+    tokens: float = -1.0
+    stamp: float = 0.0
+
+    def spend(self, now: float) -> bool:
+        """Count one refusal; False when the budget is exhausted (close the connection)."""
+        if not self.capacity:
+            return True
+        if self.tokens < 0:
+            self.tokens, self.stamp = self.capacity, now
+        self.tokens = min(self.capacity, self.tokens + max(0.0, now - self.stamp) * self.capacity / 10)
+        self.stamp = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
 
 
 @dataclass(eq=False, slots=True)

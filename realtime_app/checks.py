@@ -42,6 +42,7 @@ _INT_SETTINGS = {
     "REVALIDATE_INTERVAL_MS": 0,
     "ADMISSION_MAX_PENDING": 0,
     "ADMISSION_MAX_RUNNING": 1,
+    "ADMISSION_CLOSE_AFTER_REFUSALS": 0,
     "ADMISSION_MAX_PER_IDENTITY": 0,
 }
 
@@ -296,3 +297,71 @@ def check_method_costs(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
         for name, cost in sorted(costs.items())
         if cost > capacity
     ]
+
+
+_POOL_KEYS = {"max_concurrent": 1, "max_waiting": 0, "wait_timeout_ms": 1}
+
+
+@register(Tags.compatibility)
+def check_http_pools(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """E020 an impossible HTTP pool; E021 a view decorated for a pool that is not configured;
+    W031 pools configured but the middleware missing from MIDDLEWARE."""
+    from django.conf import settings
+
+    pools = get_config()["HTTP_POOLS"]
+    if not isinstance(pools, dict):
+        return [Error("REALTIME_APP['HTTP_POOLS'] must be a dict of pool name -> options.", id="realtime_app.E020")]
+    messages: list[CheckMessage] = []
+    for name, options in pools.items():
+        problems = _pool_problems(options)
+        messages += [
+            Error(
+                f"REALTIME_APP['HTTP_POOLS'][{name!r}]: {problem}.",
+                hint="See docs/http-limiter.md.",
+                id="realtime_app.E020",
+            )
+            for problem in problems
+        ]
+    from .middleware import decorated_pools
+
+    try:  # the URLconf imports the views: their decorators name their pools
+        from django.urls import get_resolver
+
+        get_resolver().url_patterns  # noqa: B018
+    except Exception:  # reported by Django's own URL checks
+        pass
+    for name in sorted(decorated_pools - set(pools)):
+        messages.append(
+            Error(
+                f"a view is decorated with @concurrency_limit({name!r}) "
+                "but REALTIME_APP['HTTP_POOLS'] has no such pool.",
+                hint="Add the pool, or fix the name.",
+                id="realtime_app.E021",
+            )
+        )
+    middleware = "realtime_app.middleware.ConcurrencyLimitMiddleware"
+    if (pools or decorated_pools) and middleware not in getattr(settings, "MIDDLEWARE", []):
+        messages.append(
+            Warning(
+                "HTTP pools are configured but ConcurrencyLimitMiddleware is not in MIDDLEWARE: nothing is limited.",
+                hint=f"Add {middleware!r} to MIDDLEWARE, after the authentication middleware.",
+                id="realtime_app.W031",
+            )
+        )
+    return messages
+
+
+def _pool_problems(options: Any) -> list[str]:
+    if not isinstance(options, dict):
+        return ["options must be a dict"]
+    problems = [f"unknown key {key!r}" for key in sorted(set(options) - {*_POOL_KEYS, "paths"})]
+    if "max_concurrent" not in options:
+        problems.append("max_concurrent is required")
+    for key, low in _POOL_KEYS.items():
+        value = options.get(key, low)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            problems.append(f"{key} must be an int >= {low}, got {value!r}")
+    paths = options.get("paths", [])
+    if isinstance(paths, str) or not isinstance(paths, (list, tuple)) or not all(isinstance(p, str) for p in paths):
+        problems.append("paths must be a list of path globs ('/reports/*')")
+    return problems

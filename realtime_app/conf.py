@@ -73,6 +73,13 @@ DEFAULTS: dict[str, Any] = {
     "ADMISSION_MAX_PER_IDENTITY": 10,
     "ADMISSION_BUCKET_CAPACITY": 18.0,
     "ADMISSION_REFILL_PER_S": 9.0,
+    # Refusals a connection may collect (refilled at a tenth of this per second) before it is
+    # closed with 1008: a client that ignores retry_after_ms; 0 = never closed for that.
+    "ADMISSION_CLOSE_AFTER_REFUSALS": 200,
+    # HTTP concurrency pools (docs/http-limiter.md), used by ConcurrencyLimitMiddleware:
+    # {"reports": {"max_concurrent": 2, "max_waiting": 50, "wait_timeout_ms": 10000,
+    #              "paths": ["/reports/*"]}}; requests that match no pool pass untouched.
+    "HTTP_POOLS": {},
     # Channels listed by name in a process's probe (the busiest); the rest are counted.
     "PROBE_TOP_CHANNELS": 50,
     # Lifetime of a published process probe, milliseconds; it is republished every third.

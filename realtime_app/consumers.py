@@ -19,7 +19,7 @@ from typing import Any, Literal
 from channels.db import database_sync_to_async
 
 from . import protocol
-from .admission import Refusal
+from .admission import Refusal, RefusalBudget
 from .conf import get_config
 from .exceptions import BackplaneUnavailable, ForbiddenChannel, PublicationError, PublicationTooLarge, RPCError
 from .hub import Connection, Hub, get_hub
@@ -119,6 +119,7 @@ class RealtimeConsumer:
         self.scope: dict[str, Any] = {}
         self.connection: Connection | None = None
         self._fresh: tuple[float, Any] | None = None  # (when, user) of the last re-read
+        self._refusals = RefusalBudget(float(get_config()["ADMISSION_CLOSE_AFTER_REFUSALS"]))
 
     @classmethod
     def as_asgi(cls, **initkwargs: Any) -> Callable[..., Awaitable[None]]:
@@ -269,6 +270,14 @@ class RealtimeConsumer:
         merged = method is not None and hub.pool.would_merge(key, units, method.coalesce.cap if method.coalesce else 0)
         refusal = await hub.admit(identity, cost, merged=merged)
         if refusal is not None:
+            if not self._refusals.spend(time.monotonic()):
+                hub.refusal_closes += 1
+                await self.close(CloseCode.POLICY_VIOLATION, "too many refused requests")
+                return None
+            if self.connection is not None and refusal.reason != "overloaded":
+                # Over its own limits: read nothing more from this client until it may pass
+                # again (at most a second). TCP pushes back on a flood; answers go on.
+                self.connection.guard.transport.pause_reading(min(refusal.retry_after_ms, 1000) / 1000)
             return await self._refused(request, method, refusal)
         if method is None:  # a built-in: cheap, ordered with this connection's frames
             try:

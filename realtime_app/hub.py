@@ -38,6 +38,7 @@ from .conf import get_config
 from .exceptions import BackplaneUnavailable, PublicationError, PublicationTooLarge
 from .guard import BACKPRESSURE_REASON, Guard
 from .logsafe import safe
+from .middleware import pools_probe
 from .protocol import CloseCode, encode
 from .reconciler import REMOTE, Action, Reconciler
 from .registry import RESERVED, ChannelSpec
@@ -115,6 +116,7 @@ class Hub:
         self.pool = RequestPool(self.admission, get_config()["ADMISSION_MAX_RUNNING"], _execute)
         self._bucket_fallback: str | None = None  # why users' buckets are local now, if they are
         self.unread_refused = 0  # requests not run: their connection does not read its answers
+        self.refusal_closes = 0  # connections closed (1008) for ignoring their refusals
         self.connections: set[Connection] = set()
         self.subscribers: dict[str, set[Connection]] = {}
         self.specs: dict[str, ChannelSpec] = {}  # channels with local subscribers
@@ -773,6 +775,7 @@ class Hub:
                 "refused": {**self.admission.refused, "unread_responses": self.unread_refused},
                 "identities": self.admission.identities,
                 "bucket": self.shared_bucket,
+                "closed_for_refusals": self.refusal_closes,
             },
             "send_failures": self.send_failures,
             "stale_ticks": self.stale_ticks,
@@ -781,6 +784,7 @@ class Hub:
                 "outages": backplane.outage.outages if backplane is not None else 0,
             },
             "backpressure": self.backpressure_probe(),
+            "http_pools": pools_probe(),
         }
 
     async def cluster_probes(self) -> list[dict[str, Any]]:

@@ -41,6 +41,7 @@ _ADMISSION_COUNTERS = {
     "completed": "Admitted requests answered, failed or cancelled",
     "coalesced": "Requests merged into a waiting one",
     "abandoned": "Waiting requests dropped because their connection closed",
+    "closed_for_refusals": "Connections closed with 1008 for ignoring their refusals",
 }
 
 
@@ -94,6 +95,7 @@ class _ProbeCollector:
                 refused.add_metric([*label(p), limit], float(count))
         yield from (failures, up, outages, refused)
         yield from _admission(instances, labels, label)
+        yield from _http_pools(instances, labels, label)
         live = GaugeMetricFamily("realtime_instances", "Live processes in the cluster view")
         live.add_metric([], float(len(instances)))
         yield live
@@ -123,6 +125,30 @@ def _admission(instances: list[dict[str, Any]], labels: list[str], label: Any) -
         shared.add_metric(label(p), 1.0 if admission.get("bucket") == "shared" else 0.0)
     yield refused
     yield shared
+
+
+def _http_pools(instances: list[dict[str, Any]], labels: list[str], label: Any) -> Iterator[Metric]:
+    with_pool = [*labels, "pool"]
+    running = GaugeMetricFamily("realtime_http_pool_running", "HTTP requests running in the pool", labels=with_pool)
+    waiting = GaugeMetricFamily("realtime_http_pool_waiting", "HTTP requests waiting for the pool", labels=with_pool)
+    admitted = CounterMetricFamily("realtime_http_pool_admitted", "HTTP requests the pool ran", labels=with_pool)
+    refused = CounterMetricFamily(
+        "realtime_http_pool_refused", "HTTP requests answered 503 or gone, by reason", labels=[*with_pool, "reason"]
+    )
+    wait = GaugeMetricFamily(
+        "realtime_http_pool_wait_ms", "Wait before running, recent requests", labels=[*with_pool, "quantile"]
+    )
+    for p in instances:
+        for name, pool in sorted(p.get("http_pools", {}).items()):
+            key = [*label(p), name]
+            running.add_metric(key, float(pool["running"]))
+            waiting.add_metric(key, float(pool["waiting"]))
+            admitted.add_metric(key, float(pool["admitted"]))
+            for reason, count in sorted(pool["refused"].items()):
+                refused.add_metric([*key, reason], float(count))
+            for quantile in ("p50", "p99"):
+                wait.add_metric([*key, quantile], float(pool["wait_ms"][quantile]))
+    yield from (running, waiting, admitted, refused, wait)
 
 
 def render(probe: dict[str, Any]) -> bytes:

@@ -103,6 +103,10 @@ class Transport:
         to read what is queued before the connection is dropped."""
         raise NotImplementedError
 
+    def pause_reading(self, seconds: float) -> None:
+        """Read nothing more from this client for ``seconds`` (TCP pushes back on it);
+        no-op where the server offers no way. Writing goes on."""
+
 
 class DaphneTransport(Transport):
     kind = "daphne"
@@ -147,6 +151,23 @@ class DaphneTransport(Transport):
         protocol.closeHandshakeTimeout = drain_s
         protocol.sendCloseFrame(code=int(code), reasonUtf8=reason.encode("utf-8")[:123] or None, isReply=False)
 
+    def pause_reading(self, seconds: float) -> None:
+        from twisted.internet import reactor
+
+        tcp = self.tcp
+        if getattr(self, "_paused", False) or self.protocol.state != self._open:
+            return
+        self._paused = True
+        tcp.pauseProducing()
+
+        def resume() -> None:
+            self._paused = False
+            if tcp.connected:
+                tcp.resumeProducing()
+
+        reactor_: Any = reactor
+        reactor_.callLater(seconds, resume)
+
 
 class UvicornTransport(Transport):
     kind = "uvicorn"
@@ -183,6 +204,20 @@ class UvicornTransport(Transport):
             protocol.read_paused = False
             self.transport.resume_reading()
         protocol.close_timer = protocol.loop.call_later(drain_s, self.transport.close)
+
+    def pause_reading(self, seconds: float) -> None:
+        transport = self.transport
+        if getattr(self, "_paused", False) or transport.is_closing():
+            return
+        self._paused = True
+        transport.pause_reading()
+
+        def resume() -> None:
+            self._paused = False
+            if not transport.is_closing() and not self.protocol.read_paused:  # uvicorn's own pause wins
+                transport.resume_reading()
+
+        self.protocol.loop.call_later(seconds, resume)
 
 
 class QueueTransport(Transport):

@@ -7,6 +7,7 @@ import hmac
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from .conf import get_config
+from .middleware import pools_probe
 from .probes import cluster_probe
 
 __all__ = ["health", "metrics"]
@@ -34,7 +35,10 @@ async def _probe(request: HttpRequest) -> dict[str, object]:
         from .hub import get_hub
 
         await get_hub()
-    return await cluster_probe()
+    probe = await cluster_probe()
+    # The serving process's HTTP pools, also under a WSGI server (which has no hub to publish them).
+    probe["http_pools"] = pools_probe()
+    return probe
 
 
 async def health(request: HttpRequest) -> HttpResponse:

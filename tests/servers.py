@@ -64,6 +64,9 @@ class Server:
         if self.server == "daphne":
             bind = ["-b", "127.0.0.1", "-p", str(self.port)] if self.bind_plain else []
             cmd = [sys.executable, "-m", "daphne", *bind, *self.extra_args, self.app]
+        elif self.server == "gunicorn":  # WSGI, threads: Django's sync path
+            bind = ["-b", f"127.0.0.1:{self.port}", "-w", "1", "--threads", "16"]
+            cmd = [sys.executable, "-m", "gunicorn", *bind, *self.extra_args, "project.wsgi:application"]
         else:
             cmd = [
                 sys.executable,

@@ -6,6 +6,7 @@ import os
 from project.settings import *  # noqa: F403
 
 INSTALLED_APPS = [*INSTALLED_APPS, "tests.testapp"]  # noqa: F405
+ROOT_URLCONF = "tests.urls"
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast logins in tests
 REALTIME_APP = {
     **REALTIME_APP,  # noqa: F405
@@ -14,6 +15,10 @@ REALTIME_APP = {
         {"pattern": "test:staff", "staff": True},
         {"pattern": "test:perm", "permission": "auth.view_user"},
     ],
+    "HTTP_POOLS": {
+        **REALTIME_APP["HTTP_POOLS"],  # noqa: F405
+        "test": {"max_concurrent": 2, "max_waiting": 8, "wait_timeout_ms": 5000},
+    },
 }
 DATABASES["default"].setdefault("TEST", {})  # noqa: F405
 if os.environ.get("REALTIME_TEST_DB_FILE"):

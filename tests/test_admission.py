@@ -385,3 +385,22 @@ async def test_builtins_are_admitted_with_small_costs(hub):
     assert all(a["error"]["code"] == -32005 for a in answers if "error" in a)
     assert admitted == list(range(len(admitted)))  # a prefix: the bucket ran dry once
     assert 72 <= len(admitted) <= 76  # 72 from the full bucket, plus what refilled meanwhile
+
+
+async def test_a_connection_that_ignores_its_refusals_is_closed_and_a_burst_is_not(hub):
+    from tests.test_consumer import Client
+
+    async with Client() as c:  # a burst: 50 refusals, well within the budget of 200
+        for _ in range(60):
+            await c.call_nowait("test.hold", {"seconds": 0.05})
+        answers = [await c.recv() for _ in range(60)]
+        assert sum("error" in a for a in answers) == 50
+        assert (await c.call("demo.echo", {"text": "still open"}))["result"] == {"text": "still open"}
+    async with Client() as c:  # a client that keeps sending whatever it is told
+        for _ in range(400):
+            await c.send({"jsonrpc": "2.0", "method": "test.costly", "id": 1})
+        output = await c.comm.receive_output(3)
+        while output["type"] != "websocket.close":
+            output = await c.comm.receive_output(3)
+        assert output["code"] == 1008
+    assert hub.probe()["admission"]["closed_for_refusals"] == 1

@@ -160,3 +160,38 @@ def test_a_method_costing_more_than_the_bucket_is_a_warning():
     assert ids(messages) == ["realtime_app.W030"] and "'test.costly' costs 6" in messages[0].msg
     with override_settings(REALTIME_APP={"ADMISSION_BUCKET_CAPACITY": 0}):
         assert check_method_costs() == []  # no bucket: nothing is refused for its cost
+
+
+@pytest.mark.parametrize(
+    "pool, problem",
+    [
+        ({"max_concurrent": 0}, "max_concurrent must be an int >= 1"),
+        ({}, "max_concurrent is required"),
+        ({"max_concurrent": 2, "max_waiting": -1}, "max_waiting must be an int >= 0"),
+        ({"max_concurrent": 2, "wait_timeout_ms": 0}, "wait_timeout_ms must be an int >= 1"),
+        ({"max_concurrent": 2, "paths": "/reports/*"}, "paths must be a list"),
+        ({"max_concurrent": 2, "max_concurent": 3}, "unknown key 'max_concurent'"),
+        ("two", "options must be a dict"),
+    ],
+)
+def test_impossible_http_pools_are_errors(pool, problem):
+    from realtime_app.checks import check_http_pools
+
+    with override_settings(REALTIME_APP={"HTTP_POOLS": {"test": {"max_concurrent": 1}, "reports": pool}}):
+        messages = check_http_pools()
+    assert ids(messages) == ["realtime_app.E020"] and problem in messages[0].msg
+
+
+def test_a_decorated_view_needs_its_pool_and_pools_need_the_middleware():
+    from django.conf import settings
+
+    from realtime_app.checks import check_http_pools
+
+    assert check_http_pools() == []  # the test settings: pools, the middleware, the decorated views' pool
+    with override_settings(REALTIME_APP={"HTTP_POOLS": {}}):
+        messages = check_http_pools()
+    assert ids(messages) == ["realtime_app.E021"]  # decorated views still need their pool
+    assert "'test'" in messages[0].msg
+    middleware = [m for m in settings.MIDDLEWARE if "ConcurrencyLimit" not in m]
+    with override_settings(MIDDLEWARE=middleware):
+        assert ids(check_http_pools()) == ["realtime_app.W031"]

@@ -31,7 +31,19 @@ COLUMNS: list[tuple[str, Callable[[dict[str, Any]], Any]]] = [
     ("admitted", lambda p: p.get("admission", {}).get("admitted", 0)),
     ("merged", lambda p: p.get("admission", {}).get("coalesced", 0)),
     ("refused", lambda p: _refused(p.get("admission", {}).get("refused", {}))),
+    ("http pools run/wait (503)", lambda p: _pools(p.get("http_pools", {}))),
 ]
+
+
+def _pools(pools: dict[str, dict[str, Any]]) -> str:
+    """``heavy 2/5 (3)``: running/waiting and refusals per pool."""
+    return (
+        ", ".join(
+            f"{name} {pool['running']}/{pool['waiting']} ({sum(pool['refused'].values())})"
+            for name, pool in pools.items()
+        )
+        or "–"
+    )
 
 
 def _refused(refused: dict[str, int]) -> str:

@@ -31,6 +31,16 @@ function refusedText(refused) {
   return `${total} (${seen.map(([reason, n]) => `${reason} ${n}`).join(", ")})`;
 }
 
+function poolsText(pools) {
+  const names = Object.keys(pools).sort();
+  if (!names.length) return "–";
+  return names.map((name) => {
+    const pool = pools[name];
+    const refused = Object.values(pool.refused).reduce((sum, n) => sum + n, 0);
+    return `${name} ${pool.running}/${pool.max_concurrent} running, ${pool.waiting} waiting, ${refused} refused, wait p99 ${pool.wait_ms.p99} ms`;
+  }).join("; ");
+}
+
 function render(probe) {
   rows.replaceChildren();
   for (const p of probe.instances) {
@@ -46,6 +56,7 @@ function render(probe) {
       cell(bp.slow_consumers || 0, true), cell(bp.drops || 0, true), cell(bp.closes || 0, true),
       cell(`${ad.running || 0} / ${ad.queued || 0}`, true), cell(ad.admitted || 0, true),
       cell(ad.coalesced || 0, true), cell(refusedText(ad.refused || {})), cell(ad.bucket || "–"),
+      cell(poolsText(p.http_pools || {})),
     );
     rows.append(tr);
     const series = history.get(p.instance) || [];

@@ -1,0 +1,216 @@
+"""Concurrency pools for HTTP requests: at most N run at once, the rest wait in FIFO order.
+
+A pool is shared by the threads and the event loop of one process, so one class serves
+Django's sync path (WSGI servers with threads: a waiter blocks on a
+:class:`threading.Event`) and its async path (ASGI: a waiter awaits an
+:class:`asyncio.Event` woken thread-safely). A slot freed by a finished request passes
+straight to the oldest waiter — it is never released and re-taken, so a newcomer cannot
+overtake the queue.
+
+Every way out is counted exactly once: a slot given back (:meth:`Slot.release` is
+idempotent), a waiter that timed out, one whose client went away, one refused because
+the queue was full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = ["Busy", "ConcurrencyPool", "PoolSettings", "Slot"]
+
+Reason = Literal["queue_full", "timeout", "client_gone"]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSettings:
+    """One pool of ``REALTIME_APP["HTTP_POOLS"]`` (checked by ``realtime_app.E020``)."""
+
+    max_concurrent: int
+    max_waiting: int = 100
+    wait_timeout_ms: int = 10_000
+
+    def __post_init__(self) -> None:
+        if self.max_concurrent < 1:
+            raise ValueError("max_concurrent must be >= 1")
+        if self.max_waiting < 0:
+            raise ValueError("max_waiting must be >= 0 (0: refuse at once when full)")
+        if self.wait_timeout_ms < 1:
+            raise ValueError("wait_timeout_ms must be >= 1")
+
+
+class Busy(Exception):
+    """The pool refused the request (``reason``); come back after ``retry_after_s``."""
+
+    def __init__(self, pool: str, reason: Reason, retry_after_s: int) -> None:
+        super().__init__(pool, reason, retry_after_s)
+        self.pool = pool
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+class _Waiter:
+    __slots__ = ("event", "loop", "since", "state")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        self.loop = loop
+        self.event: asyncio.Event | threading.Event = asyncio.Event() if loop is not None else threading.Event()
+        self.state = "waiting"  # -> "granted" (a slot was passed to it) or "gone" (left the queue)
+        self.since = time.monotonic()
+
+    def wake(self) -> None:
+        if self.loop is None:
+            self.event.set()
+        else:
+            self.loop.call_soon_threadsafe(self.event.set)
+
+
+class Slot:
+    """A running request's place in its pool; :meth:`release` it exactly once (more is harmless)."""
+
+    __slots__ = ("_pool", "released", "waited_ms")
+
+    def __init__(self, pool: ConcurrencyPool, waited_ms: float) -> None:
+        self._pool = pool
+        self.waited_ms = waited_ms
+        self.released = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._pool._release()
+
+
+class ConcurrencyPool:
+    """One named pool: ``acquire`` (sync) or ``aacquire`` (async) a :class:`Slot`, or :class:`Busy`."""
+
+    def __init__(self, name: str, settings: PoolSettings) -> None:
+        self.name = name
+        self.settings = settings
+        self.running = 0
+        self._waiters: deque[_Waiter] = deque()
+        self._lock = threading.Lock()
+        self.admitted = 0
+        self.refused: dict[str, int] = {"queue_full": 0, "timeout": 0, "client_gone": 0}
+        self._waits: deque[float] = deque(maxlen=1024)  # recent waits (ms) of admitted requests
+        self._service: deque[float] = deque(maxlen=64)  # recent run times (s), for Retry-After
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    # -- taking a slot ----------------------------------------------------------------
+
+    def _enter(self, loop: asyncio.AbstractEventLoop | None) -> Slot | _Waiter:
+        """Under the lock: a slot now, a place in the queue, or Busy(queue_full)."""
+        if self.running < self.settings.max_concurrent and not self._waiters:
+            self.running += 1
+            self.admitted += 1
+            self._waits.append(0.0)
+            return Slot(self, 0.0)
+        if len(self._waiters) >= self.settings.max_waiting:
+            self.refused["queue_full"] += 1
+            raise Busy(self.name, "queue_full", self._retry_after_s())
+        waiter = _Waiter(loop)
+        self._waiters.append(waiter)
+        return waiter
+
+    def _leave(self, waiter: _Waiter, reason: Reason) -> Slot | None:
+        """Under the lock: a waiter gives up. If a slot reached it meanwhile it owns it."""
+        if waiter.state == "granted":
+            return self._granted(waiter)
+        waiter.state = "gone"
+        self._waiters.remove(waiter)
+        self.refused[reason] += 1
+        return None
+
+    def _granted(self, waiter: _Waiter) -> Slot:
+        waited_ms = (time.monotonic() - waiter.since) * 1000
+        self.admitted += 1
+        self._waits.append(waited_ms)
+        return Slot(self, waited_ms)
+
+    def acquire(self) -> Slot:
+        """Take a slot, waiting at most ``wait_timeout_ms`` (a blocking call: sync code)."""
+        with self._lock:
+            entered = self._enter(None)
+        if isinstance(entered, Slot):
+            return entered
+        assert isinstance(entered.event, threading.Event)
+        entered.event.wait(self.settings.wait_timeout_ms / 1000)
+        with self._lock:
+            if entered.state == "granted":
+                return self._granted(entered)
+            self._leave(entered, "timeout")
+        raise Busy(self.name, "timeout", self._retry_after_s())
+
+    async def aacquire(self) -> Slot:
+        """Take a slot, waiting at most ``wait_timeout_ms``. Cancelled while waiting (the
+        client went away): the place is given up at once, or the slot passed on."""
+        with self._lock:
+            entered = self._enter(asyncio.get_running_loop())
+        if isinstance(entered, Slot):
+            return entered
+        assert isinstance(entered.event, asyncio.Event)
+        try:
+            await asyncio.wait_for(entered.event.wait(), self.settings.wait_timeout_ms / 1000)
+        except TimeoutError:
+            with self._lock:
+                slot = self._leave(entered, "timeout")
+            if slot is not None:
+                return slot  # granted in the same instant: take it
+            raise Busy(self.name, "timeout", self._retry_after_s()) from None
+        except asyncio.CancelledError:
+            with self._lock:
+                slot = self._leave(entered, "client_gone")
+            if slot is not None:
+                slot.release()  # nobody will run with it: pass it on
+            raise
+        with self._lock:
+            return self._granted(entered)
+
+    # -- giving it back ---------------------------------------------------------------
+
+    def _release(self) -> None:
+        with self._lock:
+            while self._waiters:
+                waiter = self._waiters.popleft()
+                if waiter.state == "waiting":
+                    waiter.state = "granted"  # the slot passes on: running is unchanged
+                    waiter.wake()
+                    return
+            self.running -= 1
+
+    def ran(self, seconds: float) -> None:
+        """A request held its slot this long (feeds the ``Retry-After`` estimate)."""
+        self._service.append(seconds)
+
+    def _retry_after_s(self) -> int:
+        """When a place is likely free again: the queue ahead times the typical run time,
+        spread over the slots; at least one second (``Retry-After`` counts seconds)."""
+        typical = sorted(self._service)[len(self._service) // 2] if self._service else 1.0
+        ahead = len(self._waiters) + 1
+        return max(1, math.ceil(ahead * typical / self.settings.max_concurrent))
+
+    # -- probe ------------------------------------------------------------------------
+
+    def probe(self) -> dict[str, Any]:
+        waits = sorted(self._waits)
+
+        def pct(p: float) -> float:
+            return round(waits[min(len(waits) - 1, int(p / 100 * len(waits)))], 1) if waits else 0.0
+
+        return {
+            "max_concurrent": self.settings.max_concurrent,
+            "max_waiting": self.settings.max_waiting,
+            "running": self.running,
+            "waiting": len(self._waiters),
+            "admitted": self.admitted,
+            "refused": dict(self.refused),
+            "wait_ms": {"p50": pct(50), "p99": pct(99)},
+        }

@@ -1,0 +1,195 @@
+"""The HTTP concurrency limiter on real servers: daphne and uvicorn (async path), gunicorn
+with threads (sync path). Instrumented views count how many are inside at once."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from tests.servers import Server, login, prepare_database
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def database(tmp_path_factory):
+    return prepare_database(str(tmp_path_factory.mktemp("db") / "db.sqlite3"))
+
+
+def start(database: dict[str, str], server: str = "daphne", **pool: Any) -> Server:
+    overrides = {}
+    if pool:
+        overrides["HTTP_POOLS"] = {"test": {"max_concurrent": 2, "max_waiting": 8, "wait_timeout_ms": 5000, **pool}}
+    env = {**database, "REDIS_URL": "", "REALTIME_TEST_OVERRIDES": json.dumps(overrides)}
+    return Server(env, server=server).start()
+
+
+def get(server: Server, path: str, timeout: float = 30) -> tuple[int, dict[str, str], bytes]:
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        connection.close()
+
+
+def stats(server: Server, reset: bool = False) -> dict[str, Any]:
+    return json.loads(get(server, "/test/limited-stats/" + ("?reset=1" if reset else ""))[2])
+
+
+class Health:
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.cookie = login(server.http, "admin", "admin")
+
+    def pool(self, name: str = "test") -> dict[str, Any]:
+        connection = http.client.HTTPConnection("127.0.0.1", self.server.port, timeout=10)
+        try:
+            connection.request("GET", "/realtime/api/health", headers={"Cookie": self.cookie})
+            return json.loads(connection.getresponse().read())["http_pools"][name]
+        finally:
+            connection.close()
+
+
+def until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        time.sleep(0.02)
+
+
+def burst(server: Server, paths: list[str], spacing_s: float = 0.03) -> list[tuple[int, dict[str, str], bytes]]:
+    """Start one request per path, ``spacing_s`` apart (a known arrival order), all at once."""
+    results: list[Any] = [None] * len(paths)
+
+    def one(i: int) -> None:
+        results[i] = get(server, paths[i])
+
+    threads = []
+    for i in range(len(paths)):
+        thread = threading.Thread(target=one, args=(i,))
+        thread.start()
+        threads.append(thread)
+        time.sleep(spacing_s)
+    for thread in threads:
+        thread.join(60)
+    return results
+
+
+@pytest.mark.parametrize("server_kind", ["daphne", "uvicorn"])
+def test_twenty_at_once_run_two_at_a_time_in_arrival_order_and_the_rest_get_503(database, server_kind):
+    server = start(database, server_kind, wait_timeout_ms=20000)
+    try:
+        health = Health(server)
+        stats(server, reset=True)
+        answers = burst(server, [f"/test/limited/?ms=1500&tag={i}" for i in range(20)], 0.02)
+        statuses = [status for status, _, _ in answers]
+        assert statuses == [200] * 10 + [503] * 10  # 2 running + 8 waiting; the later ones refused
+        for _, headers, body in answers[10:]:
+            assert int(headers["retry-after"]) >= 1
+            assert json.loads(body)["reason"] == "queue_full"
+        seen = stats(server)
+        assert seen["max"] == 2  # never more than two inside the view
+        assert seen["order"] == [str(i) for i in range(10)]  # FIFO
+        until(lambda: health.pool()["running"] == health.pool()["waiting"] == 0, 10, "the pool is idle again")
+        pool = health.pool()
+        assert pool["admitted"] == 10 and pool["refused"]["queue_full"] == 10
+        assert pool["wait_ms"]["p99"] >= 4000  # the last served ones waited for four turns
+        assert get(server, "/demo/heavy-unlimited/")[0] == 200  # matching no pool: untouched
+    finally:
+        server.stop()
+
+
+def test_a_request_that_waits_too_long_gets_503_timeout(database):
+    server = start(database, max_concurrent=1, wait_timeout_ms=300)
+    try:
+        health = Health(server)
+        first, second = burst(server, ["/test/limited/?ms=1500&tag=long", "/test/limited/?ms=10&tag=late"])
+        assert first[0] == 200 and second[0] == 503
+        assert json.loads(second[2])["reason"] == "timeout" and "retry-after" in second[1]
+        assert health.pool()["refused"]["timeout"] == 1
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("server_kind", ["daphne", "uvicorn"])
+def test_a_client_that_disconnects_while_waiting_frees_its_place_at_once(database, server_kind):
+    server = start(database, server_kind, max_concurrent=1)
+    try:
+        health = Health(server)
+        stats(server, reset=True)
+        holder = threading.Thread(target=get, args=(server, "/test/limited/?ms=1500&tag=A"))
+        holder.start()
+        until(lambda: health.pool()["running"] == 1, 10, "A runs")
+        quitter = socket.create_connection(("127.0.0.1", server.port))
+        quitter.sendall(b"GET /test/limited/?ms=10&tag=B HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        until(lambda: health.pool()["waiting"] == 1, 10, "B waits")
+        quitter.close()  # gone while waiting
+        until(lambda: health.pool()["waiting"] == 0, 5, "B's place freed")
+        assert health.pool()["running"] == 1  # A still runs: B left the queue, not after A
+        status, _, _ = get(server, "/test/limited/?ms=10&tag=C")
+        holder.join(30)
+        assert status == 200 and stats(server)["order"] == ["A", "C"]  # B never ran
+        pool = health.pool()
+        assert pool["refused"]["client_gone"] == 1 and pool["running"] == pool["waiting"] == 0
+    finally:
+        server.stop()
+
+
+def test_a_raising_view_and_a_streaming_view_release_their_slots(database):
+    server = start(database, max_concurrent=1)
+    try:
+        health = Health(server)
+        for _ in range(3):
+            assert get(server, "/test/limited-raises/")[0] == 500
+        assert health.pool()["running"] == 0
+        # A stream holds its slot until the last chunk...
+        streamed, after = burst(server, ["/test/limited-stream/?ms=600", "/test/limited/?ms=10&tag=after"], 0.1)
+        assert streamed[0] == 200 and len(streamed[2]) >= 5 * 1025 and after[0] == 200
+        # ...or until the client goes away mid-stream.
+        reader = socket.create_connection(("127.0.0.1", server.port))
+        reader.sendall(b"GET /test/limited-stream/?ms=30000 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert reader.recv(1024)
+        assert health.pool()["running"] == 1
+        reader.close()
+        until(lambda: health.pool()["running"] == 0, 10, "the abandoned stream's slot released")
+        assert get(server, "/test/limited/?ms=10&tag=next", timeout=10)[0] == 200
+    finally:
+        server.stop()
+
+
+def test_the_sync_path_under_gunicorn_threads(database):
+    server = start(database, "gunicorn", wait_timeout_ms=20000)
+    try:
+        stats(server, reset=True)
+        answers = burst(server, [f"/test/limited-sync/?ms=1500&tag={i}" for i in range(12)], 0.02)
+        assert [status for status, _, _ in answers] == [200] * 10 + [503] * 2
+        seen = stats(server)
+        assert seen["max"] == 2 and seen["order"] == [str(i) for i in range(10)]
+        health = Health(server)
+        pool = health.pool()
+        assert pool["running"] == pool["waiting"] == 0 and pool["refused"]["queue_full"] == 2
+    finally:
+        server.stop()
+
+
+def test_health_and_metrics_are_never_limited(database):
+    server = start(database, max_concurrent=1, max_waiting=0, paths=["/*"])  # everything else is limited
+    try:
+        health = Health(server)
+        holder = threading.Thread(target=get, args=(server, "/test/limited/?ms=1500&tag=A"))
+        holder.start()
+        until(lambda: health.pool()["running"] == 1, 10, "A runs")
+        assert get(server, "/accounts/login/")[0] == 503  # covered by "/*", and full
+        assert health.pool()["running"] == 1  # the health endpoint itself got through
+        holder.join(30)
+    finally:
+        server.stop()
