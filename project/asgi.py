@@ -18,6 +18,7 @@ from channels.auth import AuthMiddlewareStack  # noqa: E402  (after Django setup
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
+from realtime_app.lifespan import lifespan_app  # noqa: E402
 from realtime_app.routing import not_found_urlpatterns, websocket_urlpatterns  # noqa: E402
 
 application = ProtocolTypeRouter(
@@ -26,5 +27,6 @@ application = ProtocolTypeRouter(
         "websocket": AllowedHostsOriginValidator(
             AuthMiddlewareStack(URLRouter([*websocket_urlpatterns, *not_found_urlpatterns]))
         ),
+        "lifespan": lifespan_app,  # uvicorn: flush the write-behind stores at shutdown
     }
 )

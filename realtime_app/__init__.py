@@ -31,6 +31,7 @@ _EXPORTS = {
     "apublish": "publishing",
     "rpc_method": "consumers",
     "Coalesce": "workers",
+    "WriteBehindStore": "write_behind",
     "RealtimeConsumer": "consumers",
     "get_hub": "hub",
     "Guard": "guard",

@@ -80,6 +80,9 @@ DEFAULTS: dict[str, Any] = {
     # {"reports": {"max_concurrent": 2, "max_waiting": 50, "wait_timeout_ms": 10000,
     #              "paths": ["/reports/*"]}}; requests that match no pool pass untouched.
     "HTTP_POOLS": {},
+    # Write-behind stores (docs/write-behind.md): how long a change stays in memory before it
+    # may be written, milliseconds (the loss window of a crash is this plus one flush).
+    "WRITE_BEHIND_DELAY_MS": 5000,
     # Channels listed by name in a process's probe (the busiest); the rest are counted.
     "PROBE_TOP_CHANNELS": 50,
     # Lifetime of a published process probe, milliseconds; it is republished every third.

@@ -43,6 +43,7 @@ from .protocol import CloseCode, encode
 from .reconciler import REMOTE, Action, Reconciler
 from .registry import RESERVED, ChannelSpec
 from .workers import RequestPool
+from .write_behind import stores_probe
 
 __all__ = ["Connection", "Hub", "get_hub", "running_hub"]
 
@@ -785,6 +786,7 @@ class Hub:
             },
             "backpressure": self.backpressure_probe(),
             "http_pools": pools_probe(),
+            "write_behind": stores_probe(),
         }
 
     async def cluster_probes(self) -> list[dict[str, Any]]:

@@ -96,6 +96,7 @@ class _ProbeCollector:
         yield from (failures, up, outages, refused)
         yield from _admission(instances, labels, label)
         yield from _http_pools(instances, labels, label)
+        yield from _write_behind(instances, labels, label)
         live = GaugeMetricFamily("realtime_instances", "Live processes in the cluster view")
         live.add_metric([], float(len(instances)))
         yield live
@@ -149,6 +150,43 @@ def _http_pools(instances: list[dict[str, Any]], labels: list[str], label: Any) 
             for quantile in ("p50", "p99"):
                 wait.add_metric([*key, quantile], float(pool["wait_ms"][quantile]))
     yield from (running, waiting, admitted, refused, wait)
+
+
+def _write_behind(instances: list[dict[str, Any]], labels: list[str], label: Any) -> Iterator[Metric]:
+    with_store = [*labels, "store"]
+    gauges = {
+        "dirty": ("realtime_write_behind_dirty", "Objects with a change not yet written"),
+        "oldest_unsaved_s": ("realtime_write_behind_oldest_unsaved_seconds", "Age of the oldest unsaved change"),
+        "consecutive_failures": ("realtime_write_behind_consecutive_failures", "Flushes failed in a row"),
+    }
+    counters = {
+        "flushed_rows": ("realtime_write_behind_flushed_rows", "Objects written"),
+        "flushed_deletes": ("realtime_write_behind_flushed_deletes", "Objects deleted"),
+        "retries": ("realtime_write_behind_retries", "Batches retried after a transient error"),
+        "flushes": ("realtime_write_behind_flushes", "Flushes run"),
+    }
+    families: list[Any] = []
+    for key, (name, doc) in gauges.items():
+        family = GaugeMetricFamily(name, doc, labels=with_store)
+        for p in instances:
+            for store, probe in sorted(p.get("write_behind", {}).items()):
+                family.add_metric([*label(p), store], float(probe.get(key, 0)))
+        families.append(family)
+    for key, (name, doc) in counters.items():
+        counter = CounterMetricFamily(name, doc, labels=with_store)
+        for p in instances:
+            for store, probe in sorted(p.get("write_behind", {}).items()):
+                counter.add_metric([*label(p), store], float(probe.get(key, 0)))
+        families.append(counter)
+    last = GaugeMetricFamily(
+        "realtime_write_behind_last_flush_timestamp_seconds", "When the last flush ended", labels=with_store
+    )
+    for p in instances:
+        for store, probe in sorted(p.get("write_behind", {}).items()):
+            flush = probe.get("last_flush") or {}
+            last.add_metric([*label(p), store], float(flush.get("at", 0)))
+    families.append(last)
+    yield from families
 
 
 def render(probe: dict[str, Any]) -> bytes:

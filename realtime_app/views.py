@@ -9,6 +9,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from .conf import get_config
 from .middleware import pools_probe
 from .probes import cluster_probe
+from .write_behind import stores_probe
 
 __all__ = ["health", "metrics"]
 
@@ -38,6 +39,7 @@ async def _probe(request: HttpRequest) -> dict[str, object]:
     probe = await cluster_probe()
     # The serving process's HTTP pools, also under a WSGI server (which has no hub to publish them).
     probe["http_pools"] = pools_probe()
+    probe["write_behind"] = stores_probe()
     return probe
 
 

@@ -16,6 +16,7 @@ from tests.testapp.consumers import GuardedFloodConsumer, PlainGroupConsumer
 application = ProtocolTypeRouter(
     {
         "http": demo_application.application_mapping["http"],
+        "lifespan": demo_application.application_mapping["lifespan"],
         "websocket": AllowedHostsOriginValidator(
             AuthMiddlewareStack(
                 URLRouter(

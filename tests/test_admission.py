@@ -345,7 +345,7 @@ async def test_waiting_consumes_merge_up_to_250_shots_and_every_caller_gets_its_
     assert [r["merged"] for r in results] == [3, 3, 3, 2, 2]
     assert results[0]["shots_left"] == 10_000 - 250 and results[3]["shots_left"] == 10_000 - 357
     assert answers[6]["error"]["data"]["reason"] == "invalid_shots"
-    assert snapshot == {"items": {"ammo": 10_000 - 357}, "durable": {}}
+    assert snapshot["items"] == {"ammo": 10_000 - 357} and snapshot["durable"] == {}  # anonymous: never saved
     probe = hub.probe()["admission"]
     assert probe["coalesced"] == 3 and probe["pending"] == 0
 
@@ -364,7 +364,7 @@ async def test_merged_requests_take_no_global_slot_but_count_for_their_identity(
     reasons = [a["error"]["data"]["reason"] for a in answers if "error" in a]
     assert reasons == ["too_many_in_flight", "too_many_in_flight"]  # 10 per identity, merged or not
     refused = next(a["error"] for a in answers if "error" in a)
-    assert refused["data"]["snapshot"] == {"items": {"ammo": 10_000}, "durable": {}}  # before the merge ran
+    assert refused["data"]["snapshot"]["items"] == {"ammo": 10_000}  # before the merge ran
 
 
 async def test_builtins_are_admitted_with_small_costs(hub):

@@ -21,7 +21,9 @@ PUBLIC_MODULES = [
     "exceptions",
     "guard",
     "hub",
+    "limiter",
     "logsafe",
+    "middleware",
     "names",
     "policies",
     "probes",
@@ -34,6 +36,7 @@ PUBLIC_MODULES = [
     "sessions",
     "transports",
     "workers",
+    "write_behind",
 ]
 
 

@@ -1,43 +1,82 @@
-"""The demo's per-user inventory and its RPC methods (SPEC §10): admission and coalescing.
+"""The demo's per-user inventory and its RPC methods (SPEC §10): admission, coalescing
+and write-behind persistence.
 
 ``inventory.consume`` is the cheap, frequent kind of call admission is built for (shots
 fired): cost 0.25, and requests of one user for one item that wait together merge into
-one execution of up to 250 shots. The inventory lives in this process's memory; a new
-user starts with 10,000 shots of ``"ammo"``; an anonymous connection gets its own
-inventory, gone with it.
+one execution of up to 250 shots. A user's inventory is a
+:class:`~realtime_app.WriteBehindStore` over :class:`~project.demo.models.InventoryItem`:
+a shot is **accepted** in memory at once and **durable** after the next flush (``shots``
+is a counter: two processes of one user both land). A new user starts with 10,000 shots of
+``"ammo"``; an anonymous connection gets its own inventory, never persisted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Hashable
 from typing import Any
 
 import realtime_app
 from realtime_app import RPCError
+from realtime_app.write_behind import WriteBehindStore
+
+from .models import InventoryItem
 
 START = {"ammo": 10_000}
 MAX_SHOTS = 250
 MAX_SLEEP_MS = 5000
 OUT_OF_STOCK = -32010  # an application error code (-32000..-32099)
 
-_users: dict[str, dict[str, int]] = {}
+store: WriteBehindStore[InventoryItem] = WriteBehindStore(
+    InventoryItem,
+    key=("user_id", "item"),
+    fields=("shots",),
+    counters=("shots",),
+    defaults=lambda key: {"shots": START.get(key[1], 0)},
+    name="demo.inventory",
+)
 
 
-def inventory_of(consumer: Any) -> dict[str, int]:
-    """The caller's inventory: the user's (one per process), else the connection's."""
-    kind, who = consumer.admission_identity()
-    if kind == "user":
-        return _users.setdefault(who, dict(START))
+class OutOfStock(RPCError):
+    def __init__(self, item: str, left: int) -> None:
+        super().__init__(OUT_OF_STOCK, "Out of stock", "out_of_stock", item=item, shots_left=left)
+
+
+def _anonymous(consumer: Any) -> dict[str, int]:
     inventory: dict[str, int] | None = getattr(consumer, "demo_inventory", None)
     if inventory is None:
         inventory = consumer.demo_inventory = dict(START)
     return inventory
 
 
-def snapshot(consumer: Any) -> dict[str, Any]:
-    """What the client resyncs to after a refusal."""
-    return {"items": dict(inventory_of(consumer)), "durable": {}}
+def _user_pk(consumer: Any) -> int | None:
+    kind, who = consumer.admission_identity()
+    return int(who) if kind == "user" else None
+
+
+async def snapshot(consumer: Any) -> dict[str, Any]:
+    """What the client shows and resyncs to: ``items`` accepted in memory, ``durable`` as
+    the database holds them (as this process last read or wrote them), and how long ago
+    they were saved."""
+    pk = _user_pk(consumer)
+    if pk is None:
+        return {"items": dict(_anonymous(consumer)), "durable": {}, "unsaved": False, "saved_ago_s": None}
+    items: dict[str, int] = {}
+    durable: dict[str, int] = {}
+    saved: list[float] = []
+    for item in START:
+        state = await store.get((pk, item))
+        if state is not None:
+            items[item] = state["shots"]
+        row, saved_at = store.durable((pk, item))
+        if row is not None:
+            durable[item] = row["shots"]
+        if saved_at is not None:
+            saved.append(saved_at)
+    unsaved = any(store.unsaved((pk, item)) for item in START)
+    ago = round(time.time() - max(saved), 1) if saved else None
+    return {"items": items, "durable": durable, "unsaved": unsaved, "saved_ago_s": ago}
 
 
 def _invalid(message: str, reason: str, **data: Any) -> RPCError:
@@ -82,18 +121,29 @@ def _answer(result: dict[str, Any], params: Any, units: float, requests: int) ->
 async def consume(consumer: Any, params: Any) -> dict[str, Any]:
     """Fire ``shots`` of ``item``: ``{"item", "shots_left", "shots", "merged"}``."""
     item, shots = _consume_params(params)  # merged params too: a job never exceeds the cap
-    inventory = inventory_of(consumer)
-    left = inventory.get(item, 0)
-    if shots > left:
-        raise RPCError(OUT_OF_STOCK, "Out of stock", "out_of_stock", item=item, shots_left=left)
-    inventory[item] = left - shots
-    return {"item": item, "shots_left": left - shots, "shots": shots, "merged": 1}
+    pk = _user_pk(consumer)
+    if pk is None:
+        inventory = _anonymous(consumer)
+        left = inventory.get(item, 0)
+        if shots > left:
+            raise OutOfStock(item, left)
+        inventory[item] = left - shots
+        return {"item": item, "shots_left": left - shots, "shots": shots, "merged": 1}
+
+    def fire(state: dict[str, Any]) -> None:
+        if shots > state["shots"]:
+            raise OutOfStock(item, state["shots"])
+        state["shots"] -= shots
+
+    accepted = await store.mutate((pk, item), fire)  # accepted now, durable after the next flush
+    assert accepted.state is not None
+    return {"item": item, "shots_left": accepted.state["shots"], "shots": shots, "merged": 1}
 
 
 @realtime_app.rpc_method("inventory.snapshot", snapshot=snapshot)
 async def inventory_snapshot(consumer: Any, params: Any) -> dict[str, Any]:
-    """``{"items": {item: shots_left}, "durable": {item: shots_left}}``."""
-    return snapshot(consumer)
+    """``{"items": {item: shots_left}, "durable": {item: shots_left}, "unsaved", "saved_ago_s"}``."""
+    return await snapshot(consumer)
 
 
 @realtime_app.rpc_method("demo.echo")

@@ -32,7 +32,19 @@ COLUMNS: list[tuple[str, Callable[[dict[str, Any]], Any]]] = [
     ("merged", lambda p: p.get("admission", {}).get("coalesced", 0)),
     ("refused", lambda p: _refused(p.get("admission", {}).get("refused", {}))),
     ("http pools run/wait (503)", lambda p: _pools(p.get("http_pools", {}))),
+    ("unsaved (oldest)", lambda p: _unsaved(p.get("write_behind", {}))),
 ]
+
+
+def _unsaved(stores: dict[str, dict[str, Any]]) -> str:
+    """``demo.inventory 12 (4.1s, 2 failing)``: dirty objects and the oldest unsaved change."""
+    parts = []
+    for name, store in stores.items():
+        text = f"{name} {store['dirty']} ({store['oldest_unsaved_s']:.1f}s"
+        if store["consecutive_failures"]:
+            text += f", {store['consecutive_failures']} failed flushes"
+        parts.append(text + ")")
+    return ", ".join(parts) or "–"
 
 
 def _pools(pools: dict[str, dict[str, Any]]) -> str:

@@ -41,6 +41,19 @@ function poolsText(pools) {
   }).join("; ");
 }
 
+function unsavedCell(stores) {
+  const names = Object.keys(stores).sort();
+  const td = cell(names.length ? names.map((name) => {
+    const s = stores[name];
+    const failing = s.consecutive_failures ? `, ${s.consecutive_failures} failed flushes` : "";
+    return `${name}: ${s.dirty} unsaved, oldest ${s.oldest_unsaved_s.toFixed(1)} s${failing}`;
+  }).join("; ") : "–");
+  // An unsaved backlog at a glance: older than twice the delay, or failing flushes.
+  const late = names.some((name) => stores[name].oldest_unsaved_s > 2 * stores[name].delay_s || stores[name].consecutive_failures > 0);
+  if (late) { td.style.background = "#fdd"; td.style.fontWeight = "bold"; td.classList.add("rc-backlog"); }
+  return td;
+}
+
 function render(probe) {
   rows.replaceChildren();
   for (const p of probe.instances) {
@@ -56,7 +69,7 @@ function render(probe) {
       cell(bp.slow_consumers || 0, true), cell(bp.drops || 0, true), cell(bp.closes || 0, true),
       cell(`${ad.running || 0} / ${ad.queued || 0}`, true), cell(ad.admitted || 0, true),
       cell(ad.coalesced || 0, true), cell(refusedText(ad.refused || {})), cell(ad.bucket || "–"),
-      cell(poolsText(p.http_pools || {})),
+      cell(poolsText(p.http_pools || {})), unsavedCell(p.write_behind || {}),
     );
     rows.append(tr);
     const series = history.get(p.instance) || [];

@@ -1,0 +1,34 @@
+"""ASGI lifespan for servers that have it (uvicorn): flush the write-behind stores at shutdown.
+
+``ProtocolTypeRouter({"http": ..., "websocket": ..., "lifespan": lifespan_app})``; daphne
+has no lifespan and is covered by a shutdown hook instead (docs/write-behind.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from .write_behind import flush_all
+
+__all__ = ["lifespan_app"]
+
+logger = logging.getLogger("realtime_app.lifespan")
+
+
+async def lifespan_app(
+    scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]], send: Callable[..., Awaitable[None]]
+) -> None:
+    """Answer startup at once; at shutdown, flush every store before answering."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            try:
+                written = await flush_all()
+                logger.info("shutdown: %d object(s) flushed", written)
+            finally:
+                await send({"type": "lifespan.shutdown.complete"})
+            return

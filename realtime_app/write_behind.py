@@ -1,0 +1,611 @@
+"""Write-behind persistence: state accepted in memory at once, made durable in batches.
+
+A :class:`WriteBehindStore` keeps the objects of one Django model in memory, keyed by
+their natural key. ``mutate`` changes the state and returns at once — **accepted** — with
+a handle whose ``durable`` completes once a flush has written that version — **durable**.
+One flush loop per process writes what has been dirty for ``WRITE_BEHIND_DELAY_MS``, in
+batches (docs/write-behind.md):
+
+* **counters** (fields declared ``counters=``) are written as deltas, ``F(field) + n``,
+  one ``UPDATE … CASE`` per batch: commutative, so two processes changing the same
+  counter both land (the sum is exact), and nothing else is read first;
+* the other changed fields are upserted (``bulk_create(update_conflicts=True)``) —
+  only the fields this process changed since its last flush, so it never writes back a
+  stale value of a field it did not touch;
+* deletes go in batches of 200.
+
+A flush writes the state it took: a mutation arriving during it keeps the object dirty
+(per-object versions), so an older state never overwrites a newer one. Transient database
+errors are retried up to 3 times, then the flush backs off exponentially (capped at 30 s,
+jittered) — nothing is dropped. A batch failing for good is split until the objects at
+fault are isolated; those are reported and kept, the others are written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Generic, TypeVar
+
+from django.db import DatabaseError, DataError, IntegrityError, InterfaceError, OperationalError, models, transaction
+from django.db.models import Case, F, Q, Value, When
+
+from .logsafe import safe
+
+__all__ = ["Accepted", "WriteBehindStore", "flush_all", "install_shutdown_flush", "stores", "stores_probe"]
+
+logger = logging.getLogger("realtime_app.write_behind")
+
+M = TypeVar("M", bound=models.Model)
+Key = tuple[Any, ...]
+
+UPSERT_BATCH = 50
+DELETE_BATCH = 200
+RETRIES = 3
+MAX_BACKOFF_S = 30.0
+#: PostgreSQL SQLSTATEs worth an immediate retry: deadlock, serialization failure.
+TRANSIENT_PGCODES = {"40P01", "40001"}
+
+_stores: list[WriteBehindStore[Any]] = []
+
+
+def stores() -> list[WriteBehindStore[Any]]:
+    """Every store of this process (the probe lists them)."""
+    return list(_stores)
+
+
+@dataclass(slots=True)
+class _Entry:
+    state: dict[str, Any] | None  # None: deleted
+    in_db: bool  # the row exists as far as this process knows
+    version: int = 0  # bumped by each mutation
+    flushed: int = 0  # the version the last successful flush wrote
+    deltas: dict[str, int | float] = field(default_factory=dict)  # counters: change not yet written
+    changed: dict[str, int] = field(default_factory=dict)  # plain field -> version of its last change
+    dirty_since: float | None = None  # monotonic time of the oldest unsaved change
+    not_before: float = 0.0  # pushed back after an error
+    error: str | None = None  # a permanent failure, reported
+    durable: dict[str, Any] | None = None  # the row as last read or written (None: no row)
+    saved_at: float | None = None  # wall time of the last write that covered this object
+    waiters: list[tuple[int, asyncio.Future[None]]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """A mutation accepted in memory: its ``state`` now; ``await durable()`` for the flush."""
+
+    state: dict[str, Any] | None
+    version: int
+    _store: WriteBehindStore[Any]
+    _key: Key
+
+    async def durable(self, timeout: float | None = None) -> None:
+        """Wait until a flush has written this version (or a later one)."""
+        await asyncio.wait_for(self._store._durable(self._key, self.version), timeout)
+
+
+class WriteBehindStore(Generic[M]):
+    """Objects of ``model`` keyed by the fields ``key``, persisted behind the hot path.
+
+    Args:
+        model: a Django model with a unique constraint (or ``unique_together``) on ``key``.
+        key: the natural key's field names (``("user_id", "item")``).
+        fields: the persisted fields (besides the key).
+        counters: the fields among ``fields`` that only ever change by adding (shots fired,
+            likes): flushed as commutative deltas, safe across processes.
+        defaults: ``defaults(key) -> {field: value}`` for an object not in the database.
+        delay_s: how long a change stays in memory before it may be written
+            (default ``WRITE_BEHIND_DELAY_MS``).
+        name: the store's name in the probe (default: the model's label).
+    """
+
+    def __init__(
+        self,
+        model: type[M],
+        *,
+        key: Iterable[str],
+        fields: Iterable[str],
+        counters: Iterable[str] = (),
+        defaults: Callable[[Key], dict[str, Any]] | None = None,
+        delay_s: float | None = None,
+        name: str | None = None,
+    ) -> None:
+        self.model = model
+        self.key_fields = tuple(key)
+        self.fields = tuple(fields)
+        self.counters = frozenset(counters)
+        if not self.counters <= set(self.fields):
+            raise ValueError("counters must be among fields")
+        self.defaults = defaults or (lambda key: {})
+        self._delay_s = delay_s
+        self.name = name or model._meta.label
+        self._entries: dict[Key, _Entry] = {}
+        self._loading: dict[Key, asyncio.Future[_Entry]] = {}
+        self._flush_lock = asyncio.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
+        # the probe
+        self.flushed_rows = 0
+        self.flushed_deletes = 0
+        self.flushes = 0
+        self.retries = 0
+        self.consecutive_failures = 0
+        self.last_flush: dict[str, Any] | None = None
+        self.failing: dict[str, str] = {}  # key -> the permanent error that keeps it unsaved
+        _stores.append(self)
+
+    @property
+    def delay_s(self) -> float:
+        if self._delay_s is not None:
+            return self._delay_s
+        from .conf import get_config
+
+        return float(get_config()["WRITE_BEHIND_DELAY_MS"]) / 1000
+
+    # -- reading ------------------------------------------------------------------------
+
+    def _key(self, key: Hashable) -> Key:
+        return key if isinstance(key, tuple) else (key,)
+
+    async def get(self, key: Hashable) -> dict[str, Any] | None:
+        """The object's state (loaded from the database on first access); None if deleted."""
+        entry = await self._entry(self._key(key))
+        return None if entry.state is None else dict(entry.state)
+
+    async def _entry(self, key: Key) -> _Entry:
+        self._start()
+        entry = self._entries.get(key)
+        if entry is not None:
+            return entry
+        loading = self._loading.get(key)
+        if loading is None:  # one read per key, however many ask at once
+            loading = self._loading[key] = asyncio.get_running_loop().create_future()
+            try:
+                entry = await self._load(key)
+            except BaseException as exc:
+                loading.set_exception(exc)
+                del self._loading[key]
+                raise
+            self._entries.setdefault(key, entry)
+            loading.set_result(self._entries[key])
+            del self._loading[key]
+        return await asyncio.shield(loading)
+
+    async def _load(self, key: Key) -> _Entry:
+        from channels.db import database_sync_to_async
+
+        def read() -> dict[str, Any] | None:
+            rows = self.model._default_manager.filter(self._where(key)).values(*self.fields)
+            return next(iter(rows), None)
+
+        found = await database_sync_to_async(read)()
+        if found is not None:
+            return _Entry(state=found, in_db=True, durable=dict(found))
+        return _Entry(state={**{f: None for f in self.fields}, **self.defaults(key)}, in_db=False)
+
+    def durable(self, key: Hashable) -> tuple[dict[str, Any] | None, float | None]:
+        """What the database holds for ``key`` as this process last read or wrote it, and
+        when it last wrote it (wall time; None: not since it started). Loaded keys only."""
+        entry = self._entries.get(self._key(key))
+        if entry is None:
+            return None, None
+        return (None if entry.durable is None else dict(entry.durable)), entry.saved_at
+
+    def unsaved(self, key: Hashable) -> bool:
+        """True while ``key`` has a change that no flush has written yet."""
+        entry = self._entries.get(self._key(key))
+        return entry is not None and entry.dirty_since is not None
+
+    # -- changing -----------------------------------------------------------------------
+
+    async def mutate(self, key: Hashable, change: Callable[[dict[str, Any]], Any] | dict[str, Any]) -> Accepted:
+        """Apply ``change`` (a dict of new values, or a function that edits the state in
+        place) and return at once: the mutation is **accepted**; ``durable()`` follows."""
+        k = self._key(key)
+        entry = await self._entry(k)
+        state = entry.state if entry.state is not None else {**{f: None for f in self.fields}, **self.defaults(k)}
+        new = dict(state)
+        if callable(change):
+            change(new)
+        else:
+            new.update(change)
+        unknown = set(new) - set(self.fields)
+        if unknown:
+            raise ValueError(f"unknown fields {sorted(unknown)} for store {self.name}")
+        entry.version += 1
+        for name in self.fields:
+            if new[name] == state.get(name) and entry.state is not None:
+                continue
+            if name in self.counters:
+                entry.deltas[name] = entry.deltas.get(name, 0) + (new[name] or 0) - (state.get(name) or 0)
+            else:
+                entry.changed[name] = entry.version
+        if entry.state is None:  # re-created after a delete: every field is written
+            entry.changed.update({name: entry.version for name in self.fields if name not in self.counters})
+        entry.state = new
+        self._dirty(entry)
+        return Accepted(dict(new), entry.version, self, k)
+
+    async def add(self, key: Hashable, counter: str, n: int | float) -> Accepted:
+        """Add ``n`` to a counter (negative to take): the commutative mutation."""
+        if counter not in self.counters:
+            raise ValueError(f"{counter!r} is not a counter of store {self.name}")
+        return await self.mutate(key, lambda state: state.__setitem__(counter, (state[counter] or 0) + n))
+
+    async def delete(self, key: Hashable) -> Accepted:
+        """Delete the object (in memory now, in the database at the next flush)."""
+        k = self._key(key)
+        entry = await self._entry(k)
+        entry.version += 1
+        entry.state = None
+        entry.deltas.clear()
+        entry.changed.clear()
+        self._dirty(entry)
+        return Accepted(None, entry.version, self, k)
+
+    def _dirty(self, entry: _Entry) -> None:
+        if entry.dirty_since is None:
+            entry.dirty_since = time.monotonic()
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _durable(self, key: Key, version: int) -> None:
+        entry = self._entries[key]
+        if entry.flushed >= version:
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry.waiters.append((version, future))
+        await future
+
+    # -- the flush loop -----------------------------------------------------------------
+
+    def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._task is not None and not self._task.done() and self._loop is loop:
+            return
+        self._loop = loop
+        self._wake = asyncio.Event()
+        self._flush_lock = asyncio.Lock()
+        self._task = loop.create_task(self._run(), name=f"write-behind {self.name}")
+        install_shutdown_flush()
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        while True:
+            due = self._next_due()
+            if due is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            wait = due - time.monotonic()
+            if wait > 0:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), wait)
+                continue
+            try:
+                await self.flush()
+            except Exception:  # flush() keeps the work and schedules the retry itself
+                logger.exception("store %s: flush failed", self.name)
+
+    def _next_due(self) -> float | None:
+        due: float | None = None
+        delay = self.delay_s
+        for entry in self._entries.values():
+            if entry.dirty_since is None:
+                continue
+            when = max(entry.dirty_since + delay, entry.not_before)
+            due = when if due is None else min(due, when)
+        return due
+
+    async def flush(self, *, everything: bool = False) -> int:
+        """Write what is due (``everything``: all that is dirty, as at shutdown). One flush at
+        a time per store; returns the objects written."""
+        async with self._flush_lock:
+            now = time.monotonic()
+            delay = 0.0 if everything else self.delay_s
+            due = [
+                (key, entry)
+                for key, entry in self._entries.items()
+                if entry.dirty_since is not None
+                and (everything or (entry.dirty_since + delay <= now and entry.not_before <= now))
+            ]
+            if not due:
+                return 0
+            started = time.monotonic()
+            snapshots = [(key, entry, self._snapshot(entry)) for key, entry in due]
+            written, failed = await self._write(snapshots)
+            duration = time.monotonic() - started
+            self.flushes += 1
+            self.last_flush = {
+                "at": time.time(),
+                "rows": written,
+                "duration_ms": round(duration * 1000, 1),
+                "failed": failed,
+            }
+            return written
+
+    def _snapshot(self, entry: _Entry) -> dict[str, Any]:
+        return {
+            "version": entry.version,
+            "state": None if entry.state is None else dict(entry.state),
+            "deltas": dict(entry.deltas),
+            "changed": dict(entry.changed),
+            "in_db": entry.in_db,
+        }
+
+    async def _write(self, snapshots: list[tuple[Key, _Entry, dict[str, Any]]]) -> tuple[int, int]:
+        from channels.db import database_sync_to_async
+
+        written = failed = 0
+        deletes = [s for s in snapshots if s[2]["state"] is None]
+        upserts = [s for s in snapshots if s[2]["state"] is not None]
+        batches = [deletes[i : i + DELETE_BATCH] for i in range(0, len(deletes), DELETE_BATCH)]
+        batches += [upserts[i : i + UPSERT_BATCH] for i in range(0, len(upserts), UPSERT_BATCH)]
+        write = database_sync_to_async(self._write_batch)
+        for batch in batches:
+            try:
+                current = await self._with_retries(partial(write, batch))
+            except _Permanent:
+                done, bad = await self._isolate(batch)
+                written += done
+                failed += bad
+                continue
+            except Exception as exc:
+                self._failed_transiently(batch, exc)
+                failed += len(batch)
+                continue
+            self._written(batch, current)
+            written += len(batch)
+        if not failed:
+            self.consecutive_failures = 0
+        return written, failed
+
+    async def _with_retries(self, attempt: Callable[[], Any]) -> Any:
+        for n in range(RETRIES + 1):
+            try:
+                return await attempt()
+            except (IntegrityError, DataError) as exc:
+                raise _Permanent(exc) from exc
+            except (OperationalError, InterfaceError, DatabaseError) as exc:
+                if not _transient(exc) or n == RETRIES:
+                    raise
+                self.retries += 1
+                await asyncio.sleep(0.05 * (2**n))
+
+    async def _isolate(self, batch: list[tuple[Key, _Entry, dict[str, Any]]]) -> tuple[int, int]:
+        """Split a batch that fails for good until the objects at fault stand alone."""
+        from channels.db import database_sync_to_async
+
+        if len(batch) == 1:
+            key, entry, _ = batch[0]
+            try:
+                current = await self._with_retries(lambda: database_sync_to_async(self._write_batch)(batch))
+            except _Permanent as exc:
+                message = f"{type(exc.cause).__name__}: {safe(exc.cause, 200)}"
+                if self.failing.get(repr(key)) != message:
+                    logger.error("store %s: %r cannot be saved, kept in memory: %s", self.name, key, message)
+                self.failing[repr(key)] = message
+                entry.error = message
+                entry.not_before = time.monotonic() + MAX_BACKOFF_S  # tried again, rarely
+                return 0, 1
+            except Exception as exc:
+                self._failed_transiently(batch, exc)
+                return 0, 1
+            self._written(batch, current)
+            return 1, 0
+        half = len(batch) // 2
+        done_a, bad_a = await self._isolate(batch[:half])
+        done_b, bad_b = await self._isolate(batch[half:])
+        return done_a + done_b, bad_a + bad_b
+
+    def _failed_transiently(self, batch: list[tuple[Key, _Entry, dict[str, Any]]], exc: BaseException) -> None:
+        self.consecutive_failures += 1
+        backoff = min(MAX_BACKOFF_S, 0.5 * 2 ** min(self.consecutive_failures, 10))
+        backoff *= 0.5 + random.random() / 2  # jitter: processes do not come back in step
+        if self.consecutive_failures == 1:
+            logger.warning(
+                "store %s: flush of %d object(s) failed, kept, next attempt in %.1f s: %s",
+                self.name,
+                len(batch),
+                backoff,
+                safe(exc, 200),
+            )
+        for _, entry, _ in batch:
+            entry.not_before = time.monotonic() + backoff
+
+    def _written(self, batch: list[tuple[Key, _Entry, dict[str, Any]]], current: dict[Key, dict[str, Any]]) -> None:
+        """A batch is durable: settle what it wrote, keep what changed meanwhile, and take
+        the counters as the database holds them (other processes' deltas included)."""
+        if self.consecutive_failures:
+            logger.info("store %s: flushing again after %d failure(s)", self.name, self.consecutive_failures)
+            self.consecutive_failures = 0
+        for key, entry, snap in batch:
+            version = snap["version"]
+            for name, delta in snap["deltas"].items():
+                left = entry.deltas.get(name, 0) - delta
+                if left:
+                    entry.deltas[name] = left
+                else:
+                    entry.deltas.pop(name, None)
+            for name, changed_at in snap["changed"].items():
+                if entry.changed.get(name) == changed_at:
+                    del entry.changed[name]
+            if snap["state"] is None:
+                entry.in_db = False
+                entry.durable = None
+                self.flushed_deletes += 1
+            else:
+                entry.in_db = True
+                durable = dict(entry.durable or snap["state"])
+                durable.update({name: snap["state"][name] for name in snap["changed"]})
+                self.flushed_rows += 1
+            entry.saved_at = time.time()
+            row = current.get(key)
+            if snap["state"] is not None:
+                if row is not None:
+                    durable.update({name: row[name] for name in self.counters})
+                entry.durable = durable
+            if row is not None and entry.state is not None:
+                for name in self.counters:  # the database's value plus what is not yet written
+                    entry.state[name] = row[name] + entry.deltas.get(name, 0)
+            entry.flushed = max(entry.flushed, version)
+            entry.error = None
+            self.failing.pop(repr(key), None)
+            entry.not_before = 0.0
+            if entry.version == entry.flushed:
+                entry.dirty_since = None
+            else:
+                entry.dirty_since = time.monotonic()  # changed during the flush: due again later
+            still = []
+            for wanted, future in entry.waiters:
+                if wanted <= entry.flushed:
+                    if not future.done():
+                        future.set_result(None)
+                else:
+                    still.append((wanted, future))
+            entry.waiters = still
+
+    def _where(self, key: Key) -> Q:
+        return Q(**dict(zip(self.key_fields, key, strict=True)))
+
+    def _write_batch(self, batch: list[tuple[Key, _Entry, dict[str, Any]]]) -> dict[Key, dict[str, Any]]:
+        """One batch in one transaction (runs in a worker thread); returns the counters as
+        the database holds them now, other processes' deltas included."""
+        manager = self.model._default_manager
+        with transaction.atomic():
+            deletes = [key for key, _, snap in batch if snap["state"] is None]
+            if deletes:
+                where = Q()
+                for key in deletes:
+                    where |= self._where(key)
+                manager.filter(where).delete()
+            upserts = [(key, snap) for key, _, snap in batch if snap["state"] is not None]
+            if not upserts:
+                return {}
+            plain = sorted({name for _, snap in upserts for name in snap["changed"]} - self.counters)
+            fresh = [(key, snap) for key, snap in upserts if not snap["in_db"] or snap["changed"]]
+            if fresh:
+                # New rows start from their counters' base (the state minus what is not yet
+                # written); existing rows get the changed plain fields, counters untouched.
+                objs = [self._instance(key, snap) for key, snap in fresh]
+                if plain:
+                    manager.bulk_create(
+                        objs, update_conflicts=True, unique_fields=list(self.key_fields), update_fields=plain
+                    )
+                else:
+                    manager.bulk_create(objs, ignore_conflicts=True)
+            deltas = [(key, snap["deltas"]) for key, snap in upserts if snap["deltas"]]
+            for counter in sorted({name for _, d in deltas for name in d}):
+                cases = [When(self._where(key), then=Value(d[counter])) for key, d in deltas if d.get(counter)]
+                if not cases:
+                    continue
+                where = Q()
+                for key, d in deltas:
+                    if d.get(counter):
+                        where |= self._where(key)
+                output = self.model._meta.get_field(counter)
+                manager.filter(where).update(
+                    **{counter: F(counter) + Case(*cases, default=Value(0), output_field=output)}
+                )
+            if not self.counters or not deltas:
+                return {}
+            where = Q()
+            for key, _ in deltas:
+                where |= self._where(key)
+            rows = manager.filter(where).values(*self.key_fields, *sorted(self.counters))
+            return {tuple(row[f] for f in self.key_fields): row for row in rows}
+
+    def _instance(self, key: Key, snap: dict[str, Any]) -> M:
+        values = dict(snap["state"])
+        for name, delta in snap["deltas"].items():  # the base: the delta is added after
+            values[name] = (values[name] or 0) - delta
+        instance: M = self.model(**dict(zip(self.key_fields, key, strict=True)), **values)
+        return instance
+
+    # -- shutdown and probe -------------------------------------------------------------
+
+    async def aflush_all(self) -> int:
+        """Write everything dirty now (shutdown), retrying transient errors."""
+        return await self.flush(everything=True)
+
+    def probe(self) -> dict[str, Any]:
+        now = time.monotonic()
+        dirty = [e for e in self._entries.values() if e.dirty_since is not None]
+        oldest = max((now - e.dirty_since for e in dirty if e.dirty_since is not None), default=0.0)
+        return {
+            "objects": len(self._entries),
+            "dirty": len(dirty),
+            "oldest_unsaved_s": round(oldest, 3),
+            "last_flush": self.last_flush,
+            "consecutive_failures": self.consecutive_failures,
+            "retries": self.retries,
+            "flushes": self.flushes,
+            "flushed_rows": self.flushed_rows,
+            "flushed_deletes": self.flushed_deletes,
+            "failing": dict(list(self.failing.items())[:10]),
+            "delay_s": self.delay_s,
+        }
+
+
+class _Permanent(Exception):
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(cause)
+        self.cause = cause
+
+
+def _transient(exc: BaseException) -> bool:
+    """A lost connection, a deadlock, a serialization failure: worth trying again."""
+    if isinstance(exc, (OperationalError, InterfaceError)):
+        return True
+    cause = exc.__cause__
+    code = getattr(cause, "pgcode", None) or getattr(getattr(cause, "diag", None), "sqlstate", None)
+    return code in TRANSIENT_PGCODES
+
+
+def stores_probe() -> dict[str, dict[str, Any]]:
+    """Every store's counters (the probe's ``write_behind``)."""
+    return {store.name: store.probe() for store in stores()}
+
+
+_shutdown_installed = False
+
+
+def install_shutdown_flush() -> None:
+    """Flush every store when the server shuts down. Daphne has no ASGI lifespan: hook
+    Twisted's shutdown (SIGTERM and SIGINT stop the reactor; the flush runs before). Under
+    uvicorn, route ``lifespan`` to :func:`realtime_app.lifespan.lifespan_app` instead."""
+    global _shutdown_installed
+    import sys
+
+    if _shutdown_installed or "twisted.internet.reactor" not in sys.modules:
+        return
+    from twisted.internet import defer, reactor
+
+    if not getattr(reactor, "running", False):
+        return
+    _shutdown_installed = True
+
+    def before_shutdown() -> Any:
+        return defer.Deferred.fromFuture(asyncio.ensure_future(flush_all()))
+
+    reactor_: Any = reactor
+    reactor_.addSystemEventTrigger("before", "shutdown", before_shutdown)
+
+
+async def flush_all() -> int:
+    """Flush every store of this process (shutdown, the end of a command)."""
+    written = 0
+    for store in stores():
+        try:
+            written += await store.aflush_all()
+        except Exception:
+            logger.exception("store %s: final flush failed", store.name)
+    return written
