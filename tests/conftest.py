@@ -23,3 +23,17 @@ async def hub():
     h = await hub_module.get_hub()
     yield h
     await h.aclose()
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """This run's own PostgreSQL database (migrated, demo users), dropped at the end:
+    ``(server_url, database_url)``."""
+    from tests.postgres import create_database, drop_database, migrate, server_url
+
+    server = server_url()
+    name = os.environ["REALTIME_TEST_PREFIX"].replace("-", "_")
+    database = create_database(server, name)
+    migrate(database)
+    yield server, database
+    drop_database(server, name)

@@ -15,7 +15,10 @@ class InventoryItem(models.Model):
     shots = models.IntegerField()
 
     class Meta:
-        constraints = [models.UniqueConstraint(fields=["user", "item"], name="demo_inventory_user_item")]
+        constraints = [
+            models.UniqueConstraint(fields=["user", "item"], name="demo_inventory_user_item"),
+            models.CheckConstraint(condition=models.Q(shots__gte=0), name="demo_inventory_shots_not_negative"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.user_id} {self.item}: {self.shots}"

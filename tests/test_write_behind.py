@@ -1,0 +1,187 @@
+"""The write-behind store in one process, on the test database: accepted vs durable,
+batches, versions, retries, isolation of a bad object, counters of two stores."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from typing import Any
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.db import OperationalError, connection
+
+from project.demo.models import InventoryItem
+from realtime_app.write_behind import WriteBehindStore
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(60)]
+
+
+@pytest.fixture
+async def users(django_user_model):
+    create = sync_to_async(django_user_model.objects.create_user)
+    return [(await create(f"wb{i}", password="p")).pk for i in range(3)]
+
+
+def make_store(delay_s: float = 0.2, name: str = "test.inventory") -> WriteBehindStore[InventoryItem]:
+    return WriteBehindStore(
+        InventoryItem,
+        key=("user_id", "item"),
+        fields=("shots",),
+        counters=("shots",),
+        defaults=lambda key: {"shots": 100},
+        delay_s=delay_s,
+        name=name,
+    )
+
+
+@sync_to_async
+def rows() -> dict[tuple[int, str], int]:
+    return {(r.user_id, r.item): r.shots for r in InventoryItem.objects.all()}
+
+
+class Statements:
+    """Counts the SQL statements of the flush thread (Django runs sync code in one thread)."""
+
+    def __init__(self, fail: Any = None) -> None:
+        self.count = 0
+        self.fail = fail  # fail(sql) -> an exception to raise, or None
+        self.hold: threading.Event | None = None
+        self.holding = threading.Event()
+        self._stack = contextlib.ExitStack()
+
+    def __call__(self, execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if self.hold is not None and sql.lstrip().upper().startswith("UPDATE"):
+            self.holding.set()
+            self.hold.wait(10)
+        if self.fail is not None:
+            exc = self.fail(sql)
+            if exc is not None:
+                raise exc
+        self.count += 1
+        return execute(sql, params, many, context)
+
+    async def __aenter__(self) -> Statements:
+        await sync_to_async(lambda: self._stack.enter_context(connection.execute_wrapper(self)))()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await sync_to_async(self._stack.close)()
+
+
+async def test_a_mutation_is_accepted_at_once_and_durable_after_the_delay(users):
+    store = make_store(delay_s=0.3)
+    accepted = await store.add((users[0], "ammo"), "shots", -5)
+    assert accepted.state == {"shots": 95}  # accepted: the new state, at once
+    assert await rows() == {}  # not durable yet
+    assert store.probe()["dirty"] == 1
+    await accepted.durable(timeout=10)
+    assert await rows() == {(users[0], "ammo"): 95}
+    probe = store.probe()
+    assert probe["dirty"] == 0 and probe["flushed_rows"] == 1 and probe["last_flush"]["rows"] == 1
+
+
+async def test_thousands_of_mutations_become_a_few_batched_statements(users):
+    store = make_store(delay_s=60)
+    keys = [(users[i % 3], f"item{i}") for i in range(120)]
+    for _ in range(10):
+        for key in keys:
+            await store.add(key, "shots", -1)
+    async with Statements() as statements:
+        written = await store.flush(everything=True)
+    assert written == 120 and await rows() == {key: 90 for key in keys}
+    # 3 batches of 50 / 50 / 20: per batch an insert, a counter update and a read-back
+    # (plus the transaction's own statements on some backends): 1,200 mutations, a dozen statements
+    assert statements.count <= 3 * 5
+
+
+async def test_a_mutation_during_the_flush_keeps_the_object_dirty_and_is_written_next(users):
+    store = make_store(delay_s=60)
+    key = (users[0], "ammo")
+    await store.add(key, "shots", -10)
+    await store.flush(everything=True)  # the row exists: the next flush updates it
+    await store.add(key, "shots", -1)
+    async with Statements() as statements:
+        statements.hold = threading.Event()
+        flushing = asyncio.get_running_loop().create_task(store.flush(everything=True))
+        await asyncio.to_thread(statements.holding.wait, 10)
+        late = await store.add(key, "shots", -2)  # while the flush writes -1
+        statements.hold.set()
+        await flushing
+    assert await rows() == {key: 89}  # the flush wrote the state it took...
+    assert store.probe()["dirty"] == 1 and late.state == {"shots": 87}  # ...and the newer one waits
+    await store.flush(everything=True)
+    assert await rows() == {key: 87}
+    await late.durable(timeout=5)
+
+
+async def test_transient_errors_are_retried_and_a_failing_database_loses_nothing(users):
+    store = make_store(delay_s=60)
+    key = (users[0], "ammo")
+    await store.add(key, "shots", -3)
+    attempts = {"n": 0}
+
+    def twice(sql: str) -> Exception | None:
+        attempts["n"] += 1
+        return OperationalError("server closed the connection unexpectedly") if attempts["n"] <= 2 else None
+
+    async with Statements(fail=twice):
+        assert await store.flush(everything=True) == 1
+    assert await rows() == {key: 97} and store.probe()["retries"] == 2
+    await store.add(key, "shots", -4)
+    async with Statements(fail=lambda sql: OperationalError("could not connect to server")):
+        assert await store.flush(everything=True) == 0  # 1 + 3 retries, all failed: kept
+    probe = store.probe()
+    assert probe["dirty"] == 1 and probe["consecutive_failures"] == 1 and await rows() == {key: 97}
+    assert store._entries[key].not_before > 0  # the next attempt is backed off
+    assert await store.flush(everything=True) == 1  # the database is back
+    assert await rows() == {key: 93} and store.probe()["consecutive_failures"] == 0
+
+
+async def test_an_object_that_can_never_be_saved_is_isolated_reported_and_kept(users):
+    store = make_store(delay_s=60)
+    good = [(users[0], f"good{i}") for i in range(7)]
+    bad = (users[1], "bad")
+    for key in good:
+        await store.add(key, "shots", -1)
+    await store.add(bad, "shots", -150)  # 100 - 150 < 0: the database's check refuses it
+    assert await store.flush(everything=True) == 7
+    assert await rows() == {key: 99 for key in good}
+    probe = store.probe()
+    assert probe["dirty"] == 1 and repr(bad) in probe["failing"]
+    assert "IntegrityError" in probe["failing"][repr(bad)]
+    assert (await store.get(bad)) == {"shots": -50}  # kept in memory, not lost
+
+
+async def test_deletes_are_batched_and_a_deleted_object_can_come_back(users):
+    store = make_store(delay_s=60)
+    keys = [(users[0], f"d{i}") for i in range(250)]
+    for key in keys:
+        await store.add(key, "shots", -1)
+    await store.flush(everything=True)
+    for key in keys[:210]:
+        await store.delete(key)
+    async with Statements() as statements:
+        await store.flush(everything=True)
+    assert len(await rows()) == 40 and statements.count <= 4  # 200 + 10: two DELETE statements
+    again = await store.add(keys[0], "shots", -1)
+    assert again.state == {"shots": 99}  # recreated from the defaults
+    await store.flush(everything=True)
+    assert (await rows())[keys[0]] == 99
+
+
+async def test_two_stores_on_one_counter_both_land(users):
+    """Two processes of one user, in miniature: deltas commute, the sum is exact."""
+    a, b = make_store(name="a"), make_store(name="b")
+    key = (users[2], "ammo")
+    for _ in range(30):
+        await a.add(key, "shots", -1)
+        await b.add(key, "shots", -2)
+    assert (await a.get(key))["shots"] == 70 and (await b.get(key))["shots"] == 40  # each its own view
+    await a.flush(everything=True)
+    await b.flush(everything=True)
+    assert await rows() == {key: 100 - 30 - 60}
+    await a.add(key, "shots", -1)
+    await a.flush(everything=True)
+    assert (await a.get(key))["shots"] == 9  # a flush reads the counter back: b's shots included

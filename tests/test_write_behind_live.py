@@ -1,0 +1,172 @@
+"""Write-behind on real daphne processes and a real PostgreSQL: the demo inventory of one
+user on two processes, SIGTERM during a burst, kill -9, the database cut for seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from typing import Any
+from urllib.parse import urlparse
+
+import psycopg
+import pytest
+
+from tests.postgres import TcpProxy, with_port
+from tests.servers import Server, login, servers
+from tests.test_faults import until
+from tests.wsclient import RPC
+
+pytestmark = pytest.mark.timeout(180)
+START = 10_000
+
+
+def env_for(database_url: str, delay_ms: int, **extra: str) -> dict[str, str]:
+    overrides = {"WRITE_BEHIND_DELAY_MS": delay_ms}
+    return {"DATABASE_URL": database_url, "REDIS_URL": "", "REALTIME_TEST_OVERRIDES": json.dumps(overrides), **extra}
+
+
+def durable_shots(database_url: str) -> int | None:
+    with psycopg.connect(database_url.replace("postgres://", "postgresql://", 1)) as conn:
+        row = conn.execute(
+            "SELECT shots FROM demo_inventoryitem i JOIN auth_user u ON u.id = i.user_id "
+            "WHERE u.username = 'demo' AND i.item = 'ammo'"
+        ).fetchone()
+    return None if row is None else int(row[0])
+
+
+def reset(database_url: str) -> None:
+    with psycopg.connect(database_url.replace("postgres://", "postgresql://", 1)) as conn:
+        conn.execute("DELETE FROM demo_inventoryitem")
+
+
+async def fire(rpc: RPC, n: int, shots: int = 1) -> list[dict[str, Any]]:
+    """``n`` consumes, one after the other (each answered before the next: none refused
+    for being in flight); returns the accepted answers."""
+    accepted = []
+    for _ in range(n):
+        answer = await rpc.call("inventory.consume", {"item": "ammo", "shots": shots})
+        if "result" in answer:
+            accepted.append(answer["result"])
+        else:
+            assert answer["error"]["data"]["reason"] == "rate_limited", answer
+            await asyncio.sleep(answer["error"]["data"]["retry_after_ms"] / 1000)
+    return accepted
+
+
+async def test_one_user_on_two_processes_both_land_exactly(postgres):
+    _, database = postgres
+    reset(database)
+    with servers(2, env_for(database, 300)) as (a, b):
+        cookie = login(a.http, "demo", "demo")
+        async with RPC(a.ws, cookie=cookie) as on_a, RPC(b.ws, cookie=cookie) as on_b:
+            got_a, got_b = await asyncio.gather(fire(on_a, 40, 3), fire(on_b, 40, 2))
+            total = sum(r["shots"] for r in got_a + got_b)
+            assert total == 40 * 3 + 40 * 2
+            await until(lambda: durable_shots(database) == START - total, 20, "both processes' shots durable")
+            snapshot = (await on_a.call("inventory.snapshot"))["result"]
+        # each process flushed its own deltas: the sum is exact, nothing overwritten
+        assert durable_shots(database) == START - 200
+        assert snapshot["durable"]["ammo"] <= START - 120  # a read back its own and maybe b's
+
+
+async def test_sigterm_during_a_burst_flushes_everything_accepted(postgres):
+    _, database = postgres
+    reset(database)
+    server = Server(env_for(database, 60_000)).start()  # nothing would be written for a minute
+    try:
+        cookie = login(server.http, "demo", "demo")
+        accepted: list[dict[str, Any]] = []
+
+        async def burst() -> None:
+            async with RPC(server.ws, cookie=cookie) as rpc:
+                try:
+                    while True:
+                        accepted.extend(await fire(rpc, 1, 5))
+                except Exception:
+                    return  # the server went away
+
+        task = asyncio.get_running_loop().create_task(burst())
+        await until(lambda: len(accepted) >= 20, 20, "shots accepted")
+        assert durable_shots(database) is None  # nothing durable yet
+        assert server.process is not None
+        server.process.send_signal(signal.SIGTERM)
+        server.process.wait(30)
+        await task
+        assert durable_shots(database) == START - 5 * len(accepted)  # every accepted shot
+        assert "Traceback" not in server.output()
+    finally:
+        server.stop()
+
+
+async def test_kill_9_loses_at_most_the_delay_plus_one_flush(postgres):
+    _, database = postgres
+    reset(database)
+    delay_ms = 1000
+    server = Server(env_for(database, delay_ms)).start()
+    try:
+        cookie = login(server.http, "demo", "demo")
+        history: list[tuple[float, int]] = []  # (when accepted, shots left)
+        async with RPC(server.ws, cookie=cookie) as rpc:
+            started = time.monotonic()
+            while time.monotonic() - started < 4.0:
+                for result in await fire(rpc, 1):
+                    history.append((time.monotonic(), result["shots_left"]))
+                await asyncio.sleep(0.02)
+            assert server.process is not None
+            server.process.kill()
+            killed_at = time.monotonic()
+            server.process.wait(10)
+        durable = durable_shots(database)
+        assert durable is not None  # flushes happened before the crash
+        # the newest accepted state that reached the database, and when it was accepted
+        durable_at = next(t for t, left in reversed(history) if left >= durable)
+        lost_window = killed_at - durable_at
+        lost = durable - history[-1][1]
+        assert lost_window <= delay_ms / 1000 + 1.5, (lost_window, lost)  # delay + one flush (+ scheduling)
+    finally:
+        server.stop()
+
+
+async def test_the_database_cut_for_seconds_loses_nothing(postgres):
+    server_url, database = postgres
+    reset(database)
+    proxy = TcpProxy(urlparse(server_url).port or 5432).restore()
+    via_proxy = with_port(database, proxy.port)
+    server = Server(env_for(via_proxy, 300, REALTIME_METRICS_TOKEN="s3cret")).start()
+    try:
+        cookie = login(server.http, "demo", "demo")
+        async with RPC(server.ws, cookie=cookie) as rpc:
+            before = await fire(rpc, 10)
+            await until(lambda: durable_shots(database) == START - 10, 15, "the first shots durable")
+            proxy.cut()
+            during = await fire(rpc, 15)  # accepted in memory while the database is gone
+            assert len(during) == 15
+
+            def failures() -> int:
+                """From Prometheus with the bearer token: the metrics need no database."""
+                import urllib.request
+
+                request = urllib.request.Request(
+                    server.http + "/realtime/metrics", headers={"Authorization": "Bearer s3cret"}
+                )
+                text = urllib.request.urlopen(request, timeout=10).read().decode()
+                line = next(
+                    line
+                    for line in text.splitlines()
+                    if line.startswith("realtime_write_behind_consecutive_failures{") and "demo.inventory" in line
+                )
+                return int(float(line.rsplit(" ", 1)[1]))
+
+            await until(lambda: failures() >= 1, 20, "the flush fails and says so")
+            proxy_cut_probe = failures()
+            await asyncio.sleep(2)
+            proxy.restore()
+            await until(lambda: durable_shots(database) == START - 25, 60, "every shot durable after the outage")
+            await until(lambda: failures() == 0, 30, "the store recovered")
+        assert len(before) == 10 and proxy_cut_probe >= 1
+        assert "Traceback" not in server.output()
+    finally:
+        server.stop()
+        proxy.cut()
