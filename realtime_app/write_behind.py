@@ -131,6 +131,7 @@ class WriteBehindStore(Generic[M]):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
+        self._inline = False  # write in the calling thread (the end of the process)
         # the probe
         self.flushed_rows = 0
         self.flushed_deletes = 0
@@ -342,14 +343,12 @@ class WriteBehindStore(Generic[M]):
         }
 
     async def _write(self, snapshots: list[tuple[Key, _Entry, dict[str, Any]]]) -> tuple[int, int]:
-        from channels.db import database_sync_to_async
-
         written = failed = 0
         deletes = [s for s in snapshots if s[2]["state"] is None]
         upserts = [s for s in snapshots if s[2]["state"] is not None]
         batches = [deletes[i : i + DELETE_BATCH] for i in range(0, len(deletes), DELETE_BATCH)]
         batches += [upserts[i : i + UPSERT_BATCH] for i in range(0, len(upserts), UPSERT_BATCH)]
-        write = database_sync_to_async(self._write_batch)
+        write = self._batch_writer()
         for batch in batches:
             try:
                 current = await self._with_retries(partial(write, batch))
@@ -382,12 +381,10 @@ class WriteBehindStore(Generic[M]):
 
     async def _isolate(self, batch: list[tuple[Key, _Entry, dict[str, Any]]]) -> tuple[int, int]:
         """Split a batch that fails for good until the objects at fault stand alone."""
-        from channels.db import database_sync_to_async
-
         if len(batch) == 1:
             key, entry, _ = batch[0]
             try:
-                current = await self._with_retries(lambda: database_sync_to_async(self._write_batch)(batch))
+                current = await self._with_retries(partial(self._batch_writer(), batch))
             except _Permanent as exc:
                 message = f"{type(exc.cause).__name__}: {safe(exc.cause, 200)}"
                 if self.failing.get(repr(key)) != message:
@@ -405,6 +402,20 @@ class WriteBehindStore(Generic[M]):
         done_a, bad_a = await self._isolate(batch[:half])
         done_b, bad_b = await self._isolate(batch[half:])
         return done_a + done_b, bad_a + bad_b
+
+    def _batch_writer(self) -> Callable[[list[tuple[Key, _Entry, dict[str, Any]]]], Any]:
+        """How a batch reaches the database: in Django's worker thread — or right here
+        when the process is ending and no thread may be started any more."""
+        if self._inline:
+
+            async def inline(batch: list[tuple[Key, _Entry, dict[str, Any]]]) -> Any:
+                return self._write_batch(batch)
+
+            return inline
+        from channels.db import database_sync_to_async
+
+        writer: Callable[[list[tuple[Key, _Entry, dict[str, Any]]]], Any] = database_sync_to_async(self._write_batch)
+        return writer
 
     def _failed_transiently(self, batch: list[tuple[Key, _Entry, dict[str, Any]]], exc: BaseException) -> None:
         self.consecutive_failures += 1
@@ -467,7 +478,7 @@ class WriteBehindStore(Generic[M]):
             still = []
             for wanted, future in entry.waiters:
                 if wanted <= entry.flushed:
-                    if not future.done():
+                    if not future.done() and not future.get_loop().is_closed():
                         future.set_result(None)
                 else:
                     still.append((wanted, future))
@@ -576,14 +587,40 @@ def stores_probe() -> dict[str, dict[str, Any]]:
 
 
 _shutdown_installed = False
+_atexit_installed = False
+
+
+def _flush_at_exit() -> None:
+    """A process ending without a server's shutdown (a management command, a script):
+    write what is still dirty, on a loop of its own."""
+    if not any(e.dirty_since is not None for store in stores() for e in store._entries.values()):
+        return
+    import os
+
+    for store in stores():
+        store._flush_lock = asyncio.Lock()
+        store._inline = True  # threads can no longer be started at exit
+    # The database is called from the (only) thread left, inside the loop that drives the
+    # flush: nothing else runs at this point, so Django's async-safety guard is lifted.
+    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+    try:
+        written = asyncio.run(flush_all())
+        logger.info("exit: %d object(s) flushed", written)
+    except Exception:
+        logger.exception("exit: the final flush failed")
 
 
 def install_shutdown_flush() -> None:
     """Flush every store when the server shuts down. Daphne has no ASGI lifespan: hook
     Twisted's shutdown (SIGTERM and SIGINT stop the reactor; the flush runs before). Under
     uvicorn, route ``lifespan`` to :func:`realtime_app.lifespan.lifespan_app` instead."""
-    global _shutdown_installed
+    global _shutdown_installed, _atexit_installed
+    import atexit
     import sys
+
+    if not _atexit_installed:
+        _atexit_installed = True
+        atexit.register(_flush_at_exit)
 
     if _shutdown_installed or "twisted.internet.reactor" not in sys.modules:
         return

@@ -122,3 +122,17 @@ def test_the_burst_panel_shows_admitted_merged_and_refused_with_the_snapshot_app
     assert sum(burst["reasons"].values()) == refused
     # Every answer and every refusal's snapshot left the badge on the true inventory.
     wait(browser, 10).until(lambda b: text(b, "#inventory") == f"ammo: {10000 - 5 * admitted}")
+
+
+def test_the_inventory_shows_accepted_at_once_and_durable_after_the_flush(site, browser):
+    log_in(browser, site.http, "demo", "demo")
+    browser.get(site.http + "/")
+    wait(browser, 15).until(lambda b: text(b, "#inventory").startswith("ammo: "))
+    before = int(text(browser, "#inventory").split(": ")[1])
+    browser.find_element(By.ID, "burst").click()
+    wait(browser, 15).until(lambda b: int(text(b, "#burst-admitted")) + int(text(b, "#burst-refused")) == 60)
+    accepted = before - 5 * int(text(browser, "#burst-admitted"))
+    wait(browser, 10).until(lambda b: text(b, "#inventory") == f"ammo: {accepted}")  # accepted at once
+    wait(browser, 5).until(lambda b: "saving…" in text(b, "#durable"))  # not durable yet (a 5 s delay)
+    wait(browser, 20).until(lambda b: "saved ✓" in text(b, "#durable"))
+    assert f"durable: ammo: {accepted}" in text(browser, "#durable")

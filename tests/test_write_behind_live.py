@@ -170,3 +170,21 @@ async def test_the_database_cut_for_seconds_loses_nothing(postgres):
     finally:
         server.stop()
         proxy.cut()
+
+
+def test_a_management_command_flushes_what_it_accepted_when_it_ends(postgres):
+    import os
+    import subprocess
+    import sys
+
+    from tests.servers import ROOT
+
+    _, database = postgres
+    reset(database)
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", **env_for(database, 60_000)}
+    done = subprocess.run(
+        [sys.executable, "manage.py", "demo_fire", "demo", "7"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert "7 shots accepted, 9993 left" in done.stdout
+    assert durable_shots(database) == START - 7  # written at exit, not 60 s later

@@ -140,7 +140,7 @@ async def consume(consumer: Any, params: Any) -> dict[str, Any]:
     return {"item": item, "shots_left": accepted.state["shots"], "shots": shots, "merged": 1}
 
 
-@realtime_app.rpc_method("inventory.snapshot", snapshot=snapshot)
+@realtime_app.rpc_method("inventory.snapshot", cost=0.25, snapshot=snapshot)
 async def inventory_snapshot(consumer: Any, params: Any) -> dict[str, Any]:
     """``{"items": {item: shots_left}, "durable": {item: shots_left}, "unsaved", "saved_ago_s"}``."""
     return await snapshot(consumer)
