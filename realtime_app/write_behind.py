@@ -179,6 +179,35 @@ class WriteBehindStore(Generic[M]):
             del self._loading[key]
         return await asyncio.shield(loading)
 
+    async def preload(self, keys: Iterable[Hashable]) -> int:
+        """Load many objects at once (one query per 500), so that their first mutation
+        reads nothing; returns how many were not loaded yet."""
+        from channels.db import database_sync_to_async
+
+        self._start()
+        missing = [k for k in dict.fromkeys(self._key(key) for key in keys) if k not in self._entries]
+
+        def read(chunk: list[Key]) -> dict[Key, dict[str, Any]]:
+            where = Q()
+            for key in chunk:
+                where |= self._where(key)
+            rows = self.model._default_manager.filter(where).values(*self.key_fields, *self.fields)
+            return {tuple(row[f] for f in self.key_fields): {f: row[f] for f in self.fields} for row in rows}
+
+        for i in range(0, len(missing), 500):
+            chunk = missing[i : i + 500]
+            found = await database_sync_to_async(read)(chunk)
+            for key in chunk:
+                if key in self._entries:
+                    continue
+                if key in found:
+                    self._entries[key] = _Entry(state=found[key], in_db=True, durable=dict(found[key]))
+                else:
+                    self._entries[key] = _Entry(
+                        state={**{f: None for f in self.fields}, **self.defaults(key)}, in_db=False
+                    )
+        return len(missing)
+
     async def _load(self, key: Key) -> _Entry:
         from channels.db import database_sync_to_async
 
@@ -542,6 +571,14 @@ class WriteBehindStore(Generic[M]):
         return instance
 
     # -- shutdown and probe -------------------------------------------------------------
+
+    def close(self) -> None:
+        """Forget this store: its loop stops and it is no longer flushed at shutdown or
+        listed in the probe. What is unsaved is dropped — flush first to keep it."""
+        if self._task is not None and not self._task.done() and self._loop is not None and not self._loop.is_closed():
+            self._task.cancel()
+        with contextlib.suppress(ValueError):
+            _stores.remove(self)
 
     async def aflush_all(self) -> int:
         """Write everything dirty now (shutdown), retrying transient errors."""

@@ -123,6 +123,8 @@ async def test_realtime_probe_command(cluster):
     assert pids == {a.process.pid, b.process.pid}
     table = await asyncio.to_thread(probe_command)
     assert table.returncode == 0 and "worst queue" in table.stdout and "rpc run/wait" in table.stdout
+    assert "http pools run/wait (503)" in table.stdout and "unsaved (oldest)" in table.stdout
+    assert "heavy 0/0 (0)" in table.stdout
     assert str(a.process.pid) in table.stdout and str(b.process.pid) in table.stdout
     bad = await asyncio.to_thread(probe_command, "--watch", "0")
     assert bad.returncode != 0 and "positive" in bad.stderr
@@ -165,6 +167,7 @@ def test_admin_cluster_screen_is_live(cluster, tmp_path):
             for th in browser.find_elements(By.XPATH, "//tbody[@id='rc-rows']/../thead//th")
         ]
         assert "requests running / waiting" in heads and "refused" in heads and "user buckets" in heads
+        assert "HTTP pools" in heads and "unsaved (write-behind)" in heads
         assert all("shared" in r.text for r in rows(None))  # the admission columns are filled
         browser.save_screenshot(str(tmp_path / "admin-cluster.png"))
     finally:

@@ -24,8 +24,19 @@ async def users(django_user_model):
     return [(await create(f"wb{i}", password="p")).pk for i in range(3)]
 
 
+_made: list[WriteBehindStore[InventoryItem]] = []
+
+
+@pytest.fixture(autouse=True)
+def close_stores():
+    """The test database goes away with the test: its stores must not flush at exit."""
+    yield
+    while _made:
+        _made.pop().close()
+
+
 def make_store(delay_s: float = 0.2, name: str = "test.inventory") -> WriteBehindStore[InventoryItem]:
-    return WriteBehindStore(
+    store = WriteBehindStore(
         InventoryItem,
         key=("user_id", "item"),
         fields=("shots",),
@@ -34,6 +45,8 @@ def make_store(delay_s: float = 0.2, name: str = "test.inventory") -> WriteBehin
         delay_s=delay_s,
         name=name,
     )
+    _made.append(store)
+    return store
 
 
 @sync_to_async

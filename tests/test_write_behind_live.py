@@ -188,3 +188,39 @@ def test_a_management_command_flushes_what_it_accepted_when_it_ends(postgres):
     assert done.returncode == 0, done.stderr
     assert "7 shots accepted, 9993 left" in done.stdout
     assert durable_shots(database) == START - 7  # written at exit, not 60 s later
+
+
+@pytest.mark.browser
+async def test_the_admin_screen_shows_an_unsaved_backlog_at_a_glance(postgres):
+    from selenium.webdriver.common.by import By
+
+    from tests.browser import chromium, log_in, wait
+
+    server_url, database = postgres
+    reset(database)
+    proxy = TcpProxy(urlparse(server_url).port or 5432).restore()
+    server = Server(env_for(with_port(database, proxy.port), 500)).start()
+    browser = chromium()
+    try:
+        cookie = login(server.http, "demo", "demo")
+        await asyncio.to_thread(log_in, browser, server.http, "admin", "admin")
+        await asyncio.to_thread(browser.get, f"{server.http}/admin/realtime_app/realtimecluster/")
+
+        def backlog(_: Any) -> Any:
+            return browser.find_elements(By.CSS_SELECTOR, "#rc-rows td.rc-backlog")
+
+        async with RPC(server.ws, cookie=cookie) as rpc:
+            await fire(rpc, 5)
+            await until(lambda: durable_shots(database) == START - 5, 15, "saved")
+            assert not backlog(None)
+            proxy.cut()
+            await fire(rpc, 5)  # accepted; the flushes fail
+            cell = await asyncio.to_thread(wait(browser, 30).until, backlog)
+            assert "unsaved" in cell[0].text
+            proxy.restore()
+            await asyncio.to_thread(wait(browser, 60).until, lambda b: not backlog(b))
+        assert durable_shots(database) == START - 10
+    finally:
+        browser.quit()
+        server.stop()
+        proxy.cut()
