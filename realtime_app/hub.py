@@ -597,10 +597,19 @@ class Hub:
         if refusal is not None:
             return refusal
         limits = admission.limits
-        if identity[0] == "user" and limits.bucket_capacity and self.backplane is not None and self.backplane.clustered:
-            refusal = await self._take_shared(identity, cost)
-        else:
-            refusal = admission.charge(identity, cost)
+        try:
+            if (
+                identity[0] == "user"
+                and limits.bucket_capacity
+                and self.backplane is not None
+                and self.backplane.clustered
+            ):
+                refusal = await self._take_shared(identity, cost)
+            else:
+                refusal = admission.charge(identity, cost)
+        except BaseException:  # cancelled while the shared bucket answered: give the slot back
+            admission.cancel(identity, merged=merged)
+            raise
         if refusal is not None:
             admission.cancel(identity, merged=merged)
         else:

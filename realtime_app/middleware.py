@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
@@ -159,6 +160,9 @@ def _hand_over(pool: ConcurrencyPool, slot: Slot, response: HttpResponse | None,
         done()
         return
     response._resource_closers.append(done)  # close(): the server is done with it
+    # A response dropped before anyone iterates it (the client left while an outer
+    # middleware ran; one replaced it) is never closed: its collection releases the slot.
+    weakref.finalize(response, done)
     if response.is_async:
         response.streaming_content = _released_after_async(response.streaming_content, done)
     else:

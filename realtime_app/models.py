@@ -14,3 +14,19 @@ class RealtimeCluster(models.Model):
 
     def __str__(self) -> str:
         return "Realtime cluster"
+
+
+class FlushMark(models.Model):
+    """One row per write-behind batch, written in the batch's own transaction: when the
+    outcome of a write is unknown (the connection dropped at COMMIT, the flush was
+    cancelled), the next flush looks its token up and settles instead of applying counter
+    deltas twice. Marks older than an hour are deleted by the flushes."""
+
+    token = models.CharField(max_length=32, primary_key=True)
+    created = models.DateTimeField(db_index=True)
+
+    class Meta:
+        verbose_name = "write-behind flush mark"
+
+    def __str__(self) -> str:
+        return str(self.token)

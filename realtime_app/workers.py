@@ -172,6 +172,11 @@ class RequestPool:
         for call in removed:
             call.future.cancel()
             self.admission.release(call.identity, merged=call.merged)
+        for job in self.queue:  # a job that lost the call holding its global slot keeps one
+            if job.entries and all(call.merged for call in job.items):
+                head = job.items[0]
+                head.merged = False
+                self.admission.rebook(merged=False)
         for job, task in list(self._running.items()):
             if all(call.owner is owner and call.cancellable for call in job.items):
                 task.cancel()

@@ -28,13 +28,16 @@ import contextlib
 import logging
 import random
 import time
+import uuid
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from functools import partial
 from typing import Any, Generic, TypeVar
 
 from django.db import DatabaseError, DataError, IntegrityError, InterfaceError, OperationalError, models, transaction
 from django.db.models import Case, F, Q, Value, When
+from django.utils import timezone
 
 from .logsafe import safe
 
@@ -53,6 +56,7 @@ MAX_BACKOFF_S = 30.0
 TRANSIENT_PGCODES = {"40P01", "40001"}
 
 _stores: list[WriteBehindStore[Any]] = []
+_marks_swept = float("-inf")  # when old flush marks were last deleted
 
 
 def stores() -> list[WriteBehindStore[Any]]:
@@ -74,6 +78,12 @@ class _Entry:
     durable: dict[str, Any] | None = None  # the row as last read or written (None: no row)
     saved_at: float | None = None  # wall time of the last write that covered this object
     waiters: list[tuple[int, asyncio.Future[None]]] = field(default_factory=list)
+    generation: int = 0  # bumped by each delete: what an older snapshot took is moot
+    replace: bool = False  # deleted since the last write: the next one writes the whole row
+    in_doubt: bool = False  # in a batch whose outcome is not known yet
+
+
+Batch = list[tuple[Key, _Entry, dict[str, Any]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +142,7 @@ class WriteBehindStore(Generic[M]):
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._inline = False  # write in the calling thread (the end of the process)
+        self._in_doubt: list[tuple[str, Batch]] = []  # batches whose outcome is not known yet
         # the probe
         self.flushed_rows = 0
         self.flushed_deletes = 0
@@ -166,18 +177,17 @@ class WriteBehindStore(Generic[M]):
         if entry is not None:
             return entry
         loading = self._loading.get(key)
-        if loading is None:  # one read per key, however many ask at once
-            loading = self._loading[key] = asyncio.get_running_loop().create_future()
-            try:
-                entry = await self._load(key)
-            except BaseException as exc:
-                loading.set_exception(exc)
-                del self._loading[key]
-                raise
-            self._entries.setdefault(key, entry)
-            loading.set_result(self._entries[key])
-            del self._loading[key]
+        if loading is None:  # one read per key, however many ask at once, in a task of its own:
+            loading = asyncio.get_running_loop().create_task(self._load_into(key))  # a caller that is
+            self._loading[key] = loading  # cancelled does not cancel the others' load
         return await asyncio.shield(loading)
+
+    async def _load_into(self, key: Key) -> _Entry:
+        try:
+            entry = await self._load(key)
+            return self._entries.setdefault(key, entry)
+        finally:
+            self._loading.pop(key, None)
 
     async def preload(self, keys: Iterable[Hashable]) -> int:
         """Load many objects at once (one query per 500), so that their first mutation
@@ -277,6 +287,8 @@ class WriteBehindStore(Generic[M]):
         entry.state = None
         entry.deltas.clear()
         entry.changed.clear()
+        entry.generation += 1
+        entry.replace = True  # whatever comes next replaces the row as a whole
         self._dirty(entry)
         return Accepted(None, entry.version, self, k)
 
@@ -339,19 +351,22 @@ class WriteBehindStore(Generic[M]):
         """Write what is due (``everything``: all that is dirty, as at shutdown). One flush at
         a time per store; returns the objects written."""
         async with self._flush_lock:
+            started = time.monotonic()
+            written, failed = await self._settle_in_doubt(everything)
             now = time.monotonic()
             delay = 0.0 if everything else self.delay_s
             due = [
                 (key, entry)
                 for key, entry in self._entries.items()
                 if entry.dirty_since is not None
+                and not entry.in_doubt
                 and (everything or (entry.dirty_since + delay <= now and entry.not_before <= now))
             ]
-            if not due:
+            if not due and not written and not failed:
                 return 0
-            started = time.monotonic()
             snapshots = [(key, entry, self._snapshot(entry)) for key, entry in due]
-            written, failed = await self._write(snapshots)
+            more, more_failed = await self._write(snapshots)
+            written, failed = written + more, failed + more_failed
             duration = time.monotonic() - started
             self.flushes += 1
             self.last_flush = {
@@ -369,31 +384,67 @@ class WriteBehindStore(Generic[M]):
             "deltas": dict(entry.deltas),
             "changed": dict(entry.changed),
             "in_db": entry.in_db,
+            "generation": entry.generation,
+            "replace": entry.replace,
         }
 
-    async def _write(self, snapshots: list[tuple[Key, _Entry, dict[str, Any]]]) -> tuple[int, int]:
+    async def _write(self, snapshots: Batch) -> tuple[int, int]:
         written = failed = 0
         deletes = [s for s in snapshots if s[2]["state"] is None]
         upserts = [s for s in snapshots if s[2]["state"] is not None]
         batches = [deletes[i : i + DELETE_BATCH] for i in range(0, len(deletes), DELETE_BATCH)]
         batches += [upserts[i : i + UPSERT_BATCH] for i in range(0, len(upserts), UPSERT_BATCH)]
-        write = self._batch_writer()
         for batch in batches:
-            try:
-                current = await self._with_retries(partial(write, batch))
-            except _Permanent:
-                done, bad = await self._isolate(batch)
-                written += done
-                failed += bad
-                continue
-            except Exception as exc:
-                self._failed_transiently(batch, exc)
-                failed += len(batch)
-                continue
-            self._written(batch, current)
-            written += len(batch)
+            done, bad = await self._write_one(batch, uuid.uuid4().hex)
+            written += done
+            failed += bad
         if not failed:
             self.consecutive_failures = 0
+        return written, failed
+
+    async def _write_one(self, batch: Batch, token: str) -> tuple[int, int]:
+        """Write one batch under its token, retrying; split it if it fails for good.
+
+        The token is written in the batch's transaction: a retry of the same batch finds
+        it and settles instead of applying the counter deltas twice (the COMMIT may have
+        succeeded when its answer was lost). A batch whose outcome stays unknown is kept
+        *in doubt*, whole, and written again under the same token before anything newer.
+        """
+        for _, entry, _ in batch:
+            entry.in_doubt = True
+        try:
+            current = await self._with_retries(partial(self._batch_writer(), batch, token))
+        except _Permanent as exc:  # rolled back: split until the objects at fault stand alone
+            for _, entry, _ in batch:
+                entry.in_doubt = False
+            if len(batch) == 1:
+                self._cannot_save(batch[0], exc)
+                return 0, 1
+            half = len(batch) // 2
+            done_a, bad_a = await self._write_one(batch[:half], uuid.uuid4().hex)
+            done_b, bad_b = await self._write_one(batch[half:], uuid.uuid4().hex)
+            return done_a + done_b, bad_a + bad_b
+        except BaseException as exc:  # unknown outcome (the database went away, a cancel)
+            self._in_doubt.append((token, batch))
+            if isinstance(exc, Exception):
+                self._failed_transiently(batch, exc)
+                return 0, len(batch)
+            raise
+        self._written(batch, current)
+        return len(batch), 0
+
+    async def _settle_in_doubt(self, everything: bool) -> tuple[int, int]:
+        """Write the batches whose outcome is unknown again, under their own tokens."""
+        written = failed = 0
+        now = time.monotonic()
+        pending, self._in_doubt = self._in_doubt, []
+        for token, batch in pending:
+            if not everything and any(entry.not_before > now for _, entry, _ in batch):
+                self._in_doubt.append((token, batch))  # backed off: not yet
+                continue
+            done, bad = await self._write_one(batch, token)
+            written += done
+            failed += bad
         return written, failed
 
     async def _with_retries(self, attempt: Callable[[], Any]) -> Any:
@@ -408,42 +459,28 @@ class WriteBehindStore(Generic[M]):
                 self.retries += 1
                 await asyncio.sleep(0.05 * (2**n))
 
-    async def _isolate(self, batch: list[tuple[Key, _Entry, dict[str, Any]]]) -> tuple[int, int]:
-        """Split a batch that fails for good until the objects at fault stand alone."""
-        if len(batch) == 1:
-            key, entry, _ = batch[0]
-            try:
-                current = await self._with_retries(partial(self._batch_writer(), batch))
-            except _Permanent as exc:
-                message = f"{type(exc.cause).__name__}: {safe(exc.cause, 200)}"
-                if self.failing.get(repr(key)) != message:
-                    logger.error("store %s: %r cannot be saved, kept in memory: %s", self.name, key, message)
-                self.failing[repr(key)] = message
-                entry.error = message
-                entry.not_before = time.monotonic() + MAX_BACKOFF_S  # tried again, rarely
-                return 0, 1
-            except Exception as exc:
-                self._failed_transiently(batch, exc)
-                return 0, 1
-            self._written(batch, current)
-            return 1, 0
-        half = len(batch) // 2
-        done_a, bad_a = await self._isolate(batch[:half])
-        done_b, bad_b = await self._isolate(batch[half:])
-        return done_a + done_b, bad_a + bad_b
+    def _cannot_save(self, item: tuple[Key, _Entry, dict[str, Any]], exc: _Permanent) -> None:
+        """The database refuses this object for good: keep it, report it, try it rarely."""
+        key, entry, _ = item
+        message = f"{type(exc.cause).__name__}: {safe(exc.cause, 200)}"
+        if self.failing.get(repr(key)) != message:
+            logger.error("store %s: %r cannot be saved, kept in memory: %s", self.name, key, message)
+        self.failing[repr(key)] = message
+        entry.error = message
+        entry.not_before = time.monotonic() + MAX_BACKOFF_S
 
-    def _batch_writer(self) -> Callable[[list[tuple[Key, _Entry, dict[str, Any]]]], Any]:
+    def _batch_writer(self) -> Callable[[Batch, str], Any]:
         """How a batch reaches the database: in Django's worker thread — or right here
         when the process is ending and no thread may be started any more."""
         if self._inline:
 
-            async def inline(batch: list[tuple[Key, _Entry, dict[str, Any]]]) -> Any:
-                return self._write_batch(batch)
+            async def inline(batch: Batch, token: str) -> Any:
+                return self._write_batch(batch, token)
 
             return inline
         from channels.db import database_sync_to_async
 
-        writer: Callable[[list[tuple[Key, _Entry, dict[str, Any]]]], Any] = database_sync_to_async(self._write_batch)
+        writer: Callable[[Batch, str], Any] = database_sync_to_async(self._write_batch)
         return writer
 
     def _failed_transiently(self, batch: list[tuple[Key, _Entry, dict[str, Any]]], exc: BaseException) -> None:
@@ -469,15 +506,19 @@ class WriteBehindStore(Generic[M]):
             self.consecutive_failures = 0
         for key, entry, snap in batch:
             version = snap["version"]
-            for name, delta in snap["deltas"].items():
-                left = entry.deltas.get(name, 0) - delta
-                if left:
-                    entry.deltas[name] = left
-                else:
-                    entry.deltas.pop(name, None)
-            for name, changed_at in snap["changed"].items():
-                if entry.changed.get(name) == changed_at:
-                    del entry.changed[name]
+            entry.in_doubt = False
+            if entry.generation == snap["generation"]:  # else deleted since: its deltas are gone
+                for name, delta in snap["deltas"].items():
+                    left = entry.deltas.get(name, 0) - delta
+                    if left:
+                        entry.deltas[name] = left
+                    else:
+                        entry.deltas.pop(name, None)
+                for name, changed_at in snap["changed"].items():
+                    if entry.changed.get(name) == changed_at:
+                        del entry.changed[name]
+                if snap["replace"]:
+                    entry.replace = False
             if snap["state"] is None:
                 entry.in_db = False
                 entry.durable = None
@@ -493,7 +534,7 @@ class WriteBehindStore(Generic[M]):
                 if row is not None:
                     durable.update({name: row[name] for name in self.counters})
                 entry.durable = durable
-            if row is not None and entry.state is not None:
+            if row is not None and entry.state is not None and entry.generation == snap["generation"]:
                 for name in self.counters:  # the database's value plus what is not yet written
                     entry.state[name] = row[name] + entry.deltas.get(name, 0)
             entry.flushed = max(entry.flushed, version)
@@ -516,57 +557,108 @@ class WriteBehindStore(Generic[M]):
     def _where(self, key: Key) -> Q:
         return Q(**dict(zip(self.key_fields, key, strict=True)))
 
-    def _write_batch(self, batch: list[tuple[Key, _Entry, dict[str, Any]]]) -> dict[Key, dict[str, Any]]:
+    def _write_batch(self, batch: Batch, token: str) -> dict[Key, dict[str, Any]]:
         """One batch in one transaction (runs in a worker thread); returns the counters as
-        the database holds them now, other processes' deltas included."""
+        the database holds them now, other processes' deltas included.
+
+        Its first statement writes the batch's token: if that token is there already, the
+        batch was committed before (its answer was lost) and nothing is written again.
+        """
         manager = self.model._default_manager
         with transaction.atomic():
-            deletes = [key for key, _, snap in batch if snap["state"] is None]
+            if not self._mark(token):
+                return self._read_counters([key for key, _, snap in batch if snap["state"] is not None])
+            self._forget_old_marks()
+            deletes = [key for key, _, snap in batch if snap["state"] is None or snap["replace"]]
             if deletes:
-                where = Q()
-                for key in deletes:
-                    where |= self._where(key)
-                manager.filter(where).delete()
+                manager.filter(self._any(deletes)).delete()
             upserts = [(key, snap) for key, _, snap in batch if snap["state"] is not None]
             if not upserts:
                 return {}
-            plain = sorted({name for _, snap in upserts for name in snap["changed"]} - self.counters)
-            fresh = [(key, snap) for key, snap in upserts if not snap["in_db"] or snap["changed"]]
-            if fresh:
-                # New rows start from their counters' base (the state minus what is not yet
-                # written); existing rows get the changed plain fields, counters untouched.
-                objs = [self._instance(key, snap) for key, snap in fresh]
-                if plain:
-                    manager.bulk_create(
-                        objs, update_conflicts=True, unique_fields=list(self.key_fields), update_fields=plain
-                    )
-                else:
-                    manager.bulk_create(objs, ignore_conflicts=True)
+            replaced = [(key, snap) for key, snap in upserts if snap["replace"]]
+            if replaced:  # deleted, then created again: the whole row, counters as values
+                manager.bulk_create([self._instance(key, snap, base=False) for key, snap in replaced])
+            upserts = [(key, snap) for key, snap in upserts if not snap["replace"]]
+            # Every row exists (a new one, or one another process deleted meanwhile), its
+            # counters at their base: the state minus what is not yet written.
+            manager.bulk_create([self._instance(key, snap) for key, snap in upserts], ignore_conflicts=True)
+            groups: dict[frozenset[str], list[tuple[Key, dict[str, Any]]]] = {}
+            for key, snap in upserts:  # only the plain fields each object changed
+                names = frozenset(snap["changed"]) - self.counters
+                if names:
+                    groups.setdefault(names, []).append((key, snap))
+            for names, members in sorted(groups.items(), key=lambda group: sorted(group[0])):
+                manager.bulk_create(
+                    [self._instance(key, snap) for key, snap in members],
+                    update_conflicts=True,
+                    unique_fields=list(self.key_fields),
+                    update_fields=sorted(names),
+                )
             deltas = [(key, snap["deltas"]) for key, snap in upserts if snap["deltas"]]
             for counter in sorted({name for _, d in deltas for name in d}):
-                cases = [When(self._where(key), then=Value(d[counter])) for key, d in deltas if d.get(counter)]
-                if not cases:
+                keys = [key for key, d in deltas if d.get(counter)]
+                if not keys:
                     continue
-                where = Q()
-                for key, d in deltas:
-                    if d.get(counter):
-                        where |= self._where(key)
+                cases = [When(self._where(key), then=Value(d[counter])) for key, d in deltas if d.get(counter)]
                 output = self.model._meta.get_field(counter)
-                manager.filter(where).update(
+                manager.filter(self._any(keys)).update(
                     **{counter: F(counter) + Case(*cases, default=Value(0), output_field=output)}
                 )
-            if not self.counters or not deltas:
-                return {}
-            where = Q()
-            for key, _ in deltas:
-                where |= self._where(key)
-            rows = manager.filter(where).values(*self.key_fields, *sorted(self.counters))
-            return {tuple(row[f] for f in self.key_fields): row for row in rows}
+            return self._read_counters([key for key, _ in deltas] + [key for key, _ in replaced])
 
-    def _instance(self, key: Key, snap: dict[str, Any]) -> M:
+    def _mark(self, token: str) -> bool:
+        """Write the batch's token; False if it is there already (committed before). On
+        PostgreSQL a batch still in flight under that token makes this wait for its end."""
+        from django.db import connections, router
+
+        from .models import FlushMark
+
+        alias = router.db_for_write(FlushMark)
+        connection = connections[alias]
+        if connection.vendor in ("postgresql", "sqlite"):  # one statement, no savepoint
+            table = connection.ops.quote_name(FlushMark._meta.db_table)
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    f"INSERT INTO {table} (token, created) VALUES (%s, %s) "
+                    "ON CONFLICT (token) DO NOTHING RETURNING token",
+                    [token, timezone.now()],
+                )
+                return cursor.fetchone() is not None
+        try:
+            with transaction.atomic(using=alias):
+                FlushMark.objects.create(token=token, created=timezone.now())
+        except IntegrityError:
+            return False
+        return True
+
+    def _any(self, keys: list[Key]) -> Q:
+        where = Q()
+        for key in keys:
+            where |= self._where(key)
+        return where
+
+    def _read_counters(self, keys: list[Key]) -> dict[Key, dict[str, Any]]:
+        if not self.counters or not keys:
+            return {}
+        rows = self.model._default_manager.filter(self._any(keys)).values(*self.key_fields, *sorted(self.counters))
+        return {tuple(row[f] for f in self.key_fields): row for row in rows}
+
+    def _forget_old_marks(self) -> None:
+        """Tokens are needed only while a batch may be retried: keep an hour of them."""
+        global _marks_swept
+        now = time.monotonic()
+        if now - _marks_swept < 600:
+            return
+        _marks_swept = now
+        from .models import FlushMark
+
+        FlushMark.objects.filter(created__lt=timezone.now() - timedelta(hours=1)).delete()
+
+    def _instance(self, key: Key, snap: dict[str, Any], *, base: bool = True) -> M:
         values = dict(snap["state"])
-        for name, delta in snap["deltas"].items():  # the base: the delta is added after
-            values[name] = (values[name] or 0) - delta
+        if base:
+            for name, delta in snap["deltas"].items():  # the base: the delta is added after
+                values[name] = (values[name] or 0) - delta
         instance: M = self.model(**dict(zip(self.key_fields, key, strict=True)), **values)
         return instance
 
@@ -599,6 +691,7 @@ class WriteBehindStore(Generic[M]):
             "flushed_rows": self.flushed_rows,
             "flushed_deletes": self.flushed_deletes,
             "failing": dict(list(self.failing.items())[:10]),
+            "in_doubt": sum(len(batch) for _, batch in self._in_doubt),
             "delay_s": self.delay_s,
         }
 

@@ -404,3 +404,50 @@ async def test_a_connection_that_ignores_its_refusals_is_closed_and_a_burst_is_n
             output = await c.comm.receive_output(3)
         assert output["code"] == 1008
     assert hub.probe()["admission"]["closed_for_refusals"] == 1
+
+
+async def test_a_request_cancelled_while_the_shared_bucket_answers_gives_its_slot_back(hub, monkeypatch):
+    """Found in review: a cancel between the caps and the bucket leaked the slot for good."""
+    import asyncio
+
+    asked = asyncio.Event()
+
+    async def slow_bucket(identity, cost):
+        asked.set()
+        await asyncio.sleep(30)
+
+    monkeypatch.setattr(hub.backplane, "clustered", True, raising=False)
+    monkeypatch.setattr(hub, "_take_shared", slow_bucket)
+    task = asyncio.get_running_loop().create_task(hub.admit(("user", "7"), 1.0))
+    await asked.wait()
+    assert hub.admission.pending == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert hub.admission.pending == 0 and hub.admission._identities[("user", "7")].pending == 0
+
+
+async def test_a_merged_job_whose_first_caller_left_still_holds_a_global_slot(hub):
+    """Found in review: the job ran on, but no call of it counted in ``pending``."""
+    from realtime_app.consumers import _methods
+    from realtime_app.workers import Call
+    from tests.test_consumer import Client
+
+    method = _methods["inventory.consume"]
+    hub.pool.max_running = 1
+    async with Client() as blocker, Client() as first, Client() as second:
+        await blocker.call_nowait("test.hold", {"seconds": 0.5})
+        await until_true(lambda: hub.pool.running == 1)
+        calls = []
+        for owner in (first, second):  # one user's two connections: their shots merge
+            merged = hub.pool.would_merge(("k",), 1, 250)
+            assert hub.admission.admit(("user", "1"), 0.25, merged=merged) is None
+            call = Call(
+                owner, "inventory.consume", {"item": "ammo", "shots": 1}, ("user", "1"), merged, method.coalesce
+            )
+            hub.pool.submit(call, ("k",), 1, 250)
+            calls.append(call)
+        assert [c.merged for c in calls] == [False, True] and hub.admission.pending == 2  # blocker + the job
+        hub.pool.abandon(first)  # the caller that held the job's global slot leaves
+        assert calls[1].merged is False and hub.admission.pending == 2  # the job keeps one
+    await until_true(lambda: hub.admission.pending == 0)

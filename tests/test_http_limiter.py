@@ -193,3 +193,22 @@ def test_health_and_metrics_are_never_limited(database):
         holder.join(30)
     finally:
         server.stop()
+
+
+def test_a_streaming_response_dropped_before_it_is_read_still_releases_its_slot():
+    """Found in review: a response replaced or lost before iteration kept its slot forever."""
+    import gc
+
+    from django.http import StreamingHttpResponse
+
+    from realtime_app.limiter import ConcurrencyPool, PoolSettings
+    from realtime_app.middleware import _hand_over
+
+    pool = ConcurrencyPool("t", PoolSettings(max_concurrent=1))
+    slot = pool.acquire()
+    response = StreamingHttpResponse(iter([b"never", b"read"]))
+    _hand_over(pool, slot, response, time.monotonic())
+    assert pool.running == 1
+    del response  # an outer middleware replaced it, or the client left first
+    gc.collect()
+    assert pool.running == 0 and slot.released

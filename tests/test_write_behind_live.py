@@ -224,3 +224,21 @@ async def test_the_admin_screen_shows_an_unsaved_backlog_at_a_glance(postgres):
         browser.quit()
         server.stop()
         proxy.cut()
+
+
+async def test_uvicorn_flushes_at_lifespan_shutdown(postgres):
+    _, database = postgres
+    reset(database)
+    server = Server(env_for(database, 60_000), server="uvicorn", extra_args=["--lifespan", "on"]).start()
+    try:
+        cookie = login(server.http, "demo", "demo")
+        async with RPC(server.ws, cookie=cookie) as rpc:
+            accepted = await fire(rpc, 12)
+        assert durable_shots(database) is None
+        assert server.process is not None
+        server.process.send_signal(signal.SIGTERM)
+        server.process.wait(30)
+        assert durable_shots(database) == START - len(accepted)
+        assert "shutdown: 1 object(s) flushed" in server.output()  # by the lifespan, not at exit
+    finally:
+        server.stop()
