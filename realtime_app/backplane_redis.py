@@ -89,6 +89,22 @@ return string.format('%.17g', wait)
 """
 
 
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+class _RetrievedCleaners(list):  # type: ignore[type-arg]
+    """channels-redis (4.3) pops each received message's backup in a detached task it
+    keeps in ``layer.receive_cleaners``; when Redis goes away at that moment the task's
+    error is the outage already logged once, but nobody retrieves it and asyncio logs
+    "Task exception was never retrieved" with a traceback. This list retrieves it."""
+
+    def append(self, task: Any) -> None:
+        task.add_done_callback(_retrieved)
+        super().append(task)
+
+
 def uses_channels_redis() -> bool:
     """True when the default channel layer is channels-redis' (the cluster backplane fits)."""
     from channels.layers import get_channel_layer
@@ -148,6 +164,9 @@ class RedisBackplane(Backplane):
         # The default prefix on purpose: channels-redis serves every process-local ("!")
         # channel of a layer through one receive lock that pops one Redis key per prefix;
         # a channel under another prefix would starve the application's own consumers.
+        cleaners = getattr(self.layer, "receive_cleaners", None)
+        if type(cleaners) is list:
+            self.layer.receive_cleaners = _RetrievedCleaners(cleaners)
         self.process_channel = await self.layer.new_channel()
         self._receiver = asyncio.get_running_loop().create_task(self._receive(deliver), name="realtime-receive")
 
