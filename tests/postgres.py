@@ -91,6 +91,9 @@ class TcpProxy:
                 client, _ = listener.accept()
             except OSError:
                 return
+            if self._listener is not listener:  # accepted while being cut
+                client.close()
+                return
             try:
                 upstream = socket.create_connection(("127.0.0.1", self.target_port))
             except OSError:

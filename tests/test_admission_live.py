@@ -112,17 +112,22 @@ async def test_unread_answers_are_bounded_then_closed_with_1013_and_memory_retur
         [{"jsonrpc": "2.0", "method": "subscribe", "params": {"channel": "demo:events"}, "id": i} for i in ids]
     )
     answer_size = len(batch) + 50 * 120  # the batch's answers: as long, plus each result or error
+    attackers: list[Any] = []
     try:
         health = Health(server)
         baseline = rss(server)
-        attackers = []
         for _ in range(10):
             sock = socket.socket()
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # and it never reads
-            sock.connect(("127.0.0.1", server.port))
-            attackers.append(
-                await websockets.connect(server.ws, sock=sock, origin=f"http://127.0.0.1:{server.port}", max_size=None)
-            )
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # and it never reads
+                sock.connect(("127.0.0.1", server.port))
+                ws = await websockets.connect(
+                    server.ws, sock=sock, origin=f"http://127.0.0.1:{server.port}", max_size=None
+                )
+            except BaseException:
+                sock.close()
+                raise
+            attackers.append(ws)
         worst = 0
 
         async def attack(ws: Any) -> None:
@@ -161,6 +166,8 @@ async def test_unread_answers_are_bounded_then_closed_with_1013_and_memory_retur
         assert worst <= bound, (worst, bound)
         await until(lambda: rss(server) < baseline + 40 * 1024 * 1024, 20, "RSS back near its baseline")
     finally:
+        for ws in attackers:  # on a failure: no socket left for a later test's ResourceWarning
+            ws.transport.abort()
         server.stop()
 
 
@@ -170,10 +177,10 @@ async def test_a_burst_of_60_from_one_user_has_10_in_flight_and_refusals_say_why
         cookie = login(server.http, "demo", "demo")
         async with RPC(server.ws, cookie=cookie) as rpc:
             await rpc.send(
-                [{"jsonrpc": "2.0", "method": "demo.sleep", "params": {"ms": 300}, "id": i} for i in range(50)]
+                [{"jsonrpc": "2.0", "method": "demo.sleep", "params": {"ms": 2000}, "id": i} for i in range(50)]
             )  # a batch is answered as one array, once every part is done
             for i in range(50, 60):
-                await rpc.send({"jsonrpc": "2.0", "method": "demo.sleep", "params": {"ms": 300}, "id": i})
+                await rpc.send({"jsonrpc": "2.0", "method": "demo.sleep", "params": {"ms": 2000}, "id": i})
             answers: dict[int, Any] = {}
             while len(answers) < 60:
                 message = await rpc.recv(10)
@@ -239,7 +246,7 @@ async def test_a_well_behaved_client_keeps_its_pings_fast_while_others_flood(dat
                 await asyncio.sleep(0.05)
         stop.set()
         await asyncio.gather(*abusers)
-        p99 = statistics.quantiles(latencies, n=100)[98]
+        p99 = statistics.quantiles(latencies, n=100, method="inclusive")[98]
         assert p99 < 0.25, f"ping p99 {p99 * 1000:.0f} ms while others flood"
     finally:
         server.stop()
@@ -259,13 +266,15 @@ async def test_one_user_on_two_processes_shares_one_bucket_and_falls_back_locall
         cookie = login(a.http, "demo", "demo")  # one session, valid on both
         async with RPC(a.ws, cookie=cookie) as on_a, RPC(b.ws, cookie=cookie) as on_b:
             echo = [{"jsonrpc": "2.0", "method": "demo.echo", "params": {"text": "x"}, "id": i} for i in range(10)]
+            started = time.monotonic()
             await on_a.send(echo)
             first = await on_a.recv(10)
             await on_b.send(echo)
             second = await on_b.recv(10)
+            elapsed = time.monotonic() - started
             assert sum("result" in r for r in first) == 10  # 18 tokens: 10 on a...
             passed = sum("result" in r for r in second)
-            assert 8 <= passed <= 9, second  # ...8 left for b (plus what refilled meanwhile)
+            assert 8 <= passed <= 8 + int(9 * elapsed) + 1, (second, elapsed)  # ...8 left for b, + refill
             assert all(r["error"]["data"]["reason"] == "rate_limited" for r in second if "error" in r)
             async with RPC(a.ws) as anonymous:  # an anonymous connection has its own bucket
                 await anonymous.send(echo)

@@ -66,21 +66,30 @@ def until(predicate, timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
-def burst(server: Server, paths: list[str], spacing_s: float = 0.03) -> list[tuple[int, dict[str, str], bytes]]:
-    """Start one request per path, ``spacing_s`` apart (a known arrival order), all at once."""
+def seen(pool: dict[str, Any]) -> int:
+    """Requests the pool has counted: waiting, admitted (running or done), refused."""
+    return int(pool["waiting"] + pool["admitted"] + sum(pool["refused"].values()))
+
+
+def burst(server: Server, paths: list[str], health: Health) -> list[tuple[int, dict[str, str], bytes]]:
+    """Start one request per path, each once the pool has counted the one before (a known
+    arrival order, whatever the scheduling), all running or waiting at once."""
     results: list[Any] = [None] * len(paths)
+    base = seen(health.pool())
 
     def one(i: int) -> None:
         results[i] = get(server, paths[i])
 
     threads = []
-    for i in range(len(paths)):
-        thread = threading.Thread(target=one, args=(i,))
-        thread.start()
-        threads.append(thread)
-        time.sleep(spacing_s)
-    for thread in threads:
-        thread.join(60)
+    try:
+        for i in range(len(paths)):
+            thread = threading.Thread(target=one, args=(i,))
+            thread.start()
+            threads.append(thread)
+            until(lambda i=i: seen(health.pool()) >= base + i + 1, 10, f"request {i} counted")
+    finally:
+        for thread in threads:
+            thread.join(60)
     return results
 
 
@@ -90,7 +99,7 @@ def test_twenty_at_once_run_two_at_a_time_in_arrival_order_and_the_rest_get_503(
     try:
         health = Health(server)
         stats(server, reset=True)
-        answers = burst(server, [f"/test/limited/?ms=1500&tag={i}" for i in range(20)], 0.02)
+        answers = burst(server, [f"/test/limited/?ms=1500&tag={i}" for i in range(20)], health)
         statuses = [status for status, _, _ in answers]
         assert statuses == [200] * 10 + [503] * 10  # 2 running + 8 waiting; the later ones refused
         for _, headers, body in answers[10:]:
@@ -112,7 +121,7 @@ def test_a_request_that_waits_too_long_gets_503_timeout(database):
     server = start(database, max_concurrent=1, wait_timeout_ms=300)
     try:
         health = Health(server)
-        first, second = burst(server, ["/test/limited/?ms=1500&tag=long", "/test/limited/?ms=10&tag=late"])
+        first, second = burst(server, ["/test/limited/?ms=1500&tag=long", "/test/limited/?ms=10&tag=late"], health)
         assert first[0] == 200 and second[0] == 503
         assert json.loads(second[2])["reason"] == "timeout" and "retry-after" in second[1]
         assert health.pool()["refused"]["timeout"] == 1
@@ -123,16 +132,16 @@ def test_a_request_that_waits_too_long_gets_503_timeout(database):
 @pytest.mark.parametrize("server_kind", ["daphne", "uvicorn"])
 def test_a_client_that_disconnects_while_waiting_frees_its_place_at_once(database, server_kind):
     server = start(database, server_kind, max_concurrent=1)
+    holder = threading.Thread(target=get, args=(server, "/test/limited/?ms=3000&tag=A"))
     try:
         health = Health(server)
         stats(server, reset=True)
-        holder = threading.Thread(target=get, args=(server, "/test/limited/?ms=1500&tag=A"))
         holder.start()
         until(lambda: health.pool()["running"] == 1, 10, "A runs")
-        quitter = socket.create_connection(("127.0.0.1", server.port))
-        quitter.sendall(b"GET /test/limited/?ms=10&tag=B HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-        until(lambda: health.pool()["waiting"] == 1, 10, "B waits")
-        quitter.close()  # gone while waiting
+        with socket.create_connection(("127.0.0.1", server.port)) as quitter:
+            quitter.sendall(b"GET /test/limited/?ms=10&tag=B HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            until(lambda: health.pool()["waiting"] == 1, 10, "B waits")
+        # gone while waiting
         until(lambda: health.pool()["waiting"] == 0, 5, "B's place freed")
         assert health.pool()["running"] == 1  # A still runs: B left the queue, not after A
         status, _, _ = get(server, "/test/limited/?ms=10&tag=C")
@@ -141,6 +150,8 @@ def test_a_client_that_disconnects_while_waiting_frees_its_place_at_once(databas
         pool = health.pool()
         assert pool["refused"]["client_gone"] == 1 and pool["running"] == pool["waiting"] == 0
     finally:
+        if holder.is_alive() or holder.ident is not None:
+            holder.join(30)
         server.stop()
 
 
@@ -152,14 +163,13 @@ def test_a_raising_view_and_a_streaming_view_release_their_slots(database):
             assert get(server, "/test/limited-raises/")[0] == 500
         assert health.pool()["running"] == 0
         # A stream holds its slot until the last chunk...
-        streamed, after = burst(server, ["/test/limited-stream/?ms=600", "/test/limited/?ms=10&tag=after"], 0.1)
+        streamed, after = burst(server, ["/test/limited-stream/?ms=600", "/test/limited/?ms=10&tag=after"], health)
         assert streamed[0] == 200 and len(streamed[2]) >= 5 * 1025 and after[0] == 200
         # ...or until the client goes away mid-stream.
-        reader = socket.create_connection(("127.0.0.1", server.port))
-        reader.sendall(b"GET /test/limited-stream/?ms=30000 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-        assert reader.recv(1024)
-        assert health.pool()["running"] == 1
-        reader.close()
+        with socket.create_connection(("127.0.0.1", server.port)) as reader:
+            reader.sendall(b"GET /test/limited-stream/?ms=30000 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert reader.recv(1024)
+            assert health.pool()["running"] == 1
         until(lambda: health.pool()["running"] == 0, 10, "the abandoned stream's slot released")
         assert get(server, "/test/limited/?ms=10&tag=next", timeout=10)[0] == 200
     finally:
@@ -170,11 +180,11 @@ def test_the_sync_path_under_gunicorn_threads(database):
     server = start(database, "gunicorn", wait_timeout_ms=20000)
     try:
         stats(server, reset=True)
-        answers = burst(server, [f"/test/limited-sync/?ms=1500&tag={i}" for i in range(12)], 0.02)
-        assert [status for status, _, _ in answers] == [200] * 10 + [503] * 2
-        seen = stats(server)
-        assert seen["max"] == 2 and seen["order"] == [str(i) for i in range(10)]
         health = Health(server)
+        answers = burst(server, [f"/test/limited-sync/?ms=1500&tag={i}" for i in range(12)], health)
+        assert [status for status, _, _ in answers] == [200] * 10 + [503] * 2
+        inside = stats(server)
+        assert inside["max"] == 2 and inside["order"] == [str(i) for i in range(10)]
         pool = health.pool()
         assert pool["running"] == pool["waiting"] == 0 and pool["refused"]["queue_full"] == 2
     finally:
@@ -183,15 +193,16 @@ def test_the_sync_path_under_gunicorn_threads(database):
 
 def test_health_and_metrics_are_never_limited(database):
     server = start(database, max_concurrent=1, max_waiting=0, paths=["/*"])  # everything else is limited
+    holder = threading.Thread(target=get, args=(server, "/test/limited/?ms=4000&tag=A"))
     try:
         health = Health(server)
-        holder = threading.Thread(target=get, args=(server, "/test/limited/?ms=1500&tag=A"))
         holder.start()
         until(lambda: health.pool()["running"] == 1, 10, "A runs")
         assert get(server, "/accounts/login/")[0] == 503  # covered by "/*", and full
         assert health.pool()["running"] == 1  # the health endpoint itself got through
-        holder.join(30)
     finally:
+        if holder.ident is not None:
+            holder.join(30)
         server.stop()
 
 

@@ -168,7 +168,7 @@ def test_admin_cluster_screen_is_live(cluster, tmp_path):
         ]
         assert "requests running / waiting" in heads and "refused" in heads and "user buckets" in heads
         assert "HTTP pools" in heads and "unsaved (write-behind)" in heads
-        assert all("shared" in r.text for r in rows(None))  # the admission columns are filled
+        wait(browser).until(lambda _: (found := rows(None)) and all("shared" in r.text for r in found))
         browser.save_screenshot(str(tmp_path / "admin-cluster.png"))
     finally:
         browser.quit()

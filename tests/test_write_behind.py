@@ -190,7 +190,7 @@ async def test_deletes_are_batched_and_a_deleted_object_can_come_back(users):
 
 async def test_two_stores_on_one_counter_both_land(users):
     """Two processes of one user, in miniature: deltas commute, the sum is exact."""
-    a, b = make_store(name="a"), make_store(name="b")
+    a, b = make_store(delay_s=60, name="a"), make_store(delay_s=60, name="b")
     key = (users[2], "ammo")
     for _ in range(30):
         await a.add(key, "shots", -1)
