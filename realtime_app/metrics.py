@@ -66,16 +66,8 @@ class _ProbeCollector:
         for p in instances:
             published.add_metric(label(p), float(p.get("published", 0)))
         yield published
-        for name, doc in _BP_GAUGES.items():
-            gauge = GaugeMetricFamily(f"realtime_backpressure_{name}", doc, labels=labels)
-            for p in instances:
-                gauge.add_metric(label(p), float(p.get("backpressure", {}).get(name, 0)))
-            yield gauge
-        for name, doc in _BP_COUNTERS.items():
-            counter = CounterMetricFamily(f"realtime_backpressure_{name}", doc, labels=labels)
-            for p in instances:
-                counter.add_metric(label(p), float(p.get("backpressure", {}).get(name, 0)))
-            yield counter
+        yield from _section(instances, labels, label, "backpressure", _BP_GAUGES, GaugeMetricFamily)
+        yield from _section(instances, labels, label, "backpressure", _BP_COUNTERS, CounterMetricFamily)
         failures = CounterMetricFamily(
             "realtime_send_failures", "Connections closed with 1011 because a send raised", labels=labels
         )
@@ -102,17 +94,25 @@ class _ProbeCollector:
         yield live
 
 
+def _section(
+    instances: list[dict[str, Any]],
+    labels: list[str],
+    label: Any,
+    section: str,
+    fields: dict[str, str],
+    family: type[GaugeMetricFamily] | type[CounterMetricFamily],
+) -> Iterator[Metric]:
+    """One metric ``realtime_<section>_<field>`` per field of a probe block, per process."""
+    for name, doc in fields.items():
+        metric = family(f"realtime_{section}_{name}", doc, labels=labels)
+        for p in instances:
+            metric.add_metric(label(p), float(p.get(section, {}).get(name, 0)))
+        yield metric
+
+
 def _admission(instances: list[dict[str, Any]], labels: list[str], label: Any) -> Iterator[Metric]:
-    for name, doc in _ADMISSION_GAUGES.items():
-        gauge = GaugeMetricFamily(f"realtime_admission_{name}", doc, labels=labels)
-        for p in instances:
-            gauge.add_metric(label(p), float(p.get("admission", {}).get(name, 0)))
-        yield gauge
-    for name, doc in _ADMISSION_COUNTERS.items():
-        counter = CounterMetricFamily(f"realtime_admission_{name}", doc, labels=labels)
-        for p in instances:
-            counter.add_metric(label(p), float(p.get("admission", {}).get(name, 0)))
-        yield counter
+    yield from _section(instances, labels, label, "admission", _ADMISSION_GAUGES, GaugeMetricFamily)
+    yield from _section(instances, labels, label, "admission", _ADMISSION_COUNTERS, CounterMetricFamily)
     refused = CounterMetricFamily(
         "realtime_admission_refused", "Requests admission refused, by reason", labels=[*labels, "reason"]
     )
@@ -166,18 +166,17 @@ def _write_behind(instances: list[dict[str, Any]], labels: list[str], label: Any
         "flushes": ("realtime_write_behind_flushes", "Flushes run"),
     }
     families: list[Any] = []
-    for key, (name, doc) in gauges.items():
-        family = GaugeMetricFamily(name, doc, labels=with_store)
-        for p in instances:
-            for store, probe in sorted(p.get("write_behind", {}).items()):
-                family.add_metric([*label(p), store], float(probe.get(key, 0)))
-        families.append(family)
-    for key, (name, doc) in counters.items():
-        counter = CounterMetricFamily(name, doc, labels=with_store)
-        for p in instances:
-            for store, probe in sorted(p.get("write_behind", {}).items()):
-                counter.add_metric([*label(p), store], float(probe.get(key, 0)))
-        families.append(counter)
+    kinds: tuple[tuple[dict[str, tuple[str, str]], Any], ...] = (
+        (gauges, GaugeMetricFamily),
+        (counters, CounterMetricFamily),
+    )
+    for fields, family in kinds:
+        for key, (name, doc) in fields.items():
+            metric = family(name, doc, labels=with_store)
+            for p in instances:
+                for store, probe in sorted(p.get("write_behind", {}).items()):
+                    metric.add_metric([*label(p), store], float(probe.get(key, 0)))
+            families.append(metric)
     last = GaugeMetricFamily(
         "realtime_write_behind_last_flush_timestamp_seconds", "When the last flush ended", labels=with_store
     )

@@ -86,6 +86,20 @@ class Statements:
         await sync_to_async(self._stack.close)()
 
 
+@contextlib.asynccontextmanager
+async def flush_held(store: WriteBehindStore[InventoryItem]) -> Any:
+    """A full flush started and held at its UPDATE (in its thread) for the block's length;
+    yields the flush's task, released when the block ends."""
+    async with Statements() as statements:
+        statements.hold = threading.Event()
+        flushing = asyncio.get_running_loop().create_task(store.flush(everything=True))
+        await asyncio.to_thread(statements.holding.wait, 10)
+        try:
+            yield flushing
+        finally:
+            statements.hold.set()
+
+
 async def test_a_mutation_is_accepted_at_once_and_durable_after_the_delay(users):
     store = make_store(delay_s=0.3)
     accepted = await store.add((users[0], "ammo"), "shots", -5)
@@ -118,13 +132,9 @@ async def test_a_mutation_during_the_flush_keeps_the_object_dirty_and_is_written
     await store.add(key, "shots", -10)
     await store.flush(everything=True)  # the row exists: the next flush updates it
     await store.add(key, "shots", -1)
-    async with Statements() as statements:
-        statements.hold = threading.Event()
-        flushing = asyncio.get_running_loop().create_task(store.flush(everything=True))
-        await asyncio.to_thread(statements.holding.wait, 10)
+    async with flush_held(store) as flushing:
         late = await store.add(key, "shots", -2)  # while the flush writes -1
-        statements.hold.set()
-        await flushing
+    await flushing
     assert await rows() == {key: 89}  # the flush wrote the state it took...
     assert store.probe()["dirty"] == 1 and late.state == {"shots": 87}  # ...and the newer one waits
     await store.flush(everything=True)
@@ -224,13 +234,9 @@ async def test_a_delete_during_a_flush_leaves_no_phantom_delta(users):
     store = make_store(delay_s=60)
     key = (users[0], "ammo")
     await store.add(key, "shots", -10)
-    async with Statements() as statements:
-        statements.hold = threading.Event()
-        flushing = asyncio.get_running_loop().create_task(store.flush(everything=True))
-        await asyncio.to_thread(statements.holding.wait, 10)
+    async with flush_held(store) as flushing:
         await store.delete(key)  # while the flush writes -10
-        statements.hold.set()
-        await flushing
+    await flushing
     assert store._entries[key].deltas == {}
     await store.flush(everything=True)
     assert await rows() == {}  # the delete won; nothing came back
@@ -281,16 +287,15 @@ async def test_a_flush_cancelled_mid_write_is_settled_not_rewritten(users):
     store = make_store(delay_s=60)
     key = (users[0], "ammo")
     await store.add(key, "shots", -4)
-    async with Statements() as statements:
-        statements.hold = threading.Event()
-        flushing = asyncio.get_running_loop().create_task(store.flush(everything=True))
-        await asyncio.to_thread(statements.holding.wait, 10)
+    async with flush_held(store) as flushing:
         flushing.cancel()  # the loop goes away; the write in its thread goes on and commits
-        statements.hold.set()
-        with pytest.raises(asyncio.CancelledError):
-            await flushing
-    await asyncio.sleep(0.2)
+    with pytest.raises(asyncio.CancelledError):
+        await flushing
     assert store.probe()["in_doubt"] == 1
+    deadline = asyncio.get_running_loop().time() + 10
+    while await rows() != {key: 96}:  # the orphaned write commits in its thread
+        assert asyncio.get_running_loop().time() < deadline, "the cancelled write never committed"
+        await asyncio.sleep(0.02)
     await store.flush(everything=True)  # the batch again, under its token: settled
     assert await rows() == {key: 96} and store.probe()["dirty"] == 0 and store.probe()["in_doubt"] == 0
 
