@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from .history import HistoryPolicy, HistoryRead, Since
 from .logsafe import Outage
 
 __all__ = ["Backplane", "Delivery", "Deliver", "backplane_class", "make_backplane", "now_ms"]
@@ -39,6 +40,7 @@ class Delivery:
     channel: str
     text: str = ""  # the encoded ``message`` notification (frames)
     seq: int = 0  # its ``seq`` (frames)
+    epoch: str = ""  # its history's epoch (frames of a channel with history)
 
 
 Deliver = Callable[[Delivery], Awaitable[None]]
@@ -64,6 +66,8 @@ class Backplane:
         self.config = config or {}
         #: Up/down as logged: one line when it goes, one when it comes back.
         self.outage = Outage(logger, f"backplane {type(self).__name__}")
+        #: Per channel with history: (epoch, publications kept) as last seen here, for the probe.
+        self.histories: dict[str, tuple[str, int]] = {}
 
     async def start(self, deliver: Deliver) -> None:
         """Begin receiving for this process: hand every :class:`Delivery` to ``deliver``."""
@@ -86,12 +90,19 @@ class Backplane:
         """This process's last local subscriber of ``channel`` has left."""
         raise NotImplementedError
 
-    async def publish(self, channel: str, data_json: str, floor: int = 0) -> int:
+    async def publish(self, channel: str, data_json: str, floor: int = 0, history: HistoryPolicy | None = None) -> int:
         """Number one publication (already encoded data) and deliver it; returns its ``seq``.
 
         ``seq`` is one more than the channel's previous one and always above ``floor``
         (the highest ``seq`` this process has seen), even if the backplane lost its count.
+        With ``history``, the publication is kept too, atomically with its numbering (the
+        history's order is ``seq`` order), and its notification carries the epoch.
         """
+        raise NotImplementedError
+
+    async def history(self, channel: str, policy: HistoryPolicy, since: Since | None = None) -> HistoryRead:
+        """The channel's epoch and last ``seq`` and, with ``since``, the kept publications
+        after it (an epoch is drawn if the channel has none yet)."""
         raise NotImplementedError
 
     async def reseed(self, floors: dict[str, int]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from .backplane import Backplane, Deliver, Delivery, now_ms
+from .history import HistoryEntry, HistoryPolicy, HistoryRead, MemoryHistory, Since
 from .protocol import notification_text
 
 __all__ = ["MemoryBackplane"]
@@ -22,6 +23,7 @@ class MemoryBackplane(Backplane):
         self._deliver: Deliver | None = None
         self._seq: dict[str, int] = {}
         self._probe: dict[str, Any] | None = None
+        self._history = MemoryHistory()
 
     async def start(self, deliver: Deliver) -> None:
         self._deliver = deliver
@@ -38,12 +40,26 @@ class MemoryBackplane(Backplane):
     async def leave(self, channel: str) -> None:
         pass
 
-    async def publish(self, channel: str, data_json: str, floor: int = 0) -> int:
+    async def publish(self, channel: str, data_json: str, floor: int = 0, history: HistoryPolicy | None = None) -> int:
         seq = max(self._seq.get(channel, 0), floor) + 1
         self._seq[channel] = seq
+        ts = now_ms()
+        epoch = ""
+        if history is None:
+            text = notification_text(channel, data_json, seq, ts)
+        else:
+            epoch = self._history.epoch(channel, history)
+            text = notification_text(channel, data_json, seq, ts, epoch)
+            self._history.append(channel, history, HistoryEntry(seq, ts, text))
+            self.histories[channel] = (epoch, self._history.size(channel))
         if self._deliver is not None:
-            await self._deliver(Delivery("frame", channel, notification_text(channel, data_json, seq, now_ms()), seq))
+            await self._deliver(Delivery("frame", channel, text, seq, epoch))
         return seq
+
+    async def history(self, channel: str, policy: HistoryPolicy, since: Since | None = None) -> HistoryRead:
+        read = self._history.read(channel, policy, self._seq.get(channel, 0), since, now_ms())
+        self.histories[channel] = (read.epoch, read.size)
+        return read
 
     async def reseed(self, floors: dict[str, int]) -> None:
         for channel, floor in floors.items():

@@ -32,8 +32,9 @@ from redis.exceptions import TimeoutError as RedisTimeout
 
 from .admission import retry_after_ms
 from .backplane import Backplane, Deliver, Delivery, now_ms
+from .history import HistoryEntry, HistoryPolicy, HistoryRead, Since, new_epoch
 from .names import group_name
-from .protocol import notification_text
+from .protocol import notification_head, notification_tail, notification_text
 
 __all__ = ["RedisBackplane", "uses_channels_redis"]
 
@@ -67,10 +68,64 @@ return v
 """
 _RESEED = """
 local cur = tonumber(redis.call('get', KEYS[1]) or '0')
-if cur < tonumber(ARGV[1]) then redis.call('set', KEYS[1], ARGV[1]) end
-redis.call('pexpire', KEYS[1], ARGV[2])
+if cur < tonumber(ARGV[1]) then redis.call('set', KEYS[1], ARGV[1], 'KEEPTTL') end
+if redis.call('pttl', KEYS[1]) < tonumber(ARGV[2]) then redis.call('pexpire', KEYS[1], ARGV[2]) end
 return 0
 """
+# A channel with history (docs/recovery.md): its count, its epoch and its stream. The
+# count and the epoch live and die together: if either is gone (flush, restart, eviction)
+# the history is lost, so a new epoch begins (the count goes on above the floor). Each
+# publication is numbered and kept in one call: the stream's order is seq order.
+_LINEAGE = """
+local epoch = redis.call('get', KEYS[2])
+local top = redis.call('get', KEYS[1])
+if not epoch or not top then
+  epoch = ARGV[1]
+  redis.call('del', KEYS[3])
+end
+"""
+# KEYS: seq, epoch, stream; ARGV: new epoch, keep ms, floor, head, ts, size, ttl ms
+_PUBLISH_KEPT = (
+    _LINEAGE
+    + """
+local v = redis.call('incr', KEYS[1])
+if v <= tonumber(ARGV[3]) then v = tonumber(ARGV[3]) + 1 end
+local function add()
+  local s = string.format('%d', v)
+  local text = ARGV[4] .. ',"seq":' .. s .. ',"epoch":"' .. epoch .. '","ts":' .. ARGV[5] .. '}}'
+  return redis.pcall('xadd', KEYS[3], 'MAXLEN', ARGV[6], s .. '-0', 't', text, 'ts', ARGV[5])
+end
+local added = add()
+if type(added) == 'table' and added.err then
+  epoch = ARGV[1]  -- the stream outlived the count: a new history
+  redis.call('del', KEYS[3])
+  add()
+end
+redis.call('set', KEYS[1], string.format('%d', v), 'PX', ARGV[2])
+redis.call('set', KEYS[2], epoch, 'PX', ARGV[2])
+redis.call('pexpire', KEYS[3], ARGV[7])
+return {v, epoch, redis.call('xlen', KEYS[3])}
+"""
+)
+# KEYS: seq, epoch, stream; ARGV: new epoch, keep ms, since (-1: none), its epoch, size
+_READ_KEPT = (
+    _LINEAGE
+    + """
+top = tonumber(top or '0')
+redis.call('set', KEYS[1], string.format('%d', top), 'PX', ARGV[2])
+redis.call('set', KEYS[2], epoch, 'PX', ARGV[2])
+local since = tonumber(ARGV[3])
+local entries = {}
+if since >= 0 and epoch == ARGV[4] and top > since and top - since <= tonumber(ARGV[5]) then
+  entries = redis.call('xrange', KEYS[3], string.format('%d', since + 1), '+', 'COUNT', ARGV[5])
+end
+return {epoch, top, redis.call('xlen', KEYS[3]), entries}
+"""
+)
+#: How long a channel's count and epoch outlive its last publication or read (at least):
+#: an idle day does not start a new history, so a client back after it is told exactly
+#: whether it missed anything.
+KEEP_LINEAGE_MS = 86_400_000
 # One token bucket shared by the cluster (an identity on several processes), refilled
 # lazily with Redis' clock so that the processes' clocks never disagree about it.
 _TAKE = """
@@ -150,6 +205,8 @@ class RedisBackplane(Backplane):
         self._seq = self.redis.register_script(_SEQ)
         self._reseed = self.redis.register_script(_RESEED)
         self._take = self.redis.register_script(_TAKE)
+        self._publish_kept = self.redis.register_script(_PUBLISH_KEPT)
+        self._read_kept = self.redis.register_script(_READ_KEPT)
         self.process_channel: str | None = None
         self._receive_errors: set[type[BaseException]] = set()  # logged once per kind
         self._run_id: str | None = None
@@ -200,7 +257,15 @@ class RedisBackplane(Backplane):
             kind = message.get("type")
             try:
                 if kind == FRAME:
-                    await deliver(Delivery("frame", message["channel"], message["text"], int(message.get("seq", 0))))
+                    await deliver(
+                        Delivery(
+                            "frame",
+                            message["channel"],
+                            message["text"],
+                            int(message.get("seq", 0)),
+                            str(message.get("epoch", "")),
+                        )
+                    )
                 elif kind == RELEASED and message.get("by") != self.instance_id:
                     await deliver(Delivery("released", message["channel"]))
             except asyncio.CancelledError:
@@ -242,14 +307,45 @@ class RedisBackplane(Backplane):
         async with self._slots:
             await self.layer.group_discard(group_name(channel), self.process_channel)
 
-    async def publish(self, channel: str, data_json: str, floor: int = 0) -> int:
-        seq = int(await self._seq(keys=[self.key("seq", channel)], args=[floor, self.seq_ttl_ms]))
-        text = notification_text(channel, data_json, seq, now_ms())
-        async with self._slots:
-            await self.layer.group_send(
-                group_name(channel), {"type": FRAME, "channel": channel, "text": text, "seq": seq}
+    def _kept_keys(self, channel: str) -> list[str]:
+        return [self.key("seq", channel), self.key("epoch", channel), self.key("history", channel)]
+
+    async def publish(self, channel: str, data_json: str, floor: int = 0, history: HistoryPolicy | None = None) -> int:
+        message: dict[str, Any] = {"type": FRAME, "channel": channel}
+        if history is None:
+            seq = int(await self._seq(keys=[self.key("seq", channel)], args=[floor, self.seq_ttl_ms]))
+            text = notification_text(channel, data_json, seq, now_ms())
+        else:
+            ts = now_ms()
+            head = notification_head(channel, data_json)
+            keep = max(self.seq_ttl_ms, history.ttl_ms, KEEP_LINEAGE_MS)
+            seq_, epoch_, size = await self._publish_kept(
+                keys=self._kept_keys(channel),
+                args=[new_epoch(), keep, floor, head, ts, history.size, history.ttl_ms],
             )
+            seq, epoch = int(seq_), _text(epoch_)
+            self.histories[channel] = (epoch, int(size))
+            text = head + notification_tail(seq, ts, epoch)
+            message["epoch"] = epoch
+        message.update(text=text, seq=seq)
+        async with self._slots:
+            await self.layer.group_send(group_name(channel), message)
         return seq
+
+    async def history(self, channel: str, policy: HistoryPolicy, since: Since | None = None) -> HistoryRead:
+        keep = max(self.seq_ttl_ms, policy.ttl_ms, KEEP_LINEAGE_MS)
+        epoch_, top, size, raw = await self._read_kept(
+            keys=self._kept_keys(channel),
+            args=[new_epoch(), keep, since.seq if since else -1, since.epoch if since else "", policy.size],
+        )
+        epoch = _text(epoch_)
+        entries = []
+        for entry_id, values in raw:
+            fields = {_text(k): v for k, v in zip(values[::2], values[1::2], strict=True)}
+            seq = int(_text(entry_id).partition("-")[0])
+            entries.append(HistoryEntry(seq, int(fields["ts"]), _text(fields["t"])))
+        self.histories[channel] = (epoch, int(size))
+        return HistoryRead(epoch, int(top), int(size), entries)
 
     async def reseed(self, floors: dict[str, int]) -> None:
         if not floors:
@@ -312,6 +408,10 @@ class RedisBackplane(Backplane):
         )
         seconds = float(wait.decode() if isinstance(wait, bytes) else wait)
         return retry_after_ms(seconds) if seconds > 0 else None
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _client(layer: Any, settings: dict[str, Any]) -> Any:

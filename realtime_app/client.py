@@ -29,6 +29,7 @@ from websockets.typing import Origin
 
 from .adaptive import AdaptiveRate
 from .admission import retry_delay_ms
+from .cursor import Action, EventCursor
 from .exceptions import Refused, RPCError, error_from_response
 from .rate import rate_channel
 
@@ -105,6 +106,14 @@ class RealtimeClient:
         self._on_error: dict[str, list[Callable[[Exception], None]]] = {}
         #: Called with ``(channel, error)`` for every refused subscribe, renewals included.
         self.on_subscribe_error: list[Callable[[str, Exception], None]] = []
+        #: Channels with history (docs/recovery.md): ``on_resync(channel, {"epoch", "seq",
+        #: "reason"})`` when messages were missed for good (reload the state);
+        #: ``on_recovered(channel, replayed)`` when a resume filled a gap.
+        self.on_resync: list[Callable[[str, dict[str, Any]], None]] = []
+        self.on_recovered: list[Callable[[str, int], None]] = []
+        self._cursors: dict[str, EventCursor] = {}  # canonical channel -> place in its history
+        self._on_answer: dict[int, Callable[[Any], Awaitable[None]]] = {}
+        self._background: set[asyncio.Task[Any]] = set()
         self._runner: asyncio.Task[None] | None = None
         self._open = asyncio.Event()
         self._stopped = True
@@ -133,6 +142,8 @@ class RealtimeClient:
     async def close(self) -> None:
         """Close for good: no reconnect."""
         self._stopped = True
+        for task in list(self._background):
+            task.cancel()
         if self._ws is not None:
             await self._ws.close()
         if self._runner is not None:
@@ -177,6 +188,9 @@ class RealtimeClient:
             finally:
                 self._ws = None
                 self._open.clear()
+                self._on_answer.clear()
+                for cursor in self._cursors.values():
+                    cursor.closed()
                 for future in self._pending.values():
                     if not future.done():
                         future.set_exception(ConnectionError(f"connection closed ({code})"))
@@ -213,8 +227,11 @@ class RealtimeClient:
                 await self._deliver(item["params"])
             elif item.get("id") in self._pending:
                 future = self._pending.pop(item["id"])
+                on_answer = self._on_answer.pop(item["id"], None)
                 if future.done():
                     continue
+                if on_answer is not None and "result" in item:
+                    await on_answer(item["result"])  # in order with the messages around it
                 if "error" in item:
                     error = item["error"]
                     future.set_exception(error_from_response(error if isinstance(error, dict) else {}))
@@ -223,6 +240,64 @@ class RealtimeClient:
 
     async def _deliver(self, params: dict[str, Any]) -> None:
         channel = params.get("channel")
+        if "epoch" in params and isinstance(channel, str):  # a channel with history: in order, once
+            await self._act(channel, self._cursors.setdefault(channel, EventCursor()).message(params))
+            return
+        await self._hand_over(channel, params)
+
+    async def _act(self, channel: str, actions: list[Action]) -> None:
+        for kind, value in actions:
+            if kind == "deliver":
+                await self._hand_over(channel, value)
+            elif kind == "recover":
+                self._spawn(self._recover(channel))
+            else:
+                callbacks: list[Any] = self.on_recovered if kind == "recovered" else self.on_resync
+                if kind == "resync":
+                    logger.warning("%s: messages missed for good (%s): resync", channel, value["reason"])
+                for callback in list(callbacks):
+                    try:
+                        callback(channel, value)
+                    except Exception:
+                        logger.exception("%s callback of %s failed", kind, channel)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _recover(self, channel: str) -> None:
+        """Subscribe again ``since`` the last message: the server replays the gap."""
+        cursor = self._cursors.get(channel)
+        while cursor is not None and cursor.recovering and self._ws is not None:
+            try:
+                await self._call_once(
+                    "subscribe", {"channel": channel, "since": cursor.since()}, None, self._answered(channel)
+                )
+                return
+            except Refused as refused:  # try again when admission says
+                await asyncio.sleep(retry_delay_ms(refused.retry_after_ms, random.random()) / 1000)
+            except (RPCError, ConnectionError, TimeoutError) as error:
+                logger.warning("resuming %s failed: %s", channel, error)
+                await asyncio.sleep(1.0)
+
+    def _answered(self, channel: str) -> Callable[[Any], Awaitable[None]]:
+        """The hook that applies a subscribe's answer to the channel's cursor, in order."""
+
+        async def apply(result: Any) -> None:
+            if not isinstance(result, dict):
+                return
+            if "epoch" in result:
+                await self._act(channel, self._cursors.setdefault(channel, EventCursor()).answer(result))
+                return
+            cursor = self._cursors.pop(channel, None)  # the channel keeps no history (any more)
+            if cursor is not None and result.get("recovered") is False:
+                info = {"epoch": cursor.epoch, "seq": cursor.seq, "reason": result.get("reason", "no_history")}
+                await self._act(channel, [("resync", info)])
+
+        return apply
+
+    async def _hand_over(self, channel: Any, params: dict[str, Any]) -> None:
         for name, handlers in list(self._handlers.items()):
             if self._canonical.get(name, name) == channel:
                 for handler in list(handlers):
@@ -250,10 +325,18 @@ class RealtimeClient:
                 retries -= 1
                 await asyncio.sleep(retry_delay_ms(refused.retry_after_ms, random.random()) / 1000)
 
-    async def _call_once(self, method: str, params: Any, timeout: float | None) -> Any:
+    async def _call_once(
+        self,
+        method: str,
+        params: Any,
+        timeout: float | None,
+        on_answer: Callable[[Any], Awaitable[None]] | None = None,
+    ) -> Any:
         if self._ws is None:
             raise ConnectionError("not connected")
         request_id = next(self._ids)
+        if on_answer is not None:
+            self._on_answer[request_id] = on_answer
         request: dict[str, Any] = {"jsonrpc": "2.0", "method": method, "id": request_id}
         if params is not None:
             request["params"] = params
@@ -264,6 +347,7 @@ class RealtimeClient:
             return await asyncio.wait_for(future, timeout if timeout is not None else self.call_timeout)
         finally:
             self._pending.pop(request_id, None)
+            self._on_answer.pop(request_id, None)
 
     async def notify(self, method: str, params: Any = None) -> None:
         """Send a notification (no answer)."""
@@ -275,8 +359,19 @@ class RealtimeClient:
         await self._ws.send(json.dumps(request))
 
     async def _subscribe_remote(self, name: str) -> dict[str, Any]:
+        canonical = self._canonical.get(name, name)
+        params: dict[str, Any] = {"channel": name}
+        cursor = self._cursors.get(canonical)
+        if cursor is not None and cursor.since() is not None:
+            params["since"] = cursor.since()  # a resume: the server replays what was missed
+            cursor.resuming()
         try:
-            result: dict[str, Any] = await self.call("subscribe", {"channel": name})
+            try:
+                result: dict[str, Any] = await self._call_once("subscribe", params, None, self._answered(canonical))
+            except BaseException:
+                if cursor is not None:
+                    cursor.closed()  # no resume running: the next subscribe tries again
+                raise
         except RPCError as error:
             if name in self._handlers:
                 logger.warning("subscribe %s refused: %s", name, error)
@@ -333,6 +428,8 @@ class RealtimeClient:
         del self._handlers[channel]
         self._on_error.pop(channel, None)
         canonical = self._canonical.pop(channel, channel)
+        if canonical not in self._canonical.values():
+            self._cursors.pop(canonical, None)
         if canonical not in self._canonical.values() and self._ws is not None:
             with contextlib.suppress(Exception):
                 await self.call("unsubscribe", {"channel": channel})

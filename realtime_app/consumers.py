@@ -22,6 +22,7 @@ from . import protocol
 from .admission import Refusal, RefusalBudget
 from .conf import get_config
 from .exceptions import BackplaneUnavailable, ForbiddenChannel, PublicationError, PublicationTooLarge, RPCError
+from .history import Since
 from .hub import Connection, Hub, get_hub
 from .logsafe import safe
 from .policies import allowed
@@ -387,11 +388,27 @@ class RealtimeConsumer:
             raise RPCError(
                 protocol.TOO_MANY_SUBSCRIPTIONS, "Too many subscriptions", "too_many_subscriptions", limit=limit
             )
+        since = self._since_param(params)
         hub = await get_hub()
         if spec.name not in hub.subscribers:
             spec = await self._bounded(hub, spec, config)
+        answer: dict[str, Any] = {"channel": spec.name, "kind": spec.kind, "interval_ms": spec.interval_ms}
+        if spec.history is not None:
+            answer.update(await hub.subscribe_kept(self.connection, spec, since))
+            return answer
         await hub.subscribe(self.connection, spec)
-        return {"channel": spec.name, "kind": spec.kind, "interval_ms": spec.interval_ms}
+        if since is not None:  # nothing kept to resume from: the application resyncs
+            answer.update(recovered=False, reason="no_history")
+        return answer
+
+    def _since_param(self, params: Any) -> Since | None:
+        """``params["since"]``: where a client resumes a channel with history, or None."""
+        if not isinstance(params, dict) or params.get("since") is None:
+            return None
+        try:
+            return Since.parse(params["since"])
+        except ValueError as exc:
+            raise _invalid(f"Invalid params: {exc}", "invalid_since") from None
 
     async def _require(self, spec: ChannelSpec, action: Literal["subscribe", "publish"]) -> None:
         """Refuse unless the user may ``action`` the channel — the user as its session and

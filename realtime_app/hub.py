@@ -32,16 +32,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .admission import Admission, AdmissionLimits, Refusal
-from .backplane import Backplane, Delivery, make_backplane
+from .backplane import Backplane, Delivery, make_backplane, now_ms
 from .backpressure import CLOSE, DROP, SEND, Decision, decide_send
 from .conf import get_config
 from .exceptions import BackplaneUnavailable, PublicationError, PublicationTooLarge
 from .guard import BACKPRESSURE_REASON, Guard
+from .history import Since, plan_resume
 from .logsafe import safe
 from .middleware import pools_probe
 from .protocol import CloseCode, encode
 from .reconciler import REMOTE, Action, Reconciler
-from .registry import RESERVED, ChannelSpec
+from .registry import RESERVED, ChannelSpec, registry
 from .workers import RequestPool
 from .write_behind import stores_probe
 
@@ -73,6 +74,8 @@ class Connection:
     closed: bool = False
     identity: tuple[str, str] | None = None
     unread_bytes: int = 0  # answers written over the threshold since the queue was last under it
+    #: Per channel with history: the (epoch, seq) last sent, below which nothing is sent again.
+    positions: dict[str, tuple[str, int]] = field(default_factory=dict)
     guard: Guard = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -123,6 +126,10 @@ class Hub:
         self.specs: dict[str, ChannelSpec] = {}  # channels with local subscribers
         self.identities: dict[tuple[str, str], int] = {}  # open connections per identity
         self.last_seq: dict[str, int] = {}  # highest seq seen per subscribed channel: the floor
+        # Connections being given a channel's history: its live frames wait here meanwhile.
+        self._replays: dict[str, dict[Connection, list[tuple[int, str, bytes]]]] = {}
+        self.recoveries: dict[str, int] = {"served": 0, "failed": 0}
+        self.replayed = 0  # publications sent again from a history
         self._cleanups: dict[str, Callable[[], Any] | None] = {}  # running tickers
         self._failing: set[str] = set()  # factories or publications failing (logged once)
         self._locks: dict[str, asyncio.Lock] = {}
@@ -227,6 +234,7 @@ class Hub:
     def _drop_local(self, conn: Connection, channel: str) -> bool:
         """Remove one local subscription; True when it was the channel's last."""
         conn.subscriptions.discard(channel)
+        conn.positions.pop(channel, None)
         subs = self.subscribers.get(channel)
         if subs is None:
             return False
@@ -266,6 +274,72 @@ class Hub:
         conn.subscriptions.add(channel)
         await self._converge(channel)
         return True
+
+    async def subscribe_kept(self, conn: Connection, spec: ChannelSpec, since: Since | None = None) -> dict[str, Any]:
+        """Subscribe ``conn`` to a channel with history — or resume it, with ``since``.
+
+        The publications after ``since`` are sent first, in order, then the live ones,
+        none twice: live frames that arrive while the history is read wait in a buffer
+        for this connection and go out after the replay, those the replay held already
+        skipped. Returns the channel's position ``{"epoch", "seq"}`` and, with ``since``,
+        ``recovered`` (and ``replayed``, or ``reason`` when the gap cannot be filled).
+        """
+        policy = spec.history
+        backplane = self.backplane
+        assert policy is not None and backplane is not None
+        channel = spec.name
+        buffer: list[tuple[int, str, bytes]] = []
+        self._replays.setdefault(channel, {})[conn] = buffer
+        try:
+            await self.subscribe(conn, spec)
+            read = await backplane.history(channel, policy, since)
+        except backplane.errors as exc:
+            backplane.outage.failed(exc)
+            raise BackplaneUnavailable("history", exc) from exc
+        else:
+            at = conn.positions.get(channel)
+            if at is None or at[0] != read.epoch or at[1] < read.top:
+                conn.positions[channel] = (read.epoch, read.top)  # the replay brings it there
+            answer: dict[str, Any] = {"epoch": read.epoch, "seq": read.top}
+            if since is not None:
+                plan = plan_resume(since, read, policy, now_ms())
+                answer["recovered"] = plan.recovered
+                if plan.recovered:
+                    self.recoveries["served"] += 1
+                    for entry in plan.entries:
+                        if conn.closed:
+                            break
+                        self._push(conn, entry.text.encode("utf-8"))
+                    self.replayed += len(plan.entries)
+                    answer["replayed"] = len(plan.entries)
+                else:
+                    self.recoveries["failed"] += 1
+                    answer["reason"] = plan.reason
+            return answer
+        finally:
+            self._end_replay(conn, channel, buffer)
+
+    def _end_replay(self, conn: Connection, channel: str, buffer: list[tuple[int, str, bytes]]) -> None:
+        """Send what arrived live during a replay, in ``seq`` order, what it held skipped."""
+        replays = self._replays.get(channel)
+        if replays is not None:
+            replays.pop(conn, None)
+            if not replays:
+                del self._replays[channel]
+        for seq, epoch, payload in sorted(buffer, key=lambda item: item[0]):
+            if conn.closed or channel not in conn.subscriptions:
+                return
+            self._push_kept(conn, channel, seq, epoch, payload)
+
+    def _push_kept(self, conn: Connection, channel: str, seq: int, epoch: str, payload: bytes) -> None:
+        """A frame of a channel with history, unless this connection had it already: a
+        replay sent it, or it arrives late (a frame queued for this process before it
+        left the channel and joined again, a publisher overtaken by another)."""
+        at = conn.positions.get(channel)
+        if at is not None and at[0] == epoch and seq <= at[1]:
+            return
+        conn.positions[channel] = (epoch, seq)
+        self._push(conn, payload)
 
     async def unsubscribe(self, conn: Connection, channel: str) -> bool:
         """Remove ``conn`` from ``channel``; the last one out stops what the channel held."""
@@ -514,7 +588,7 @@ class Hub:
             if delivery.seq and delivery.channel in self.subscribers:
                 if delivery.seq > self.last_seq.get(delivery.channel, 0):
                     self.last_seq[delivery.channel] = delivery.seq
-            self.fanout(delivery.channel, delivery.text)
+            self.fanout(delivery.channel, delivery.text, delivery.seq, delivery.epoch)
         elif delivery.kind == "released":
             self.reconciler.released_elsewhere(delivery.channel)
             if self.reconciler.next_action(delivery.channel) is not None:
@@ -557,12 +631,23 @@ class Hub:
             conn.guard.close(code, reason)
         self.forget(conn)
 
-    def fanout(self, channel: str, text: str) -> None:
-        """Hand one encoded frame to every local subscriber of ``channel``, guarded."""
+    def fanout(self, channel: str, text: str, seq: int = 0, epoch: str = "") -> None:
+        """Hand one encoded frame to every local subscriber of ``channel``, guarded. A frame
+        of a channel with history (``epoch``) goes to each connection once, in order, and
+        after its replay (see :meth:`subscribe_kept`)."""
         subs = self.subscribers.get(channel)
         if not subs:
             return
         payload = text.encode("utf-8")  # once per publication, not per subscriber
+        if epoch:
+            replays = self._replays.get(channel, {})
+            for conn in tuple(subs):
+                buffer = replays.get(conn)
+                if buffer is not None:
+                    buffer.append((seq, epoch, payload))
+                else:
+                    self._push_kept(conn, channel, seq, epoch, payload)
+            return
         for conn in tuple(subs):
             try:
                 decision = conn.guard.send(payload)
@@ -571,6 +656,16 @@ class Hub:
                 continue
             if decision is not SEND:
                 self._account(conn, decision)
+
+    def _push(self, conn: Connection, payload: bytes) -> None:
+        """One frame of a channel to one connection, guarded (as :meth:`fanout` does)."""
+        try:
+            decision = conn.guard.send(payload)
+        except Exception as exc:
+            self._send_failed(conn, exc)
+            return
+        if decision is not SEND:
+            self._account(conn, decision)
 
     def send_to(self, conn: Connection, text: str, *, response: bool = False) -> Decision:
         """Send one frame to one connection through its guard (RPC responses, errors)."""
@@ -720,8 +815,10 @@ class Hub:
         backplane = self.backplane
         assert backplane is not None
         data_json = encode_publication(channel, data)
+        spec = self.specs.get(channel) or registry.exact.get(channel)
+        history = spec.history if spec is not None else None
         try:
-            seq = await backplane.publish(channel, data_json, self.last_seq.get(channel, 0))
+            seq = await backplane.publish(channel, data_json, self.last_seq.get(channel, 0), history)
         except backplane.errors as exc:
             backplane.outage.failed(exc)
             raise BackplaneUnavailable("publish", exc) from exc
@@ -752,6 +849,16 @@ class Hub:
             "slow_consumers": slow_count,
             "drops": self.drops,
             "closes": self.closes,
+        }
+
+    def history_probe(self, top: int) -> dict[str, Any]:
+        """Channels with history as this process last saw them, and its recoveries."""
+        seen = self.backplane.histories if self.backplane is not None else {}
+        busiest = sorted(seen.items(), key=lambda item: (-item[1][1], item[0]))[:top]
+        return {
+            "channels": {name: {"epoch": epoch, "kept": kept} for name, (epoch, kept) in busiest},
+            "recoveries": dict(self.recoveries),
+            "replayed": self.replayed,
         }
 
     def probe(self) -> dict[str, Any]:
@@ -787,6 +894,7 @@ class Hub:
                 "bucket": self.shared_bucket,
                 "closed_for_refusals": self.refusal_closes,
             },
+            "history": self.history_probe(top),
             "send_failures": self.send_failures,
             "stale_ticks": self.stale_ticks,
             "backplane": {

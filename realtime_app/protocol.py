@@ -35,6 +35,8 @@ __all__ = [
     "encode",
     "error_response",
     "message_notification",
+    "notification_head",
+    "notification_tail",
     "notification_text",
     "parse_frame",
     "result_response",
@@ -102,6 +104,7 @@ class MessageParams(TypedDict):
     channel: str
     data: Any
     seq: int
+    epoch: NotRequired[str]  # channels with history
     ts: int
 
 
@@ -229,17 +232,28 @@ def encode(message: Any) -> str:
     return text
 
 
-def notification_text(channel: str, data_json: str, seq: int, ts: int) -> str:
+def notification_text(channel: str, data_json: str, seq: int, ts: int, epoch: str | None = None) -> str:
     """The ``message`` notification of one publication whose data is already encoded.
 
     The data is encoded once, before a ``seq`` is taken (so a publication that cannot be
     encoded burns no number), and spliced in here; the result equals
-    ``encode({"jsonrpc": "2.0", "method": "message", "params": {...}})``.
+    ``encode({"jsonrpc": "2.0", "method": "message", "params": {...}})``. A channel with
+    history adds its ``epoch`` after ``seq`` (the Redis backplane builds the same tail in
+    Lua: :func:`notification_tail` is the one format).
     """
-    return (
-        f'{{"jsonrpc":"2.0","method":"message","params":{{"channel":{encode(channel)},'
-        f'"data":{data_json},"seq":{int(seq)},"ts":{int(ts)}}}}}'
-    )
+    return notification_head(channel, data_json) + notification_tail(seq, ts, epoch)
+
+
+def notification_head(channel: str, data_json: str) -> str:
+    """Everything of a ``message`` notification before its ``seq``."""
+    return f'{{"jsonrpc":"2.0","method":"message","params":{{"channel":{encode(channel)},"data":{data_json}'
+
+
+def notification_tail(seq: int, ts: int, epoch: str | None = None) -> str:
+    """``seq``, ``epoch`` (a channel with history) and ``ts``, closing the notification."""
+    if epoch is None:
+        return f',"seq":{int(seq)},"ts":{int(ts)}}}}}'
+    return f',"seq":{int(seq)},"epoch":{encode(epoch)},"ts":{int(ts)}}}}}'
 
 
 def message_notification(channel: str, data: Any, seq: int, ts: int) -> str:

@@ -45,7 +45,7 @@ async def apublish(channel: str, data: Any) -> int:
     data_json = encode_publication(spec.name, data)
     backplane = make_backplane()
     try:
-        return await backplane.publish(spec.name, data_json)
+        return await backplane.publish(spec.name, data_json, history=spec.history)
     except backplane.errors as exc:
         raise BackplaneUnavailable("publish", exc) from exc
     finally:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
 from .exceptions import ConfigurationError, UnknownChannel
+from .history import HistoryPolicy
 from .rate import RateBounds, is_rate_channel, parse_rate, rate_channel
 
 __all__ = [
@@ -55,6 +56,7 @@ class ChannelSpec:
     base: str
     interval_ms: int | None = None
     factory: Factory | None = field(default=None, compare=False, repr=False)
+    history: HistoryPolicy | None = None  # event channels that keep their past (docs/recovery.md)
 
     def __str__(self) -> str:
         return self.name
@@ -116,12 +118,17 @@ class Registry:
         self.families[base] = fam
         return fam
 
-    def add_channel(self, name: str, kind: ChannelKind, factory: Factory | None = None) -> ChannelSpec:
-        """Register an exact state channel (optional factory) or an event channel (none)."""
+    def add_channel(
+        self, name: str, kind: ChannelKind, factory: Factory | None = None, history: HistoryPolicy | None = None
+    ) -> ChannelSpec:
+        """Register an exact state channel (optional factory) or an event channel (none,
+        optional history)."""
         self._check_free(name)
         if kind == "event" and factory is not None:
             raise ConfigurationError(f"event channel {name!r} cannot have a factory: application code publishes it")
-        spec = ChannelSpec(name, kind, name, None, factory)
+        if history is not None and kind != "event":
+            raise ConfigurationError(f"channel {name!r}: only event channels keep a history")
+        spec = ChannelSpec(name, kind, name, None, factory, history)
         self.exact[name] = spec
         return spec
 
@@ -230,6 +237,26 @@ def state_channel(name: str) -> Callable[[Factory], Factory]:
     return register
 
 
-def event_channel(name: str) -> ChannelSpec:
-    """Register an event channel: every message counts, published with ``publish()``."""
-    return registry.add_channel(name, "event")
+#: Most publications one channel may keep (each is kept whole, on the backplane).
+MAX_HISTORY_SIZE = 100_000
+
+
+def event_channel(name: str, *, history_size: int = 0, history_ttl_s: int = 300) -> ChannelSpec:
+    """Register an event channel: every message counts, published with ``publish()``.
+
+    ``history_size`` > 0 keeps the last that many publications, none older than
+    ``history_ttl_s``, so that a client that missed some (a drop, a 1013, a reconnect)
+    gets them again by subscribing ``since`` the last it saw (docs/recovery.md).
+    """
+    history = None
+    if isinstance(history_size, bool) or not isinstance(history_size, int) or not 0 <= history_size <= MAX_HISTORY_SIZE:
+        raise ConfigurationError(
+            f"event channel {name!r}: history_size must be an integer 0..{MAX_HISTORY_SIZE}, got {history_size!r}"
+        )
+    if history_size:
+        if isinstance(history_ttl_s, bool) or not isinstance(history_ttl_s, int) or history_ttl_s < 1:
+            raise ConfigurationError(
+                f"event channel {name!r}: history_ttl_s must be a positive integer, got {history_ttl_s!r}"
+            )
+        history = HistoryPolicy(history_size, history_ttl_s)
+    return registry.add_channel(name, "event", history=history)

@@ -17,9 +17,9 @@ class RecordingBackplane(MemoryBackplane):
     async def leave(self, channel: str) -> None:
         CALLS.append(("leave", channel))
 
-    async def publish(self, channel: str, data_json: str, floor: int = 0) -> int:
+    async def publish(self, channel: str, data_json: str, floor: int = 0, history: Any = None) -> int:
         CALLS.append(("publish", channel))
-        return await super().publish(channel, data_json, floor)
+        return await super().publish(channel, data_json, floor, history)
 
 
 class GatedBackplane(MemoryBackplane):

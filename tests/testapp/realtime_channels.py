@@ -71,6 +71,7 @@ def broken(channel: ChannelSpec, publish: Any) -> None:
 
 
 realtime_app.event_channel("test:events")
+realtime_app.event_channel("test:short-history", history_size=5, history_ttl_s=60)
 
 
 @realtime_app.rpc_method("test.echo")

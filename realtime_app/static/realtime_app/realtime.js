@@ -162,6 +162,106 @@ export function retryDelayMs(retryAfterMs, u = Math.random()) {
   return Math.ceil(retryAfterMs * (1 + 0.25 * u));
 }
 
+/** Messages held while a gap is recovered, at most; past it the client resyncs. */
+export const MAX_HELD = 10000;
+
+/**
+ * Where the application is in one channel with history: each message once, in order, or
+ * a resync. The twin of realtime_app/cursor.py (both pass tests/vectors/cursor.json).
+ * `message(params)` and `answer(result)` return actions: ["deliver", params],
+ * ["recover", since] (subscribe again with `since`), ["recovered", replayed],
+ * ["resync", {epoch, seq, reason}] (the gap cannot be filled: reload the state).
+ */
+export class EventCursor {
+  constructor() {
+    this.epoch = null;
+    this.seq = 0;
+    this.recovering = false;
+    this._held = new Map(); // "epoch seq" -> {epoch, seq, params}
+    this._start = 0;
+  }
+
+  /** The `since` of the next subscribe (null before the first position). */
+  since() { return this.epoch === null ? null : { seq: this.seq, epoch: this.epoch }; }
+
+  /** A subscribe with `since()` is being sent (a reconnect). */
+  resuming() { this.recovering = true; this._start = this.seq; }
+
+  /** The connection closed: what was held comes again with the resume. */
+  closed() { this.recovering = false; this._held.clear(); }
+
+  message(params) {
+    const { epoch, seq } = params;
+    if (!Number.isInteger(seq) || typeof epoch !== "string") return [["deliver", params]];
+    if (this.epoch === null && !this.recovering) {
+      this.epoch = epoch; this.seq = seq;
+      return [["deliver", params]];
+    }
+    if (epoch === this.epoch) {
+      if (seq <= this.seq) return [];
+      if (seq === this.seq + 1) {
+        this.seq = seq;
+        return [["deliver", params], ...this._drain()];
+      }
+    } else if (!this.recovering) {
+      this._held.clear();
+      const actions = [["resync", { epoch, seq: seq - 1, reason: "epoch_changed" }]];
+      this.epoch = epoch; this.seq = seq;
+      return [...actions, ["deliver", params], ...this._drain()];
+    }
+    this._held.set(`${epoch} ${seq}`, { epoch, seq, params });
+    if (this._held.size > MAX_HELD) {
+      this._held.clear();
+      return this._giveUp(epoch, seq, "too_many_held");
+    }
+    return this.recovering ? [] : this._recover();
+  }
+
+  answer(result) {
+    const epoch = result.epoch;
+    const top = result.seq;
+    const recovering = this.recovering;
+    this.recovering = false;
+    if (!("recovered" in result)) {
+      if (this.epoch === null) { this.epoch = epoch; this.seq = top; }
+      return this._drain();
+    }
+    if (!result.recovered) return this._giveUp(epoch, top, result.reason || "not_recovered");
+    if (epoch === this.epoch && this.seq < top) {
+      if (recovering && this.seq === this._start) return this._giveUp(epoch, top, "replay_lost");
+      return this._recover();
+    }
+    return [["recovered", result.replayed || 0], ...this._drain()];
+  }
+
+  _giveUp(epoch, top, reason) {
+    if (epoch !== this.epoch || top > this.seq) { this.epoch = epoch; this.seq = top; }
+    const actions = [["resync", { epoch: this.epoch, seq: this.seq, reason }]];
+    this.recovering = false;
+    return [...actions, ...this._drain()];
+  }
+
+  _recover() {
+    this.recovering = true;
+    this._start = this.seq;
+    return [["recover", this.since()]];
+  }
+
+  _drain() {
+    for (const [key, held] of this._held) {
+      if (held.epoch !== this.epoch || held.seq <= this.seq) this._held.delete(key);
+    }
+    const actions = [];
+    for (let next; (next = this._held.get(`${this.epoch} ${this.seq + 1}`));) {
+      this._held.delete(`${this.epoch} ${this.seq + 1}`);
+      this.seq += 1;
+      actions.push(["deliver", next.params]);
+    }
+    if (this._held.size && !this.recovering) actions.push(...this._recover());
+    return actions;
+  }
+}
+
 function defaultUrl() {
   const scheme = globalThis.location && globalThis.location.protocol === "https:" ? "wss" : "ws";
   return `${scheme}://${globalThis.location.host}/realtime/`;
@@ -171,7 +271,11 @@ function defaultUrl() {
  * WebSocket client of the realtime_app endpoint. Events: "state" (detail: "connecting" |
  * "open" | "reconnecting" | "closed"), "close" (detail: {code, reason, willReconnect}),
  * "subscribed" (detail: subscribe result), "subscribeerror" (detail: {channel, error}:
- * a subscribe the server refused, also when it is renewed after a reconnect).
+ * a subscribe the server refused, also when it is renewed after a reconnect). Channels
+ * with history (docs/recovery.md) are delivered once and in order across drops and
+ * reconnects: "recovered" (detail: {channel, replayed}) when a resume filled a gap,
+ * "resync" (detail: {channel, epoch, seq, reason}) when messages were missed for good and
+ * the application should reload its state.
  */
 export class RealtimeClient extends EventTarget {
   /**
@@ -198,6 +302,7 @@ export class RealtimeClient extends EventTarget {
     this._waiters = new Map(); // requested name -> [{resolve, reject}] until the server answers
     this._answers = new Map(); // requested name -> the server's last answer
     this._onError = new Map(); // requested name -> Set(onError)
+    this._cursors = new Map(); // canonical name -> EventCursor (channels with history)
     this._stopped = true;
     this._timer = null;
   }
@@ -232,6 +337,7 @@ export class RealtimeClient extends EventTarget {
 
   _onClose(code, reason) {
     this._ws = null;
+    for (const cursor of this._cursors.values()) cursor.closed();
     for (const [id, call] of this._pending) {
       clearTimeout(call.timer);
       call.reject(new Error(`connection closed (${code})`));
@@ -263,6 +369,55 @@ export class RealtimeClient extends EventTarget {
   }
 
   _deliver(params) {
+    if (typeof params.epoch === "string") { // a channel with history: in order, once
+      if (!this._cursors.has(params.channel)) this._cursors.set(params.channel, new EventCursor());
+      this._act(params.channel, this._cursors.get(params.channel).message(params));
+      return;
+    }
+    this._handOver(params);
+  }
+
+  _act(channel, actions) {
+    for (const [kind, value] of actions) {
+      if (kind === "deliver") this._handOver(value);
+      else if (kind === "recover") this._recover(channel);
+      else if (kind === "recovered") this.dispatchEvent(new CustomEvent("recovered", { detail: { channel, replayed: value } }));
+      else {
+        console.warn(`${channel}: messages missed for good (${value.reason}): resync`);
+        this.dispatchEvent(new CustomEvent("resync", { detail: { channel, ...value } }));
+      }
+    }
+  }
+
+  _applyAnswer(channel, result, cursor) {
+    if (result && result.epoch !== undefined) {
+      if (!this._cursors.has(channel)) this._cursors.set(channel, new EventCursor());
+      this._act(channel, this._cursors.get(channel).answer(result));
+    } else if (cursor) { // the channel keeps no history (any more)
+      this._cursors.delete(channel);
+      if (result && result.recovered === false) {
+        this._act(channel, [["resync", { epoch: cursor.epoch, seq: cursor.seq, reason: result.reason || "no_history" }]]);
+      }
+    }
+  }
+
+  /** Subscribe again `since` the last message: the server replays the gap. */
+  async _recover(channel) {
+    for (;;) {
+      const cursor = this._cursors.get(channel);
+      if (!cursor || !cursor.recovering || !this._ws || this._ws.readyState !== 1) return;
+      try {
+        const result = await this._callOnce("subscribe", { channel, since: cursor.since() }, {});
+        this._applyAnswer(channel, result, cursor);
+        return;
+      } catch (err) {
+        const delay = err instanceof RefusedError ? retryDelayMs(err.retryAfterMs) : 1000;
+        await new Promise((resolve) => setTimeout(resolve, delay));
+      }
+    }
+  }
+
+  _handOver(params) {
     for (const [name, handlers] of this._handlers) {
       if (this._canonical.get(name) === params.channel || name === params.channel) {
         for (const handler of handlers) {
@@ -319,10 +474,16 @@ export class RealtimeClient extends EventTarget {
   }
 
   async _subscribeRemote(name) {
+    const canonical = this._canonical.get(name) || name;
+    const cursor = this._cursors.get(canonical);
+    const params = { channel: name };
+    if (cursor && cursor.since()) { params.since = cursor.since(); cursor.resuming(); } // a resume
     let result;
     try {
-      result = await this.call("subscribe", { channel: name });
+      result = await this.call("subscribe", params);
+      this._applyAnswer(canonical, result, cursor);
     } catch (error) {
+      if (cursor) cursor.closed(); // no resume running: the next subscribe tries again
       if (!this._handlers.has(name)) throw error; // unsubscribed meanwhile
       for (const waiter of this._waiters.get(name) || []) waiter.reject(error);
       this._waiters.delete(name);
@@ -381,6 +542,7 @@ export class RealtimeClient extends EventTarget {
     const canonical = this._canonical.get(channel) || channel;
     this._canonical.delete(channel);
     const stillUsed = [...this._canonical.values()].includes(canonical);
+    if (!stillUsed) this._cursors.delete(canonical);
     if (!stillUsed && this._ws && this._ws.readyState === 1) {
       await this.call("unsubscribe", { channel }).catch(() => {});
     }

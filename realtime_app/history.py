@@ -1,0 +1,165 @@
+"""Event history: what a channel with history keeps, and the rule that decides a resume.
+
+A channel declared with ``event_channel(name, history_size=N, history_ttl_s=T)`` keeps
+its last ``N`` publications, none older than ``T`` seconds, on the backplane, numbered by
+``seq`` under an **epoch**: a token that changes whenever the history is lost (Redis
+flushed or restarted empty, a key evicted), so that "nothing missed" and "history gone"
+are never confused. A client that saw ``(epoch, seq)`` asks ``since`` it; the backplane
+reads what followed, and :func:`plan_resume` decides whether that fills the gap.
+
+Pure: no I/O, no Django. :class:`MemoryHistory` is the embedded backplane's store.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "MAX_EPOCH_LENGTH",
+    "HistoryEntry",
+    "HistoryPolicy",
+    "HistoryRead",
+    "MemoryHistory",
+    "Resume",
+    "Since",
+    "new_epoch",
+    "plan_resume",
+]
+
+#: Longest epoch a client may send back (ours are 16 hex characters).
+MAX_EPOCH_LENGTH = 64
+
+
+def new_epoch() -> str:
+    """A fresh epoch: 64 random bits in hex (JSON-safe, no escaping in any encoder)."""
+    return secrets.token_hex(8)
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryPolicy:
+    """How much of a channel's past the backplane keeps: ``size`` publications, each for
+    at most ``ttl_s`` seconds."""
+
+    size: int
+    ttl_s: int
+
+    @property
+    def ttl_ms(self) -> int:
+        return self.ttl_s * 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Since:
+    """A client's position: the last ``seq`` it was given, under ``epoch``."""
+
+    seq: int
+    epoch: str
+
+    @classmethod
+    def parse(cls, value: Any) -> Since:
+        """``{"seq": int >= 0, "epoch": str}`` → :class:`Since`; ``ValueError`` says what is wrong."""
+        if not isinstance(value, dict):
+            raise ValueError('"since" must be an object {"seq": int, "epoch": str}')
+        seq, epoch = value.get("seq"), value.get("epoch")
+        if not isinstance(seq, int) or isinstance(seq, bool) or not 0 <= seq < 2**53:
+            raise ValueError('"since.seq" must be an integer >= 0')
+        if not isinstance(epoch, str) or not 0 < len(epoch) <= MAX_EPOCH_LENGTH:
+            raise ValueError(f'"since.epoch" must be a non-empty string of at most {MAX_EPOCH_LENGTH} characters')
+        return cls(seq, epoch)
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryEntry:
+    """One kept publication: its ``seq``, its server time and its encoded notification."""
+
+    seq: int
+    ts: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryRead:
+    """What the backplane answered: the epoch, the channel's last ``seq`` (``top``), how
+    many publications it keeps now (``size``) and the entries after the asked ``seq``
+    (empty when not asked, or when they cannot fill the gap anyway)."""
+
+    epoch: str
+    top: int
+    size: int = 0
+    entries: list[HistoryEntry] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """The answer to ``since``: ``recovered`` and the entries to send, in order."""
+
+    recovered: bool
+    entries: list[HistoryEntry]
+    reason: str = ""  # why not recovered: "epoch_changed", "too_old", "ahead"
+
+
+def plan_resume(since: Since, read: HistoryRead, policy: HistoryPolicy, now_ms: int) -> Resume:
+    """Whether the history fills the gap after ``since``: the epoch is the same and every
+    publication from ``since.seq + 1`` to ``read.top`` is kept and younger than the TTL."""
+    if since.epoch != read.epoch:
+        return Resume(False, [], "epoch_changed")
+    if since.seq > read.top:
+        return Resume(False, [], "ahead")  # a position this history never gave out
+    missed = read.top - since.seq
+    if missed == 0:
+        return Resume(True, [])
+    entries = [e for e in read.entries if since.seq < e.seq <= read.top]
+    oldest = now_ms - policy.ttl_ms
+    if (
+        len(entries) != missed
+        or entries[0].seq != since.seq + 1
+        or entries[-1].seq != read.top
+        or entries[0].ts < oldest
+    ):
+        return Resume(False, [], "too_old")
+    return Resume(True, entries)
+
+
+class _Log:
+    __slots__ = ("entries", "epoch")
+
+    def __init__(self, size: int) -> None:
+        self.epoch = new_epoch()
+        self.entries: deque[HistoryEntry] = deque(maxlen=size)
+
+
+class MemoryHistory:
+    """The histories of one process (the embedded backplane): a bounded deque per channel
+    under an epoch drawn when the process first needs it."""
+
+    def __init__(self) -> None:
+        self._logs: dict[str, _Log] = {}
+
+    def _log(self, channel: str, policy: HistoryPolicy) -> _Log:
+        log = self._logs.get(channel)
+        if log is None or log.entries.maxlen != policy.size:
+            log = self._logs[channel] = _Log(policy.size)
+        return log
+
+    def epoch(self, channel: str, policy: HistoryPolicy) -> str:
+        return self._log(channel, policy).epoch
+
+    def append(self, channel: str, policy: HistoryPolicy, entry: HistoryEntry) -> None:
+        self._log(channel, policy).entries.append(entry)
+
+    def size(self, channel: str) -> int:
+        log = self._logs.get(channel)
+        return len(log.entries) if log is not None else 0
+
+    def read(self, channel: str, policy: HistoryPolicy, top: int, since: Since | None, now_ms: int) -> HistoryRead:
+        log = self._log(channel, policy)
+        oldest = now_ms - policy.ttl_ms
+        while log.entries and log.entries[0].ts < oldest:  # expired: gone, as in Redis
+            log.entries.popleft()
+        entries: list[HistoryEntry] = []
+        if since is not None and since.epoch == log.epoch and 0 < top - since.seq <= policy.size:
+            entries = [e for e in log.entries if e.seq > since.seq]
+        return HistoryRead(log.epoch, top, len(log.entries), entries)

@@ -1,0 +1,199 @@
+"""Event history and resume, in-process (the embedded backplane): the rule, the wire, the
+race between a replay and live publications, and bad ``since`` values."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from django.test import override_settings
+
+from realtime_app import ConfigurationError
+from realtime_app.backplane_memory import MemoryBackplane
+from realtime_app.conf import get_config
+from realtime_app.history import HistoryEntry, HistoryPolicy, HistoryRead, Since, plan_resume
+from realtime_app.protocol import encode, notification_text
+from realtime_app.registry import Registry, event_channel
+from tests.test_consumer import Client
+
+POLICY = HistoryPolicy(size=5, ttl_s=60)
+
+
+def read(epoch: str, top: int, seqs: list[int], ts: int = 1_000_000) -> HistoryRead:
+    return HistoryRead(epoch, top, len(seqs), [HistoryEntry(s, ts, f"t{s}") for s in seqs])
+
+
+@pytest.mark.parametrize(
+    ("since", "history", "recovered", "sent", "reason"),
+    [
+        (Since(3, "e"), read("e", 5, [4, 5]), True, [4, 5], ""),
+        (Since(5, "e"), read("e", 5, []), True, [], ""),  # nothing missed
+        (Since(3, "e"), read("f", 5, [4, 5]), False, [], "epoch_changed"),
+        (Since(1, "e"), read("e", 5, [3, 4, 5]), False, [], "too_old"),  # 2 is gone
+        (Since(3, "e"), read("e", 6, [4, 5]), False, [], "too_old"),  # 6 not kept
+        (Since(9, "e"), read("e", 5, [1, 2, 3, 4, 5]), False, [], "ahead"),
+    ],
+)
+def test_a_resume_is_recovered_only_when_every_missed_publication_is_kept(since, history, recovered, sent, reason):
+    plan = plan_resume(since, history, POLICY, now_ms=1_000_000)
+    assert (plan.recovered, [e.seq for e in plan.entries], plan.reason) == (recovered, sent, reason)
+
+
+def test_a_publication_older_than_the_ttl_counts_as_gone():
+    history = read("e", 5, [4, 5], ts=1_000_000)
+    assert plan_resume(Since(3, "e"), history, POLICY, now_ms=1_000_000 + 60_000).recovered
+    late = plan_resume(Since(3, "e"), history, POLICY, now_ms=1_000_000 + 60_001)
+    assert (late.recovered, late.reason) == (False, "too_old")
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        5,
+        {"seq": -1, "epoch": "e"},
+        {"seq": True, "epoch": "e"},
+        {"seq": 1},
+        {"seq": 1, "epoch": ""},
+        {"seq": 1, "epoch": "x" * 65},
+        {"seq": 1.5, "epoch": "e"},
+        {"seq": 2**53, "epoch": "e"},
+    ],
+)
+def test_since_is_validated(value):
+    with pytest.raises(ValueError):
+        Since.parse(value)
+
+
+def test_history_is_declared_on_event_channels_only_and_bounded():
+    registry = Registry()
+    assert registry.add_channel("a", "event", history=POLICY).history == POLICY
+    with pytest.raises(ConfigurationError):
+        registry.add_channel("b", "state", history=POLICY)
+    for bad in (
+        {"history_size": -1},
+        {"history_size": 10**6},
+        {"history_size": 10, "history_ttl_s": 0},
+        {"history_size": True},
+    ):
+        with pytest.raises(ConfigurationError):
+            event_channel("demo:never", **bad)
+
+
+def test_the_epoch_goes_after_seq_and_the_text_is_plain_json():
+    text = notification_text("c", encode({"x": 1}), 7, 123, "abc")
+    assert text == encode(
+        {
+            "jsonrpc": "2.0",
+            "method": "message",
+            "params": {"channel": "c", "data": {"x": 1}, "seq": 7, "epoch": "abc", "ts": 123},
+        }
+    )
+
+
+async def test_messages_carry_the_epoch_and_a_reconnect_gets_what_it_missed_first(hub):
+    async with Client() as publisher:
+        async with Client() as c:
+            first = (await c.call("subscribe", {"channel": "demo:events"}))["result"]
+            assert first["kind"] == "event" and isinstance(first["epoch"], str) and "recovered" not in first
+            for i in range(3):
+                await publisher.call("publish", {"channel": "demo:events", "data": i})
+            seen = await c.frames(3)
+            assert [f["epoch"] for f in seen] == [first["epoch"]] * 3
+            assert [f["seq"] for f in seen] == [first["seq"] + 1, first["seq"] + 2, first["seq"] + 3]
+        last = seen[-1]
+        for i in range(3, 8):  # published while away
+            await publisher.call("publish", {"channel": "demo:events", "data": i})
+        async with Client() as c:
+            answer_id = await c.call_nowait(
+                "subscribe", {"channel": "demo:events", "since": {"seq": last["seq"], "epoch": last["epoch"]}}
+            )
+            replayed = await c.frames(5)
+            answer = await c.recv()
+            assert answer["id"] == answer_id
+            assert answer["result"]["recovered"] is True and answer["result"]["replayed"] == 5
+            assert [f["data"] for f in replayed] == [3, 4, 5, 6, 7]
+            assert [f["seq"] for f in replayed] == list(range(last["seq"] + 1, last["seq"] + 6))
+            await publisher.call("publish", {"channel": "demo:events", "data": "live"})
+            assert (await c.frames(1))[0]["data"] == "live"
+            assert hub.probe()["history"]["recoveries"]["served"] == 1
+            assert hub.probe()["history"]["replayed"] == 5
+
+
+async def test_a_resume_too_old_or_of_another_epoch_is_not_recovered(hub):
+    async with Client() as c:
+        first = (await c.call("subscribe", {"channel": "test:short-history"}))["result"]
+        for i in range(8):
+            await hub.publish("test:short-history", i)
+        await c.frames(8)
+        too_old = await c.call(
+            "subscribe", {"channel": "test:short-history", "since": {"seq": first["seq"], "epoch": first["epoch"]}}
+        )
+        assert too_old["result"]["recovered"] is False and too_old["result"]["reason"] == "too_old"
+        assert too_old["result"]["seq"] == first["seq"] + 8 and too_old["result"]["epoch"] == first["epoch"]
+        other = await c.call("subscribe", {"channel": "test:short-history", "since": {"seq": 1, "epoch": "nope"}})
+        assert other["result"]["recovered"] is False and other["result"]["reason"] == "epoch_changed"
+        since = {"seq": first["seq"] + 3, "epoch": first["epoch"]}
+        await c.call_nowait("subscribe", {"channel": "test:short-history", "since": since})
+        assert [f["data"] for f in await c.frames(5)] == [3, 4, 5, 6, 7]  # a resume while subscribed
+        kept = await c.recv()
+        assert kept["result"]["recovered"] is True and kept["result"]["replayed"] == 5
+        assert hub.probe()["history"]["recoveries"] == {"served": 1, "failed": 2}
+        assert hub.probe()["history"]["channels"]["test:short-history"]["kept"] == 5
+
+
+async def test_bad_since_is_invalid_params_and_a_channel_without_history_says_so(hub):
+    async with Client() as c:
+        bad = await c.call("subscribe", {"channel": "demo:events", "since": {"seq": "x", "epoch": "e"}})
+        assert bad["error"]["code"] == -32602 and bad["error"]["data"]["reason"] == "invalid_since"
+        assert "demo:events" not in hub.subscribers  # nothing half-done
+        none = (await c.call("subscribe", {"channel": "test:events", "since": {"seq": 1, "epoch": "e"}}))["result"]
+        assert none["recovered"] is False and none["reason"] == "no_history" and "epoch" not in none
+        assert (await c.call("ping"))["result"] == "pong"
+
+
+class GatedHistory(MemoryBackplane):
+    """Reading a history waits for ``gate``: live publications arrive during the replay."""
+
+    gate: asyncio.Event | None = None
+    reading: asyncio.Event | None = None
+
+    async def history(self, channel, policy, since=None):
+        assert GatedHistory.gate is not None and GatedHistory.reading is not None
+        result = await super().history(channel, policy, since)
+        GatedHistory.reading.set()
+        await GatedHistory.gate.wait()  # what was read is now older than what is published
+        return result
+
+
+async def test_live_publications_during_a_replay_come_after_it_in_order_none_twice():
+    from realtime_app.hub import get_hub
+
+    GatedHistory.gate, GatedHistory.reading = asyncio.Event(), asyncio.Event()
+    with override_settings(REALTIME_APP={**get_config(), "BACKPLANE": "tests.test_history.GatedHistory"}):
+        hub = await get_hub()
+        try:
+            GatedHistory.gate.set()
+            async with Client() as c:
+                first = (await c.call("subscribe", {"channel": "demo:events"}))["result"]
+                for i in range(4):
+                    await hub.publish("demo:events", i)
+                await c.frames(4)
+            for i in range(4, 10):  # missed
+                await hub.publish("demo:events", i)
+            GatedHistory.gate.clear()
+            GatedHistory.reading.clear()
+            async with Client() as c:
+                since = {"seq": first["seq"] + 4, "epoch": first["epoch"]}
+                await c.call_nowait("subscribe", {"channel": "demo:events", "since": since})
+                await asyncio.wait_for(GatedHistory.reading.wait(), 5)
+                for i in range(10, 15):  # live while the history is being read
+                    await hub.publish("demo:events", i)
+                GatedHistory.gate.set()
+                got = [f["data"] for f in await c.frames(11)]
+                assert got == list(range(4, 15))
+                answer = await c.recv()
+                assert answer["result"]["recovered"] is True and answer["result"]["replayed"] == 6
+                await hub.publish("demo:events", 15)
+                assert [f["data"] for f in await c.frames(1)] == [15]
+        finally:
+            await hub.aclose()
