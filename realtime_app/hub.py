@@ -566,7 +566,10 @@ class Hub:
         period = get_config()["LEASE_TTL_MS"] / 3000
         unreachable: tuple[type[BaseException], ...] = (*backplane.errors, TimeoutError)
         try:
-            intact = await asyncio.wait_for(backplane.check(), max(period, 0.5))
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that
+            # lands as check() returns, and the beat then outlives aclose() forever.
+            async with asyncio.timeout(max(period, 0.5)):
+                intact = await backplane.check()
         except unreachable as exc:
             backplane.outage.failed(exc)
             self._reassert = True

@@ -158,7 +158,8 @@ class ConcurrencyPool:
             return entered
         assert isinstance(entered.event, asyncio.Event)
         try:
-            await asyncio.wait_for(entered.event.wait(), self.settings.wait_timeout_ms / 1000)
+            async with asyncio.timeout(self.settings.wait_timeout_ms / 1000):  # wait_for may swallow a cancel
+                await entered.event.wait()
         except TimeoutError:
             with self._lock:
                 slot = self._leave(entered, "timeout")

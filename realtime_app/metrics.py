@@ -89,6 +89,7 @@ class _ProbeCollector:
         yield from _admission(instances, labels, label)
         yield from _http_pools(instances, labels, label)
         yield from _write_behind(instances, labels, label)
+        yield from _history(instances, labels, label)
         live = GaugeMetricFamily("realtime_instances", "Live processes in the cluster view")
         live.add_metric([], float(len(instances)))
         yield live
@@ -186,6 +187,24 @@ def _write_behind(instances: list[dict[str, Any]], labels: list[str], label: Any
             last.add_metric([*label(p), store], float(flush.get("at", 0)))
     families.append(last)
     yield from families
+
+
+def _history(instances: list[dict[str, Any]], labels: list[str], label: Any) -> Iterator[Metric]:
+    recoveries = CounterMetricFamily(
+        "realtime_history_recoveries", "Resumes answered, by result (served, failed)", labels=[*labels, "result"]
+    )
+    replayed = CounterMetricFamily("realtime_history_replayed", "Publications sent again from a history", labels=labels)
+    kept = GaugeMetricFamily(
+        "realtime_history_kept", "Publications a channel's history keeps, as last seen", labels=[*labels, "channel"]
+    )
+    for p in instances:
+        history = p.get("history", {})
+        for result, count in sorted(history.get("recoveries", {}).items()):
+            recoveries.add_metric([*label(p), result], float(count))
+        replayed.add_metric(label(p), float(history.get("replayed", 0)))
+        for channel, seen in sorted(history.get("channels", {}).items()):
+            kept.add_metric([*label(p), channel], float(seen.get("kept", 0)))
+    yield from (recoveries, replayed, kept)
 
 
 def render(probe: dict[str, Any]) -> bytes:

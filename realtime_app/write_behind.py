@@ -330,7 +330,8 @@ class WriteBehindStore(Generic[M]):
             if wait > 0:
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), wait)
+                    async with asyncio.timeout(wait):  # not wait_for: it may swallow a cancel (3.11)
+                        await self._wake.wait()
                 continue
             try:
                 await self.flush()

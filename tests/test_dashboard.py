@@ -136,3 +136,31 @@ def test_the_inventory_shows_accepted_at_once_and_durable_after_the_flush(site, 
     wait(browser, 5).until(lambda b: "saving…" in text(b, "#durable"))  # not durable yet (a 5 s delay)
     wait(browser, 20).until(lambda b: "saved ✓" in text(b, "#durable"))
     assert f"durable: ammo: {accepted}" in text(browser, "#durable")
+
+
+def test_the_events_missed_while_offline_are_recovered_once_in_order(site, browser):
+    import asyncio
+
+    from tests.wsclient import RPC
+
+    async def publish(texts):
+        async with RPC(site.ws) as rpc:
+            for t in texts:
+                assert "result" in await rpc.call("publish", {"channel": "demo:events", "data": {"text": t}})
+
+    browser.get(site.http + "/")
+    wait(browser, 15).until(lambda b: text(b, "#state") == "open")
+    asyncio.run(publish(["before"]))
+    wait(browser, 10).until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#events li")) == 1)
+    browser.find_element(By.ID, "offline").click()
+    wait(browser, 5).until(lambda b: text(b, "#state") == "reconnecting")
+    asyncio.run(publish([f"missed {i}" for i in range(12)]))
+    wait(browser, 20).until(lambda b: text(b, "#events-resume") == "recovered 12 missed events")
+    items = [li.text for li in browser.find_elements(By.CSS_SELECTOR, "#events li")]
+    assert len(items) == 13  # newest first, each once
+    assert [item.split(" ", 1)[1] for item in reversed(items)] == [
+        '{"text":"before"}',
+        *[f'{{"text":"missed {i}"}}' for i in range(12)],
+    ]
+    seqs = [int(item.split(" ", 1)[0][1:]) for item in reversed(items)]
+    assert seqs == list(range(seqs[0], seqs[0] + 13))

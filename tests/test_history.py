@@ -197,3 +197,19 @@ async def test_live_publications_during_a_replay_come_after_it_in_order_none_twi
                 assert [f["data"] for f in await c.frames(1)] == [15]
         finally:
             await hub.aclose()
+
+
+async def test_the_probe_and_metrics_show_histories_and_resumes(hub):
+    from realtime_app.metrics import render
+
+    async with Client() as c:
+        start = (await c.call("subscribe", {"channel": "test:short-history"}))["result"]
+        await hub.publish("test:short-history", "x")
+        await c.frames(1)
+        await c.call("subscribe", {"channel": "test:short-history", "since": {"seq": 0, "epoch": "gone"}})
+    probe = hub.probe()["history"]
+    assert probe["channels"]["test:short-history"] == {"epoch": start["epoch"], "kept": 1}
+    assert probe["recoveries"] == {"served": 0, "failed": 1}
+    text = render({"instances": [hub.probe()]}).decode()
+    assert "realtime_history_recoveries_total{" in text and 'result="failed"' in text
+    assert "realtime_history_kept{" in text and 'channel="test:short-history"' in text

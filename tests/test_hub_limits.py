@@ -3,10 +3,13 @@ a client can start, the probe's size, publications that cannot be sent."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from django.test import override_settings
 
 from realtime_app import PublicationError, PublicationTooLarge
+from realtime_app.backplane_memory import MemoryBackplane
 from realtime_app.conf import get_config
 from tests.test_consumer import Client
 from tests.testapp import backplanes
@@ -179,3 +182,35 @@ async def test_a_ticker_stops_publishing_once_its_lease_cannot_be_renewed():
         finally:
             backplanes.ClusteredMemoryBackplane.renew_fails = False
             await hub.aclose()
+
+
+class CancelledAsCheckReturns(MemoryBackplane):
+    """``check()`` arranges for the beat's task to be cancelled in the instant it returns."""
+
+    armed = False
+
+    async def check(self) -> bool:
+        if CancelledAsCheckReturns.armed:
+            task = next(t for t in asyncio.all_tasks() if t.get_name() == "realtime-maintain")
+            asyncio.get_running_loop().call_soon(task.cancel)
+        return True
+
+
+async def test_a_cancel_landing_as_the_beat_checks_the_backplane_stops_the_beat():
+    """Found: one run in two of an admission test hung 120 s in the hub's teardown; on
+    Python 3.11 ``asyncio.wait_for`` swallows a cancel that lands as the awaited call
+    returns, and the beat went on forever after ``aclose()`` cancelled it."""
+    from realtime_app.hub import get_hub
+
+    with settings_with(BACKPLANE="tests.test_hub_limits.CancelledAsCheckReturns", LEASE_TTL_MS=300):
+        hub = await get_hub()
+        maintain = next(t for t in hub._tasks if t.get_name() == "realtime-maintain")
+        CancelledAsCheckReturns.armed = True
+        try:
+            deadline = asyncio.get_running_loop().time() + 5
+            while not maintain.done() and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+            assert maintain.cancelled()
+        finally:
+            CancelledAsCheckReturns.armed = False
+            await asyncio.wait_for(hub.aclose(), 10)

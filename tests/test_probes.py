@@ -72,11 +72,14 @@ def test_health_and_metrics_are_for_staff(cluster):
         instance["admission"]
     )
     assert instance["admission"]["bucket"] == "shared"  # on Redis: users' buckets are the cluster's
+    assert set(instance["history"]) == {"channels", "recoveries", "replayed"}
+    assert set(instance["history"]["recoveries"]) == {"served", "failed"}
     status, text = get(a.http + "/realtime/metrics", headers={"Authorization": "Bearer s3cret"})
     assert status == 200 and "realtime_backpressure_drops_total" in text and "realtime_connections{" in text
     for metric in ("running{", "admitted_total{", "shared_bucket{"):
         assert f"realtime_admission_{metric}" in text
     assert "realtime_admission_refused_total{" in text and 'reason="rate_limited"' in text
+    assert "realtime_history_replayed_total{" in text and "# TYPE realtime_history_recoveries counter" in text
     assert get(a.http + "/realtime/metrics", headers={"Authorization": "Bearer wrong"})[0] == 401
 
 
@@ -125,6 +128,7 @@ async def test_realtime_probe_command(cluster):
     assert table.returncode == 0 and "worst queue" in table.stdout and "rpc run/wait" in table.stdout
     assert "http pools run/wait (503)" in table.stdout and "unsaved (oldest)" in table.stdout
     assert "heavy 0/0 (0)" in table.stdout
+    assert "resumes ok/lost (replayed)" in table.stdout and "0/0 (0)" in table.stdout
     assert str(a.process.pid) in table.stdout and str(b.process.pid) in table.stdout
     bad = await asyncio.to_thread(probe_command, "--watch", "0")
     assert bad.returncode != 0 and "positive" in bad.stderr

@@ -33,7 +33,14 @@ COLUMNS: list[tuple[str, Callable[[dict[str, Any]], Any]]] = [
     ("refused", lambda p: _refused(p.get("admission", {}).get("refused", {}))),
     ("http pools run/wait (503)", lambda p: _pools(p.get("http_pools", {}))),
     ("unsaved (oldest)", lambda p: _unsaved(p.get("write_behind", {}))),
+    ("resumes ok/lost (replayed)", lambda p: _resumes(p.get("history", {}))),
 ]
+
+
+def _resumes(history: dict[str, Any]) -> str:
+    """``12/1 (340)``: resumes recovered / not recovered, and the messages replayed."""
+    recoveries = history.get("recoveries", {})
+    return f"{recoveries.get('served', 0)}/{recoveries.get('failed', 0)} ({history.get('replayed', 0)})"
 
 
 def _unsaved(stores: dict[str, dict[str, Any]]) -> str:

@@ -41,6 +41,11 @@ function poolsText(pools) {
   }).join("; ");
 }
 
+function resumesText(h) {
+  const r = h.recoveries || {};
+  return `${r.served || 0} recovered, ${r.failed || 0} not, ${h.replayed || 0} replayed`;
+}
+
 function unsavedCell(stores) {
   const names = Object.keys(stores).sort();
   const td = cell(names.length ? names.map((name) => {
@@ -69,7 +74,7 @@ function render(probe) {
       cell(bp.slow_consumers || 0, true), cell(bp.drops || 0, true), cell(bp.closes || 0, true),
       cell(`${ad.running || 0} / ${ad.queued || 0}`, true), cell(ad.admitted || 0, true),
       cell(ad.coalesced || 0, true), cell(refusedText(ad.refused || {})), cell(ad.bucket || "–"),
-      cell(poolsText(p.http_pools || {})), unsavedCell(p.write_behind || {}),
+      cell(poolsText(p.http_pools || {})), unsavedCell(p.write_behind || {}), cell(resumesText(p.history || {})),
     );
     rows.append(tr);
     const series = history.get(p.instance) || [];

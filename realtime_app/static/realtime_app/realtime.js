@@ -305,6 +305,7 @@ export class RealtimeClient extends EventTarget {
     this._cursors = new Map(); // canonical name -> EventCursor (channels with history)
     this._stopped = true;
     this._timer = null;
+    this._blipMs = undefined; // set by reconnect(): the delay before the new connection
   }
 
   _setState(state) {
@@ -328,6 +329,16 @@ export class RealtimeClient extends EventTarget {
     ws.onclose = (event) => this._onClose(event.code, event.reason);
   }
 
+  /**
+   * Drop the connection now and open a new one after `delayMs`, as after a network blip
+   * (demos and tests): subscriptions are renewed, channels with history resume.
+   */
+  reconnect(delayMs = 0) {
+    if (!this._ws) return;
+    this._blipMs = delayMs;
+    this._ws.close(3000, "reconnect");
+  }
+
   /** Close for good (no reconnect). */
   close(code = 1000) {
     this._stopped = true;
@@ -343,11 +354,13 @@ export class RealtimeClient extends EventTarget {
       call.reject(new Error(`connection closed (${code})`));
       this._pending.delete(id);
     }
-    const willReconnect = !this._stopped && isReconnectableCloseCode(code);
+    const blip = this._blipMs;
+    this._blipMs = undefined;
+    const willReconnect = !this._stopped && (isReconnectableCloseCode(code) || blip !== undefined);
     this.dispatchEvent(new CustomEvent("close", { detail: { code, reason, willReconnect } }));
     if (!willReconnect) { this._stopped = true; this._setState("closed"); return; }
     const cap = Math.min(this.backoffMaxMs, this.backoffInitialMs * 2 ** this.attempt);
-    const delay = cap / 2 + Math.random() * (cap / 2); // jittered, capped exponential
+    const delay = blip ?? cap / 2 + Math.random() * (cap / 2); // jittered, capped exponential
     this.attempt += 1;
     this._setState("reconnecting");
     this._timer = setTimeout(() => this.connect(), delay);
