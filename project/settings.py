@@ -86,6 +86,10 @@ if REDIS_URL:
             "CONFIG": {
                 "hosts": [REDIS_URL],
                 "prefix": f"{REALTIME_KEY_PREFIX}:asgi",
+                # A channel over capacity drops what is sent to it, silently: a process
+                # that falls behind 100 frames (the default) at a high publication rate
+                # loses frames (docs/recovery.md: clients of channels with history resume).
+                "capacity": 1000,
             },
         }
     }

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .history import HistoryPolicy, HistoryRead, Since
+from .history import HistoryEntry, HistoryPolicy, HistoryRead, Since
 from .logsafe import Outage
 
 __all__ = ["Backplane", "Delivery", "Deliver", "backplane_class", "make_backplane", "now_ms"]
@@ -100,9 +100,16 @@ class Backplane:
         """
         raise NotImplementedError
 
-    async def history(self, channel: str, policy: HistoryPolicy, since: Since | None = None) -> HistoryRead:
-        """The channel's epoch and last ``seq`` and, with ``since``, the kept publications
-        after it (an epoch is drawn if the channel has none yet)."""
+    async def history(
+        self, channel: str, policy: HistoryPolicy, since: Since | None = None, floor: int = 0
+    ) -> HistoryRead:
+        """The channel's epoch and last ``seq`` (raised to ``floor``) and, with ``since``,
+        the first page of kept publications after it. A new epoch begins when the channel
+        has none or its history was lost."""
+        raise NotImplementedError
+
+    async def history_page(self, channel: str, after: int, count: int) -> list[HistoryEntry]:
+        """Up to ``count`` kept publications after ``seq`` ``after`` (the next page)."""
         raise NotImplementedError
 
     async def reseed(self, floors: dict[str, int]) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from .backplane import Backplane, Deliver, Delivery, now_ms
-from .history import HistoryEntry, HistoryPolicy, HistoryRead, MemoryHistory, Since
+from .history import PAGE, HistoryEntry, HistoryPolicy, HistoryRead, MemoryHistory, Since
 from .protocol import notification_text
 
 __all__ = ["MemoryBackplane"]
@@ -56,10 +56,16 @@ class MemoryBackplane(Backplane):
             await self._deliver(Delivery("frame", channel, text, seq, epoch))
         return seq
 
-    async def history(self, channel: str, policy: HistoryPolicy, since: Since | None = None) -> HistoryRead:
-        read = self._history.read(channel, policy, self._seq.get(channel, 0), since, now_ms())
+    async def history(
+        self, channel: str, policy: HistoryPolicy, since: Since | None = None, floor: int = 0
+    ) -> HistoryRead:
+        top = self._seq[channel] = max(self._seq.get(channel, 0), floor)
+        read = self._history.read(channel, policy, top, since, now_ms(), PAGE)
         self.histories[channel] = (read.epoch, read.size)
         return read
+
+    async def history_page(self, channel: str, after: int, count: int) -> list[HistoryEntry]:
+        return self._history.page(channel, after, count)
 
     async def reseed(self, floors: dict[str, int]) -> None:
         for channel, floor in floors.items():

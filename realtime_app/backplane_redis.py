@@ -32,7 +32,7 @@ from redis.exceptions import TimeoutError as RedisTimeout
 
 from .admission import retry_after_ms
 from .backplane import Backplane, Deliver, Delivery, now_ms
-from .history import HistoryEntry, HistoryPolicy, HistoryRead, Since, new_epoch
+from .history import PAGE, HistoryEntry, HistoryPolicy, HistoryRead, Since, epoch_suffix
 from .names import group_name
 from .protocol import notification_head, notification_tail, notification_text
 
@@ -73,22 +73,32 @@ if redis.call('pttl', KEYS[1]) < tonumber(ARGV[2]) then redis.call('pexpire', KE
 return 0
 """
 # A channel with history (docs/recovery.md): its count, its epoch and its stream. The
-# count and the epoch live and die together: if either is gone (flush, restart, eviction)
-# the history is lost, so a new epoch begins (the count goes on above the floor). Each
-# publication is numbered and kept in one call: the stream's order is seq order.
+# count and the epoch live and die together, and the epoch belongs to one run of Redis: if
+# either key is gone (flush, restart, eviction) or Redis restarted from a snapshot (the
+# count came back behind what clients saw), the history is lost and a new epoch begins —
+# named by Redis' clock, so that epochs order as strings. Each publication is numbered
+# and kept in one call: the stream's order is seq order.
 _LINEAGE = """
-local epoch = redis.call('get', KEYS[2])
+local run = string.match(redis.call('info', 'server'), 'run_id:(%x+)') or ''
+local stored = redis.call('get', KEYS[2])
+local epoch, owner
+if stored then epoch, owner = string.match(stored, '^(%S+) (%S*)$') end
 local top = redis.call('get', KEYS[1])
-if not epoch or not top then
-  epoch = ARGV[1]
+local renewed = false
+local function renew()
+  renewed = true
+  local t = redis.call('time')
+  epoch = string.format('%011x', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)) .. ARGV[1]
   redis.call('del', KEYS[3])
 end
+if not epoch or owner ~= run or not top then renew() end
 """
 # KEYS: seq, epoch, stream; ARGV: new epoch, keep ms, floor, head, ts, size, ttl ms
 _PUBLISH_KEPT = (
     _LINEAGE
     + """
-local v = redis.call('incr', KEYS[1])
+local incremented = redis.call('incr', KEYS[1])
+local v = incremented
 if v <= tonumber(ARGV[3]) then v = tonumber(ARGV[3]) + 1 end
 local function add()
   local s = string.format('%d', v)
@@ -97,27 +107,29 @@ local function add()
 end
 local added = add()
 if type(added) == 'table' and added.err then
-  epoch = ARGV[1]  -- the stream outlived the count: a new history
-  redis.call('del', KEYS[3])
+  renew()  -- the stream outlived the count: a new history
   add()
 end
-redis.call('set', KEYS[1], string.format('%d', v), 'PX', ARGV[2])
-redis.call('set', KEYS[2], epoch, 'PX', ARGV[2])
+if renewed or v ~= incremented or redis.call('pttl', KEYS[2]) < tonumber(ARGV[2]) / 2 then
+  redis.call('set', KEYS[1], string.format('%d', v), 'PX', ARGV[2])  -- INCR keeps the TTL: set it now and then
+  redis.call('set', KEYS[2], epoch .. ' ' .. run, 'PX', ARGV[2])
+end
 redis.call('pexpire', KEYS[3], ARGV[7])
-return {v, epoch, redis.call('xlen', KEYS[3])}
+return {v, epoch}
 """
 )
-# KEYS: seq, epoch, stream; ARGV: new epoch, keep ms, since (-1: none), its epoch, size
+# KEYS: seq, epoch, stream; ARGV: new epoch, keep ms, since (-1: none), its epoch, size,
+# page, floor
 _READ_KEPT = (
     _LINEAGE
     + """
-top = tonumber(top or '0')
+top = math.max(tonumber(top or '0'), tonumber(ARGV[7]))
 redis.call('set', KEYS[1], string.format('%d', top), 'PX', ARGV[2])
-redis.call('set', KEYS[2], epoch, 'PX', ARGV[2])
+redis.call('set', KEYS[2], epoch .. ' ' .. run, 'PX', ARGV[2])
 local since = tonumber(ARGV[3])
 local entries = {}
 if since >= 0 and epoch == ARGV[4] and top > since and top - since <= tonumber(ARGV[5]) then
-  entries = redis.call('xrange', KEYS[3], string.format('%d', since + 1), '+', 'COUNT', ARGV[5])
+  entries = redis.call('xrange', KEYS[3], string.format('%d', since + 1), '+', 'COUNT', ARGV[6])
 end
 return {epoch, top, redis.call('xlen', KEYS[3]), entries}
 """
@@ -319,12 +331,13 @@ class RedisBackplane(Backplane):
             ts = now_ms()
             head = notification_head(channel, data_json)
             keep = max(self.seq_ttl_ms, history.ttl_ms, KEEP_LINEAGE_MS)
-            seq_, epoch_, size = await self._publish_kept(
+            seq_, epoch_ = await self._publish_kept(
                 keys=self._kept_keys(channel),
-                args=[new_epoch(), keep, floor, head, ts, history.size, history.ttl_ms],
+                args=[epoch_suffix(), keep, floor, head, ts, history.size, history.ttl_ms],
             )
             seq, epoch = int(seq_), _text(epoch_)
-            self.histories[channel] = (epoch, int(size))
+            seen, kept = self.histories.get(channel, ("", 0))  # counted exactly at each read
+            self.histories[channel] = (epoch, min(history.size, kept + 1) if seen == epoch else 1)
             text = head + notification_tail(seq, ts, epoch)
             message["epoch"] = epoch
         message.update(text=text, seq=seq)
@@ -332,20 +345,28 @@ class RedisBackplane(Backplane):
             await self.layer.group_send(group_name(channel), message)
         return seq
 
-    async def history(self, channel: str, policy: HistoryPolicy, since: Since | None = None) -> HistoryRead:
+    async def history(
+        self, channel: str, policy: HistoryPolicy, since: Since | None = None, floor: int = 0
+    ) -> HistoryRead:
         keep = max(self.seq_ttl_ms, policy.ttl_ms, KEEP_LINEAGE_MS)
         epoch_, top, size, raw = await self._read_kept(
             keys=self._kept_keys(channel),
-            args=[new_epoch(), keep, since.seq if since else -1, since.epoch if since else "", policy.size],
+            args=[
+                epoch_suffix(),
+                keep,
+                since.seq if since else -1,
+                since.epoch if since else "",
+                policy.size,
+                PAGE,
+                floor,
+            ],
         )
         epoch = _text(epoch_)
-        entries = []
-        for entry_id, values in raw:
-            fields = {_text(k): v for k, v in zip(values[::2], values[1::2], strict=True)}
-            seq = int(_text(entry_id).partition("-")[0])
-            entries.append(HistoryEntry(seq, int(fields["ts"]), _text(fields["t"])))
         self.histories[channel] = (epoch, int(size))
-        return HistoryRead(epoch, int(top), int(size), entries)
+        return HistoryRead(epoch, int(top), int(size), _entries(raw))
+
+    async def history_page(self, channel: str, after: int, count: int) -> list[HistoryEntry]:
+        return _entries(await self.redis.xrange(self.key("history", channel), f"{after + 1}-0", "+", count))
 
     async def reseed(self, floors: dict[str, int]) -> None:
         if not floors:
@@ -408,6 +429,19 @@ class RedisBackplane(Backplane):
         )
         seconds = float(wait.decode() if isinstance(wait, bytes) else wait)
         return retry_after_ms(seconds) if seconds > 0 else None
+
+
+def _entries(raw: list[Any]) -> list[HistoryEntry]:
+    """Stream entries ``[id, [field, value, …]]`` as :class:`HistoryEntry`."""
+    entries = []
+    for entry_id, values in raw:
+        if isinstance(values, dict):
+            fields = {_text(k): v for k, v in values.items()}
+        else:
+            fields = {_text(k): v for k, v in zip(values[::2], values[1::2], strict=True)}
+        seq = int(_text(entry_id).partition("-")[0])
+        entries.append(HistoryEntry(seq, int(fields["ts"]), _text(fields["t"])))
+    return entries
 
 
 def _text(value: Any) -> str:

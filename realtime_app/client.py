@@ -44,6 +44,10 @@ __all__ = [
 
 logger = logging.getLogger("realtime_app.client")
 
+#: Seconds a resume (``subscribe`` with ``since``) may take: its replay comes first, as
+#: fast as this client reads it.
+RESUME_TIMEOUT = 60.0
+
 #: Close codes after which the client reconnects; 1008 and 4xxx are fatal.
 RECONNECT_CODES = frozenset({1001, 1005, 1006, 1011, 1012, 1013})
 
@@ -241,7 +245,9 @@ class RealtimeClient:
     async def _deliver(self, params: dict[str, Any]) -> None:
         channel = params.get("channel")
         if "epoch" in params and isinstance(channel, str):  # a channel with history: in order, once
-            await self._act(channel, self._cursors.setdefault(channel, EventCursor()).message(params))
+            cursor = self._cursors.get(channel)
+            if cursor is not None:  # else a frame still in flight after unsubscribe
+                await self._act(channel, cursor.message(params))
             return
         await self._hand_over(channel, params)
 
@@ -267,12 +273,19 @@ class RealtimeClient:
         task.add_done_callback(self._background.discard)
 
     async def _recover(self, channel: str) -> None:
-        """Subscribe again ``since`` the last message: the server replays the gap."""
+        """Subscribe again ``since`` the last message: the server replays the gap. Ends
+        with its connection, or when the channel is left (a reconnect resumes anew)."""
         cursor = self._cursors.get(channel)
-        while cursor is not None and cursor.recovering and self._ws is not None:
+        ws = self._ws
+        while cursor is not None and cursor.recovering and ws is not None:
+            if self._ws is not ws or self._cursors.get(channel) is not cursor:
+                return
             try:
                 await self._call_once(
-                    "subscribe", {"channel": channel, "since": cursor.since()}, None, self._answered(channel)
+                    "subscribe",
+                    {"channel": channel, "since": cursor.since()},
+                    max(self.call_timeout, RESUME_TIMEOUT),  # the replay comes first, at the pace we read
+                    self._answered(channel),
                 )
                 return
             except Refused as refused:  # try again when admission says
@@ -362,12 +375,16 @@ class RealtimeClient:
         canonical = self._canonical.get(name, name)
         params: dict[str, Any] = {"channel": name}
         cursor = self._cursors.get(canonical)
-        if cursor is not None and cursor.since() is not None:
-            params["since"] = cursor.since()  # a resume: the server replays what was missed
-            cursor.resuming()
+        if cursor is None:  # dropped again by the answer unless the channel keeps a history
+            cursor = self._cursors[canonical] = EventCursor()
+        since = cursor.since()
+        if since is not None:
+            params["since"] = since  # a resume: the server replays what was missed
+        cursor.resuming()  # what arrives before the answer waits for the position it gives
+        timeout = max(self.call_timeout, RESUME_TIMEOUT) if since is not None else None
         try:
             try:
-                result: dict[str, Any] = await self._call_once("subscribe", params, None, self._answered(canonical))
+                result: dict[str, Any] = await self._call_once("subscribe", params, timeout, self._answered(canonical))
             except BaseException:
                 if cursor is not None:
                     cursor.closed()  # no resume running: the next subscribe tries again

@@ -41,7 +41,8 @@ class EventCursor:
         return None if self.epoch is None else {"seq": self.seq, "epoch": self.epoch}
 
     def resuming(self) -> None:
-        """A ``subscribe`` with :meth:`since` is being sent (a reconnect)."""
+        """A ``subscribe`` is being sent: with :meth:`since` (a reconnect), or a first one —
+        what arrives before its answer waits for the position it gives."""
         self.recovering = True
         self._start = self.seq
 
@@ -58,6 +59,8 @@ class EventCursor:
         if self.epoch is None and not self.recovering:
             self.epoch, self.seq = epoch, seq
             return [("deliver", params)]
+        if self.epoch is not None and epoch < self.epoch:
+            return []  # a late frame of a history that was replaced (epochs order by time)
         if epoch == self.epoch:
             if seq <= self.seq:
                 return []  # had it already (a replay overlapping a live frame)
@@ -108,13 +111,21 @@ class EventCursor:
         return [("recover", self.since())]
 
     def _drain(self) -> list[Action]:
-        """Deliver what was held and now follows; ask for the rest."""
-        for key in [k for k in self._held if k[0] != self.epoch or k[1] <= self.seq]:
-            del self._held[key]  # had it, or of an epoch that is over
+        """Deliver what was held and now follows; ask for the rest; move to a newer epoch
+        whose messages were held while a resume of the old one ran."""
+        epoch = self.epoch or ""
+        for key in [k for k in self._held if k[0] < epoch or (k[0] == epoch and k[1] <= self.seq)]:
+            del self._held[key]  # had it, or of a history that was replaced
         actions: list[Action] = []
-        while (params := self._held.pop((self.epoch or "", self.seq + 1), None)) is not None:
+        while (params := self._held.pop((epoch, self.seq + 1), None)) is not None:
             self.seq += 1
             actions.append(("deliver", params))
-        if self._held and not self.recovering:
-            actions += self._recover()
-        return actions
+        if not self._held or self.recovering:
+            return actions
+        if any(k[0] == epoch for k in self._held):
+            return actions + self._recover()
+        newer = min(k[0] for k in self._held)  # the history was lost meanwhile
+        first = min(k[1] for k in self._held if k[0] == newer)
+        self.epoch, self.seq = newer, first - 1
+        actions.append(("resync", {"epoch": newer, "seq": first - 1, "reason": "epoch_changed"}))
+        return actions + self._drain()

@@ -13,6 +13,7 @@ Pure: no I/O, no Django. :class:`MemoryHistory` is the embedded backplane's stor
 from __future__ import annotations
 
 import secrets
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,17 +26,31 @@ __all__ = [
     "MemoryHistory",
     "Resume",
     "Since",
+    "epoch_suffix",
+    "follows",
     "new_epoch",
     "plan_resume",
 ]
 
-#: Longest epoch a client may send back (ours are 16 hex characters).
+#: Entries read from a history per round trip: a long replay never holds Redis (or the
+#: reading process) for long.
+PAGE = 1000
+
+#: Longest epoch a client may send back (ours are 19 hex characters).
 MAX_EPOCH_LENGTH = 64
 
 
-def new_epoch() -> str:
-    """A fresh epoch: 64 random bits in hex (JSON-safe, no escaping in any encoder)."""
-    return secrets.token_hex(8)
+def epoch_suffix() -> str:
+    """The random part of an epoch: 32 bits in hex."""
+    return secrets.token_hex(4)
+
+
+def new_epoch(now_ms: int | None = None) -> str:
+    """A fresh epoch: the time it began in milliseconds (11 hex digits), then 32 random
+    bits. Epochs of one channel order as strings, so a late frame of a history that was
+    replaced is told from one of its successor (the Redis backplane takes Redis' clock)."""
+    ms = int(time.time() * 1000) if now_ms is None else now_ms
+    return f"{ms:011x}{epoch_suffix()}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,8 +117,10 @@ class Resume:
 
 
 def plan_resume(since: Since, read: HistoryRead, policy: HistoryPolicy, now_ms: int) -> Resume:
-    """Whether the history fills the gap after ``since``: the epoch is the same and every
-    publication from ``since.seq + 1`` to ``read.top`` is kept and younger than the TTL."""
+    """Whether the history can fill the gap after ``since``: the epoch is the same, no more
+    than ``size`` were missed, and the first one missed is kept and younger than the TTL.
+    ``read.entries`` is the first page of what follows; the replay reads on and checks
+    that each page follows the last (:func:`follows`)."""
     if since.epoch != read.epoch:
         return Resume(False, [], "epoch_changed")
     if since.seq > read.top:
@@ -112,15 +129,16 @@ def plan_resume(since: Since, read: HistoryRead, policy: HistoryPolicy, now_ms: 
     if missed == 0:
         return Resume(True, [])
     entries = [e for e in read.entries if since.seq < e.seq <= read.top]
-    oldest = now_ms - policy.ttl_ms
-    if (
-        len(entries) != missed
-        or entries[0].seq != since.seq + 1
-        or entries[-1].seq != read.top
-        or entries[0].ts < oldest
-    ):
+    if missed > policy.size or not entries or entries[0].seq != since.seq + 1:
+        return Resume(False, [], "too_old")
+    if entries[0].ts < now_ms - policy.ttl_ms:
         return Resume(False, [], "too_old")
     return Resume(True, entries)
+
+
+def follows(entries: list[HistoryEntry], after: int) -> bool:
+    """True when ``entries`` are ``after + 1``, ``after + 2``, … with no hole."""
+    return all(entry.seq == after + 1 + i for i, entry in enumerate(entries))
 
 
 class _Log:
@@ -154,12 +172,27 @@ class MemoryHistory:
         log = self._logs.get(channel)
         return len(log.entries) if log is not None else 0
 
-    def read(self, channel: str, policy: HistoryPolicy, top: int, since: Since | None, now_ms: int) -> HistoryRead:
+    def read(
+        self, channel: str, policy: HistoryPolicy, top: int, since: Since | None, now_ms: int, count: int
+    ) -> HistoryRead:
         log = self._log(channel, policy)
         oldest = now_ms - policy.ttl_ms
         while log.entries and log.entries[0].ts < oldest:  # expired: gone, as in Redis
             log.entries.popleft()
         entries: list[HistoryEntry] = []
         if since is not None and since.epoch == log.epoch and 0 < top - since.seq <= policy.size:
-            entries = [e for e in log.entries if e.seq > since.seq]
+            entries = self.page(channel, since.seq, count)
         return HistoryRead(log.epoch, top, len(log.entries), entries)
+
+    def page(self, channel: str, after: int, count: int) -> list[HistoryEntry]:
+        """Up to ``count`` kept entries after ``seq`` ``after``."""
+        log = self._logs.get(channel)
+        if log is None:
+            return []
+        out: list[HistoryEntry] = []
+        for entry in log.entries:
+            if entry.seq > after:
+                out.append(entry)
+                if len(out) == count:
+                    break
+        return out

@@ -37,7 +37,7 @@ from .backpressure import CLOSE, DROP, SEND, Decision, decide_send
 from .conf import get_config
 from .exceptions import BackplaneUnavailable, PublicationError, PublicationTooLarge
 from .guard import BACKPRESSURE_REASON, Guard
-from .history import Since, plan_resume
+from .history import PAGE, HistoryEntry, Since, follows, plan_resume
 from .logsafe import safe
 from .middleware import pools_probe
 from .protocol import CloseCode, encode
@@ -57,6 +57,15 @@ _connection_ids = itertools.count(1)
 CONTROL_CHANNEL = RESERVED
 _MISSING = object()
 
+
+#: How long a replay may wait for a slow client to read (docs/recovery.md), and how many
+#: live frames may wait for it meanwhile; past either, the resume answers ``too_slow``.
+REPLAY_TIMEOUT_S = 10.0
+REPLAY_MEASURE_BYTES = 64 * 1024
+MAX_REPLAY_BUFFER = 10_000
+#: How long a frame of a channel with history that overtook an earlier one waits for it
+#: before it is fanned out anyway (the subscribers then resume the gap).
+REORDER_WINDOW_S = 0.05
 
 #: Answers a connection over its backpressure threshold may still be written before its
 #: requests stop running (docs/admission.md): enough for a slow client's small calls.
@@ -80,6 +89,23 @@ class Connection:
 
     def __post_init__(self) -> None:
         self.guard = Guard(self.send)
+
+
+@dataclass(slots=True)
+class _Order:
+    """The frames of one channel with history as this process fans them out: in ``seq``
+    order within an epoch, a frame that overtook an earlier one held for
+    ``REORDER_WINDOW_S`` (one wait here instead of a resume by every subscriber)."""
+
+    epoch: str
+    next: int
+    held: dict[int, tuple[str, int]] = field(default_factory=dict)
+    timer: asyncio.TimerHandle | None = None
+
+    def stop(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
 
 class TickerPublish:
@@ -128,8 +154,10 @@ class Hub:
         self.last_seq: dict[str, int] = {}  # highest seq seen per subscribed channel: the floor
         # Connections being given a channel's history: its live frames wait here meanwhile.
         self._replays: dict[str, dict[Connection, list[tuple[int, str, bytes]]]] = {}
+        self._orders: dict[str, _Order] = {}  # channels with history: the next seq to fan out
         self.recoveries: dict[str, int] = {"served": 0, "failed": 0}
         self.replayed = 0  # publications sent again from a history
+        self.history_gaps = 0  # publications of a channel with history that never reached this process
         self._cleanups: dict[str, Callable[[], Any] | None] = {}  # running tickers
         self._failing: set[str] = set()  # factories or publications failing (logged once)
         self._locks: dict[str, asyncio.Lock] = {}
@@ -243,6 +271,9 @@ class Hub:
             return False
         del self.subscribers[channel]
         self.specs.pop(channel, None)
+        order = self._orders.pop(channel, None)
+        if order is not None:
+            order.stop()
         self.last_seq.pop(channel, None)
         self._failing.discard(channel)
         self.reconciler.unsubscribed(channel)
@@ -279,10 +310,11 @@ class Hub:
         """Subscribe ``conn`` to a channel with history — or resume it, with ``since``.
 
         The publications after ``since`` are sent first, in order, then the live ones,
-        none twice: live frames that arrive while the history is read wait in a buffer
-        for this connection and go out after the replay, those the replay held already
-        skipped. Returns the channel's position ``{"epoch", "seq"}`` and, with ``since``,
-        ``recovered`` (and ``replayed``, or ``reason`` when the gap cannot be filled).
+        none twice: live frames that arrive meanwhile wait in a buffer for this connection
+        and go out after the replay, those the replay carried skipped. The replay is read
+        a page at a time and paced by the connection's send queue (docs/recovery.md).
+        Returns the channel's position ``{"epoch", "seq"}`` and, with ``since``,
+        ``recovered`` and ``replayed``, or ``reason`` when the gap was not filled.
         """
         policy = spec.history
         backplane = self.backplane
@@ -290,34 +322,84 @@ class Hub:
         channel = spec.name
         buffer: list[tuple[int, str, bytes]] = []
         self._replays.setdefault(channel, {})[conn] = buffer
+        added = False
         try:
-            await self.subscribe(conn, spec)
-            read = await backplane.history(channel, policy, since)
-        except backplane.errors as exc:
-            backplane.outage.failed(exc)
-            raise BackplaneUnavailable("history", exc) from exc
-        else:
+            added = await self.subscribe(conn, spec)
+            read = await backplane.history(channel, policy, since, self.last_seq.get(channel, 0))
+            self._sequencer(channel, read.epoch, read.top)
             at = conn.positions.get(channel)
             if at is None or at[0] != read.epoch or at[1] < read.top:
                 conn.positions[channel] = (read.epoch, read.top)  # the replay brings it there
             answer: dict[str, Any] = {"epoch": read.epoch, "seq": read.top}
-            if since is not None:
-                plan = plan_resume(since, read, policy, now_ms())
-                answer["recovered"] = plan.recovered
-                if plan.recovered:
-                    self.recoveries["served"] += 1
-                    for entry in plan.entries:
-                        if conn.closed:
-                            break
-                        self._push(conn, entry.text.encode("utf-8"))
-                    self.replayed += len(plan.entries)
-                    answer["replayed"] = len(plan.entries)
-                else:
-                    self.recoveries["failed"] += 1
-                    answer["reason"] = plan.reason
+            if since is None:
+                return answer
+            plan = plan_resume(since, read, policy, now_ms())
+            reason = plan.reason
+            sent = 0
+            if plan.recovered:
+                sent, reason = await self._replay(conn, channel, plan.entries, since.seq, read.top, buffer)
+            answer["recovered"] = not reason
+            if reason:
+                self.recoveries["failed"] += 1
+                answer["reason"] = reason
+            else:
+                self.recoveries["served"] += 1
+                answer["replayed"] = sent
             return answer
+        except backplane.errors as exc:
+            backplane.outage.failed(exc)
+            if added and self._drop_local(conn, channel):  # not half subscribed: it is told it failed
+                self._spawn(self._converge(channel))
+            buffer.clear()
+            raise BackplaneUnavailable("history", exc) from exc
         finally:
             self._end_replay(conn, channel, buffer)
+
+    async def _replay(
+        self,
+        conn: Connection,
+        channel: str,
+        entries: list[HistoryEntry],
+        after: int,
+        top: int,
+        buffer: list[tuple[int, str, bytes]],
+    ) -> tuple[int, str]:
+        """Send the publications ``after`` .. ``top``: ``(sent, "")``, or why it stopped.
+
+        Pages are read as they are needed; before each frame the connection's queue must
+        be under half the backpressure threshold (a client that just had frames dropped
+        gets its replay as fast as it reads, not dropped again), for at most
+        ``REPLAY_TIMEOUT_S`` in all."""
+        backplane = self.backplane
+        assert backplane is not None
+        guard = conn.guard
+        calm = guard.config.max_backpressure // 2
+        deadline = time.monotonic() + REPLAY_TIMEOUT_S
+        sent = 0
+        unmeasured = REPLAY_MEASURE_BYTES + 1  # the first frame waits for a calm queue
+        while after < top:
+            if not entries:
+                entries = await backplane.history_page(channel, after, PAGE)
+            entries = [e for e in entries if e.seq <= top]
+            if not entries or not follows(entries, after):
+                return sent, "too_old"  # trimmed while it was read
+            for entry in entries:
+                payload = entry.text.encode("utf-8")
+                unmeasured += len(payload)
+                if unmeasured > REPLAY_MEASURE_BYTES:  # the queue read every 64 KiB, not every frame
+                    unmeasured = 0
+                    while guard.measure and guard.buffered() > calm and not conn.closed:
+                        if time.monotonic() > deadline or len(buffer) > MAX_REPLAY_BUFFER:
+                            return sent, "too_slow"
+                        await asyncio.sleep(0.02)
+                if conn.closed or channel not in conn.subscriptions:
+                    return sent, "closed"
+                self._push(conn, payload)
+                sent += 1
+                self.replayed += 1
+            after = entries[-1].seq
+            entries = []
+        return sent, ""
 
     def _end_replay(self, conn: Connection, channel: str, buffer: list[tuple[int, str, bytes]]) -> None:
         """Send what arrived live during a replay, in ``seq`` order, what it held skipped."""
@@ -334,9 +416,10 @@ class Hub:
     def _push_kept(self, conn: Connection, channel: str, seq: int, epoch: str, payload: bytes) -> None:
         """A frame of a channel with history, unless this connection had it already: a
         replay sent it, or it arrives late (a frame queued for this process before it
-        left the channel and joined again, a publisher overtaken by another)."""
+        left the channel and joined again, a publisher overtaken by another, a frame of
+        the history a newer epoch replaced)."""
         at = conn.positions.get(channel)
-        if at is not None and at[0] == epoch and seq <= at[1]:
+        if at is not None and (epoch < at[0] or (epoch == at[0] and seq <= at[1])):
             return
         conn.positions[channel] = (epoch, seq)
         self._push(conn, payload)
@@ -591,11 +674,58 @@ class Hub:
             if delivery.seq and delivery.channel in self.subscribers:
                 if delivery.seq > self.last_seq.get(delivery.channel, 0):
                     self.last_seq[delivery.channel] = delivery.seq
-            self.fanout(delivery.channel, delivery.text, delivery.seq, delivery.epoch)
+            if delivery.epoch:
+                self._in_order(delivery.channel, delivery.text, delivery.seq, delivery.epoch)
+            else:
+                self.fanout(delivery.channel, delivery.text, delivery.seq)
         elif delivery.kind == "released":
             self.reconciler.released_elsewhere(delivery.channel)
             if self.reconciler.next_action(delivery.channel) is not None:
                 self._spawn(self._converge(delivery.channel))
+
+    def _sequencer(self, channel: str, epoch: str, top: int) -> None:
+        """Start ordering ``channel`` after ``top`` unless frames of it already flow here."""
+        order = self._orders.get(channel)
+        if channel in self.subscribers and (order is None or epoch > order.epoch):
+            if order is not None:
+                order.stop()
+            self._orders[channel] = _Order(epoch, top + 1)
+
+    def _in_order(self, channel: str, text: str, seq: int, epoch: str) -> None:
+        """Fan a frame of a channel with history out in ``seq`` order (see :class:`_Order`)."""
+        order = self._orders.get(channel)
+        if channel not in self.subscribers:
+            return
+        if order is None or epoch > order.epoch:  # the first frame here, or a new history
+            if order is not None:
+                order.stop()
+            order = self._orders[channel] = _Order(epoch, seq)
+        elif epoch < order.epoch or seq < order.next:
+            return  # a frame of a replaced history, or one sent already (or given up on)
+        if seq > order.next:
+            order.held[seq] = (text, seq)
+            if order.timer is None:
+                assert self.loop is not None
+                order.timer = self.loop.call_later(REORDER_WINDOW_S, self._release, channel, order)
+            return
+        self.fanout(channel, text, seq, epoch)
+        order.next = seq + 1
+        while (held := order.held.pop(order.next, None)) is not None:
+            self.fanout(channel, held[0], held[1], epoch)
+            order.next += 1
+        if not order.held:
+            order.stop()
+
+    def _release(self, channel: str, order: _Order) -> None:
+        """The window passed: fan out what was held, over the gap (subscribers resume it)."""
+        order.timer = None
+        if self._orders.get(channel) is not order:
+            return
+        for seq in sorted(order.held):
+            text, _ = order.held.pop(seq)
+            self.history_gaps += max(0, seq - order.next)
+            self.fanout(channel, text, seq, order.epoch)
+            order.next = seq + 1
 
     def _on_control(self, text: str) -> None:
         try:
@@ -862,6 +992,7 @@ class Hub:
             "channels": {name: {"epoch": epoch, "kept": kept} for name, (epoch, kept) in busiest},
             "recoveries": dict(self.recoveries),
             "replayed": self.replayed,
+            "gaps": self.history_gaps,
         }
 
     def probe(self) -> dict[str, Any]:

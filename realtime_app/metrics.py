@@ -194,6 +194,9 @@ def _history(instances: list[dict[str, Any]], labels: list[str], label: Any) -> 
         "realtime_history_recoveries", "Resumes answered, by result (served, failed)", labels=[*labels, "result"]
     )
     replayed = CounterMetricFamily("realtime_history_replayed", "Publications sent again from a history", labels=labels)
+    gaps = CounterMetricFamily(
+        "realtime_history_gaps", "Publications with history that never reached this process", labels=labels
+    )
     kept = GaugeMetricFamily(
         "realtime_history_kept", "Publications a channel's history keeps, as last seen", labels=[*labels, "channel"]
     )
@@ -202,9 +205,10 @@ def _history(instances: list[dict[str, Any]], labels: list[str], label: Any) -> 
         for result, count in sorted(history.get("recoveries", {}).items()):
             recoveries.add_metric([*label(p), result], float(count))
         replayed.add_metric(label(p), float(history.get("replayed", 0)))
+        gaps.add_metric(label(p), float(history.get("gaps", 0)))
         for channel, seen in sorted(history.get("channels", {}).items()):
             kept.add_metric([*label(p), channel], float(seen.get("kept", 0)))
-    yield from (recoveries, replayed, kept)
+    yield from (recoveries, replayed, gaps, kept)
 
 
 def render(probe: dict[str, Any]) -> bytes:

@@ -30,7 +30,8 @@ def read(epoch: str, top: int, seqs: list[int], ts: int = 1_000_000) -> HistoryR
         (Since(5, "e"), read("e", 5, []), True, [], ""),  # nothing missed
         (Since(3, "e"), read("f", 5, [4, 5]), False, [], "epoch_changed"),
         (Since(1, "e"), read("e", 5, [3, 4, 5]), False, [], "too_old"),  # 2 is gone
-        (Since(3, "e"), read("e", 6, [4, 5]), False, [], "too_old"),  # 6 not kept
+        (Since(3, "e"), read("e", 6, [4, 5]), True, [4, 5], ""),  # the first page: the replay reads on
+        (Since(0, "e"), read("e", 6, [1, 2, 3, 4, 5, 6]), False, [], "too_old"),  # more than size missed
         (Since(9, "e"), read("e", 5, [1, 2, 3, 4, 5]), False, [], "ahead"),
     ],
 )
@@ -157,9 +158,9 @@ class GatedHistory(MemoryBackplane):
     gate: asyncio.Event | None = None
     reading: asyncio.Event | None = None
 
-    async def history(self, channel, policy, since=None):
+    async def history(self, channel, policy, since=None, floor=0):
         assert GatedHistory.gate is not None and GatedHistory.reading is not None
-        result = await super().history(channel, policy, since)
+        result = await super().history(channel, policy, since, floor)
         GatedHistory.reading.set()
         await GatedHistory.gate.wait()  # what was read is now older than what is published
         return result
@@ -213,3 +214,29 @@ async def test_the_probe_and_metrics_show_histories_and_resumes(hub):
     text = render({"instances": [hub.probe()]}).decode()
     assert "realtime_history_recoveries_total{" in text and 'result="failed"' in text
     assert "realtime_history_kept{" in text and 'channel="test:short-history"' in text
+
+
+async def test_a_process_fans_frames_out_in_seq_order_and_releases_over_a_gap_after_a_window(hub):
+    from realtime_app.backplane import Delivery
+    from realtime_app.hub import REORDER_WINDOW_S
+
+    async with Client() as c:
+        start = (await c.call("subscribe", {"channel": "demo:events"}))["result"]
+        top, epoch = start["seq"], start["epoch"]
+
+        def frame(seq):
+            text = notification_text("demo:events", encode({"n": seq}), seq, 0, epoch)
+            return Delivery("frame", "demo:events", text, seq, epoch)
+
+        await hub._deliver(frame(top + 2))  # overtook top + 1
+        await hub._deliver(frame(top + 1))
+        assert [f["seq"] for f in await c.frames(2)] == [top + 1, top + 2]
+        await hub._deliver(frame(top + 4))  # top + 3 never comes: released after the window
+        loop = asyncio.get_running_loop()
+        held_at = loop.time()
+        assert [f["seq"] for f in await c.frames(1)] == [top + 4]
+        assert loop.time() - held_at >= REORDER_WINDOW_S * 0.9
+        assert hub.probe()["history"]["gaps"] == 1
+        await hub._deliver(frame(top + 3))  # too late: dropped here (a client resumes it)
+        await hub._deliver(frame(top + 5))
+        assert [f["seq"] for f in await c.frames(1)] == [top + 5]

@@ -72,14 +72,14 @@ def test_health_and_metrics_are_for_staff(cluster):
         instance["admission"]
     )
     assert instance["admission"]["bucket"] == "shared"  # on Redis: users' buckets are the cluster's
-    assert set(instance["history"]) == {"channels", "recoveries", "replayed"}
+    assert set(instance["history"]) == {"channels", "recoveries", "replayed", "gaps"}
     assert set(instance["history"]["recoveries"]) == {"served", "failed"}
     status, text = get(a.http + "/realtime/metrics", headers={"Authorization": "Bearer s3cret"})
     assert status == 200 and "realtime_backpressure_drops_total" in text and "realtime_connections{" in text
     for metric in ("running{", "admitted_total{", "shared_bucket{"):
         assert f"realtime_admission_{metric}" in text
     assert "realtime_admission_refused_total{" in text and 'reason="rate_limited"' in text
-    assert "realtime_history_replayed_total{" in text and "# TYPE realtime_history_recoveries counter" in text
+    assert "realtime_history_replayed_total{" in text and "realtime_history_recoveries_total{" in text
     assert get(a.http + "/realtime/metrics", headers={"Authorization": "Bearer wrong"})[0] == 401
 
 

@@ -110,3 +110,58 @@ test("a refused call rejects with RefusedError, and retries: n sends it again af
   ws.reply({ text: "b" });
   assert.deepEqual(await retried, { text: "b" });
 });
+
+test("a channel with history: a skipped seq is resumed on the same socket, a reconnect resumes since the last", async () => {
+  FakeSocket.instances = [];
+  const client = new RealtimeClient({ url: "ws://x/realtime/", WebSocket: FakeSocket, backoffInitialMs: 1, backoffMaxMs: 2 });
+  const got = [];
+  const recovered = [];
+  client.addEventListener("recovered", (e) => recovered.push(e.detail));
+  client.connect();
+  const socket = FakeSocket.instances[0];
+  socket.open();
+  const answer = client.subscribe("demo:events", (m) => got.push(m.data));
+  socket.reply({ channel: "demo:events", kind: "event", interval_ms: null, epoch: "e1", seq: 10 });
+  await answer;
+  const message = (seq, epoch = "e1") => socket.onmessage({
+    data: JSON.stringify({ jsonrpc: "2.0", method: "message", params: { channel: "demo:events", data: seq, seq, epoch, ts: 0 } }),
+  });
+  message(11);
+  message(13); // 12 was dropped by the server's guard
+  await until(() => socket.sent.length === 2);
+  assert.deepEqual(socket.sent[1].params, { channel: "demo:events", since: { seq: 11, epoch: "e1" } });
+  message(14);
+  message(12); // the replay
+  message(13);
+  message(14);
+  socket.reply({ channel: "demo:events", kind: "event", interval_ms: null, epoch: "e1", seq: 14, recovered: true, replayed: 3 });
+  await until(() => recovered.length === 1);
+  assert.deepEqual(got, [11, 12, 13, 14]);
+  assert.deepEqual(recovered, [{ channel: "demo:events", replayed: 3 }]);
+  socket.close(1013);
+  await until(() => FakeSocket.instances.length === 2);
+  const again = FakeSocket.instances[1];
+  again.open();
+  assert.deepEqual(again.sent[0].params, { channel: "demo:events", since: { seq: 14, epoch: "e1" } });
+  client.close();
+});
+
+test("a channel with history whose gap cannot be filled dispatches resync", async () => {
+  FakeSocket.instances = [];
+  const client = new RealtimeClient({ url: "ws://x/realtime/", WebSocket: FakeSocket, backoffInitialMs: 1, backoffMaxMs: 2 });
+  const resyncs = [];
+  client.addEventListener("resync", (e) => resyncs.push(e.detail));
+  client.connect();
+  FakeSocket.instances[0].open();
+  const answer = client.subscribe("demo:events", () => {});
+  FakeSocket.instances[0].reply({ channel: "demo:events", kind: "event", interval_ms: null, epoch: "e1", seq: 3 });
+  await answer;
+  FakeSocket.instances[0].close(1006);
+  await until(() => FakeSocket.instances.length === 2);
+  const again = FakeSocket.instances[1];
+  again.open();
+  again.reply({ channel: "demo:events", kind: "event", interval_ms: null, epoch: "e2", seq: 7, recovered: false, reason: "epoch_changed" });
+  await until(() => resyncs.length === 1);
+  assert.deepEqual(resyncs, [{ channel: "demo:events", epoch: "e2", seq: 7, reason: "epoch_changed" }]);
+  client.close();
+});

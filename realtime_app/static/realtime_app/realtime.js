@@ -165,6 +165,9 @@ export function retryDelayMs(retryAfterMs, u = Math.random()) {
 /** Messages held while a gap is recovered, at most; past it the client resyncs. */
 export const MAX_HELD = 10000;
 
+/** How long a resume (subscribe with `since`) may take: its replay comes first. */
+export const RESUME_TIMEOUT_MS = 60000;
+
 /**
  * Where the application is in one channel with history: each message once, in order, or
  * a resync. The twin of realtime_app/cursor.py (both pass tests/vectors/cursor.json).
@@ -197,6 +200,7 @@ export class EventCursor {
       this.epoch = epoch; this.seq = seq;
       return [["deliver", params]];
     }
+    if (this.epoch !== null && epoch < this.epoch) return []; // a late frame of a replaced history
     if (epoch === this.epoch) {
       if (seq <= this.seq) return [];
       if (seq === this.seq + 1) {
@@ -248,17 +252,24 @@ export class EventCursor {
   }
 
   _drain() {
+    const epoch = this.epoch ?? "";
     for (const [key, held] of this._held) {
-      if (held.epoch !== this.epoch || held.seq <= this.seq) this._held.delete(key);
+      if (held.epoch < epoch || (held.epoch === epoch && held.seq <= this.seq)) this._held.delete(key);
     }
     const actions = [];
-    for (let next; (next = this._held.get(`${this.epoch} ${this.seq + 1}`));) {
-      this._held.delete(`${this.epoch} ${this.seq + 1}`);
+    for (let next; (next = this._held.get(`${epoch} ${this.seq + 1}`));) {
+      this._held.delete(`${epoch} ${this.seq + 1}`);
       this.seq += 1;
       actions.push(["deliver", next.params]);
     }
-    if (this._held.size && !this.recovering) actions.push(...this._recover());
-    return actions;
+    if (!this._held.size || this.recovering) return actions;
+    const held = [...this._held.values()];
+    if (held.some((h) => h.epoch === epoch)) return [...actions, ...this._recover()];
+    const newer = held.map((h) => h.epoch).sort()[0]; // the history was lost meanwhile
+    const first = Math.min(...held.filter((h) => h.epoch === newer).map((h) => h.seq));
+    this.epoch = newer; this.seq = first - 1;
+    actions.push(["resync", { epoch: newer, seq: first - 1, reason: "epoch_changed" }]);
+    return [...actions, ...this._drain()];
   }
 }
 
@@ -383,8 +394,8 @@ export class RealtimeClient extends EventTarget {
 
   _deliver(params) {
     if (typeof params.epoch === "string") { // a channel with history: in order, once
-      if (!this._cursors.has(params.channel)) this._cursors.set(params.channel, new EventCursor());
-      this._act(params.channel, this._cursors.get(params.channel).message(params));
+      const cursor = this._cursors.get(params.channel); // none: a frame in flight after unsubscribe
+      if (cursor) this._act(params.channel, cursor.message(params));
       return;
     }
     this._handOver(params);
@@ -414,13 +425,18 @@ export class RealtimeClient extends EventTarget {
     }
   }
 
-  /** Subscribe again `since` the last message: the server replays the gap. */
+  /**
+   * Subscribe again `since` the last message: the server replays the gap. Ends with its
+   * connection, or when the channel is left (a reconnect resumes anew).
+   */
   async _recover(channel) {
+    const ws = this._ws;
+    const cursor = this._cursors.get(channel);
     for (;;) {
-      const cursor = this._cursors.get(channel);
-      if (!cursor || !cursor.recovering || !this._ws || this._ws.readyState !== 1) return;
+      if (!cursor || !cursor.recovering || this._ws !== ws || !ws || ws.readyState !== 1) return;
+      if (this._cursors.get(channel) !== cursor) return;
       try {
-        const result = await this._callOnce("subscribe", { channel, since: cursor.since() }, {});
+        const result = await this._callOnce("subscribe", { channel, since: cursor.since() }, { timeoutMs: Math.max(this.callTimeoutMs, RESUME_TIMEOUT_MS) });
         this._applyAnswer(channel, result, cursor);
         return;
       } catch (err) {
@@ -488,12 +504,15 @@ export class RealtimeClient extends EventTarget {
 
   async _subscribeRemote(name) {
     const canonical = this._canonical.get(name) || name;
+    if (!this._cursors.has(canonical)) this._cursors.set(canonical, new EventCursor()); // dropped unless kept
     const cursor = this._cursors.get(canonical);
     const params = { channel: name };
-    if (cursor && cursor.since()) { params.since = cursor.since(); cursor.resuming(); } // a resume
+    const since = cursor.since();
+    if (since) params.since = since; // a resume: the server replays what was missed
+    cursor.resuming(); // what arrives before the answer waits for the position it gives
     let result;
     try {
-      result = await this.call("subscribe", params);
+      result = await this.call("subscribe", params, since ? { timeoutMs: Math.max(this.callTimeoutMs, RESUME_TIMEOUT_MS) } : {});
       this._applyAnswer(canonical, result, cursor);
     } catch (error) {
       if (cursor) cursor.closed(); // no resume running: the next subscribe tries again
