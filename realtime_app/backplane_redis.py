@@ -88,7 +88,11 @@ local renewed = false
 local function renew()
   renewed = true
   local t = redis.call('time')
-  epoch = string.format('%011x', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)) .. ARGV[1]
+  local ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  if epoch and string.len(epoch) == 19 then  -- never older than the one replaced (a clock behind)
+    ms = math.max(ms, (tonumber(string.sub(epoch, 1, 11), 16) or 0) + 1)
+  end
+  epoch = string.format('%011x', ms) .. ARGV[1]
   redis.call('del', KEYS[3])
 end
 if not epoch or owner ~= run or not top then renew() end
@@ -110,7 +114,7 @@ if type(added) == 'table' and added.err then
   renew()  -- the stream outlived the count: a new history
   add()
 end
-if renewed or v ~= incremented or redis.call('pttl', KEYS[2]) < tonumber(ARGV[2]) / 2 then
+if renewed or v ~= incremented or redis.call('pttl', KEYS[1]) < tonumber(ARGV[2]) / 2 then
   redis.call('set', KEYS[1], string.format('%d', v), 'PX', ARGV[2])  -- INCR keeps the TTL: set it now and then
   redis.call('set', KEYS[2], epoch .. ' ' .. run, 'PX', ARGV[2])
 end

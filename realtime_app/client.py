@@ -285,7 +285,7 @@ class RealtimeClient:
                     "subscribe",
                     {"channel": channel, "since": cursor.since()},
                     max(self.call_timeout, RESUME_TIMEOUT),  # the replay comes first, at the pace we read
-                    self._answered(channel),
+                    self._answered(channel, cursor),
                 )
                 return
             except Refused as refused:  # try again when admission says
@@ -294,17 +294,18 @@ class RealtimeClient:
                 logger.warning("resuming %s failed: %s", channel, error)
                 await asyncio.sleep(1.0)
 
-    def _answered(self, channel: str) -> Callable[[Any], Awaitable[None]]:
-        """The hook that applies a subscribe's answer to the channel's cursor, in order."""
+    def _answered(self, channel: str, cursor: EventCursor) -> Callable[[Any], Awaitable[None]]:
+        """The hook that applies a subscribe's answer to the channel's cursor, in order —
+        unless the channel was left (and maybe subscribed again) since it was sent."""
 
         async def apply(result: Any) -> None:
-            if not isinstance(result, dict):
+            if not isinstance(result, dict) or self._cursors.get(channel) is not cursor:
                 return
             if "epoch" in result:
-                await self._act(channel, self._cursors.setdefault(channel, EventCursor()).answer(result))
+                await self._act(channel, cursor.answer(result))
                 return
-            cursor = self._cursors.pop(channel, None)  # the channel keeps no history (any more)
-            if cursor is not None and result.get("recovered") is False:
+            del self._cursors[channel]  # the channel keeps no history (any more)
+            if cursor.epoch is not None and result.get("recovered") is False:
                 info = {"epoch": cursor.epoch, "seq": cursor.seq, "reason": result.get("reason", "no_history")}
                 await self._act(channel, [("resync", info)])
 
@@ -384,7 +385,8 @@ class RealtimeClient:
         timeout = max(self.call_timeout, RESUME_TIMEOUT) if since is not None else None
         try:
             try:
-                result: dict[str, Any] = await self._call_once("subscribe", params, timeout, self._answered(canonical))
+                answered = self._answered(canonical, cursor)
+                result: dict[str, Any] = await self._call_once("subscribe", params, timeout, answered)
             except BaseException:
                 if cursor is not None:
                     cursor.closed()  # no resume running: the next subscribe tries again

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any, TypeAlias
 
+from .history import newer_epoch
+
 __all__ = ["Action", "EventCursor"]
 
 Action: TypeAlias = tuple[str, Any]
@@ -59,7 +61,7 @@ class EventCursor:
         if self.epoch is None and not self.recovering:
             self.epoch, self.seq = epoch, seq
             return [("deliver", params)]
-        if self.epoch is not None and epoch < self.epoch:
+        if self.epoch is not None and epoch != self.epoch and not newer_epoch(epoch, self.epoch):
             return []  # a late frame of a history that was replaced (epochs order by time)
         if epoch == self.epoch:
             if seq <= self.seq:
@@ -99,7 +101,7 @@ class EventCursor:
         return actions + self._drain()
 
     def _give_up(self, epoch: str, top: int, reason: str) -> list[Action]:
-        if epoch != self.epoch or top > self.seq:
+        if epoch != self.epoch or top > self.seq or reason == "ahead":
             self.epoch, self.seq = epoch, top
         actions: list[Action] = [("resync", {"epoch": self.epoch, "seq": self.seq, "reason": reason})]
         self.recovering = False
@@ -114,7 +116,7 @@ class EventCursor:
         """Deliver what was held and now follows; ask for the rest; move to a newer epoch
         whose messages were held while a resume of the old one ran."""
         epoch = self.epoch or ""
-        for key in [k for k in self._held if k[0] < epoch or (k[0] == epoch and k[1] <= self.seq)]:
+        for key in [k for k in self._held if (k[1] <= self.seq if k[0] == epoch else not newer_epoch(k[0], epoch))]:
             del self._held[key]  # had it, or of a history that was replaced
         actions: list[Action] = []
         while (params := self._held.pop((epoch, self.seq + 1), None)) is not None:

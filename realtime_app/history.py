@@ -29,6 +29,7 @@ __all__ = [
     "epoch_suffix",
     "follows",
     "new_epoch",
+    "newer_epoch",
     "plan_resume",
 ]
 
@@ -38,6 +39,18 @@ PAGE = 1000
 
 #: Longest epoch a client may send back (ours are 19 hex characters).
 MAX_EPOCH_LENGTH = 64
+
+
+def newer_epoch(epoch: str, than: str) -> bool:
+    """True when ``epoch`` replaced ``than``: later by the time it names when both are
+    ours (19 hex characters), else simply different (an epoch of another format)."""
+    if len(epoch) == len(than) == 19 and _is_hex(epoch) and _is_hex(than):
+        return epoch > than
+    return epoch != than
+
+
+def _is_hex(text: str) -> bool:
+    return all(c in "0123456789abcdef" for c in text)
 
 
 def epoch_suffix() -> str:

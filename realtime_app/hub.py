@@ -37,7 +37,7 @@ from .backpressure import CLOSE, DROP, SEND, Decision, decide_send
 from .conf import get_config
 from .exceptions import BackplaneUnavailable, PublicationError, PublicationTooLarge
 from .guard import BACKPRESSURE_REASON, Guard
-from .history import PAGE, HistoryEntry, Since, follows, plan_resume
+from .history import PAGE, HistoryEntry, Since, follows, newer_epoch, plan_resume
 from .logsafe import safe
 from .middleware import pools_probe
 from .protocol import CloseCode, encode
@@ -348,7 +348,9 @@ class Hub:
             return answer
         except backplane.errors as exc:
             backplane.outage.failed(exc)
-            if added and self._drop_local(conn, channel):  # not half subscribed: it is told it failed
+            # A first subscribe is undone (it is told it failed); a resume keeps the
+            # subscription: frames go on and the client resumes again at the next one.
+            if added and since is None and self._drop_local(conn, channel):
                 self._spawn(self._converge(channel))
             buffer.clear()
             raise BackplaneUnavailable("history", exc) from exc
@@ -408,7 +410,7 @@ class Hub:
             replays.pop(conn, None)
             if not replays:
                 del self._replays[channel]
-        for seq, epoch, payload in sorted(buffer, key=lambda item: item[0]):
+        for seq, epoch, payload in sorted(buffer, key=lambda item: (item[1], item[0])):
             if conn.closed or channel not in conn.subscriptions:
                 return
             self._push_kept(conn, channel, seq, epoch, payload)
@@ -419,7 +421,7 @@ class Hub:
         left the channel and joined again, a publisher overtaken by another, a frame of
         the history a newer epoch replaced)."""
         at = conn.positions.get(channel)
-        if at is not None and (epoch < at[0] or (epoch == at[0] and seq <= at[1])):
+        if at is not None and (seq <= at[1] if epoch == at[0] else not newer_epoch(epoch, at[0])):
             return
         conn.positions[channel] = (epoch, seq)
         self._push(conn, payload)
@@ -686,8 +688,8 @@ class Hub:
     def _sequencer(self, channel: str, epoch: str, top: int) -> None:
         """Start ordering ``channel`` after ``top`` unless frames of it already flow here."""
         order = self._orders.get(channel)
-        if channel in self.subscribers and (order is None or epoch > order.epoch):
-            if order is not None:
+        if channel in self.subscribers and (order is None or order.epoch != epoch):
+            if order is not None:  # a fresh read is authoritative about the epoch
                 order.stop()
             self._orders[channel] = _Order(epoch, top + 1)
 
@@ -696,12 +698,17 @@ class Hub:
         order = self._orders.get(channel)
         if channel not in self.subscribers:
             return
-        if order is None or epoch > order.epoch:  # the first frame here, or a new history
+        if order is None or newer_epoch(epoch, order.epoch):  # the first frame here, or a new history
             if order is not None:
                 order.stop()
             order = self._orders[channel] = _Order(epoch, seq)
-        elif epoch < order.epoch or seq < order.next:
-            return  # a frame of a replaced history, or one sent already (or given up on)
+        elif epoch != order.epoch:
+            return  # a late frame of a replaced history
+        elif seq < order.next:
+            # Late (after the window, or before a read set ``next``): each connection's
+            # position decides whether it still needs it.
+            self.fanout(channel, text, seq, epoch)
+            return
         if seq > order.next:
             order.held[seq] = (text, seq)
             if order.timer is None:

@@ -240,3 +240,22 @@ async def test_a_process_fans_frames_out_in_seq_order_and_releases_over_a_gap_af
         await hub._deliver(frame(top + 3))  # too late: dropped here (a client resumes it)
         await hub._deliver(frame(top + 5))
         assert [f["seq"] for f in await c.frames(1)] == [top + 5]
+
+
+async def test_a_late_frame_still_reaches_a_connection_behind_the_process(hub):
+    """Found in review: two first subscribes whose reads returned different tops (10, 11)
+    set the process's next seq past 11, and the frame 11 was dropped for the connection
+    at 10 — which only noticed at the next publication."""
+    from realtime_app.backplane import Delivery
+
+    async with Client() as c:
+        start = (await c.call("subscribe", {"channel": "demo:events"}))["result"]
+        top, epoch = start["seq"], start["epoch"]
+        hub._orders.pop("demo:events").stop()
+        hub._sequencer("demo:events", epoch, top + 1)  # another subscriber's later read
+        text = notification_text("demo:events", encode("late"), top + 1, 0, epoch)
+        await hub._deliver(Delivery("frame", "demo:events", text, top + 1, epoch))
+        assert [f["data"] for f in await c.frames(1)] == ["late"]
+        await hub._deliver(Delivery("frame", "demo:events", text, top + 1, epoch))  # again: not twice
+        await hub.publish("demo:events", "next")
+        assert [f["data"] for f in await c.frames(1)] == ["next"]

@@ -162,6 +162,17 @@ export function retryDelayMs(retryAfterMs, u = Math.random()) {
   return Math.ceil(retryAfterMs * (1 + 0.25 * u));
 }
 
+const OUR_EPOCH = /^[0-9a-f]{19}$/;
+
+/**
+ * True when `epoch` replaced `than`: later by the time it names when both are ours (19 hex
+ * characters), else simply different. The twin of realtime_app.history.newer_epoch.
+ */
+export function newerEpoch(epoch, than) {
+  if (OUR_EPOCH.test(epoch) && OUR_EPOCH.test(than)) return epoch > than;
+  return epoch !== than;
+}
+
 /** Messages held while a gap is recovered, at most; past it the client resyncs. */
 export const MAX_HELD = 10000;
 
@@ -200,7 +211,7 @@ export class EventCursor {
       this.epoch = epoch; this.seq = seq;
       return [["deliver", params]];
     }
-    if (this.epoch !== null && epoch < this.epoch) return []; // a late frame of a replaced history
+    if (this.epoch !== null && epoch !== this.epoch && !newerEpoch(epoch, this.epoch)) return []; // a late frame of a replaced history
     if (epoch === this.epoch) {
       if (seq <= this.seq) return [];
       if (seq === this.seq + 1) {
@@ -239,7 +250,7 @@ export class EventCursor {
   }
 
   _giveUp(epoch, top, reason) {
-    if (epoch !== this.epoch || top > this.seq) { this.epoch = epoch; this.seq = top; }
+    if (epoch !== this.epoch || top > this.seq || reason === "ahead") { this.epoch = epoch; this.seq = top; }
     const actions = [["resync", { epoch: this.epoch, seq: this.seq, reason }]];
     this.recovering = false;
     return [...actions, ...this._drain()];
@@ -254,7 +265,7 @@ export class EventCursor {
   _drain() {
     const epoch = this.epoch ?? "";
     for (const [key, held] of this._held) {
-      if (held.epoch < epoch || (held.epoch === epoch && held.seq <= this.seq)) this._held.delete(key);
+      if (held.epoch === epoch ? held.seq <= this.seq : !newerEpoch(held.epoch, epoch)) this._held.delete(key);
     }
     const actions = [];
     for (let next; (next = this._held.get(`${epoch} ${this.seq + 1}`));) {
@@ -414,9 +425,9 @@ export class RealtimeClient extends EventTarget {
   }
 
   _applyAnswer(channel, result, cursor) {
+    if (this._cursors.get(channel) !== cursor) return; // left (and maybe subscribed again) meanwhile
     if (result && result.epoch !== undefined) {
-      if (!this._cursors.has(channel)) this._cursors.set(channel, new EventCursor());
-      this._act(channel, this._cursors.get(channel).answer(result));
+      this._act(channel, cursor.answer(result));
     } else if (cursor) { // the channel keeps no history (any more)
       this._cursors.delete(channel);
       if (result && result.recovered === false) {
