@@ -87,9 +87,12 @@ async def test_backpressure_and_adaptive_cadence_meet(tmp_path):
 
             throttle["seconds"] = 0.0
             await until(lambda: asyncio.sleep(0, bound.interval_ms == 100 and time.monotonic() > slowed_at), 20)
+            # Two seconds on, it is (back) at 100 ms and was never closed: a scheduling hiccup
+            # of the shared machine may step it slower once, and it recovers from that too.
             await asyncio.sleep(2)
+            await until(lambda: asyncio.sleep(0, bound.interval_ms == 100), 20)
             totals = await probe.aread()
-            assert bound.interval_ms == 100 and totals["closes"] == 0 and totals["connections"] >= 1
+            assert totals["closes"] == 0 and totals["connections"] >= 1
             await bound.close()
     finally:
         server.stop()
