@@ -51,19 +51,20 @@ class Guard:
     def buffered(self) -> int:
         return self.transport.buffered()
 
-    def send(self, payload: bytes, *, response: bool = False) -> Decision:
+    def send(self, payload: bytes, *, response: bool = False, frame: bytes | None = None) -> Decision:
         """Send one text message (UTF-8 ``payload``) unless the guard refuses it.
 
         Returns the decision; on CLOSE the connection has been closed with 1013. A JSON-RPC
         response (``response=True``) is never dropped when ``NEVER_DROP_RESPONSES`` is on:
         it is written even above the threshold, but still adds to the drop balance, so a
-        client that asks without ever reading is closed all the same.
+        client that asks without ever reading is closed all the same. ``frame`` is the
+        payload as a WebSocket frame, built once for every subscriber of a publication.
         """
         if self.closed:
             return DROP
         decision = decide_send(self.transport.buffered() if self.measure else 0, self.config, self.state)
         if decision is SEND or (decision is DROP and response and self.never_drop_responses):
-            self.transport.write(payload)
+            self.transport.write(payload, frame)
         elif decision is CLOSE:
             self.close(CloseCode.TRY_AGAIN_LATER, BACKPRESSURE_REASON)
         return decision

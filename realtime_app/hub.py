@@ -43,6 +43,7 @@ from .middleware import pools_probe
 from .protocol import CloseCode, encode
 from .reconciler import REMOTE, Action, Reconciler
 from .registry import RESERVED, ChannelSpec, registry
+from .transports import text_frame
 from .workers import RequestPool
 from .write_behind import stores_probe
 
@@ -415,7 +416,9 @@ class Hub:
                 return
             self._push_kept(conn, channel, seq, epoch, payload)
 
-    def _push_kept(self, conn: Connection, channel: str, seq: int, epoch: str, payload: bytes) -> None:
+    def _push_kept(
+        self, conn: Connection, channel: str, seq: int, epoch: str, payload: bytes, frame: bytes | None = None
+    ) -> None:
         """A frame of a channel with history, unless this connection had it already: a
         replay sent it, or it arrives late (a frame queued for this process before it
         left the channel and joined again, a publisher overtaken by another, a frame of
@@ -424,7 +427,7 @@ class Hub:
         if at is not None and (seq <= at[1] if epoch == at[0] else not newer_epoch(epoch, at[0])):
             return
         conn.positions[channel] = (epoch, seq)
-        self._push(conn, payload)
+        self._push(conn, payload, frame)
 
     async def unsubscribe(self, conn: Connection, channel: str) -> bool:
         """Remove ``conn`` from ``channel``; the last one out stops what the channel held."""
@@ -779,6 +782,7 @@ class Hub:
         if not subs:
             return
         payload = text.encode("utf-8")  # once per publication, not per subscriber
+        frame = text_frame(payload)  # the same bytes on every subscriber's socket
         if epoch:
             replays = self._replays.get(channel, {})
             for conn in tuple(subs):
@@ -786,21 +790,21 @@ class Hub:
                 if buffer is not None:
                     buffer.append((seq, epoch, payload))
                 else:
-                    self._push_kept(conn, channel, seq, epoch, payload)
+                    self._push_kept(conn, channel, seq, epoch, payload, frame)
             return
         for conn in tuple(subs):
             try:
-                decision = conn.guard.send(payload)
+                decision = conn.guard.send(payload, frame=frame)
             except Exception as exc:
                 self._send_failed(conn, exc)
                 continue
             if decision is not SEND:
                 self._account(conn, decision)
 
-    def _push(self, conn: Connection, payload: bytes) -> None:
+    def _push(self, conn: Connection, payload: bytes, frame: bytes | None = None) -> None:
         """One frame of a channel to one connection, guarded (as :meth:`fanout` does)."""
         try:
-            decision = conn.guard.send(payload)
+            decision = conn.guard.send(payload, frame=frame if frame is not None else text_frame(payload))
         except Exception as exc:
             self._send_failed(conn, exc)
             return
@@ -811,7 +815,7 @@ class Hub:
         """Send one frame to one connection through its guard (RPC responses, errors)."""
         payload = text.encode("utf-8")
         try:
-            decision = conn.guard.send(payload, response=response)
+            decision = conn.guard.send(payload, response=response, frame=text_frame(payload))
         except Exception as exc:
             self._send_failed(conn, exc)
             return CLOSE

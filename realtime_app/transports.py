@@ -36,7 +36,7 @@ from typing import Any
 
 from .exceptions import RealtimeError
 
-__all__ = ["Transport", "UnsupportedServer", "server_send", "transport_for"]
+__all__ = ["Transport", "UnsupportedServer", "server_send", "text_frame", "transport_for"]
 
 _SIOCOUTQ = getattr(termios, "TIOCOUTQ", None)  # same ioctl as SIOCOUTQ on Linux
 _ZERO = b"\0\0\0\0"
@@ -81,6 +81,19 @@ def _kernel_queue(fileno: int) -> int:
 
 
 _unpack = struct.Struct("i").unpack
+_LEN16 = struct.Struct("!BBH").pack
+_LEN64 = struct.Struct("!BBQ").pack
+
+
+def text_frame(payload: bytes) -> bytes:
+    """One WebSocket text message, final, unmasked (RFC 6455 §5.2: a server never masks):
+    the same bytes for every subscriber, so the hub builds it once per publication."""
+    n = len(payload)
+    if n < 126:
+        return bytes((0x81, n)) + payload
+    if n < 65536:
+        return _LEN16(0x81, 126, n) + payload
+    return _LEN64(0x81, 127, n) + payload
 
 
 class Transport:
@@ -94,8 +107,10 @@ class Transport:
         """Bytes accepted for this connection and not yet sent on the network."""
         return 0
 
-    def write(self, payload: bytes) -> bool:
-        """Queue one text message (UTF-8 ``payload``); False if the connection is closing."""
+    def write(self, payload: bytes, frame: bytes | None = None) -> bool:
+        """Queue one text message (UTF-8 ``payload``; ``frame``, when given, is
+        :func:`text_frame` of it, for servers whose socket can take it as is); False if
+        the connection is closing."""
         raise NotImplementedError
 
     def close(self, code: int, reason: str, drain_s: float) -> None:
@@ -127,6 +142,9 @@ class DaphneTransport(Transport):
             self.fileno = self.tcp.fileno()
         except Exception:
             self.fileno = -1
+        self._direct: bool | None = None  # decided at the first write, once the handshake is done
+        # Plain TCP: a frame may go to the socket at once while Twisted holds nothing for it.
+        self.sock = getattr(self.tcp, "socket", None) if self.tls is None else None
 
     def buffered(self) -> int:
         tcp = self.tcp
@@ -135,12 +153,57 @@ class DaphneTransport(Transport):
             queued += sum(len(b) for b in self.tls._appSendBuffer)
         return queued
 
-    def write(self, payload: bytes) -> bool:
+    def _can_write_frames(self) -> bool:
+        """True when autobahn would put exactly :func:`text_frame` on the wire: no
+        per-message compression (daphne accepts none), no server masking, no automatic
+        fragmentation, no timing tracker (autobahn 26)."""
+        protocol = self.protocol
+        return (
+            getattr(protocol, "_perMessageCompress", True) is None
+            and not getattr(protocol, "trackedTimings", True)
+            and not getattr(protocol, "maskServerFrames", True)
+            and not getattr(protocol, "autoFragmentSize", True)
+            and hasattr(protocol, "send_queue")
+        )
+
+    def write(self, payload: bytes, frame: bytes | None = None) -> bool:
         protocol = self.protocol
         if protocol.state != self._open:
             return False
+        if frame is not None:
+            direct = self._direct
+            if direct is None:
+                direct = self._direct = self._can_write_frames()
+            limit = protocol.maxMessagePayloadSize
+            if direct and not protocol.send_queue and not (0 < limit < len(payload)):
+                # The frame built once per publication, straight to the socket's transport
+                # (TLS included): autobahn's sendMessage would rebuild the same bytes per
+                # connection and format a debug line it then discards.
+                self._write_frame(frame)
+                return True
         protocol.sendMessage(payload, False)
         return True
+
+    def _write_frame(self, frame: bytes) -> None:
+        """On plain TCP with nothing queued in Twisted, ``send()`` now (what asyncio's
+        transports do) instead of registering the socket for writing and sending at the
+        next turn of the loop: two ``epoll_ctl`` calls and a loop turn per frame and
+        connection saved. What the socket does not take goes to Twisted's buffer, so
+        bytes stay in order and the guard still sees them all."""
+        tcp = self.tcp
+        sock = self.sock
+        if sock is None or tcp._tempDataLen or len(tcp.dataBuffer) != tcp.offset or tcp.disconnecting:
+            self.protocol.transport.write(frame)
+            return
+        try:
+            sent = sock.send(frame)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:  # the connection is going: Twisted reports it its own way
+            tcp.write(frame)
+            return
+        if sent < len(frame):
+            tcp.write(frame[sent:])
 
     def close(self, code: int, reason: str, drain_s: float) -> None:
         protocol = self.protocol
@@ -182,7 +245,7 @@ class UvicornTransport(Transport):
     def buffered(self) -> int:
         return int(self.transport.get_write_buffer_size()) + _kernel_queue(self.fileno)
 
-    def write(self, payload: bytes) -> bool:
+    def write(self, payload: bytes, frame: bytes | None = None) -> bool:
         protocol = self.protocol
         if protocol.close_sent or self.transport.is_closing():
             return False
@@ -229,7 +292,7 @@ class QueueTransport(Transport):
         self.put = send.__self__.put_nowait  # type: ignore[attr-defined]
         self.closed = False
 
-    def write(self, payload: bytes) -> bool:
+    def write(self, payload: bytes, frame: bytes | None = None) -> bool:
         if self.closed:
             return False
         self.put({"type": "websocket.send", "text": payload.decode("utf-8")})
@@ -253,7 +316,7 @@ class AsgiTransport(Transport):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def write(self, payload: bytes) -> bool:
+    def write(self, payload: bytes, frame: bytes | None = None) -> bool:
         self._spawn({"type": "websocket.send", "text": payload.decode("utf-8")})
         return True
 

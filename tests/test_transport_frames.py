@@ -1,0 +1,106 @@
+"""The hub's own framing on daphne (docs/performance.md): a publication's text frame is
+built once and written to every subscriber's socket as is. These tests pin it to the bytes
+autobahn (26, the version check W020 names) would have written, and to its conditions:
+per-message compression, server masking or automatic fragmentation fall back to autobahn."""
+
+from __future__ import annotations
+
+import pytest
+from autobahn.twisted.websocket import WebSocketServerFactory, WebSocketServerProtocol
+from twisted.internet.testing import StringTransport
+
+from realtime_app.transports import DaphneTransport, text_frame
+
+
+def autobahn_protocol() -> tuple[WebSocketServerProtocol, StringTransport]:
+    factory = WebSocketServerFactory()
+    factory.protocol = WebSocketServerProtocol
+    protocol = factory.buildProtocol(None)
+    wire = StringTransport()
+    wire.dataBuffer, wire.offset, wire._tempDataLen = b"", 0, 0  # what the guard reads on TCP
+    wire.fileno = lambda: -1
+    protocol.makeConnection(wire)
+    protocol.state = protocol.STATE_OPEN
+    return protocol, wire
+
+
+@pytest.mark.parametrize("size", [0, 1, 125, 126, 127, 65535, 65536, 70000])
+def test_the_frame_is_byte_for_byte_what_autobahn_writes(size):
+    protocol, wire = autobahn_protocol()
+    payload = bytes(range(256)) * (size // 256) + bytes(range(size % 256))
+    protocol.sendMessage(payload, False)
+    assert wire.value() == text_frame(payload)
+
+
+def test_daphne_connections_get_the_frame_as_is():
+    protocol, wire = autobahn_protocol()
+    transport = DaphneTransport(protocol)
+    payload = b'{"jsonrpc":"2.0","method":"message"}'
+    assert transport.write(payload, text_frame(payload))
+    assert transport._direct is True and wire.value() == text_frame(payload)
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        ("_perMessageCompress", object()),  # permessage-deflate negotiated: compressed per connection
+        ("autoFragmentSize", 16),
+        ("trackedTimings", object()),
+    ],
+)
+def test_anything_that_changes_the_bytes_falls_back_to_autobahn(setting, monkeypatch):
+    protocol, wire = autobahn_protocol()
+    monkeypatch.setattr(protocol, setting[0], setting[1], raising=False)
+    sent = []
+    monkeypatch.setattr(protocol, "sendMessage", lambda payload, binary: sent.append(payload))
+    transport = DaphneTransport(protocol)
+    assert transport.write(b"x", text_frame(b"x"))
+    assert transport._direct is False and sent == [b"x"] and wire.value() == b""
+
+
+def test_a_frame_over_the_message_limit_goes_through_autobahn_which_refuses_it():
+    protocol, wire = autobahn_protocol()
+    protocol.maxMessagePayloadSize = 10
+    transport = DaphneTransport(protocol)
+    with pytest.raises(Exception, match="exceeding payload limit"):
+        transport.write(b"x" * 11, text_frame(b"x" * 11))  # the hub closes that connection with 1011
+    assert wire.value() == b""
+
+
+def test_masking_servers_fall_back(monkeypatch):
+    protocol, wire = autobahn_protocol()
+    monkeypatch.setattr(protocol, "maskServerFrames", True)
+    transport = DaphneTransport(protocol)
+    transport.write(b"x", text_frame(b"x"))
+    assert transport._direct is False and wire.value() != text_frame(b"x")
+
+
+class Socket:
+    """A socket that takes ``room`` bytes, then would block."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+        self.sent = b""
+
+    def send(self, data: bytes) -> int:
+        if not self.room:
+            raise BlockingIOError
+        taken = data[: self.room]
+        self.room -= len(taken)
+        self.sent += taken
+        return len(taken)
+
+
+def test_a_frame_goes_to_the_socket_at_once_and_what_it_does_not_take_to_twisted_in_order():
+    protocol, wire = autobahn_protocol()
+    wire.disconnecting = False
+    transport = DaphneTransport(protocol)
+    transport.sock = sock = Socket(room=10)
+    queued = []
+    wire.write = queued.append  # Twisted's buffer (StringTransport keeps no dataBuffer)
+    first, second = text_frame(b"a" * 20), text_frame(b"b" * 5)
+    transport.write(b"a" * 20, first)
+    assert sock.sent == first[:10] and queued == [first[10:]]  # the rest waits in Twisted, in order
+    wire.dataBuffer = b"".join(queued)  # as Twisted would hold it
+    transport.write(b"b" * 5, second)
+    assert queued == [first[10:], second] and sock.sent == first[:10]  # behind what waits, not before it
