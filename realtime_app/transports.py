@@ -163,6 +163,8 @@ class DaphneTransport(Transport):
             and not getattr(protocol, "trackedTimings", True)
             and not getattr(protocol, "maskServerFrames", True)
             and not getattr(protocol, "autoFragmentSize", True)
+            and not getattr(protocol, "logFrames", True)
+            and not getattr(protocol, "logOctets", True)
             and hasattr(protocol, "send_queue")
         )
 
@@ -192,14 +194,22 @@ class DaphneTransport(Transport):
         bytes stay in order and the guard still sees them all."""
         tcp = self.tcp
         sock = self.sock
-        if sock is None or tcp._tempDataLen or len(tcp.dataBuffer) != tcp.offset or tcp.disconnecting:
+        if (
+            sock is None
+            or tcp._tempDataLen
+            or len(tcp.dataBuffer) != tcp.offset
+            or tcp.disconnecting
+            or not tcp.connected
+            or getattr(tcp, "_aborting", False)
+            or getattr(tcp, "TLS", False)  # a connection upgraded with startTLS
+        ):
             self.protocol.transport.write(frame)
             return
         try:
             sent = sock.send(frame)
         except (BlockingIOError, InterruptedError):
             sent = 0
-        except OSError:  # the connection is going: Twisted reports it its own way
+        except OSError:  # the connection is going: Twisted reports it (a reset as a plain close)
             tcp.write(frame)
             return
         if sent < len(frame):

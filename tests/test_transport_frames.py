@@ -46,6 +46,7 @@ def test_daphne_connections_get_the_frame_as_is():
         ("_perMessageCompress", object()),  # permessage-deflate negotiated: compressed per connection
         ("autoFragmentSize", 16),
         ("trackedTimings", object()),
+        ("logFrames", True),
     ],
 )
 def test_anything_that_changes_the_bytes_falls_back_to_autobahn(setting, monkeypatch):
@@ -93,7 +94,7 @@ class Socket:
 
 def test_a_frame_goes_to_the_socket_at_once_and_what_it_does_not_take_to_twisted_in_order():
     protocol, wire = autobahn_protocol()
-    wire.disconnecting = False
+    wire.disconnecting, wire.connected = False, 1
     transport = DaphneTransport(protocol)
     transport.sock = sock = Socket(room=10)
     queued = []
