@@ -189,13 +189,15 @@ def _write_behind(instances: list[dict[str, Any]], labels: list[str], label: Any
     yield from families
 
 
+_HISTORY_COUNTERS = {
+    "replayed": "Publications sent again from a history",
+    "gaps": "Publications with history that never reached this process",
+}
+
+
 def _history(instances: list[dict[str, Any]], labels: list[str], label: Any) -> Iterator[Metric]:
     recoveries = CounterMetricFamily(
         "realtime_history_recoveries", "Resumes answered, by result (served, failed)", labels=[*labels, "result"]
-    )
-    replayed = CounterMetricFamily("realtime_history_replayed", "Publications sent again from a history", labels=labels)
-    gaps = CounterMetricFamily(
-        "realtime_history_gaps", "Publications with history that never reached this process", labels=labels
     )
     kept = GaugeMetricFamily(
         "realtime_history_kept", "Publications a channel's history keeps, as last seen", labels=[*labels, "channel"]
@@ -204,11 +206,10 @@ def _history(instances: list[dict[str, Any]], labels: list[str], label: Any) -> 
         history = p.get("history", {})
         for result, count in sorted(history.get("recoveries", {}).items()):
             recoveries.add_metric([*label(p), result], float(count))
-        replayed.add_metric(label(p), float(history.get("replayed", 0)))
-        gaps.add_metric(label(p), float(history.get("gaps", 0)))
         for channel, seen in sorted(history.get("channels", {}).items()):
             kept.add_metric([*label(p), channel], float(seen.get("kept", 0)))
-    yield from (recoveries, replayed, gaps, kept)
+    yield from (recoveries, kept)
+    yield from _section(instances, labels, label, "history", _HISTORY_COUNTERS, CounterMetricFamily)
 
 
 def render(probe: dict[str, Any]) -> bytes:

@@ -17,6 +17,19 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["REALTIME_TEST_PREFIX"] = f"rt-test-{secrets.token_hex(4)}"
 
 
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """The Redis of the live tests (the machine's, or the one scripts/test starts): a
+    missing one fails the test, never skips it."""
+    import redis
+
+    url = os.environ.get("REALTIME_TEST_REDIS_URL")
+    if not url:
+        pytest.fail("REALTIME_TEST_REDIS_URL is not set: run the tests with scripts/test (it provides Redis)")
+    redis.Redis.from_url(url).ping()
+    return url
+
+
 @pytest.fixture
 async def hub():
     """The started hub of this test's loop; closed (tickers cleaned up) after the test."""

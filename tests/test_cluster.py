@@ -22,15 +22,6 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 LEASE_TTL_MS = 1500
 
 
-@pytest.fixture(scope="module")
-def redis_url():
-    url = os.environ.get("REALTIME_TEST_REDIS_URL")
-    if not url:
-        pytest.fail("REALTIME_TEST_REDIS_URL is not set: run the tests with scripts/test (it provides Redis)")
-    redis.Redis.from_url(url).ping()
-    return url
-
-
 @pytest.fixture
 def cluster(redis_url):
     """Two daphne processes of the demo site on Redis, with a key prefix of their own."""

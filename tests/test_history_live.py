@@ -28,15 +28,6 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 CHANNEL = "demo:events"
 
 
-@pytest.fixture(scope="module")
-def redis_url():
-    url = os.environ.get("REALTIME_TEST_REDIS_URL")
-    if not url:
-        pytest.fail("REALTIME_TEST_REDIS_URL is not set: run the tests with scripts/test (it provides Redis)")
-    redis.Redis.from_url(url).ping()
-    return url
-
-
 def cluster_env(redis_url: str, **extra: str) -> tuple[dict[str, str], str]:
     prefix = f"{os.environ['REALTIME_TEST_PREFIX']}-{secrets.token_hex(3)}"
     return {"REDIS_URL": redis_url, "REALTIME_KEY_PREFIX": prefix, "REALTIME_LEASE_TTL_MS": "1500", **extra}, prefix
