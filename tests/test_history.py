@@ -13,7 +13,7 @@ from realtime_app.backplane_memory import MemoryBackplane
 from realtime_app.conf import get_config
 from realtime_app.history import HistoryEntry, HistoryPolicy, HistoryRead, Since, plan_resume
 from realtime_app.protocol import encode, notification_text
-from realtime_app.registry import Registry, event_channel
+from realtime_app.registry import Registry, event_channel, registry
 from tests.test_consumer import Client
 
 POLICY = HistoryPolicy(size=5, ttl_s=60)
@@ -259,3 +259,29 @@ async def test_a_late_frame_still_reaches_a_connection_behind_the_process(hub):
         await hub._deliver(Delivery("frame", "demo:events", text, top + 1, epoch))  # again: not twice
         await hub.publish("demo:events", "next")
         assert [f["data"] for f in await c.frames(1)] == ["next"]
+
+
+class UnreadableHistory(MemoryBackplane):
+    """Redis answers everything but the history read."""
+
+    async def history(self, channel, policy, since=None, floor=0):
+        raise ConnectionError("the history does not answer")
+
+
+async def test_a_failed_read_undoes_a_first_subscribe_and_keeps_a_resumed_one():
+    from realtime_app.hub import get_hub
+
+    with override_settings(REALTIME_APP={**get_config(), "BACKPLANE": "tests.test_history.UnreadableHistory"}):
+        hub = await get_hub()
+        try:
+            async with Client() as c:
+                first = await c.call("subscribe", {"channel": "demo:events"})
+                assert first["error"]["data"]["reason"] == "backplane_unavailable"
+                assert "demo:events" not in hub.subscribers  # not half subscribed
+                conn = next(iter(hub.connections))
+                await hub.subscribe(conn, registry.resolve("demo:events"))  # subscribed before the outage
+                resumed = await c.call("subscribe", {"channel": "demo:events", "since": {"seq": 1, "epoch": "e"}})
+                assert resumed["error"]["data"]["reason"] == "backplane_unavailable"
+                assert conn in hub.subscribers["demo:events"]  # frames go on; the client resumes again
+        finally:
+            await hub.aclose()
