@@ -41,3 +41,16 @@ application = ProtocolTypeRouter(
         "websocket": URLRouter([*websocket_urlpatterns, path("baseline/", BaselineConsumer.as_asgi())]),
     }
 )
+
+if os.environ.get("BENCH_TRACEMALLOC"):  # bench/connections.py: where a connection's bytes go
+    import signal
+    import tracemalloc
+
+    tracemalloc.start(1)
+
+    def _dump(signum: int, frame: object) -> None:
+        tracemalloc.take_snapshot().dump(os.environ["BENCH_TRACEMALLOC"] + f".{os.getpid()}.{time.monotonic_ns()}")
+
+    import time
+
+    signal.signal(signal.SIGUSR1, _dump)

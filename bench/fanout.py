@@ -1,9 +1,10 @@
 """Fan-out cost: realtime_app's per-process hub vs plain Channels group_send vs bare websockets.
 
-Two daphne processes on Redis serve both endpoints; N WebSocket clients are split over
-them, all on one channel. In the same run, for each N, three phases measure delivered
-frames/s, p50/p99 latency (client clock − server ``ts``), server CPU seconds per 1000
-delivered frames and Redis commands per publication:
+Two daphne (or, with ``--server uvicorn``, uvicorn) processes on Redis serve both
+endpoints; N WebSocket clients are split over them, all on one channel. In the same run,
+for each N, three phases measure delivered frames/s, p50/p99 latency (client clock −
+server ``ts``), server CPU seconds per 1000 delivered frames and Redis commands per
+publication:
 
 * ``hub``: clients subscribe to ``demo:clock:<ms>`` on ``/realtime/`` (one ticker in the
   cluster, one backplane message per subscribed process, local fan-out);
@@ -12,7 +13,7 @@ delivered frames and Redis commands per publication:
 * ``websockets``: a bare ``websockets`` broadcast server (one process), the physical floor.
 
 Usage:  REDIS_URL=redis://127.0.0.1:6379/0 python bench/fanout.py [--clients 100 1000]
-            [--seconds 10] [--interval-ms 100] [--json FILE]
+            [--seconds 10] [--interval-ms 100] [--server daphne|uvicorn] [--json FILE]
 With no --interval-ms, 100 ms below 1000 clients and 1000 ms from 1000 on (at 10 publications
 per second, 1000 plain-Channels consumers saturate this 2-core machine).
 """
@@ -43,6 +44,26 @@ from bench.common import (
     processes,
     progress,
 )
+
+
+def uvicorn(port: int) -> list[str]:
+    """A uvicorn process of the bench site (its default WebSocket implementation)."""
+    return [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--ws",
+        "websockets-sansio",
+        "--lifespan",
+        "off",
+        "--log-level",
+        "warning",
+        "bench.asgi:application",
+    ]
 
 
 def redis_commands(r: redis.Redis) -> int:
@@ -142,6 +163,7 @@ async def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[100, 1000])
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--interval-ms", type=int, default=None)
+    parser.add_argument("--server", choices=["daphne", "uvicorn"], default="daphne")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     url = os.environ.get("REDIS_URL")
@@ -161,7 +183,9 @@ async def main() -> None:
     ref_port = free_port()
     results = []
     try:
-        with processes([daphne(p) for p in ports], ports, env) as procs:
+        server = daphne if args.server == "daphne" else uvicorn
+        print(f"== servers: two {args.server} processes", file=sys.stderr)
+        with processes([server(p) for p in ports], ports, env) as procs:
             pids = [p.pid for p in procs]
             for n in [10, *args.clients]:
                 interval = args.interval_ms or (100 if n < 1000 else 1000)

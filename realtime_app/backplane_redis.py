@@ -20,10 +20,11 @@ round trip per shard.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
+import random
 import time
+import uuid
 from typing import Any
 
 from redis import asyncio as aioredis
@@ -32,11 +33,12 @@ from redis.exceptions import TimeoutError as RedisTimeout
 
 from .admission import retry_after_ms
 from .backplane import Backplane, Deliver, Delivery, now_ms
+from .cancellation import cancel_and_wait
 from .history import PAGE, HistoryEntry, HistoryPolicy, HistoryRead, Since, epoch_suffix
 from .names import group_name
-from .protocol import notification_head, notification_tail, notification_text
+from .protocol import notification_head, notification_tail
 
-__all__ = ["RedisBackplane", "uses_channels_redis"]
+__all__ = ["RedisBackplane", "group_send_inline", "uses_channels_redis"]
 
 logger = logging.getLogger("realtime_app.backplane")
 
@@ -56,7 +58,7 @@ if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) 
 return 0
 """
 # The next seq, above the publisher's floor; the key expires when the channel is idle.
-_SEQ = """
+_NUMBER = """
 local v = redis.call('incr', KEYS[1])
 local floor = tonumber(ARGV[1])
 if v <= floor then
@@ -64,8 +66,43 @@ if v <= floor then
   redis.call('set', KEYS[1], v)
 end
 redis.call('pexpire', KEYS[1], ARGV[2])
-return v
 """
+_SEQ = _NUMBER + "return v\n"
+# channels-redis 4.3's ``group_send``, byte for byte what it stores (expired members and
+# messages dropped, a member's capacity honoured, a random prefix, msgpack), run in the
+# call that numbers the publication: one round trip instead of five. ARGV from ``a``:
+# layer prefix, group expiry, message expiry, capacity, now, random prefix, channel.
+_GROUP_SEND = """
+local function group_send(group_key, a, fields)
+  local now = tonumber(ARGV[a + 4])
+  redis.call('zremrangebyscore', group_key, 0, math.floor(now) - tonumber(ARGV[a + 1]))
+  local over = 0
+  for _, member in ipairs(redis.call('zrange', group_key, 0, -1)) do
+    local bang = string.find(member, '!', 1, true)
+    local key = ARGV[a] .. (bang and string.sub(member, 1, bang) or member)
+    fields['__asgi_channel__'] = {member}
+    redis.call('zremrangebyscore', key, 0, math.floor(now) - tonumber(ARGV[a + 2]))
+    if redis.call('zcount', key, '-inf', '+inf') < tonumber(ARGV[a + 3]) then
+      redis.call('zadd', key, ARGV[a + 4], ARGV[a + 5] .. cmsgpack.pack(fields))
+      redis.call('expire', key, ARGV[a + 2])
+    else
+      over = over + 1
+    end
+  end
+  return over
+end
+"""
+# KEYS: seq, group; ARGV: floor, keep ms, head, ts, then the group send's from 5
+_PUBLISH = (
+    _GROUP_SEND
+    + _NUMBER
+    + """
+local s = string.format('%d', v)
+local text = ARGV[3] .. ',"seq":' .. s .. ',"ts":' .. ARGV[4] .. '}}'
+local over = group_send(KEYS[2], 5, {type = 'realtime.frame', channel = ARGV[11], text = text, seq = v})
+return {v, over}
+"""
+)
 _RESEED = """
 local cur = tonumber(redis.call('get', KEYS[1]) or '0')
 if cur < tonumber(ARGV[1]) then redis.call('set', KEYS[1], ARGV[1], 'KEEPTTL') end
@@ -97,16 +134,19 @@ local function renew()
 end
 if not epoch or owner ~= run or not top then renew() end
 """
-# KEYS: seq, epoch, stream; ARGV: new epoch, keep ms, floor, head, ts, size, ttl ms
+# KEYS: seq, epoch, stream[, group]; ARGV: new epoch, keep ms, floor, head, ts, size,
+# ttl ms[, the group send's from 8]
 _PUBLISH_KEPT = (
-    _LINEAGE
+    _GROUP_SEND
+    + _LINEAGE
     + """
 local incremented = redis.call('incr', KEYS[1])
 local v = incremented
 if v <= tonumber(ARGV[3]) then v = tonumber(ARGV[3]) + 1 end
+local s = string.format('%d', v)
+local text
 local function add()
-  local s = string.format('%d', v)
-  local text = ARGV[4] .. ',"seq":' .. s .. ',"epoch":"' .. epoch .. '","ts":' .. ARGV[5] .. '}}'
+  text = ARGV[4] .. ',"seq":' .. s .. ',"epoch":"' .. epoch .. '","ts":' .. ARGV[5] .. '}}'
   return redis.pcall('xadd', KEYS[3], 'MAXLEN', ARGV[6], s .. '-0', 't', text, 'ts', ARGV[5])
 end
 local added = add()
@@ -115,11 +155,15 @@ if type(added) == 'table' and added.err then
   add()
 end
 if renewed or v ~= incremented or redis.call('pttl', KEYS[1]) < tonumber(ARGV[2]) / 2 then
-  redis.call('set', KEYS[1], string.format('%d', v), 'PX', ARGV[2])  -- INCR keeps the TTL: set it now and then
+  redis.call('set', KEYS[1], s, 'PX', ARGV[2])  -- INCR keeps the TTL: set it now and then
   redis.call('set', KEYS[2], epoch .. ' ' .. run, 'PX', ARGV[2])
 end
 redis.call('pexpire', KEYS[3], ARGV[7])
-return {v, epoch}
+local over = 0
+if KEYS[4] then
+  over = group_send(KEYS[4], 8, {type = 'realtime.frame', channel = ARGV[14], text = text, seq = v, epoch = epoch})
+end
+return {v, epoch, over}
 """
 )
 # KEYS: seq, epoch, stream; ARGV: new epoch, keep ms, since (-1: none), its epoch, size,
@@ -160,20 +204,16 @@ return string.format('%.17g', wait)
 """
 
 
-def _retrieved(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()
-
-
-class _RetrievedCleaners(list):  # type: ignore[type-arg]
-    """channels-redis (4.3) pops each received message's backup in a detached task it
-    keeps in ``layer.receive_cleaners``; when Redis goes away at that moment the task's
-    error is the outage already logged once, but nobody retrieves it and asyncio logs
-    "Task exception was never retrieved" with a traceback. This list retrieves it."""
-
-    def append(self, task: Any) -> None:
-        task.add_done_callback(_retrieved)
-        super().append(task)
+def group_send_inline(layer: Any, settings: dict[str, Any]) -> bool:
+    """True when a publication's Lua call can also do channels-redis' ``group_send``: the
+    layer has one Redis, the backplane's own, and stores msgpack without encryption (the
+    script packs with Redis' ``cmsgpack`` and cannot encrypt). Otherwise the layer's
+    ``group_send`` follows the numbering call."""
+    hosts = getattr(layer, "hosts", None) or []
+    serializer = getattr(layer, "_serializer", None)
+    if len(hosts) != 1 or type(serializer).__name__ != "MsgPackSerializer" or getattr(serializer, "crypter", None):
+        return False
+    return settings["REDIS_URL"] in (None, dict(hosts[0]).get("address"))
 
 
 def uses_channels_redis() -> bool:
@@ -213,6 +253,7 @@ class RedisBackplane(Backplane):
         expiry_ms = int(getattr(layer, "group_expiry", 86400)) * 1000
         self.reassert_ms: int = max(1000, min(settings["REASSERT_INTERVAL_MS"], expiry_ms // 3))
         self.redis = redis if redis is not None else _client(layer, settings)
+        self._owns_pool = redis is None  # a pool made here is closed by stop()
         # Bound what this process asks of the layer's own pools at once (they raise, not
         # wait, past their size): a burst of subscribes queues here instead of failing.
         self._slots = asyncio.Semaphore(settings["REDIS_MAX_CONNECTIONS"])
@@ -222,6 +263,13 @@ class RedisBackplane(Backplane):
         self._reseed = self.redis.register_script(_RESEED)
         self._take = self.redis.register_script(_TAKE)
         self._publish_kept = self.redis.register_script(_PUBLISH_KEPT)
+        self._publish = self.redis.register_script(_PUBLISH)
+        #: The publishing script also does the layer's group send (one round trip a
+        #: publication) where it can: see :func:`group_send_inline`.
+        self.inline_group_send = group_send_inline(layer, settings)
+        # Every process's member is named alike (``realtime.<hex>``), so one capacity.
+        self._member_capacity = int(layer.get_capacity("realtime.member")) if self.inline_group_send else 0
+        self._over: set[str] = set()  # channels whose group has a process over capacity
         self._read_kept = self.redis.register_script(_READ_KEPT)
         self.process_channel: str | None = None
         self._receive_errors: set[type[BaseException]] = set()  # logged once per kind
@@ -234,28 +282,30 @@ class RedisBackplane(Backplane):
     # -- lifecycle ----------------------------------------------------------------
 
     async def start(self, deliver: Deliver) -> None:
-        # The default prefix on purpose: channels-redis serves every process-local ("!")
-        # channel of a layer through one receive lock that pops one Redis key per prefix;
-        # a channel under another prefix would starve the application's own consumers.
-        cleaners = getattr(self.layer, "receive_cleaners", None)
-        if type(cleaners) is list:
-            self.layer.receive_cleaners = _RetrievedCleaners(cleaners)
-        self.process_channel = await self.layer.new_channel()
+        # The process's member of each group is a general channel of its own, popped here
+        # and nowhere else: channels-redis' ``receive`` costs four round trips a message
+        # (its in-flight backup) where one ``BZPOPMIN`` does, and nothing is lost by not
+        # keeping a backup — the receiver is only cancelled when the process stops.
+        self.process_channel = f"realtime.{uuid.uuid4().hex}"
         self._receiver = asyncio.get_running_loop().create_task(self._receive(deliver), name="realtime-receive")
 
     async def stop(self) -> None:
-        if self._receiver is not None:
-            self._receiver.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._receiver
-            self._receiver = None
-        await self.redis.aclose()
+        receiver, self._receiver = self._receiver, None
+        await cancel_and_wait(receiver)
+        await self.redis.aclose(close_connection_pool=self._owns_pool or None)
+
+    async def _pop(self) -> Any:
+        """The next message of this process's channel (``None`` after an idle wait)."""
+        assert self.process_channel is not None
+        layer = self.layer
+        connection = layer.connection(layer.consistent_hash(self.process_channel))
+        popped = await connection.bzpopmin(layer.prefix + self.process_channel, timeout=layer.brpop_timeout)
+        return None if popped is None else layer.deserialize(popped[1])
 
     async def _receive(self, deliver: Deliver) -> None:
-        assert self.process_channel is not None
         while True:
             try:
-                message = await self.layer.receive(self.process_channel)
+                message = await self._pop()
             except asyncio.CancelledError:
                 raise
             except RedisTimeout:
@@ -269,6 +319,8 @@ class RedisBackplane(Backplane):
                     self._receive_errors.add(type(exc))
                     logger.exception("receiving from the backplane failed; going on")
                 await asyncio.sleep(0.1)
+                continue
+            if message is None:
                 continue
             kind = message.get("type")
             try:
@@ -326,22 +378,62 @@ class RedisBackplane(Backplane):
     def _kept_keys(self, channel: str) -> list[str]:
         return [self.key("seq", channel), self.key("epoch", channel), self.key("history", channel)]
 
+    def _group_send_args(self, channel: str) -> list[Any]:
+        """ARGV of the group send done by the publishing script (see ``_GROUP_SEND``)."""
+        layer = self.layer
+        length = layer._serializer.random_prefix_length
+        return [
+            layer.prefix,
+            layer.group_expiry,
+            int(layer.expiry),
+            self._member_capacity,
+            repr(time.time()),
+            random.getrandbits(8 * length).to_bytes(length, "big"),
+            channel,
+        ]
+
+    def _over_capacity(self, channel: str, over: Any) -> None:
+        """Log once when processes of ``channel``'s group start missing its frames (their
+        layer channel is full: they fall behind) and once when none does any more."""
+        if int(over) and channel not in self._over:
+            self._over.add(channel)
+            logger.warning(
+                "%s process(es) of group %s are over the layer's capacity and miss frames",
+                int(over),
+                group_name(channel),
+            )
+        elif not int(over) and channel in self._over:
+            self._over.discard(channel)
+            logger.warning("every process of group %s takes frames again", group_name(channel))
+
     async def publish(self, channel: str, data_json: str, floor: int = 0, history: HistoryPolicy | None = None) -> int:
+        ts = now_ms()
+        head = notification_head(channel, data_json)
+        inline = self.inline_group_send
+        group = [self.layer._group_key(group_name(channel))] if inline else []
+        send = self._group_send_args(channel) if inline else []
         message: dict[str, Any] = {"type": FRAME, "channel": channel}
         if history is None:
+            if inline:
+                seq_, over = await self._publish(
+                    keys=[self.key("seq", channel), *group], args=[floor, self.seq_ttl_ms, head, ts, *send]
+                )
+                self._over_capacity(channel, over)
+                return int(seq_)
             seq = int(await self._seq(keys=[self.key("seq", channel)], args=[floor, self.seq_ttl_ms]))
-            text = notification_text(channel, data_json, seq, now_ms())
+            text = head + notification_tail(seq, ts)
         else:
-            ts = now_ms()
-            head = notification_head(channel, data_json)
             keep = max(self.seq_ttl_ms, history.ttl_ms, KEEP_LINEAGE_MS)
-            seq_, epoch_ = await self._publish_kept(
-                keys=self._kept_keys(channel),
-                args=[epoch_suffix(), keep, floor, head, ts, history.size, history.ttl_ms],
+            seq_, epoch_, over = await self._publish_kept(
+                keys=[*self._kept_keys(channel), *group],
+                args=[epoch_suffix(), keep, floor, head, ts, history.size, history.ttl_ms, *send],
             )
             seq, epoch = int(seq_), _text(epoch_)
             seen, kept = self.histories.get(channel, ("", 0))  # counted exactly at each read
             self.histories[channel] = (epoch, min(history.size, kept + 1) if seen == epoch else 1)
+            if inline:
+                self._over_capacity(channel, over)
+                return seq
             text = head + notification_tail(seq, ts, epoch)
             message["epoch"] = epoch
         message.update(text=text, seq=seq)

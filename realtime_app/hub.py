@@ -34,6 +34,7 @@ from typing import Any
 from .admission import Admission, AdmissionLimits, Refusal
 from .backplane import Backplane, Delivery, make_backplane, now_ms
 from .backpressure import CLOSE, DROP, SEND, Decision, decide_send
+from .cancellation import cancel_and_wait
 from .conf import get_config
 from .exceptions import BackplaneUnavailable, PublicationError, PublicationTooLarge
 from .guard import BACKPRESSURE_REASON, Guard
@@ -217,11 +218,7 @@ class Hub:
         self._closed = True
         for conn in list(self.connections):
             await self.remove_connection(conn)
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(*self._tasks)
         self._tasks.clear()
         assert self.backplane is not None
         with contextlib.suppress(Exception):

@@ -18,7 +18,6 @@ from typing import Any
 
 import psutil
 import pytest
-import redis.asyncio
 import websockets
 
 from realtime_app.names import group_name
@@ -459,51 +458,3 @@ async def test_an_unsupported_server_closes_with_1011_as_documented():
         assert len([line for line in site.output().splitlines() if "refusing WebSocket connections" in line]) == 1
     finally:
         site.stop()
-
-
-async def test_a_backup_cleaner_failing_with_redis_leaves_no_unretrieved_traceback():
-    """Found (one run in ten of the kill test): channels-redis pops each message's backup
-    in a detached task; when Redis died at that moment, asyncio logged "Task exception was
-    never retrieved" with a traceback."""
-    import gc
-
-    from redis.exceptions import ConnectionError as RedisConnectionError
-
-    from realtime_app.backplane_redis import FRAME, RedisBackplane
-
-    class Layer:
-        group_expiry = 86400
-        hosts = [{"address": "redis://127.0.0.1:1"}]
-
-        def __init__(self) -> None:
-            self.receive_cleaners: list[asyncio.Task[None]] = []
-
-        async def new_channel(self) -> str:
-            return "specific.test!x"
-
-        async def receive(self, channel: str) -> dict[str, Any]:
-            async def clean() -> None:
-                raise RedisConnectionError("Error while reading: Connection reset by peer")
-
-            cleaner = asyncio.ensure_future(clean())
-            self.receive_cleaners.append(cleaner)
-            cleaner.add_done_callback(self.receive_cleaners.remove)
-            await asyncio.sleep(0.01)
-            return {"type": FRAME, "channel": "demo:events", "text": "{}", "seq": 1}
-
-    unretrieved: list[dict[str, Any]] = []
-    loop = asyncio.get_running_loop()
-    loop.set_exception_handler(lambda _, context: unretrieved.append(context))
-    delivered: list[Any] = []
-
-    async def deliver(delivery: Any) -> None:
-        delivered.append(delivery)
-
-    backplane = RedisBackplane(layer=Layer(), redis=redis.asyncio.Redis.from_url("redis://127.0.0.1:1"))
-    await backplane.start(deliver)
-    await until(lambda: len(delivered) >= 5, 5, "frames delivered")
-    await backplane.stop()
-    gc.collect()
-    await asyncio.sleep(0)
-    loop.set_exception_handler(None)
-    assert [c.get("message") for c in unretrieved] == []

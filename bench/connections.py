@@ -1,0 +1,319 @@
+"""Memory per idle subscribed connection, and how many connections one daphne process holds.
+
+Memory (each server a fresh process, one at a time): the server's RSS with 100 warm
+connections, then with N; the difference over N − 100 is the cost of one connection.
+
+* ``hub``: daphne with realtime_app on Redis; each connection subscribes to ``demo:events``
+  (an event channel, idle here);
+* ``channels``: the same daphne, ``/baseline/``: a plain ``AsyncWebsocketConsumer`` that
+  joins a group at connect;
+* ``websockets``: a bare ``websockets`` server holding the connections, the floor.
+
+Then one daphne process (hub) holds ``--hold`` idle subscribed connections with daphne's
+WebSocket heartbeat (a ping every ``--ping-interval`` s, answered by every client): its
+CPU while idle, then ten publications on ``demo:events`` and their fan-out latency
+(receive time − the publication's ``ts``), over every connection.
+
+Usage:  REDIS_URL=redis://127.0.0.1:6379/0 python bench/connections.py [--sizes 1000 5000]
+            [--hold 10000] [--ping-interval 20] [--json FILE]
+The file-descriptor limit of this process (inherited by the servers) is raised to its hard
+limit; ``--hold`` must stay below it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import os
+import resource
+import secrets
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import redis
+import websockets
+
+from bench.common import cpu_seconds, daphne, free_port, percentile, processes, progress, rss_bytes
+
+WARM = 100
+
+
+async def open_connections(url: str, count: int, subscribe: str | None, into: list[Any], receive: bool = False) -> None:
+    """Open ``count`` more connections to ``url`` (50 at a time), subscribed when asked."""
+    sem = asyncio.Semaphore(50)
+
+    async def one() -> None:
+        async with sem:
+            ws = await websockets.connect(
+                url, origin="http://127.0.0.1", open_timeout=120, ping_interval=None, compression=None, max_size=None
+            )
+            if subscribe:
+                await ws.send(
+                    json.dumps({"jsonrpc": "2.0", "method": "subscribe", "params": {"channel": subscribe}, "id": 1})
+                )
+                answer = json.loads(await ws.recv())
+                if "result" not in answer:
+                    raise RuntimeError(f"subscribe refused: {answer}")
+            into.append(ws)
+
+    target = len(into) + count
+    tasks = [asyncio.create_task(one()) for _ in range(count)]
+    while not all(t.done() for t in tasks):
+        await asyncio.sleep(1)
+        progress(f"{len(into)}/{target} connections")
+    for t in tasks:
+        t.result()
+
+
+async def close_all(sockets: list[Any]) -> None:
+    sem = asyncio.Semaphore(200)
+
+    async def one(ws: Any) -> None:
+        async with sem:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(ws.close(), 5)
+
+    await asyncio.gather(*(one(ws) for ws in sockets))
+    sockets.clear()
+
+
+async def settled_rss(pid: int, seconds: float = 3) -> int:
+    """RSS once the server is idle: after ``seconds`` of no CPU, the last reading."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        before = cpu_seconds(pid)
+        await asyncio.sleep(seconds)
+        if cpu_seconds(pid) - before < 0.02 * seconds:
+            break
+    return rss_bytes(pid)
+
+
+PACKAGES = ("twisted", "autobahn", "daphne", "channels", "django", "realtime_app", "asyncio", "websockets")
+
+
+def package_of(filename: str) -> str:
+    parts = Path(filename).parts
+    for name in PACKAGES:
+        if name in parts:
+            return name
+    return "other"
+
+
+async def snapshot(pid: int, stem: str) -> Any:
+    """The server's tracemalloc snapshot (bench/asgi.py dumps one on SIGUSR1)."""
+    import tracemalloc
+
+    before = set(Path(stem).parent.glob(Path(stem).name + ".*"))
+    os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        new = set(Path(stem).parent.glob(Path(stem).name + ".*")) - before
+        if new:
+            path = new.pop()
+            await asyncio.sleep(1)  # let the dump finish writing
+            return tracemalloc.Snapshot.load(str(path))
+        await asyncio.sleep(0.2)
+    raise RuntimeError("no tracemalloc snapshot from the server")
+
+
+def where(before: Any, after: Any, n: int) -> dict[str, float]:
+    """Python bytes per connection by package: the snapshots' difference over ``n``."""
+    sizes: dict[str, float] = {}
+    for stat in after.compare_to(before, "filename"):
+        package = package_of(stat.traceback[0].filename)
+        sizes[package] = sizes.get(package, 0.0) + stat.size_diff / n
+    return dict(sorted(sizes.items(), key=lambda item: -item[1]))
+
+
+async def where_phase(n: int, env: dict[str, str]) -> dict[str, float]:
+    """Where the hub's bytes per connection go, by package (tracemalloc in the server)."""
+    import tempfile
+
+    port = free_port()
+    url = f"ws://127.0.0.1:{port}/realtime/"
+    sockets: list[Any] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        stem = f"{tmp}/snap"
+        with processes([daphne(port)], [port], {**env, "BENCH_TRACEMALLOC": stem}) as procs:
+            pid = procs[0].pid
+            await open_connections(url, WARM, "demo:events", sockets)
+            await settled_rss(pid)
+            before = await snapshot(pid, stem)
+            await open_connections(url, n, "demo:events", sockets)
+            await settled_rss(pid)
+            after = await snapshot(pid, stem)
+            await close_all(sockets)
+    return where(before, after, n)
+
+
+async def memory_phase(kind: str, n: int, env: dict[str, str]) -> dict[str, Any]:
+    port = free_port()
+    if kind == "websockets":
+        command, path, channel = [sys.executable, "bench/ws_broadcast.py", str(port), "3600000"], "/", None
+    else:
+        command = daphne(port)
+        path, channel = ("/realtime/", "demo:events") if kind == "hub" else ("/baseline/", None)
+    url = f"ws://127.0.0.1:{port}{path}"
+    sockets: list[Any] = []
+    with processes([command], [port], env) as procs:
+        pid = procs[0].pid
+        await open_connections(url, WARM, channel, sockets)
+        base = await settled_rss(pid)
+        await open_connections(url, n - WARM, channel, sockets)
+        full = await settled_rss(pid)
+        await close_all(sockets)
+    gc.collect()
+    per = (full - base) / (n - WARM)
+    print(f"  {kind:<11} n={n:>6}: RSS {base / 2**20:7.1f} MiB -> {full / 2**20:7.1f} MiB, {per / 1024:6.1f} KiB each")
+    return {"kind": kind, "connections": n, "rss_warm": base, "rss_full": full, "bytes_per_connection": per}
+
+
+async def hold_phase(n: int, ping_interval: int, env: dict[str, str]) -> dict[str, Any]:
+    """One daphne process, ``n`` subscribed connections, heartbeats on; idle CPU, then
+    the fan-out latency of ten publications."""
+    from realtime_app import apublish
+
+    port = free_port()
+    command = [*daphne(port), "--ping-interval", str(ping_interval), "--ping-timeout", str(3 * ping_interval)]
+    url = f"ws://127.0.0.1:{port}/realtime/"
+    sockets: list[Any] = []
+    latencies: list[float] = []
+    received = [0]
+    with processes([command], [port], env) as procs:
+        pid = procs[0].pid
+        await open_connections(url, n, "demo:events", sockets)
+        # Every client answers the server's pings (websockets does on read) and notes frames.
+        recording = asyncio.Event()
+
+        async def reader(ws: Any) -> None:
+            with contextlib.suppress(websockets.ConnectionClosed, asyncio.CancelledError):
+                async for text in ws:
+                    message = json.loads(text)
+                    params = message.get("params") or {}
+                    if recording.is_set() and message.get("method") == "message":
+                        received[0] += 1
+                        latencies.append(time.time() * 1000 - params["ts"])
+
+        readers = [asyncio.create_task(reader(ws)) for ws in sockets]
+        rss = await settled_rss(pid)
+        idle_s = max(2.0 * ping_interval, 10.0)
+        progress(f"holding {n} connections idle for {idle_s:.0f} s (two heartbeat rounds)")
+        cpu0, t0 = cpu_seconds(pid), time.monotonic()
+        await asyncio.sleep(idle_s)
+        idle_cpu = (cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
+        open_after_idle = sum(1 for ws in sockets if ws.state is websockets.protocol.State.OPEN)
+        recording.set()
+        publications = 10
+        for i in range(publications):
+            await apublish("demo:events", {"n": i})
+            await asyncio.sleep(1.0)
+        deadline = time.monotonic() + 30
+        while received[0] < publications * n and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            progress(f"{received[0]}/{publications * n} frames received")
+        for task in readers:
+            task.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+        await close_all(sockets)
+    row = {
+        "connections": n,
+        "ping_interval_s": ping_interval,
+        "rss": rss,
+        "idle_cpu_share": idle_cpu,
+        "open_after_idle": open_after_idle,
+        "frames": received[0],
+        "expected": publications * n,
+        "p50_ms": percentile(latencies, 50),
+        "p99_ms": percentile(latencies, 99),
+        "max_ms": max(latencies, default=float("nan")),
+    }
+    return row
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 5000])
+    parser.add_argument("--hold", type=int, default=10000)
+    parser.add_argument("--ping-interval", type=int, default=20)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    url = os.environ.get("REDIS_URL")
+    if not url:
+        sys.exit("set REDIS_URL (e.g. redis://127.0.0.1:6379/0)")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    if max([*args.sizes, args.hold]) + 200 > hard:
+        sys.exit(f"the file-descriptor limit is {hard}: ask for fewer connections")
+    prefix = f"bench-{secrets.token_hex(3)}"
+    env = {"REDIS_URL": url, "REALTIME_KEY_PREFIX": prefix, "DJANGO_SETTINGS_MODULE": "bench.settings"}
+    os.environ.update(env)
+    import django
+
+    django.setup()
+    r = redis.Redis.from_url(url)
+    memory: list[dict[str, Any]] = []
+    hold: dict[str, Any] | None = None
+    breakdown: dict[str, float] = {}
+    try:
+        for n in args.sizes:
+            print(f"== memory, {n} idle connections", file=sys.stderr)
+            for kind in ("hub", "channels", "websockets"):
+                memory.append(await memory_phase(kind, n, env))
+        print(f"== where the hub's bytes go, {args.sizes[0]} connections (tracemalloc)", file=sys.stderr)
+        breakdown = await where_phase(args.sizes[0], env)
+        if args.hold:
+            print(f"== one daphne process, {args.hold} subscribed connections", file=sys.stderr)
+            hold = await hold_phase(args.hold, args.ping_interval, env)
+    finally:
+        from realtime_app.hub import running_hub
+
+        hub = running_hub()
+        if hub is not None:
+            await hub.aclose()
+        for key in r.scan_iter(match=f"{prefix}*"):
+            r.delete(key)
+    report(memory, breakdown, hold)
+    if args.json:
+        args.json.write_text(
+            json.dumps({"memory": memory, "python_bytes_by_package": breakdown, "hold": hold}, indent=2)
+        )
+
+
+def report(memory: list[dict[str, Any]], breakdown: dict[str, float], hold: dict[str, Any] | None) -> None:
+    print(f"{'server':<11}{'connections':>12}{'RSS warm MiB':>14}{'RSS full MiB':>14}{'KiB/conn':>10}")
+    for row in memory:
+        print(
+            f"{row['kind']:<11}{row['connections']:>12}{row['rss_warm'] / 2**20:>14.1f}"
+            f"{row['rss_full'] / 2**20:>14.1f}{row['bytes_per_connection'] / 1024:>10.1f}"
+        )
+    by = {(row["kind"], row["connections"]): row["bytes_per_connection"] for row in memory}
+    for n in sorted({row["connections"] for row in memory}):
+        if ("hub", n) in by and ("channels", n) in by and ("websockets", n) in by:
+            print(
+                f"n={n}: memory per connection hub/channels {by['hub', n] / by['channels', n]:.2f}, "
+                f"hub/websockets {by['hub', n] / by['websockets', n]:.2f}"
+            )
+    if breakdown:
+        total = sum(breakdown.values())
+        parts = ", ".join(f"{name} {size / 1024:.1f}" for name, size in breakdown.items() if abs(size) >= 100)
+        print(f"\nPython heap per hub connection (tracemalloc): {total / 1024:.1f} KiB: {parts} (KiB)")
+    if hold:
+        print(
+            f"\none daphne process, {hold['connections']} subscribed connections, heartbeat every "
+            f"{hold['ping_interval_s']} s: RSS {hold['rss'] / 2**20:.0f} MiB, idle CPU "
+            f"{100 * hold['idle_cpu_share']:.1f}% of a core, {hold['open_after_idle']} still open; "
+            f"10 publications: {hold['frames']}/{hold['expected']} frames, "
+            f"fan-out p50 {hold['p50_ms']:.0f} ms, p99 {hold['p99_ms']:.0f} ms, max {hold['max_ms']:.0f} ms"
+        )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
