@@ -12,7 +12,9 @@ connections, then with N; the difference over N − 100 is the cost of one conne
 Then one daphne process (hub) holds ``--hold`` idle subscribed connections with daphne's
 WebSocket heartbeat (a ping every ``--ping-interval`` s, answered by every client): its
 CPU while idle, then ten publications on ``demo:events`` and their fan-out latency
-(receive time − the publication's ``ts``), over every connection.
+(receive time − the publication's ``ts``), over every connection and over 20 connections
+subscribed last from a process of their own (what this process adds reading 10,000
+sockets on a 2-core machine is then not in the figure).
 
 Usage:  REDIS_URL=redis://127.0.0.1:6379/0 python bench/connections.py [--sizes 1000 5000]
             [--hold 10000] [--ping-interval 20] [--json FILE]
@@ -44,6 +46,8 @@ import websockets
 from bench.common import cpu_seconds, daphne, free_port, percentile, processes, progress, rss_bytes
 
 WARM = 100
+PROBES = 20  # connections of the probe process
+PUBLICATIONS = 10
 
 
 async def open_connections(url: str, count: int, subscribe: str | None, into: list[Any], receive: bool = False) -> None:
@@ -203,6 +207,20 @@ async def hold_phase(n: int, ping_interval: int, env: dict[str, str]) -> dict[st
                         latencies.append(time.time() * 1000 - params["ts"])
 
         readers = [asyncio.create_task(reader(ws)) for ws in sockets]
+        # A few connections in a process of their own, subscribed last: their latency is
+        # the server's fan-out, not this process's work reading 10,000 sockets.
+        probe = await asyncio.create_subprocess_exec(
+            sys.executable,
+            __file__,
+            "--probe",
+            url,
+            str(PROBES),
+            str(PUBLICATIONS),
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert probe.stdout is not None
+        if (await probe.stdout.readline()).strip() != b"ready":
+            raise RuntimeError("the probe process did not connect")
         rss = await settled_rss(pid)
         idle_s = max(2.0 * ping_interval, 10.0)
         progress(f"holding {n} connections idle for {idle_s:.0f} s (two heartbeat rounds)")
@@ -211,7 +229,7 @@ async def hold_phase(n: int, ping_interval: int, env: dict[str, str]) -> dict[st
         idle_cpu = (cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
         open_after_idle = sum(1 for ws in sockets if ws.state is websockets.protocol.State.OPEN)
         recording.set()
-        publications = 10
+        publications = PUBLICATIONS
         for i in range(publications):
             await apublish("demo:events", {"n": i})
             await asyncio.sleep(1.0)
@@ -219,6 +237,8 @@ async def hold_phase(n: int, ping_interval: int, env: dict[str, str]) -> dict[st
         while received[0] < publications * n and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
             progress(f"{received[0]}/{publications * n} frames received")
+        probed = json.loads(await asyncio.wait_for(probe.stdout.read(), 60))
+        await probe.wait()
         for task in readers:
             task.cancel()
         await asyncio.gather(*readers, return_exceptions=True)
@@ -234,11 +254,39 @@ async def hold_phase(n: int, ping_interval: int, env: dict[str, str]) -> dict[st
         "p50_ms": percentile(latencies, 50),
         "p99_ms": percentile(latencies, 99),
         "max_ms": max(latencies, default=float("nan")),
+        "probe_frames": len(probed),
+        "probe_p50_ms": percentile(probed, 50),
+        "probe_p99_ms": percentile(probed, 99),
     }
     return row
 
 
+async def probe_main(url: str, count: int, messages: int) -> None:
+    """``--probe``: ``count`` subscribed connections; "ready", then the latencies of the
+    next ``messages`` publications on each, as one JSON list."""
+    sockets: list[Any] = []
+    await open_connections(url, count, "demo:events", sockets)
+    print("ready", flush=True)
+    latencies: list[float] = []
+
+    async def reader(ws: Any) -> None:
+        seen = 0
+        while seen < messages:
+            message = json.loads(await ws.recv())
+            if message.get("method") == "message":
+                seen += 1
+                latencies.append(time.time() * 1000 - message["params"]["ts"])
+
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.gather(*(reader(ws) for ws in sockets)), 120)
+    print(json.dumps(latencies), flush=True)
+    await close_all(sockets)
+
+
 async def main() -> None:
+    if len(sys.argv) == 5 and sys.argv[1] == "--probe":
+        await probe_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 5000])
     parser.add_argument("--hold", type=int, default=10000)
@@ -311,7 +359,10 @@ def report(memory: list[dict[str, Any]], breakdown: dict[str, float], hold: dict
             f"{hold['ping_interval_s']} s: RSS {hold['rss'] / 2**20:.0f} MiB, idle CPU "
             f"{100 * hold['idle_cpu_share']:.1f}% of a core, {hold['open_after_idle']} still open; "
             f"10 publications: {hold['frames']}/{hold['expected']} frames, "
-            f"fan-out p50 {hold['p50_ms']:.0f} ms, p99 {hold['p99_ms']:.0f} ms, max {hold['max_ms']:.0f} ms"
+            f"fan-out over every connection (read by this process) p50 {hold['p50_ms']:.0f} ms, "
+            f"p99 {hold['p99_ms']:.0f} ms, max {hold['max_ms']:.0f} ms; to the {PROBES} connections of a "
+            f"process of their own, subscribed last: p50 {hold['probe_p50_ms']:.0f} ms, "
+            f"p99 {hold['probe_p99_ms']:.0f} ms ({hold['probe_frames']} frames)"
         )
 
 

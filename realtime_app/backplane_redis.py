@@ -70,20 +70,23 @@ redis.call('pexpire', KEYS[1], ARGV[2])
 _SEQ = _NUMBER + "return v\n"
 # channels-redis 4.3's ``group_send``, byte for byte what it stores (expired members and
 # messages dropped, a member's capacity honoured, a random prefix, msgpack), run in the
-# call that numbers the publication: one round trip instead of five. ARGV from ``a``:
-# layer prefix, group expiry, message expiry, capacity, now, random prefix, channel.
+# call that numbers the publication: one round trip instead of five. The score is Redis'
+# clock when the number is taken, so a member's queue pops in ``seq`` order. ARGV from
+# ``a``: layer prefix, group expiry, message expiry, capacity, random prefix, channel.
 _GROUP_SEND = """
 local function group_send(group_key, a, fields)
-  local now = tonumber(ARGV[a + 4])
-  redis.call('zremrangebyscore', group_key, 0, math.floor(now) - tonumber(ARGV[a + 1]))
+  local t = redis.call('time')
+  local now = tonumber(t[1])
+  local score = string.format('%d.%06d', now, tonumber(t[2]))
+  redis.call('zremrangebyscore', group_key, 0, now - tonumber(ARGV[a + 1]))
   local over = 0
   for _, member in ipairs(redis.call('zrange', group_key, 0, -1)) do
     local bang = string.find(member, '!', 1, true)
     local key = ARGV[a] .. (bang and string.sub(member, 1, bang) or member)
     fields['__asgi_channel__'] = {member}
-    redis.call('zremrangebyscore', key, 0, math.floor(now) - tonumber(ARGV[a + 2]))
+    redis.call('zremrangebyscore', key, 0, now - tonumber(ARGV[a + 2]))
     if redis.call('zcount', key, '-inf', '+inf') < tonumber(ARGV[a + 3]) then
-      redis.call('zadd', key, ARGV[a + 4], ARGV[a + 5] .. cmsgpack.pack(fields))
+      redis.call('zadd', key, score, ARGV[a + 4] .. cmsgpack.pack(fields))
       redis.call('expire', key, ARGV[a + 2])
     else
       over = over + 1
@@ -99,7 +102,7 @@ _PUBLISH = (
     + """
 local s = string.format('%d', v)
 local text = ARGV[3] .. ',"seq":' .. s .. ',"ts":' .. ARGV[4] .. '}}'
-local over = group_send(KEYS[2], 5, {type = 'realtime.frame', channel = ARGV[11], text = text, seq = v})
+local over = group_send(KEYS[2], 5, {type = 'realtime.frame', channel = ARGV[10], text = text, seq = v})
 return {v, over}
 """
 )
@@ -161,7 +164,7 @@ end
 redis.call('pexpire', KEYS[3], ARGV[7])
 local over = 0
 if KEYS[4] then
-  over = group_send(KEYS[4], 8, {type = 'realtime.frame', channel = ARGV[14], text = text, seq = v, epoch = epoch})
+  over = group_send(KEYS[4], 8, {type = 'realtime.frame', channel = ARGV[13], text = text, seq = v, epoch = epoch})
 end
 return {v, epoch, over}
 """
@@ -213,7 +216,10 @@ def group_send_inline(layer: Any, settings: dict[str, Any]) -> bool:
     serializer = getattr(layer, "_serializer", None)
     if len(hosts) != 1 or type(serializer).__name__ != "MsgPackSerializer" or getattr(serializer, "crypter", None):
         return False
-    return settings["REDIS_URL"] in (None, dict(hosts[0]).get("address"))
+    # Only a bare address: the backplane's client is built from the URL alone, and a ``db``
+    # or any other option of the host would put the group where the script does not look.
+    host = dict(hosts[0])
+    return set(host) == {"address"} and settings["REDIS_URL"] in (None, host["address"])
 
 
 def uses_channels_redis() -> bool:
@@ -387,7 +393,6 @@ class RedisBackplane(Backplane):
             layer.group_expiry,
             int(layer.expiry),
             self._member_capacity,
-            repr(time.time()),
             random.getrandbits(8 * length).to_bytes(length, "big"),
             channel,
         ]
@@ -398,7 +403,8 @@ class RedisBackplane(Backplane):
         if int(over) and channel not in self._over:
             self._over.add(channel)
             logger.warning(
-                "%s process(es) of group %s are over the layer's capacity and miss frames",
+                "%s member(s) of group %s are over the layer's capacity and miss frames "
+                "(a process that falls behind, or one that stopped without leaving the group)",
                 int(over),
                 group_name(channel),
             )

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgpack
 import pytest
 import redis
 from channels_redis.core import RedisChannelLayer
@@ -32,7 +33,7 @@ DATA = '{"n":1,"s":"caf\\u00e9"}'
 async def wire(redis_url: str) -> AsyncIterator[tuple[RedisChannelLayer, str]]:
     """A channels-redis layer under a prefix of this test's own; its keys deleted after."""
     prefix = f"{os.environ['REALTIME_TEST_PREFIX']}-wire-{secrets.token_hex(3)}"
-    layer = RedisChannelLayer(hosts=[redis_url], prefix=f"{prefix}:asgi", capacity=3)
+    layer = RedisChannelLayer(hosts=[redis_url], prefix=f"{prefix}:asgi")
     yield layer, prefix
     await layer.close_pools()
     client = redis.Redis.from_url(redis_url)
@@ -75,6 +76,46 @@ async def test_a_publication_is_stored_for_a_plain_member_as_the_layers_group_se
         await slow.stop()
 
 
+async def test_the_stored_entry_is_channels_redis_own_packing_with_its_expiry(wire, redis_url) -> None:
+    layer, prefix = wire
+    fast = backplane(layer, prefix)
+    await layer.group_add(group_name("wire:raw"), "plain.member")
+    client = redis.Redis.from_url(redis_url, single_connection_client=True)
+    key = f"{layer.prefix}plain.member"
+    try:
+        before = time.time()
+        seq = await fast.publish("wire:raw", DATA)
+        [(raw, score)] = client.zrange(key, 0, -1, withscores=True)
+        message = msgpack.unpackb(raw[layer._serializer.random_prefix_length :])
+        text = message["text"]
+        expected = {
+            "type": FRAME,
+            "channel": "wire:raw",
+            "text": text,
+            "seq": seq,
+            "__asgi_channel__": ["plain.member"],
+        }
+        assert message == expected
+        assert before - 5 < score < time.time() + 5  # Redis' clock, on this machine
+        assert layer.expiry - 2 <= client.ttl(key) <= layer.expiry
+    finally:
+        await fast.stop()
+        client.close()
+
+
+async def test_concurrent_publications_pop_in_seq_order(wire) -> None:
+    layer, prefix = wire
+    layer.capacity = 1000
+    fast = backplane(layer, prefix)
+    await layer.group_add(group_name("wire:order"), "plain.member")
+    try:
+        seqs = await asyncio.gather(*(fast.publish("wire:order", DATA) for _ in range(200)))
+        popped = [(await received(layer, "plain.member"))["seq"] for _ in range(200)]
+        assert sorted(seqs) == popped == list(range(1, 201))
+    finally:
+        await fast.stop()
+
+
 async def test_a_kept_publication_carries_its_epoch_to_a_plain_member(wire) -> None:
     layer, prefix = wire
     fast = backplane(layer, prefix)
@@ -108,7 +149,8 @@ async def test_a_process_local_member_gets_it_through_the_layers_receive(wire) -
 
 
 async def test_a_member_over_capacity_misses_frames_logged_once_until_it_catches_up(wire, caplog) -> None:
-    layer, prefix = wire  # capacity 3
+    layer, prefix = wire
+    layer.capacity = 3
     fast = backplane(layer, prefix)
     await layer.group_add(group_name("wire:c"), "plain.member")
     caplog.set_level(logging.WARNING, logger="realtime_app.backplane")
@@ -173,6 +215,8 @@ async def test_the_process_member_takes_the_layers_own_messages_and_its_publicat
         ({}, "same", True),
         ({}, "redis://127.0.0.1:6390/0", False),
         ({"hosts": ["redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/1"]}, None, False),
+        ({"hosts": [{"address": "redis://127.0.0.1:6379"}]}, "redis://127.0.0.1:6379", True),
+        ({"hosts": [{"address": "redis://127.0.0.1:6379", "db": 2}]}, None, False),
         ({"symmetric_encryption_keys": ["k" * 32]}, None, False),
         ({"serializer_format": "json"}, None, False),
     ],
