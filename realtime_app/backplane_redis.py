@@ -38,7 +38,7 @@ from .history import PAGE, HistoryEntry, HistoryPolicy, HistoryRead, Since, epoc
 from .names import group_name
 from .protocol import notification_head, notification_tail
 
-__all__ = ["RedisBackplane", "group_send_inline", "uses_channels_redis"]
+__all__ = ["RedisBackplane", "channels_redis_tested", "group_send_inline", "uses_channels_redis"]
 
 logger = logging.getLogger("realtime_app.backplane")
 
@@ -207,14 +207,35 @@ return string.format('%.17g', wait)
 """
 
 
+#: channels-redis versions whose stored format ``_GROUP_SEND`` writes, as
+#: ``tests/test_backplane_wire.py`` checks; with another, the layer's own ``group_send``.
+TESTED_CHANNELS_REDIS = ("4.3.",)
+
+
+def channels_redis_tested() -> bool:
+    """True when the installed channels-redis is one ``_GROUP_SEND`` was written against."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("channels-redis").startswith(TESTED_CHANNELS_REDIS)
+    except metadata.PackageNotFoundError:
+        return False
+
+
 def group_send_inline(layer: Any, settings: dict[str, Any]) -> bool:
     """True when a publication's Lua call can also do channels-redis' ``group_send``: the
     layer has one Redis, the backplane's own, and stores msgpack without encryption (the
-    script packs with Redis' ``cmsgpack`` and cannot encrypt). Otherwise the layer's
+    script packs with Redis' ``cmsgpack`` and cannot encrypt), and channels-redis is a
+    version whose format the script writes (check W021). Otherwise the layer's
     ``group_send`` follows the numbering call."""
     hosts = getattr(layer, "hosts", None) or []
     serializer = getattr(layer, "_serializer", None)
-    if len(hosts) != 1 or type(serializer).__name__ != "MsgPackSerializer" or getattr(serializer, "crypter", None):
+    if (
+        not channels_redis_tested()
+        or len(hosts) != 1
+        or type(serializer).__name__ != "MsgPackSerializer"
+        or getattr(serializer, "crypter", None)
+    ):
         return False
     # Only a bare address: the backplane's client is built from the URL alone, and a ``db``
     # or any other option of the host would put the group where the script does not look.

@@ -15,7 +15,7 @@ from .conf import DEFAULTS, get_config
 from .policies import Rule, compile_rules, matching_rule
 from .registry import Family, registry
 
-__all__ = ["check_policies", "check_server_versions", "check_settings"]
+__all__ = ["check_layer_version", "check_policies", "check_server_versions", "check_settings"]
 
 _INT_SETTINGS = {
     "MAX_FRAME_BYTES": 0,
@@ -277,6 +277,32 @@ def check_server_versions(app_configs: Any = None, **kwargs: Any) -> list[CheckM
                 )
             )
     return messages
+
+
+@register(Tags.compatibility)
+def check_layer_version(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """W021: a channels-redis whose stored format the one-call group send was not written for."""
+    from importlib import metadata
+
+    from django.conf import settings
+
+    from .backplane_redis import TESTED_CHANNELS_REDIS, channels_redis_tested
+
+    layers = getattr(settings, "CHANNEL_LAYERS", None) or {}
+    if (layers.get("default") or {}).get("BACKEND") != "channels_redis.core.RedisChannelLayer":
+        return []
+    if channels_redis_tested():
+        return []
+    return [
+        Warning(
+            f"channels-redis {metadata.version('channels-redis')} is installed; realtime_app numbers and sends a "
+            f"publication in one Redis call written for channels-redis "
+            f"{' / '.join(p.rstrip('.') + '.x' for p in TESTED_CHANNELS_REDIS)}, so it uses the layer's own "
+            "group_send instead (four more round trips per publication).",
+            hint="Run tests/test_backplane_wire.py against this version, or pin the tested one.",
+            id="realtime_app.W021",
+        )
+    ]
 
 
 @register(Tags.compatibility)

@@ -143,6 +143,36 @@ def test_an_untested_server_version_is_flagged(monkeypatch):
     assert message.id == "realtime_app.W020" and "daphne 5.0" in message.msg
 
 
+REDIS_LAYER = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": ["redis://x"]}}}
+
+
+def test_the_tested_channels_redis_is_installed():
+    from realtime_app.checks import check_layer_version
+
+    with override_settings(CHANNEL_LAYERS=REDIS_LAYER):
+        assert check_layer_version() == []
+
+
+def test_another_channels_redis_is_flagged_and_gets_the_layers_own_group_send(monkeypatch):
+    from importlib import metadata
+
+    from channels_redis.core import RedisChannelLayer
+
+    from realtime_app.backplane_redis import group_send_inline
+    from realtime_app.checks import check_layer_version
+    from realtime_app.conf import DEFAULTS
+
+    layer = RedisChannelLayer(hosts=["redis://127.0.0.1:6379/0"])
+    assert group_send_inline(layer, DEFAULTS)
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: "4.4.0" if name == "channels-redis" else real(name))
+    assert not group_send_inline(layer, DEFAULTS)
+    with override_settings(CHANNEL_LAYERS=REDIS_LAYER):
+        [message] = check_layer_version()
+    assert message.id == "realtime_app.W021" and "channels-redis 4.4.0" in message.msg
+    assert check_layer_version() == []  # the in-memory layer of the tests: nothing to say
+
+
 @pytest.mark.parametrize(
     "values", [{"ADMISSION_BUCKET_CAPACITY": 10, "ADMISSION_REFILL_PER_S": 0}, {"ADMISSION_BUCKET_CAPACITY": "18"}]
 )
