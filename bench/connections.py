@@ -13,8 +13,8 @@ Then one daphne process (hub) holds ``--hold`` idle subscribed connections with 
 WebSocket heartbeat (a ping every ``--ping-interval`` s, answered by every client): its
 CPU while idle, then ten publications on ``demo:events`` and their fan-out latency
 (receive time − the publication's ``ts``), over every connection and over 20 connections
-subscribed last from a process of their own (what this process adds reading 10,000
-sockets on a 2-core machine is then not in the figure).
+of a process of their own, at arbitrary places in the fan-out order (what this process
+adds reading 10,000 sockets on a 2-core machine is then not in their figure).
 
 Usage:  REDIS_URL=redis://127.0.0.1:6379/0 python bench/connections.py [--sizes 1000 5000]
             [--hold 10000] [--ping-interval 20] [--json FILE]
@@ -138,7 +138,8 @@ def where(before: Any, after: Any, n: int) -> dict[str, float]:
 
 
 async def where_phase(n: int, env: dict[str, str]) -> dict[str, float]:
-    """Where the hub's bytes per connection go, by package (tracemalloc in the server)."""
+    """Where the hub's bytes per connection go, by package (tracemalloc in the server):
+    snapshots with ``WARM`` connections and with ``n`` more."""
     import tempfile
 
     port = free_port()
@@ -176,7 +177,7 @@ async def memory_phase(kind: str, n: int, env: dict[str, str]) -> dict[str, Any]
         await close_all(sockets)
     gc.collect()
     per = (full - base) / (n - WARM)
-    print(f"  {kind:<11} n={n:>6}: RSS {base / 2**20:7.1f} MiB -> {full / 2**20:7.1f} MiB, {per / 1024:6.1f} KiB each")
+    progress(f"{kind} n={n}: RSS {base / 2**20:.1f} MiB -> {full / 2**20:.1f} MiB, {per / 1024:.1f} KiB each")
     return {"kind": kind, "connections": n, "rss_warm": base, "rss_full": full, "bytes_per_connection": per}
 
 
@@ -207,8 +208,8 @@ async def hold_phase(n: int, ping_interval: int, env: dict[str, str]) -> dict[st
                         latencies.append(time.time() * 1000 - params["ts"])
 
         readers = [asyncio.create_task(reader(ws)) for ws in sockets]
-        # A few connections in a process of their own, subscribed last: their latency is
-        # the server's fan-out, not this process's work reading 10,000 sockets.
+        # A few connections in a process of their own: their latency is the server's
+        # fan-out, not this process's work reading 10,000 sockets.
         probe = await asyncio.create_subprocess_exec(
             sys.executable,
             __file__,
@@ -361,7 +362,7 @@ def report(memory: list[dict[str, Any]], breakdown: dict[str, float], hold: dict
             f"10 publications: {hold['frames']}/{hold['expected']} frames, "
             f"fan-out over every connection (read by this process) p50 {hold['p50_ms']:.0f} ms, "
             f"p99 {hold['p99_ms']:.0f} ms, max {hold['max_ms']:.0f} ms; to the {PROBES} connections of a "
-            f"process of their own, subscribed last: p50 {hold['probe_p50_ms']:.0f} ms, "
+            f"process of their own: p50 {hold['probe_p50_ms']:.0f} ms, "
             f"p99 {hold['probe_p99_ms']:.0f} ms ({hold['probe_frames']} frames)"
         )
 

@@ -47,7 +47,8 @@ from bench.common import (
 
 
 def uvicorn(port: int) -> list[str]:
-    """A uvicorn process of the bench site (its default WebSocket implementation)."""
+    """A uvicorn process of the bench site, with the WebSocket implementation the guard
+    supports (``websockets-sansio``)."""
     return [
         sys.executable,
         "-m",

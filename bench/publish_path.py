@@ -3,7 +3,7 @@ numbering call followed by channels-redis' own ``group_send``.
 
 One process, one ``RedisBackplane`` started on a real channels-redis layer, its own member
 plus a plain one in the channel's group; each publication is also received by this
-process (one ``BZPOPMIN``), and the plain member is drained. The two paths alternate in
+process (one ``BZPOPMIN``); the plain member's queue is emptied after each round. The two paths alternate in
 rounds, so the machine's noise falls on both.
 
 Usage:  REDIS_URL=redis://127.0.0.1:6379/0 python bench/publish_path.py [--count 1000] [--rounds 3]

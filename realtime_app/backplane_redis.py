@@ -527,6 +527,7 @@ class RedisBackplane(Backplane):
             pipe.set(f"{self.prefix}:probe:{self.instance_id}", json.dumps(probe), px=ttl_ms)
             pipe.zadd(instances, {self.instance_id: now + ttl_ms})
             pipe.zremrangebyscore(instances, "-inf", now)
+            pipe.pexpire(instances, ttl_ms)  # gone with the last live process's probe
             await pipe.execute()
 
     async def drop_probe(self) -> None:

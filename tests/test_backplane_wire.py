@@ -249,3 +249,16 @@ async def test_a_task_that_swallows_a_cancel_is_stopped_all_the_same() -> None:
     async with asyncio.timeout(30):
         await cancel_and_wait(task)
     assert task.cancelled() and lost == [True]
+
+
+async def test_the_list_of_live_processes_expires_with_the_last_probe(wire, redis_url) -> None:
+    """Found: a cluster killed at once (SIGKILL) left ``<prefix>:instances`` in Redis for good."""
+    layer, prefix = wire
+    fast = backplane(layer, prefix)
+    client = redis.Redis.from_url(redis_url, single_connection_client=True)
+    try:
+        await fast.put_probe({"instance": fast.instance_id}, 5000)
+        assert 0 < client.pttl(f"{prefix}:instances") <= 5000
+    finally:
+        await fast.stop()
+        client.close()
