@@ -262,3 +262,33 @@ async def test_the_list_of_live_processes_expires_with_the_last_probe(wire, redi
     finally:
         await fast.stop()
         client.close()
+
+
+async def test_stopping_ends_a_receiver_that_swallowed_the_cancel_and_closes_the_pool(wire) -> None:
+    """Found: a stop hung when redis-py's ``wait_for`` swallowed the cancel of the receive
+    loop (Python 3.11), and the backplane's own Redis connections stayed open after it."""
+    layer, prefix = wire
+    fast = backplane(layer, prefix)
+
+    async def deliver(_: Delivery) -> None:
+        pass
+
+    await fast.start(deliver)
+    await fast.publish("wire:stop", DATA)  # takes a connection of the backplane's pool
+    pool = fast.redis.connection_pool
+    assert any(connection.is_connected for connection in [*pool._available_connections, *pool._in_use_connections])
+    assert fast._receiver is not None
+    fast._receiver.cancel()
+
+    async def stubborn() -> None:  # what the receive loop does after a swallowed cancel
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass
+        await asyncio.sleep(3600)
+
+    fast._receiver = asyncio.get_running_loop().create_task(stubborn())
+    await asyncio.sleep(0)
+    async with asyncio.timeout(30):
+        await fast.stop()
+    assert not any(connection.is_connected for connection in [*pool._available_connections, *pool._in_use_connections])
