@@ -29,6 +29,7 @@ from websockets.typing import Origin
 
 from .adaptive import AdaptiveRate
 from .admission import retry_delay_ms
+from .cancellation import cancel_and_wait
 from .cursor import Action, EventCursor
 from .exceptions import Refused, RPCError, error_from_response
 from .rate import rate_channel
@@ -150,10 +151,7 @@ class RealtimeClient:
             task.cancel()
         if self._ws is not None:
             await self._ws.close()
-        if self._runner is not None:
-            self._runner.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._runner
+        await cancel_and_wait(self._runner)
         self._set_state("closed")
 
     async def wait_open(self, timeout: float = 30.0) -> None:
