@@ -1,37 +1,48 @@
-"""Admission: what a decision costs, and what it buys a server that abusive clients flood.
+"""Admission: what a decision costs, and what it buys a server that abusive clients attack.
 
 (a) The pure core: microseconds per decision (``Admission.admit`` + ``release``) over many
     identities, and per refusal.
 
-(b) In one run, on fresh daphne processes of the demo site (in-memory layer), three phases:
+(b) In one run, on fresh daphne processes of the demo site, a phase ``idle`` (``--polite``
+    well-behaved clients ping every 100 ms, nobody else) and, for each attacker, a phase
+    ``on`` (admission with the defaults) and ``off`` (every cap, bucket, per-address limit
+    and error cost off, a pool as large as the flood). The attackers run in a process of
+    their own, all from one address (``--attack-address``), the well-behaved clients each
+    from its own (a trusted proxy header, ``TRUSTED_PROXIES = ["127.0.0.1"]``):
 
-* ``idle``  — 20 well-behaved clients ping every 100 ms, nobody else (admission on);
-* ``on``    — the same plus ``--abusers`` connections (in a process of their own) firing
-  ``demo.sleep {ms}`` as fast as they can: each keeps ``--window`` requests outstanding and
-  sends again as soon as one is answered, refused or not, and connects again a second after
-  the server closes it — admission with the defaults;
-* ``off``   — the same with every cap and the bucket off (``ADMISSION_MAX_PENDING = 0``,
-  ``ADMISSION_MAX_PER_IDENTITY = 0``, ``ADMISSION_BUCKET_CAPACITY = 0``) and a pool as
-  large as the flood (``ADMISSION_MAX_RUNNING = 100000``): every request is accepted.
+* ``sleepers`` — ``--abusers`` sockets each keeping ``--window`` ``demo.sleep {ms}``
+  outstanding, sending again as soon as one is answered (refused or not), reconnecting a
+  second after the server closes them;
+* ``churn``    — sockets that send 10 ``demo.sleep 2000`` and leave after 0-300 ms (half
+  abort the TCP socket), 40 at a time;
+* ``unknown``  — sockets sending batches of 50 calls of an unknown method as fast as they
+  can, reconnecting a second after a close;
+* ``resume``   — 10 sockets resuming a history of 1,000 events of 60 KB (on a private
+  Redis, filled first) ``since`` its start, again and again; the phase also reports the
+  longest command in Redis' slow log.
 
-It prints, per phase: well-behaved ping p50/p99 (and p99 over ``idle``'s), refusals
-answered p99 (request to refusal), the server's peak RSS, requests completed and refused,
-and how many times the server closed an abuser (1008: it ignored its refusals).
+It prints, per phase: well-behaved ping p50/p99 and p99 over ``idle``'s, what the attackers
+got done and refused, how often the server closed them, the server's peak RSS and, for
+``resume``, Redis' longest command.
 
-Usage: python bench/admission.py [--seconds 30] [--abusers 100] [--polite 20] [--sleep-ms 200]
-       [--window 50] [--reconnect-s 1.0] [--json FILE] [--plot FILE.png]
+Usage: python bench/admission.py [--seconds 15] [--attacks sleepers,churn,unknown,resume]
+       [--abusers 100] [--polite 20] [--sleep-ms 200] [--window 50] [--json FILE] [--plot FILE.png]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import json
 import os
+import random
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +53,25 @@ import websockets
 from bench.common import ROOT, daphne, free_port, percentile, prepare_database, processes, progress, rss_bytes
 
 MIB = 1024 * 1024
+ON = {  # the defaults, with the clients' addresses read from the bench's header
+    "TRUSTED_PROXIES": ["127.0.0.1"],
+    "MAX_CONNECTIONS_PER_ADDRESS": 50,
+    "HANDSHAKES_PER_S": 10.0,
+}
 OFF = {
+    "TRUSTED_PROXIES": ["127.0.0.1"],
     "ADMISSION_MAX_PENDING": 0,
     "ADMISSION_MAX_PER_IDENTITY": 0,
     "ADMISSION_BUCKET_CAPACITY": 0,
     "ADMISSION_MAX_RUNNING": 100000,
+    "ADMISSION_CLOSE_AFTER_REFUSALS": 0,
+    "ADMISSION_ERROR_COST": 0,
+    "MAX_CONNECTIONS_PER_ADDRESS": 0,
+    "HANDSHAKES_PER_S": 0,
+    "MAX_CONCURRENT_RESUMES": 0,
 }
+ATTACKS = ("sleepers", "churn", "unknown", "resume")
+HISTORY = "bench:big-history"
 
 
 def decision_cost(n: int = 200_000) -> dict[str, float]:
@@ -71,8 +95,13 @@ def decision_cost(n: int = 200_000) -> dict[str, float]:
     return {"admitted_us": admitted_us, "refused_us": refused_us}
 
 
-async def polite(url: str, stop: asyncio.Event, latencies: list[float]) -> None:
-    async with websockets.connect(url, origin=url.replace("ws://", "http://").split("/realtime")[0]) as ws:
+def connect(url: str, address: str, **kwargs: Any) -> Any:
+    origin = url.replace("ws://", "http://").split("/realtime")[0]
+    return websockets.connect(url, origin=origin, additional_headers={"X-Forwarded-For": address}, **kwargs)
+
+
+async def polite(url: str, n: int, stop: asyncio.Event, latencies: list[float]) -> None:
+    async with connect(url, f"10.1.{n // 256}.{n % 256}") as ws:
         ids = itertools.count()
         while not stop.is_set():
             request_id = next(ids)
@@ -84,82 +113,146 @@ async def polite(url: str, stop: asyncio.Event, latencies: list[float]) -> None:
             await asyncio.sleep(0.1)
 
 
-async def abuser(url: str, stop: asyncio.Event, args: argparse.Namespace, stats: dict[str, Any]) -> None:
+def count(stats: dict[str, Any], answer: dict[str, Any]) -> None:
+    if "error" in answer and answer["error"]["code"] in (-32003, -32004, -32005):
+        stats["refused"] += 1
+    else:
+        stats["completed"] += 1
+
+
+def sleep_request(ids: Iterator[int], params: dict[str, Any]) -> str:
+    return json.dumps({"jsonrpc": "2.0", "method": "demo.sleep", "params": params, "id": next(ids)})
+
+
+async def sleepers(url: str, stop: asyncio.Event, args: argparse.Namespace, stats: dict[str, Any]) -> None:
     """Keeps ``window`` demo.sleep requests outstanding, sending again as soon as one is
     answered — refused or not; closed by the server, it connects again a second later."""
     while not stop.is_set():
-        await abuse_once(url, stop, args, stats)
-        if not args.reconnect_s:
-            await stop.wait()
-        elif not stop.is_set():
-            await asyncio.sleep(args.reconnect_s)
+        try:
+            async with connect(url, args.attack_address, max_queue=None) as ws:
+                request = functools.partial(sleep_request, itertools.count(), {"ms": args.sleep_ms})
+
+                for _ in range(args.window):
+                    await ws.send(request())
+                while not stop.is_set():
+                    try:
+                        answer = json.loads(await asyncio.wait_for(ws.recv(), 1.0))
+                    except TimeoutError:
+                        continue
+                    count(stats, answer)
+                    await ws.send(request())
+        except (OSError, websockets.WebSocketException):
+            stats["closed"] += 1
+        if not stop.is_set():
+            await asyncio.sleep(1.0)
 
 
-async def abuse_once(url: str, stop: asyncio.Event, args: argparse.Namespace, stats: dict[str, Any]) -> None:
-    try:
-        async with websockets.connect(
-            url, origin=url.replace("ws://", "http://").split("/realtime")[0], max_queue=None
-        ) as ws:
-            sent: dict[int, float] = {}
-            ids = itertools.count()
-            params = {"ms": args.sleep_ms}
+async def churn(url: str, stop: asyncio.Event, args: argparse.Namespace, stats: dict[str, Any]) -> None:
+    """Sends 10 demo.sleep and leaves after 0-300 ms, half of the time aborting the socket."""
+    rounds = itertools.count()
+    batch = json.dumps([{"jsonrpc": "2.0", "method": "demo.sleep", "params": {"ms": 2000}, "id": i} for i in range(10)])
+    while not stop.is_set():
+        try:
+            ws = await connect(url, args.attack_address, open_timeout=5)
+            await ws.send(batch)
+            stats["completed"] += 10
+            await asyncio.sleep(random.uniform(0, 0.3))
+            if next(rounds) % 2:
+                ws.transport.abort()
+            else:
+                await ws.close()
+        except (OSError, TimeoutError, websockets.WebSocketException):
+            stats["closed"] += 1
+            await asyncio.sleep(0.1)
 
-            async def send_one() -> None:
-                request_id = next(ids)
-                sent[request_id] = time.perf_counter()
-                request = {"jsonrpc": "2.0", "method": "demo.sleep", "params": params, "id": request_id}
-                await ws.send(json.dumps(request))
 
-            for _ in range(args.window):
-                await send_one()
-            while not stop.is_set():
+async def unknown(url: str, stop: asyncio.Event, args: argparse.Namespace, stats: dict[str, Any]) -> None:
+    """Batches of 50 calls of a method that does not exist, as fast as the socket takes them."""
+    batch = json.dumps([{"jsonrpc": "2.0", "method": "no.such.method", "id": i} for i in range(50)])
+    while not stop.is_set():
+        try:
+            async with connect(url, args.attack_address, max_queue=None) as ws:
+
+                async def drain() -> None:
+                    async for text in ws:
+                        for answer in json.loads(text):
+                            count(stats, answer)
+
+                reader = asyncio.create_task(drain())
                 try:
-                    answer = json.loads(await asyncio.wait_for(ws.recv(), 1.0))
-                except TimeoutError:
-                    continue
-                started = sent.pop(answer.get("id"), None)
-                if "error" in answer:
-                    stats["refused"] += 1
-                    if started is not None:
-                        stats["refusal_ms"].append((time.perf_counter() - started) * 1000)
-                else:
-                    stats["completed"] += 1
-                await send_one()
-    except (OSError, websockets.ConnectionClosed):
-        stats["disconnected"] += 1
+                    while not stop.is_set():
+                        await ws.send(batch)
+                        await asyncio.sleep(0)
+                finally:
+                    reader.cancel()
+        except (OSError, websockets.WebSocketException):
+            stats["closed"] += 1
+        if not stop.is_set():
+            await asyncio.sleep(1.0)
 
 
-async def abusers_main(args: argparse.Namespace) -> None:
-    """``--role abusers``: the abusive population in a process of its own (so that its
-    event loop does not delay the well-behaved clients' measurements); prints its stats."""
+async def resume(url: str, stop: asyncio.Event, args: argparse.Namespace, stats: dict[str, Any]) -> None:
+    """Subscribes ``since`` the start of a large history, reads the replay, and again."""
+    since = json.loads(args.since)
+    request = {"jsonrpc": "2.0", "method": "subscribe", "params": {"channel": HISTORY, "since": since}, "id": 1}
+    while not stop.is_set():
+        try:
+            async with connect(url, args.attack_address, max_size=None, max_queue=None) as ws:
+                await ws.send(json.dumps(request))
+                while not stop.is_set():
+                    answer = json.loads(await asyncio.wait_for(ws.recv(), 30))
+                    if answer.get("id") == 1:
+                        count(stats, answer)
+                        if "error" in answer:
+                            await asyncio.sleep(answer["error"]["data"].get("retry_after_ms", 1000) / 1000)
+                        break
+                    stats["replayed"] += 1
+        except (OSError, TimeoutError, websockets.WebSocketException):
+            stats["closed"] += 1
+
+
+async def attackers_main(args: argparse.Namespace) -> None:
+    """``--role attackers``: the attack in a process of its own (so that its event loop does
+    not delay the well-behaved clients' measurements); prints its stats."""
     stop = asyncio.Event()
-    stats: dict[str, Any] = {"completed": 0, "refused": 0, "disconnected": 0, "refusal_ms": []}
-    tasks = [asyncio.create_task(abuser(args.url, stop, args, stats)) for _ in range(args.abusers)]
+    stats: dict[str, Any] = {"completed": 0, "refused": 0, "closed": 0, "replayed": 0}
+    attack = {"sleepers": sleepers, "churn": churn, "unknown": unknown, "resume": resume}[args.kind]
+    n = {"sleepers": args.abusers, "churn": 40, "unknown": 2, "resume": 10}[args.kind]
+    tasks = [asyncio.create_task(attack(args.url, stop, args, stats)) for _ in range(n)]
     await asyncio.sleep(args.seconds)
     stop.set()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    refusal = sorted(stats.pop("refusal_ms"))
-    stats["refusal_p99_ms"] = refusal[int(0.99 * (len(refusal) - 1))] if refusal else 0.0
+    await asyncio.wait(tasks, timeout=10)
+    for task in tasks:
+        task.cancel()
     print(json.dumps(stats), flush=True)
 
 
-async def phase(name: str, env: dict[str, str], args: argparse.Namespace, abusers: int) -> dict[str, Any]:
+async def phase(
+    name: str, kind: str | None, env: dict[str, str], args: argparse.Namespace, redis_url: str | None = None
+) -> dict[str, Any]:
     port = free_port()
     url = f"ws://127.0.0.1:{port}/realtime/"
+    slowlog = None
+    if redis_url:
+        import redis
+
+        slowlog = redis.Redis.from_url(redis_url)
+        slowlog.config_set("slowlog-log-slower-than", 1000)  # µs
+        slowlog.slowlog_reset()
     with processes([daphne(port)], [port], env) as procs:
         pid = procs[0].pid
         stop = asyncio.Event()
         latencies: list[float] = []
-        flood = None
-        if abusers:
-            flood = await asyncio.create_subprocess_exec(
-                sys.executable, __file__, "--role", "abusers", "--url", url, "--abusers", str(abusers),
-                "--seconds", str(args.seconds + 1.0), "--sleep-ms", str(args.sleep_ms), "--window", str(args.window),
-                "--reconnect-s", str(args.reconnect_s),
+        attack = None
+        if kind is not None:
+            attack = await asyncio.create_subprocess_exec(
+                sys.executable, __file__, "--role", "attackers", "--kind", kind, "--url", url,
+                "--abusers", str(args.abusers), "--seconds", str(args.seconds + 1.0), "--sleep-ms", str(args.sleep_ms),
+                "--window", str(args.window), "--attack-address", args.attack_address, "--since", args.since,
                 stdout=asyncio.subprocess.PIPE,
             )  # fmt: skip
             await asyncio.sleep(1.0)
-        tasks = [asyncio.create_task(polite(url, stop, latencies)) for _ in range(args.polite)]
+        tasks = [asyncio.create_task(polite(url, n, stop, latencies)) for n in range(args.polite)]
         peak = 0
         t0 = time.monotonic()
         series: list[tuple[float, int]] = []
@@ -172,24 +265,47 @@ async def phase(name: str, env: dict[str, str], args: argparse.Namespace, abuser
             await asyncio.sleep(0.5)
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
-        stats: dict[str, Any] = {"completed": 0, "refused": 0, "disconnected": 0, "refusal_p99_ms": 0.0}
-        if flood is not None:
-            out, _ = await flood.communicate()
+        stats: dict[str, Any] = {"completed": 0, "refused": 0, "closed": 0, "replayed": 0}
+        if attack is not None:
+            out, _ = await attack.communicate()
             stats = json.loads(out.decode().strip().splitlines()[-1])
+    longest = max((entry["duration"] for entry in slowlog.slowlog_get(1000)), default=0) if slowlog else None
     return {
         "phase": name,
+        "attack": kind or "",
         "ping_p50_ms": percentile(latencies, 50),
         "ping_p99_ms": percentile(latencies, 99),
         "pings": len(latencies),
-        "refusal_p99_ms": stats["refusal_p99_ms"],
-        "completed": stats["completed"],
-        "refused": stats["refused"],
-        "disconnected": stats["disconnected"],
+        **stats,
+        "redis_longest_ms": None if longest is None else longest / 1000,
         "rss_start_mib": series[0][1] / MIB,
         "rss_peak_mib": peak / MIB,
-        "rss_end_mib": series[-1][1] / MIB,
         "series": series,
     }
+
+
+def fill_history(redis_url: str, prefix: str) -> str:
+    """1,000 events of 60 KB on the resumers' channel; returns their ``since``."""
+    code = (
+        "import asyncio, json, django; django.setup(); import bench.asgi\n"
+        "from realtime_app.hub import get_hub\n"
+        "async def main():\n"
+        "    hub = await get_hub()\n"
+        "    pad = 'x' * 60000\n"
+        f"    seqs = [await hub.publish('{HISTORY}', {{'i': i, 'pad': pad}}) for i in range(1000)]\n"
+        f"    read = await hub.backplane.history('{HISTORY}', bench.asgi.registry.resolve('{HISTORY}').history)\n"
+        "    await hub.aclose()\n"
+        "    print(json.dumps({'seq': seqs[0] - 1, 'epoch': read.epoch}))\n"
+        "asyncio.run(main())\n"
+    )
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "bench.settings",
+        "REDIS_URL": redis_url,
+        "REALTIME_KEY_PREFIX": prefix,
+    }
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    return done.stdout.strip().splitlines()[-1]
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:
@@ -198,37 +314,49 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (rss_ax, bar_ax) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for row in results:
-        xs = [t for t, _ in row["series"]]
-        rss_ax.plot(xs, [r / MIB for _, r in row["series"]], label=row["phase"])
-    rss_ax.set_xlabel("s")
-    rss_ax.set_ylabel("server RSS, MiB")
-    rss_ax.legend()
-    names = [row["phase"] for row in results]
-    bar_ax.bar(names, [row["ping_p99_ms"] for row in results], color=["#888", "#2a7", "#c33"][: len(results)])
-    bar_ax.set_ylabel("well-behaved ping p99, ms")
+    attacks = [row["attack"] for row in results if row["phase"] == "on"]
+    idle = results[0]["ping_p99_ms"]
+    on = [next(r["ping_p99_ms"] for r in results if r["attack"] == a and r["phase"] == "on") for a in attacks]
+    off = [next(r["ping_p99_ms"] for r in results if r["attack"] == a and r["phase"] == "off") for a in attacks]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    xs = range(len(attacks))
+    ax.bar([x - 0.2 for x in xs], on, width=0.4, label="admission on", color="#2a7")
+    ax.bar([x + 0.2 for x in xs], off, width=0.4, label="admission off", color="#c33")
+    ax.axhline(idle, color="#888", linestyle="--", label=f"idle ({idle:.1f} ms)")
+    ax.set_xticks(list(xs), attacks)
+    ax.set_yscale("log")
+    ax.set_ylabel("well-behaved ping p99, ms (log)")
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seconds", type=float, default=30)
+    parser.add_argument("--seconds", type=float, default=15)
+    parser.add_argument(
+        "--attacks", default=",".join(ATTACKS), help="a comma-separated subset of " + ", ".join(ATTACKS)
+    )
     parser.add_argument("--abusers", type=int, default=100)
     parser.add_argument("--polite", type=int, default=20)
     parser.add_argument("--sleep-ms", type=int, default=200)
     parser.add_argument("--window", type=int, default=50)
-    parser.add_argument("--reconnect-s", type=float, default=1.0, help="abusers reconnect after a close (0: never)")
+    parser.add_argument("--attack-address", default="203.0.113.1")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
-    parser.add_argument("--role", choices=["bench", "abusers"], default="bench", help=argparse.SUPPRESS)
+    parser.add_argument("--role", choices=["bench", "attackers"], default="bench", help=argparse.SUPPRESS)
+    parser.add_argument("--kind", choices=ATTACKS, help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--since", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.role == "abusers":
-        await abusers_main(args)
+    if args.role == "attackers":
+        await attackers_main(args)
         return
     os.chdir(ROOT)
+    attacks = [a for a in args.attacks.split(",") if a]
+    unknown_attacks = set(attacks) - set(ATTACKS)
+    if unknown_attacks:
+        parser.error(f"unknown attacks: {', '.join(sorted(unknown_attacks))}")
 
     cost = decision_cost()
     print(
@@ -237,28 +365,43 @@ async def main() -> None:
     )
     db = prepare_database(str(Path(tempfile.mkdtemp()) / "db.sqlite3"))
     base = {**db, "REDIS_URL": "", "DJANGO_SETTINGS_MODULE": "bench.settings", "REALTIME_LOG_LEVEL": "ERROR"}
-    on = {**base, "REALTIME_BENCH_OVERRIDES": "{}"}
+    on = {**base, "REALTIME_BENCH_OVERRIDES": json.dumps(ON)}
     off = {**base, "REALTIME_BENCH_OVERRIDES": json.dumps(OFF)}
-    results = [
-        await phase("idle", on, args, 0),
-        await phase("on", on, args, args.abusers),
-        await phase("off", off, args, args.abusers),
-    ]
+    results = [await phase("idle", None, on, args)]
+    redis_server = None
+    try:
+        for kind in attacks:
+            redis_url = None
+            phase_on, phase_off = on, off
+            if kind == "resume":
+                from tests.private_redis import PrivateRedis
+
+                redis_server = PrivateRedis().start()
+                redis_url = redis_server.url
+                progress("resume: filling a history of 1,000 events of 60 KB")
+                args.since = fill_history(redis_url, "bench-admission")
+                extra = {"REDIS_URL": redis_url, "REALTIME_KEY_PREFIX": "bench-admission"}
+                phase_on, phase_off = {**on, **extra}, {**off, **extra}
+            results.append(await phase("on", kind, phase_on, args, redis_url))
+            results.append(await phase("off", kind, phase_off, args, redis_url))
+    finally:
+        if redis_server is not None:
+            redis_server.close()
     idle_p99 = results[0]["ping_p99_ms"]
     print(
-        f"\n{args.abusers} abusive connections (demo.sleep {args.sleep_ms} ms, {args.window} outstanding each), "
-        f"{args.polite} well-behaved clients pinging every 100 ms, {args.seconds:.0f} s per phase"
+        f"\n{args.polite} well-behaved clients pinging every 100 ms, each from its own address; the attackers "
+        f"from one; {args.seconds:.0f} s per phase"
     )
     print(
-        f"{'phase':<6}{'ping p50':>9}{'p99 ms':>8}{'p99/idle':>9}{'refusal p99':>12}{'RSS start→peak MiB':>20}"
-        f"{'completed':>10}{'refused':>9}{'closed':>8}"
+        f"{'attack':<10}{'phase':<6}{'ping p50':>9}{'p99 ms':>8}{'p99/idle':>9}{'done':>9}{'refused':>9}"
+        f"{'closed':>8}{'RSS peak MiB':>13}{'Redis max ms':>13}"
     )
     for row in results:
-        span = f"{row['rss_start_mib']:.0f} → {row['rss_peak_mib']:.0f}"
+        longest = "" if row["redis_longest_ms"] is None else f"{row['redis_longest_ms']:.1f}"
         print(
-            f"{row['phase']:<6}{row['ping_p50_ms']:>9.1f}{row['ping_p99_ms']:>8.1f}"
-            f"{row['ping_p99_ms'] / idle_p99:>9.2f}{row['refusal_p99_ms']:>12.1f}{span:>20}"
-            f"{row['completed']:>10}{row['refused']:>9}{row['disconnected']:>8}"
+            f"{row['attack'] or '-':<10}{row['phase']:<6}{row['ping_p50_ms']:>9.1f}{row['ping_p99_ms']:>8.1f}"
+            f"{row['ping_p99_ms'] / idle_p99:>9.2f}{row['completed']:>9}{row['refused']:>9}{row['closed']:>8}"
+            f"{row['rss_peak_mib']:>13.0f}{longest:>13}"
         )
     if args.json:
         args.json.write_text(json.dumps({"decision": cost, "phases": results}, indent=2))

@@ -17,6 +17,10 @@ from realtime_app.routing import websocket_urlpatterns  # noqa: E402
 
 if "bench:events" not in registry.exact:  # demo:events without history, for bench/history.py
     registry.add_channel("bench:events", "event")
+if "bench:big-history" not in registry.exact:  # 1,000 events of any size kept: bench/admission.py's resumers
+    from realtime_app import event_channel
+
+    event_channel("bench:big-history", history_size=1000, history_ttl_s=600)
 
 BASELINE_GROUP = "bench-baseline"
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -269,11 +269,15 @@ class RefusalBudget:
 
 @dataclass(eq=False, slots=True)
 class Job(Generic[T]):
-    """Waiting (or running) work: one request, or several merged into one execution."""
+    """Waiting (or running) work: one request, or several merged into one execution.
+
+    ``identity``: whose turn it takes in the fair queue (its first request's identity).
+    """
 
     key: Hashable | None
     entries: list[tuple[T, float]] = field(default_factory=list)  # (item, its units)
     running: bool = False
+    identity: Hashable = None
 
     @property
     def items(self) -> list[T]:
@@ -285,45 +289,71 @@ class Job(Generic[T]):
 
 
 class CoalescingQueue(Generic[T]):
-    """FIFO of waiting jobs where a compatible request joins a job **still waiting**.
+    """Waiting jobs, one FIFO per identity, served fairly; a compatible request joins a job
+    **still waiting**.
 
-    Requests with the same ``key`` merge while their job waits, up to ``cap`` units; past
-    the cap (or once the job runs) a new job is queued. Each merged item stays in the job's
-    ``items`` so that every caller gets its own answer.
+    **Fair.** :meth:`pop` serves the identity with the fewest jobs running now (``busy``),
+    the one whose turn came longest ago among equals, then sends it to the back of the
+    turn order. An identity's backlog therefore delays another identity's first request
+    by at most one slot's worth of work: whoever has nothing running goes first, and a
+    queue of thousands from one client is drained one job per turn.
+
+    **Coalescing.** Requests with the same ``key`` merge while their job waits, up to
+    ``cap`` units; past the cap (or once the job runs) a new job is queued. Each merged
+    item stays in the job's ``items`` so that every caller gets its own answer.
     """
 
     def __init__(self) -> None:
-        self._waiting: OrderedDict[int, Job[T]] = OrderedDict()
+        self._queues: OrderedDict[Hashable, deque[Job[T]]] = OrderedDict()  # turn order
         self._open: dict[Hashable, Job[T]] = {}  # key -> the waiting job that may grow
 
     def __len__(self) -> int:
-        return len(self._waiting)
+        return sum(len(queue) for queue in self._queues.values())
 
     def __iter__(self) -> Iterator[Job[T]]:
-        return iter(list(self._waiting.values()))
+        return iter([job for queue in self._queues.values() for job in queue])
 
     def can_merge(self, key: Hashable | None, units: float, cap: float) -> bool:
         """Whether a request would join a waiting job rather than queue one."""
         job = self._open.get(key) if key is not None else None
         return job is not None and job.units + units <= cap
 
-    def push(self, item: T, key: Hashable | None = None, units: float = 1.0, cap: float = 0.0) -> tuple[Job[T], bool]:
-        """Queue ``item``; returns its job and whether it merged into a waiting one."""
+    def push(
+        self, item: T, key: Hashable | None = None, units: float = 1.0, cap: float = 0.0, identity: Hashable = None
+    ) -> tuple[Job[T], bool]:
+        """Queue ``item`` of ``identity``; returns its job and whether it merged into a waiting one."""
         if key is not None and self.can_merge(key, units, cap):
             job = self._open[key]
             job.entries.append((item, units))
             return job, True
-        job = Job(key, [(item, units)])
-        self._waiting[id(job)] = job
+        job = Job(key, [(item, units)], identity=identity)
+        queue = self._queues.get(identity)
+        if queue is None:
+            queue = self._queues[identity] = deque()
+        queue.append(job)
         if key is not None:
             self._open[key] = job  # the newest waiting job of this key takes the next merges
         return job, False
 
-    def pop(self) -> Job[T] | None:
-        """The oldest waiting job, now running: nothing merges into it any more."""
-        if not self._waiting:
+    def pop(self, busy: Callable[[Hashable], int] | None = None) -> Job[T] | None:
+        """The next job by turn (see the class), now running: nothing merges into it any more."""
+        if not self._queues:
             return None
-        _, job = self._waiting.popitem(last=False)
+        chosen: Hashable = next(iter(self._queues))
+        if busy is not None:
+            fewest = None
+            for identity in self._queues:
+                running = busy(identity)
+                if fewest is None or running < fewest:
+                    chosen, fewest = identity, running
+                    if running <= 0:
+                        break
+        queue = self._queues[chosen]
+        job = queue.popleft()
+        if queue:
+            self._queues.move_to_end(chosen)
+        else:
+            del self._queues[chosen]
         if job.key is not None and self._open.get(job.key) is job:
             del self._open[job.key]
         job.running = True
@@ -332,11 +362,14 @@ class CoalescingQueue(Generic[T]):
     def remove(self, predicate: Callable[[T], bool]) -> list[T]:
         """Take the waiting items matching ``predicate`` out (their connection closed)."""
         removed: list[T] = []
-        for job in list(self._waiting.values()):
-            removed += [item for item, _ in job.entries if predicate(item)]
-            job.entries[:] = [(item, units) for item, units in job.entries if not predicate(item)]
-            if not job.entries:
-                del self._waiting[id(job)]
-                if job.key is not None and self._open.get(job.key) is job:
-                    del self._open[job.key]
+        for identity, queue in list(self._queues.items()):
+            for job in list(queue):
+                removed += [item for item, _ in job.entries if predicate(item)]
+                job.entries[:] = [(item, units) for item, units in job.entries if not predicate(item)]
+                if not job.entries:
+                    queue.remove(job)
+                    if job.key is not None and self._open.get(job.key) is job:
+                        del self._open[job.key]
+            if not queue:
+                del self._queues[identity]
         return removed

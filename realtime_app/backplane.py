@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .history import HistoryEntry, HistoryPolicy, HistoryRead, Since
+from .history import PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, Since
 from .logsafe import Outage
 
 __all__ = ["Backplane", "Delivery", "Deliver", "backplane_class", "make_backplane", "now_ms"]
@@ -108,8 +108,11 @@ class Backplane:
         has none or its history was lost."""
         raise NotImplementedError
 
-    async def history_page(self, channel: str, after: int, count: int) -> list[HistoryEntry]:
-        """Up to ``count`` kept publications after ``seq`` ``after`` (the next page)."""
+    async def history_page(
+        self, channel: str, after: int, count: int, max_bytes: int = PAGE_BYTES
+    ) -> list[HistoryEntry]:
+        """Up to ``count`` kept publications after ``seq`` ``after`` (the next page), no
+        more than ``max_bytes`` of text but at least one."""
         raise NotImplementedError
 
     async def reseed(self, floors: dict[str, int]) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from .backplane import Backplane, Deliver, Delivery, now_ms
-from .history import PAGE, HistoryEntry, HistoryPolicy, HistoryRead, MemoryHistory, Since
+from .history import PAGE, PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, MemoryHistory, Since
 from .protocol import notification_text
 
 __all__ = ["MemoryBackplane"]
@@ -64,8 +64,10 @@ class MemoryBackplane(Backplane):
         self.histories[channel] = (read.epoch, read.size)
         return read
 
-    async def history_page(self, channel: str, after: int, count: int) -> list[HistoryEntry]:
-        return self._history.page(channel, after, count)
+    async def history_page(
+        self, channel: str, after: int, count: int, max_bytes: int = PAGE_BYTES
+    ) -> list[HistoryEntry]:
+        return self._history.page(channel, after, count, max_bytes)
 
     async def reseed(self, floors: dict[str, int]) -> None:
         for channel, floor in floors.items():

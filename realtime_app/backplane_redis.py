@@ -34,7 +34,7 @@ from redis.exceptions import TimeoutError as RedisTimeout
 from .admission import retry_after_ms
 from .backplane import Backplane, Deliver, Delivery, now_ms
 from .cancellation import cancel_and_wait
-from .history import PAGE, HistoryEntry, HistoryPolicy, HistoryRead, Since, epoch_suffix
+from .history import PAGE, PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, Since, epoch_suffix
 from .names import group_name
 from .protocol import notification_head, notification_tail
 
@@ -133,12 +133,12 @@ local function renew()
     ms = math.max(ms, (tonumber(string.sub(epoch, 1, 11), 16) or 0) + 1)
   end
   epoch = string.format('%011x', ms) .. ARGV[1]
-  redis.call('del', KEYS[3])
+  redis.call('del', KEYS[3], KEYS[4])
 end
 if not epoch or owner ~= run or not top then renew() end
 """
-# KEYS: seq, epoch, stream[, group]; ARGV: new epoch, keep ms, floor, head, ts, size,
-# ttl ms[, the group send's from 8]
+# KEYS: seq, epoch, stream, largest entry[, group]; ARGV: new epoch, keep ms, floor, head,
+# ts, size, ttl ms[, the group send's from 8]
 _PUBLISH_KEPT = (
     _GROUP_SEND
     + _LINEAGE
@@ -162,17 +162,50 @@ if renewed or v ~= incremented or redis.call('pttl', KEYS[1]) < tonumber(ARGV[2]
   redis.call('set', KEYS[2], epoch .. ' ' .. run, 'PX', ARGV[2])
 end
 redis.call('pexpire', KEYS[3], ARGV[7])
+local size = string.len(text)  -- the largest entry bounds each read's bytes (_PAGE)
+if size > tonumber(redis.call('get', KEYS[4]) or '0') then redis.call('set', KEYS[4], size) end
+redis.call('pexpire', KEYS[4], ARGV[7])
 local over = 0
-if KEYS[4] then
-  over = group_send(KEYS[4], 8, {type = 'realtime.frame', channel = ARGV[13], text = text, seq = v, epoch = epoch})
+if KEYS[5] then
+  over = group_send(KEYS[5], 8, {type = 'realtime.frame', channel = ARGV[13], text = text, seq = v, epoch = epoch})
 end
 return {v, epoch, over}
 """
 )
-# KEYS: seq, epoch, stream; ARGV: new epoch, keep ms, since (-1: none), its epoch, size,
-# page, floor
+# A page of a history, bounded in entries and in bytes: each XRANGE asks for no more
+# entries than fit in what is left of the byte budget at the size of the largest entry
+# kept, so no call copies much more than the budget whatever the events' size (at least one
+# entry; a history without a known largest entry is read one entry per call).
+_PAGE = """
+local function page(stream, largest, after, count, budget)
+  local biggest = tonumber(redis.call('get', largest) or '0')
+  if biggest <= 0 then biggest = budget end
+  local out, used, nextseq = {}, 0, after + 1
+  while #out < count do
+    local n = math.floor((budget - used) / biggest)
+    if n < 1 then
+      if #out > 0 then break end
+      n = 1
+    end
+    n = math.min(n, count - #out)
+    local got = redis.call('xrange', stream, string.format('%d-0', nextseq), '+', 'COUNT', n)
+    for i = 1, #got do
+      out[#out + 1] = got[i]
+      used = used + string.len(got[i][2][2])
+    end
+    if #got < n then break end
+    nextseq = tonumber(string.match(got[#got][1], '^(%d+)')) + 1
+  end
+  return out
+end
+"""
+# KEYS: stream, largest entry; ARGV: after, count, bytes
+_READ_PAGE = _PAGE + "return page(KEYS[1], KEYS[2], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]))\n"
+# KEYS: seq, epoch, stream, largest entry; ARGV: new epoch, keep ms, since (-1: none), its
+# epoch, size, page, floor, page bytes
 _READ_KEPT = (
     _LINEAGE
+    + _PAGE
     + """
 top = math.max(tonumber(top or '0'), tonumber(ARGV[7]))
 redis.call('set', KEYS[1], string.format('%d', top), 'PX', ARGV[2])
@@ -180,7 +213,7 @@ redis.call('set', KEYS[2], epoch .. ' ' .. run, 'PX', ARGV[2])
 local since = tonumber(ARGV[3])
 local entries = {}
 if since >= 0 and epoch == ARGV[4] and top > since and top - since <= tonumber(ARGV[5]) then
-  entries = redis.call('xrange', KEYS[3], string.format('%d', since + 1), '+', 'COUNT', ARGV[6])
+  entries = page(KEYS[3], KEYS[4], since, tonumber(ARGV[6]), tonumber(ARGV[8]))
 end
 return {epoch, top, redis.call('xlen', KEYS[3]), entries}
 """
@@ -290,6 +323,7 @@ class RedisBackplane(Backplane):
         self._reseed = self.redis.register_script(_RESEED)
         self._take = self.redis.register_script(_TAKE)
         self._publish_kept = self.redis.register_script(_PUBLISH_KEPT)
+        self._read_page = self.redis.register_script(_READ_PAGE)
         self._publish = self.redis.register_script(_PUBLISH)
         #: The publishing script also does the layer's group send (one round trip a
         #: publication) where it can: see :func:`group_send_inline`.
@@ -403,7 +437,12 @@ class RedisBackplane(Backplane):
             await self.layer.group_discard(group_name(channel), self.process_channel)
 
     def _kept_keys(self, channel: str) -> list[str]:
-        return [self.key("seq", channel), self.key("epoch", channel), self.key("history", channel)]
+        return [
+            self.key("seq", channel),
+            self.key("epoch", channel),
+            self.key("history", channel),
+            self.key("history-largest", channel),
+        ]
 
     def _group_send_args(self, channel: str) -> list[Any]:
         """ARGV of the group send done by the publishing script (see ``_GROUP_SEND``)."""
@@ -482,14 +521,18 @@ class RedisBackplane(Backplane):
                 policy.size,
                 PAGE,
                 floor,
+                PAGE_BYTES,
             ],
         )
         epoch = _text(epoch_)
         self.histories[channel] = (epoch, int(size))
         return HistoryRead(epoch, int(top), int(size), _entries(raw))
 
-    async def history_page(self, channel: str, after: int, count: int) -> list[HistoryEntry]:
-        return _entries(await self.redis.xrange(self.key("history", channel), f"{after + 1}-0", "+", count))
+    async def history_page(
+        self, channel: str, after: int, count: int, max_bytes: int = PAGE_BYTES
+    ) -> list[HistoryEntry]:
+        keys = [self.key("history", channel), self.key("history-largest", channel)]
+        return _entries(await self._read_page(keys=keys, args=[after, count, max_bytes]))
 
     async def reseed(self, floors: dict[str, int]) -> None:
         if not floors:

@@ -6,6 +6,7 @@ Ids are stable and listed in docs/checks.md.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,7 +46,11 @@ _INT_SETTINGS = {
     "ADMISSION_CLOSE_AFTER_REFUSALS": 0,
     "WRITE_BEHIND_DELAY_MS": 0,
     "ADMISSION_MAX_PER_IDENTITY": 0,
+    "HANDSHAKE_BURST": 0,
+    "MAX_CONCURRENT_RESUMES": 0,
 }
+
+_NUMBER_SETTINGS = ("HANDSHAKES_PER_S", "ADMISSION_ERROR_COST")
 
 
 @register(Tags.compatibility)
@@ -77,6 +82,34 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                     id="realtime_app.E002",
                 )
             )
+    for key in _NUMBER_SETTINGS:
+        value = config[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+            messages.append(
+                Error(
+                    f"REALTIME_APP[{key!r}] must be a number >= 0, got {value!r}.",
+                    hint="See docs/configuration.md for its unit and what 0 means.",
+                    id="realtime_app.E002",
+                )
+            )
+    if config["HANDSHAKES_PER_S"] and not config["HANDSHAKE_BURST"]:
+        messages.append(
+            Error(
+                "REALTIME_APP['HANDSHAKE_BURST'] must be >= 1 while HANDSHAKES_PER_S is on.",
+                hint="HANDSHAKES_PER_S = 0 switches the handshake limit off.",
+                id="realtime_app.E002",
+            )
+        )
+    messages += _check_trusted_proxies(config["TRUSTED_PROXIES"])
+    journal = config["WRITE_BEHIND_JOURNAL_DIR"]
+    if journal is not None and not isinstance(journal, (str, os.PathLike)):
+        messages.append(
+            Error(
+                f"REALTIME_APP['WRITE_BEHIND_JOURNAL_DIR'] must be a directory path or None, got {journal!r}.",
+                hint="A directory that outlives a restart (docs/write-behind.md).",
+                id="realtime_app.E002",
+            )
+        )
     messages += _check_backplane(config["BACKPLANE"])
     capacity, refill = config["ADMISSION_BUCKET_CAPACITY"], config["ADMISSION_REFILL_PER_S"]
     numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in (capacity, refill))
@@ -98,6 +131,29 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             )
         )
     return messages
+
+
+def _check_trusted_proxies(value: Any) -> list[CheckMessage]:
+    """E007: TRUSTED_PROXIES must be a list of addresses or networks."""
+    from .addresses import parse_networks
+
+    problem = None
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        problem = f"must be a list of addresses or networks, got {value!r}"
+    else:
+        try:
+            parse_networks(value)
+        except ValueError as exc:
+            problem = str(exc)
+    if problem is None:
+        return []
+    return [
+        Error(
+            f"REALTIME_APP['TRUSTED_PROXIES'] {problem}.",
+            hint='e.g. ["127.0.0.1", "10.0.0.0/8"]: the reverse proxies in front of the server.',
+            id="realtime_app.E007",
+        )
+    ]
 
 
 def _check_backplane(backplane: Any) -> list[CheckMessage]:

@@ -55,12 +55,21 @@ DEFAULTS: dict[str, Any] = {
     "MAX_PUBLICATION_BYTES": 1_000_000,
     # Hostile subscribers: distinct cadences of one family running in a process (past it
     # a subscribe gets the nearest running cadence), ticker channels running in a process
-    # (past it -32003 too_many_tickers), connections per authenticated user and per client
-    # address (past it the socket is closed with 1008); 0 = unlimited.
+    # (past it -32003 too_many_tickers), connections per authenticated user and per
+    # anonymous client address (past it the socket is closed with 1008); 0 = unlimited.
     "MAX_CADENCES_PER_FAMILY": 16,
     "MAX_TICKERS": 1000,
     "MAX_CONNECTIONS_PER_USER": 100,
-    "MAX_CONNECTIONS_PER_ADDRESS": 0,
+    "MAX_CONNECTIONS_PER_ADDRESS": 50,
+    # WebSocket handshakes per second of one identity (a user, or an anonymous client's
+    # address), with bursts of HANDSHAKE_BURST; past it the socket is accepted and closed
+    # with 1013 (clients back off). 0 = unlimited.
+    "HANDSHAKES_PER_S": 10.0,
+    "HANDSHAKE_BURST": 30,
+    # Reverse proxies whose forwarding headers (Forwarded, X-Forwarded-For) name the client:
+    # addresses or networks, e.g. ["127.0.0.1", "10.0.0.0/8"]. Headers from anyone else
+    # are ignored (docs/deployment.md).
+    "TRUSTED_PROXIES": [],
     # Every this many ms each socket holding guarded subscriptions is checked against its
     # session and the database again (closed with 4001 / 4003 when its rights ended); 0 = only
     # at each subscribe and at logout.
@@ -73,9 +82,15 @@ DEFAULTS: dict[str, Any] = {
     "ADMISSION_MAX_PER_IDENTITY": 10,
     "ADMISSION_BUCKET_CAPACITY": 18.0,
     "ADMISSION_REFILL_PER_S": 9.0,
+    # Tokens taken from the caller's bucket by a request for an unknown method and by each
+    # invalid request: floods of them are refused, then closed, like any other.
+    "ADMISSION_ERROR_COST": 1.0,
     # Refusals a connection may collect (refilled at a tenth of this per second) before it is
     # closed with 1008: a client that ignores retry_after_ms; 0 = never closed for that.
     "ADMISSION_CLOSE_AFTER_REFUSALS": 200,
+    # Resumes (subscribe with since) replaying at once in a process; past it -32003
+    # too_many_resumes with retry_after_ms (clients retry). 0 = unlimited.
+    "MAX_CONCURRENT_RESUMES": 8,
     # HTTP concurrency pools (docs/http-limiter.md), used by ConcurrencyLimitMiddleware:
     # {"reports": {"max_concurrent": 2, "max_waiting": 50, "wait_timeout_ms": 10000,
     #              "paths": ["/reports/*"]}}; requests that match no pool pass untouched.
@@ -83,6 +98,10 @@ DEFAULTS: dict[str, Any] = {
     # Write-behind stores (docs/write-behind.md): how long a change stays in memory before it
     # may be written, milliseconds (the loss window of a crash is this plus one flush).
     "WRITE_BEHIND_DELAY_MS": 5000,
+    # Where a process that ends with unsaved write-behind changes (its database unreachable)
+    # keeps them for the next process to write: a directory that outlives a restart. None =
+    # <system temp>/realtime_app-journal (docs/write-behind.md).
+    "WRITE_BEHIND_JOURNAL_DIR": None,
     # Channels listed by name in a process's probe (the busiest); the rest are counted.
     "PROBE_TOP_CHANNELS": 50,
     # Lifetime of a published process probe, milliseconds; it is republished every third.

@@ -19,7 +19,8 @@ from typing import Any, Literal
 from channels.db import database_sync_to_async
 
 from . import protocol
-from .admission import Refusal, RefusalBudget
+from .addresses import client_address, trusted_networks
+from .admission import Refusal
 from .conf import get_config
 from .exceptions import BackplaneUnavailable, ForbiddenChannel, PublicationError, PublicationTooLarge, RPCError
 from .history import Since
@@ -120,7 +121,8 @@ class RealtimeConsumer:
         self.scope: dict[str, Any] = {}
         self.connection: Connection | None = None
         self._fresh: tuple[float, Any] | None = None  # (when, user) of the last re-read
-        self._refusals = RefusalBudget(float(get_config()["ADMISSION_CLOSE_AFTER_REFUSALS"]))
+        self._identity: tuple[str, str] | None = None
+        self._errors: dict[str, int] = {}  # bad requests of this connection by reason (logged once)
 
     @classmethod
     def as_asgi(cls, **initkwargs: Any) -> Callable[..., Awaitable[None]]:
@@ -149,14 +151,15 @@ class RealtimeConsumer:
         return self._fresh[1]
 
     def identity(self) -> tuple[str, str]:
-        """Whose connection this is, for ``MAX_CONNECTIONS_PER_USER`` / ``_PER_ADDRESS``:
-        the user's primary key, else the client's address (behind a proxy: the proxy's,
-        hence 0 = unlimited by default)."""
+        """Who this connection is: the user's primary key, else the client's address
+        (read through ``TRUSTED_PROXIES`` only, :mod:`realtime_app.addresses`). Its
+        connection cap, handshake rate, request cap and token bucket all belong to that
+        identity, so reconnecting or opening more sockets gives a client nothing more."""
         user = self.user
         if user is not None and getattr(user, "is_authenticated", False):
             return ("user", str(user.pk))
-        client = self.scope.get("client") or ("?", 0)
-        return ("address", str(client[0]))
+        trusted = trusted_networks(tuple(get_config()["TRUSTED_PROXIES"]))
+        return ("address", client_address(self.scope, trusted))
 
     # -- ASGI -----------------------------------------------------------------------
 
@@ -184,8 +187,13 @@ class RealtimeConsumer:
             return
         await send({"type": "websocket.accept"})
         self.connection = conn
-        if not hub.add_connection(conn, self.identity()):
-            logger.info("connection %s refused: too many connections of %s", conn.id, self.identity()[0])
+        identity = self.admission_identity()
+        if not hub.handshake(identity):  # logged by the hub, once while it lasts
+            conn.closed = True
+            conn.guard.close(CloseCode.TRY_AGAIN_LATER, "too many handshakes")
+            return
+        if not hub.add_connection(conn, identity):
+            logger.info("connection %s refused: too many connections of one %s", conn.id, identity[0])
             conn.closed = True
             conn.guard.close(CloseCode.POLICY_VIOLATION, "too many connections")
             return
@@ -200,6 +208,7 @@ class RealtimeConsumer:
         finally:
             hub.pool.abandon(self)
             await hub.remove_connection(conn)
+            self._log_error_counts()
 
     async def close(self, code: int, reason: str) -> None:
         """Close this connection with ``code``; frames that arrive afterwards are ignored."""
@@ -233,14 +242,15 @@ class RealtimeConsumer:
         if hub.unread_responses(self.connection):
             return  # the client does not read its answers: none of these requests runs
         frame = protocol.parse_frame(text, config["MAX_BATCH"])
-        reply = _Reply(self, hub, frame.is_batch, list(frame.errors))
-        if frame.errors:  # once per frame, however many bad parts a batch has
-            logger.info(
-                "connection %s: %d bad request(s) (%s)",
-                self.connection.id,
-                len(frame.errors),
-                frame.errors[0].get("error", {}).get("data", {}).get("reason"),
-            )
+        errors: list[Response] = []
+        for error in frame.errors:  # bad input costs tokens like any request
+            reason = error.get("error", {}).get("data", {}).get("reason", "invalid")
+            self.count_error(str(reason))
+            answer = await self._charge_error(hub, error.get("id"))
+            if self.connection.closed:
+                return
+            errors.append(error if answer is None else answer)
+        reply = _Reply(self, hub, frame.is_batch, errors)
         for request in frame.requests:
             outcome = await self.handle_request(request)
             if not request.is_notification:
@@ -249,19 +259,19 @@ class RealtimeConsumer:
 
     def admission_identity(self) -> tuple[str, str]:
         """Whose bucket and cap a request draws on: the user's (shared by all of its
-        connections, across the cluster on the Redis backplane), else this connection's."""
-        user = self.user
-        if user is not None and getattr(user, "is_authenticated", False):
-            return ("user", str(user.pk))
-        return ("connection", str(self.connection.id if self.connection else id(self)))
+        connections, across the cluster on the Redis backplane), else the client
+        address's (shared by its connections in this process): :meth:`identity`."""
+        if self._identity is None:
+            self._identity = self.identity()
+        return self._identity
 
     async def handle_request(self, request: Request) -> Response | Pending | None:
         """Admit one request, then run it: a built-in inline (its answer is returned), an
         application method in the pool (a future of its answer is returned)."""
         method = _methods.get(request.method)
         cost = method.cost if method is not None else BUILTIN_COSTS.get(request.method)
-        if cost is None:  # unknown method: answered at once, no work to bound
-            return await self._run(request)
+        if cost is None:  # unknown method: answered at once, but it costs like one
+            cost = float(get_config()["ADMISSION_ERROR_COST"])
         hub = await get_hub()
         identity = self.admission_identity()
         key: Hashable | None = None
@@ -271,14 +281,8 @@ class RealtimeConsumer:
         merged = method is not None and hub.pool.would_merge(key, units, method.coalesce.cap if method.coalesce else 0)
         refusal = await hub.admit(identity, cost, merged=merged)
         if refusal is not None:
-            if not self._refusals.spend(time.monotonic()):
-                hub.refusal_closes += 1
-                await self.close(CloseCode.POLICY_VIOLATION, "too many refused requests")
+            if not await self._refused_again(hub, refusal):
                 return None
-            if self.connection is not None and refusal.reason != "overloaded":
-                # Over its own limits: read nothing more from this client until it may pass
-                # again (at most a second). TCP pushes back on a flood; answers go on.
-                self.connection.guard.transport.pause_reading(min(refusal.retry_after_ms, 1000) / 1000)
             return await self._refused(request, method, refusal)
         if method is None:  # a built-in: cheap, ordered with this connection's frames
             try:
@@ -286,10 +290,57 @@ class RealtimeConsumer:
             finally:
                 hub.admission.release(identity)
         call = Call(self, request.method, request.params, identity, merged, method.coalesce, method.is_async)
-        if hub.pool.submit(call, key, units, method.coalesce.cap if method.coalesce else 0.0) != merged:
-            hub.admission.rebook(merged=not merged)  # the job it was to join started meanwhile
-            call.merged = not merged
+        hub.pool.submit(call, key, units, method.coalesce.cap if method.coalesce else 0.0)
         return Pending(request.id, call.future)
+
+    async def _refused_again(self, hub: Hub, refusal: Refusal) -> bool:
+        """Count a refusal against the identity's budget: False (and the connection closed
+        with 1008) when the client ignores its refusals. Over its own limits, nothing more
+        is read from it until it may pass again (at most a second): TCP pushes back on a
+        flood; answers go on."""
+        if not hub.spend_refusal(self.admission_identity()):
+            hub.refusal_closes += 1
+            await self.close(CloseCode.POLICY_VIOLATION, "too many refused requests")
+            return False
+        if self.connection is not None and refusal.reason != "overloaded":
+            self.connection.guard.transport.pause_reading(min(refusal.retry_after_ms, 1000) / 1000)
+        return True
+
+    async def _charge_error(self, hub: Hub, request_id: Any) -> Response | None:
+        """An invalid request takes ``ADMISSION_ERROR_COST`` tokens; None when it had them,
+        else the refusal to answer instead of the error (a flood of bad input is refused,
+        then closed, as other floods are)."""
+        identity = self.admission_identity()
+        refusal = await hub.admit(identity, float(get_config()["ADMISSION_ERROR_COST"]))
+        if refusal is None:
+            hub.admission.release(identity)
+            return None
+        if not await self._refused_again(hub, refusal):
+            return None
+        return await self._refused(Request("", None, request_id), None, refusal)
+
+    def count_error(self, reason: str, detail: str = "") -> None:
+        """Count a bad request of this connection: the first of each reason is logged, the
+        rest are counted and logged once, with their numbers, when the connection ends."""
+        seen = self._errors.get(reason, 0)
+        self._errors[reason] = seen + 1
+        if not seen:
+            logger.info(
+                "connection %s: bad request (%s)%s; more are counted until it closes",
+                self.connection.id if self.connection else "-",
+                safe(reason),
+                f" {safe(detail)}" if detail else "",
+            )
+
+    def _log_error_counts(self) -> None:
+        repeated = {reason: n for reason, n in self._errors.items() if n > 1}
+        if repeated:
+            logger.info(
+                "connection %s closed after %d bad requests (%s)",
+                self.connection.id if self.connection else "-",
+                sum(self._errors.values()),
+                ", ".join(f"{safe(reason)}: {n}" for reason, n in sorted(repeated.items())),
+            )
 
     def _coalescing(self, coalesce: Coalesce, identity: Hashable, request: Request) -> tuple[Hashable | None, float]:
         """The request's merge key and units; ``None`` (runs alone) when its params do not
@@ -331,9 +382,7 @@ class RealtimeConsumer:
             error = RPCError(protocol.OVERLOADED, "Backplane unavailable", "backplane_unavailable", retry_after_ms=1000)
             return {"jsonrpc": "2.0", "error": error.as_error(), "id": request.id}
         except RPCError as exc:
-            logger.info(
-                "connection %s: %s %s", self.connection.id if self.connection else "-", safe(request.method), safe(exc)
-            )
+            self.count_error(exc.reason or "error", f"{request.method}: {exc}")
             return {"jsonrpc": "2.0", "error": exc.as_error(), "id": request.id}
         except Exception:
             logger.exception("method %s failed", safe(request.method))

@@ -70,10 +70,11 @@ class PublicationError(RealtimeError, ValueError):
 
 
 class PublicationTooLarge(PublicationError):
-    """The encoded frame would be over ``MAX_PUBLICATION_BYTES`` (the servers' frame limit)."""
+    """The encoded frame would be over ``MAX_PUBLICATION_BYTES`` (the servers' frame limit)
+    or the channel's own ``max_bytes``."""
 
-    def __init__(self, channel: str, size: int, limit: int) -> None:
-        super().__init__(channel, f"frame of {size} bytes is over MAX_PUBLICATION_BYTES ({limit})")
+    def __init__(self, channel: str, size: int, limit: int, bound: str = "MAX_PUBLICATION_BYTES") -> None:
+        super().__init__(channel, f"frame of {size} bytes is over {bound} ({limit})")
         self.size = size
         self.limit = limit
 

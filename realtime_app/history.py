@@ -20,6 +20,8 @@ from typing import Any
 
 __all__ = [
     "MAX_EPOCH_LENGTH",
+    "PAGE",
+    "PAGE_BYTES",
     "HistoryEntry",
     "HistoryPolicy",
     "HistoryRead",
@@ -33,9 +35,10 @@ __all__ = [
     "plan_resume",
 ]
 
-#: Entries read from a history per round trip: a long replay never holds Redis (or the
-#: reading process) for long.
-PAGE = 1000
+#: Entries and bytes read from a history per round trip, whichever comes first: a long
+#: replay never holds Redis (or the reading process) for long, whatever the events' size.
+PAGE = 500
+PAGE_BYTES = 256 * 1024
 
 #: Longest epoch a client may send back (ours are 19 hex characters).
 MAX_EPOCH_LENGTH = 64
@@ -186,7 +189,14 @@ class MemoryHistory:
         return len(log.entries) if log is not None else 0
 
     def read(
-        self, channel: str, policy: HistoryPolicy, top: int, since: Since | None, now_ms: int, count: int
+        self,
+        channel: str,
+        policy: HistoryPolicy,
+        top: int,
+        since: Since | None,
+        now_ms: int,
+        count: int,
+        max_bytes: int = PAGE_BYTES,
     ) -> HistoryRead:
         log = self._log(channel, policy)
         oldest = now_ms - policy.ttl_ms
@@ -194,17 +204,22 @@ class MemoryHistory:
             log.entries.popleft()
         entries: list[HistoryEntry] = []
         if since is not None and since.epoch == log.epoch and 0 < top - since.seq <= policy.size:
-            entries = self.page(channel, since.seq, count)
+            entries = self.page(channel, since.seq, count, max_bytes)
         return HistoryRead(log.epoch, top, len(log.entries), entries)
 
-    def page(self, channel: str, after: int, count: int) -> list[HistoryEntry]:
-        """Up to ``count`` kept entries after ``seq`` ``after``."""
+    def page(self, channel: str, after: int, count: int, max_bytes: int = PAGE_BYTES) -> list[HistoryEntry]:
+        """Up to ``count`` kept entries after ``seq`` ``after``, no more than ``max_bytes``
+        of text (at least one entry)."""
         log = self._logs.get(channel)
         if log is None:
             return []
         out: list[HistoryEntry] = []
+        used = 0
         for entry in log.entries:
             if entry.seq > after:
+                used += len(entry.text)
+                if out and used > max_bytes:
+                    break
                 out.append(entry)
                 if len(out) == count:
                     break

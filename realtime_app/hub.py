@@ -27,25 +27,27 @@ import socket
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .admission import Admission, AdmissionLimits, Refusal
+from .admission import Admission, AdmissionLimits, Refusal, RefusalBudget
 from .backplane import Backplane, Delivery, make_backplane, now_ms
 from .backpressure import CLOSE, DROP, SEND, Decision, decide_send
 from .cancellation import cancel_and_wait
 from .conf import get_config
-from .exceptions import BackplaneUnavailable, PublicationError, PublicationTooLarge
+from .exceptions import BackplaneUnavailable, PublicationError, PublicationTooLarge, RPCError
 from .guard import BACKPRESSURE_REASON, Guard
-from .history import PAGE, HistoryEntry, Since, follows, newer_epoch, plan_resume
+from .history import PAGE, HistoryEntry, Since, follows, new_epoch, newer_epoch, plan_resume
 from .logsafe import safe
 from .middleware import pools_probe
-from .protocol import CloseCode, encode
+from .protocol import OVERLOADED, CloseCode, encode, notification_text
 from .reconciler import REMOTE, Action, Reconciler
 from .registry import RESERVED, ChannelSpec, registry
 from .transports import text_frame
 from .workers import RequestPool
+from .write_behind import start_all as start_stores
 from .write_behind import stores_probe
 
 __all__ = ["Connection", "Hub", "get_hub", "running_hub"]
@@ -65,6 +67,12 @@ _MISSING = object()
 REPLAY_TIMEOUT_S = 10.0
 REPLAY_MEASURE_BYTES = 64 * 1024
 MAX_REPLAY_BUFFER = 10_000
+#: Beats in a row whose check of the backplane timed out before it is logged as down.
+SLOW_BEATS_DOWN = 2
+#: Tokens a resume pays for each page of history it reads after the first, and when a
+#: resume refused for ``MAX_CONCURRENT_RESUMES`` may come back.
+RESUME_PAGE_COST = 1.0
+RESUME_RETRY_MS = 1000
 #: How long a frame of a channel with history that overtook an earlier one waits for it
 #: before it is fanned out anyway (the subscribers then resume the gap).
 REORDER_WINDOW_S = 0.05
@@ -72,6 +80,8 @@ REORDER_WINDOW_S = 0.05
 #: Answers a connection over its backpressure threshold may still be written before its
 #: requests stop running (docs/admission.md): enough for a slow client's small calls.
 UNREAD_ANSWER_BYTES = 64 * 1024
+#: Identities whose refusal budgets are remembered (the least recently refused forgotten first).
+MAX_REFUSAL_BUDGETS = 10_000
 
 
 @dataclass(eq=False, slots=True)
@@ -145,10 +155,14 @@ class Hub:
         self.backplane: Backplane | None = None
         self.reconciler = Reconciler()
         self.admission = Admission(admission_limits())
+        self.handshakes = Admission(handshake_limits())  # its buckets only: handshakes per identity
+        self._refusing: set[tuple[str, str]] = set()  # identities whose handshakes are refused now
         self.pool = RequestPool(self.admission, get_config()["ADMISSION_MAX_RUNNING"], _execute)
         self._bucket_fallback: str | None = None  # why users' buckets are local now, if they are
         self.unread_refused = 0  # requests not run: their connection does not read its answers
         self.refusal_closes = 0  # connections closed (1008) for ignoring their refusals
+        # Per identity, so that reconnecting does not refill it; least recently used first.
+        self._refusal_budgets: OrderedDict[tuple[str, str], RefusalBudget] = OrderedDict()
         self.connections: set[Connection] = set()
         self.subscribers: dict[str, set[Connection]] = {}
         self.specs: dict[str, ChannelSpec] = {}  # channels with local subscribers
@@ -157,7 +171,8 @@ class Hub:
         # Connections being given a channel's history: its live frames wait here meanwhile.
         self._replays: dict[str, dict[Connection, list[tuple[int, str, bytes]]]] = {}
         self._orders: dict[str, _Order] = {}  # channels with history: the next seq to fan out
-        self.recoveries: dict[str, int] = {"served": 0, "failed": 0}
+        self.recoveries: dict[str, int] = {"served": 0, "failed": 0, "deferred": 0}
+        self.resuming = 0  # resumes replaying now (MAX_CONCURRENT_RESUMES)
         self.replayed = 0  # publications sent again from a history
         self.history_gaps = 0  # publications of a channel with history that never reached this process
         self._cleanups: dict[str, Callable[[], Any] | None] = {}  # running tickers
@@ -173,6 +188,7 @@ class Hub:
         self._started = False
         self._closed = False
         self._reassert = True
+        self._slow_beats = 0  # beats in a row whose check timed out
         self._thread_id = threading.get_ident()
         self._background: set[asyncio.Task[Any]] = set()
         self.published = 0
@@ -180,7 +196,7 @@ class Hub:
         self.closes = 0  # connections closed with 1013 by the guard
         self.send_failures = 0  # connections closed because a send raised
         self.stale_ticks = 0  # ticks not published: the lease could not be renewed in time
-        self.refused: dict[str, int] = {"tickers": 0, "cadences": 0, "connections": 0, "revoked": 0}
+        self.refused: dict[str, int] = {"tickers": 0, "cadences": 0, "connections": 0, "handshakes": 0, "revoked": 0}
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -193,6 +209,7 @@ class Hub:
                 raise BackplaneUnavailable("start", RuntimeError("the hub of this loop was closed"))
             self.loop = asyncio.get_running_loop()
             self._thread_id = threading.get_ident()
+            start_stores()  # journals left by ended processes are written first
             self.backplane = make_backplane(self.instance_id)
             await self.backplane.start(self._deliver)
             self.reconciler.subscribed(CONTROL_CHANNEL, ticker=False)  # wanted as long as the hub runs
@@ -216,6 +233,7 @@ class Hub:
             return
         self._started = False
         self._closed = True
+        self.pool.close()
         for conn in list(self.connections):
             await self.remove_connection(conn)
         await cancel_and_wait(*self._tasks)
@@ -226,6 +244,25 @@ class Hub:
         await self.backplane.stop()
 
     # -- connections and subscriptions --------------------------------------------------
+
+    def handshake(self, identity: tuple[str, str]) -> bool:
+        """Count one handshake of ``identity``; False past ``HANDSHAKES_PER_S`` (reconnect
+        churn: every reconnect of an identity draws on the same bucket)."""
+        self.handshakes.forget_idle()  # memory follows the identities that connect now
+        if not self.handshakes.limits.bucket_capacity or self.handshakes.charge(identity, 1.0) is None:
+            self._refusing.discard(identity)
+            return True
+        self.refused["handshakes"] += 1
+        if identity not in self._refusing:  # once until it slows down, not once per handshake
+            if len(self._refusing) > 10_000:
+                self._refusing.clear()
+            self._refusing.add(identity)
+            logger.info(
+                "refusing the handshakes of one %s: over %s per second (counted in the probe)",
+                identity[0],
+                self.handshakes.limits.refill_per_s,
+            )
+        return False
 
     def add_connection(self, conn: Connection, identity: tuple[str, str] | None = None) -> bool:
         """Count ``conn`` in; False (and not added) when its identity is over its cap."""
@@ -317,6 +354,24 @@ class Hub:
         policy = spec.history
         backplane = self.backplane
         assert policy is not None and backplane is not None
+        if since is not None:
+            limit = get_config()["MAX_CONCURRENT_RESUMES"]
+            if limit and self.resuming >= limit:
+                self.recoveries["deferred"] += 1
+                raise RPCError(
+                    OVERLOADED, "Too many resumes", "too_many_resumes", limit=limit, retry_after_ms=RESUME_RETRY_MS
+                )
+            self.resuming += 1
+        try:
+            return await self._subscribe_kept(conn, spec, since)
+        finally:
+            if since is not None:
+                self.resuming -= 1
+
+    async def _subscribe_kept(self, conn: Connection, spec: ChannelSpec, since: Since | None) -> dict[str, Any]:
+        policy = spec.history
+        backplane = self.backplane
+        assert policy is not None and backplane is not None
         channel = spec.name
         buffer: list[tuple[int, str, bytes]] = []
         self._replays.setdefault(channel, {})[conn] = buffer
@@ -352,6 +407,11 @@ class Hub:
                 self._spawn(self._converge(channel))
             buffer.clear()
             raise BackplaneUnavailable("history", exc) from exc
+        except BaseException:  # a bug or a cancel: never a half-done subscription
+            if added and self._drop_local(conn, channel):
+                self._spawn(self._converge(channel))
+            buffer.clear()
+            raise
         finally:
             self._end_replay(conn, channel, buffer)
 
@@ -379,6 +439,8 @@ class Hub:
         unmeasured = REPLAY_MEASURE_BYTES + 1  # the first frame waits for a calm queue
         while after < top:
             if not entries:
+                if not await self._pay_page(conn, deadline):
+                    return sent, "too_slow"
                 entries = await backplane.history_page(channel, after, PAGE)
             entries = [e for e in entries if e.seq <= top]
             if not entries or not follows(entries, after):
@@ -400,6 +462,19 @@ class Hub:
             after = entries[-1].seq
             entries = []
         return sent, ""
+
+    async def _pay_page(self, conn: Connection, deadline: float) -> bool:
+        """A page after the first costs its reader ``RESUME_PAGE_COST`` tokens of its
+        identity's bucket in this process: a resume costs what it replays, and one that
+        outruns its bucket waits for it (False past ``deadline``)."""
+        if conn.identity is None:
+            return True
+        while (refusal := self.admission.charge(conn.identity, RESUME_PAGE_COST)) is not None:
+            wait = refusal.retry_after_ms / 1000
+            if time.monotonic() + wait > deadline or conn.closed:
+                return False
+            await asyncio.sleep(wait)
+        return True
 
     def _end_replay(self, conn: Connection, channel: str, buffer: list[tuple[int, str, bytes]]) -> None:
         """Send what arrived live during a replay, in ``seq`` order, what it held skipped."""
@@ -656,9 +731,14 @@ class Hub:
             async with asyncio.timeout(max(period, 0.5)):
                 intact = await backplane.check()
         except unreachable as exc:
-            backplane.outage.failed(exc)
             self._reassert = True
+            # One slow answer is a busy machine as often as a dead Redis: the outage is
+            # declared by an error, or by a second slow beat in a row.
+            self._slow_beats = self._slow_beats + 1 if isinstance(exc, TimeoutError) else SLOW_BEATS_DOWN
+            if self._slow_beats >= SLOW_BEATS_DOWN:
+                backplane.outage.failed(exc)
             return
+        self._slow_beats = 0
         if backplane.outage.succeeded() or not intact:
             self._reassert = True
         reassert, self._reassert = self._reassert, False
@@ -868,6 +948,19 @@ class Hub:
         self._bucket_fallback = None
         return None if wait_ms is None else self.admission.rate_limited(wait_ms)
 
+    def spend_refusal(self, identity: tuple[str, str]) -> bool:
+        """Count one refusal of ``identity`` against ``ADMISSION_CLOSE_AFTER_REFUSALS``;
+        False when its budget is spent (close the connection: it ignores its refusals)."""
+        budgets = self._refusal_budgets
+        budget = budgets.get(identity)
+        if budget is None:
+            budget = budgets[identity] = RefusalBudget(float(get_config()["ADMISSION_CLOSE_AFTER_REFUSALS"]))
+            while len(budgets) > MAX_REFUSAL_BUDGETS:
+                budgets.popitem(last=False)
+        else:
+            budgets.move_to_end(identity)
+        return budget.spend(time.monotonic())
+
     @property
     def shared_bucket(self) -> str:
         """Where users' buckets live: ``"shared"`` (the cluster's), ``"local"`` (one
@@ -1066,6 +1159,18 @@ def admission_limits() -> AdmissionLimits:
     )
 
 
+def handshake_limits() -> AdmissionLimits:
+    """The handshake bucket of each identity (``HANDSHAKES_PER_S``, ``HANDSHAKE_BURST``)."""
+    config = get_config()
+    rate = float(config["HANDSHAKES_PER_S"])
+    return AdmissionLimits(
+        max_pending=0,
+        max_per_identity=0,
+        bucket_capacity=float(config["HANDSHAKE_BURST"]) if rate else 0.0,
+        refill_per_s=rate,
+    )
+
+
 async def _execute(owner: Any, method: str, params: Any) -> Any:
     return await owner.execute(method, params)
 
@@ -1083,12 +1188,20 @@ def encode_publication(channel: str, data: Any) -> str:
         data_json = encode(data)
     except (ValueError, TypeError) as exc:
         raise PublicationError(channel, f"data is not JSON ({exc})") from None
-    limit = get_config()["MAX_PUBLICATION_BYTES"]
+    limit, bound = get_config()["MAX_PUBLICATION_BYTES"], "MAX_PUBLICATION_BYTES"
+    spec = registry.exact.get(channel)
+    if spec is not None and spec.max_bytes and (not limit or spec.max_bytes < limit):
+        limit, bound = spec.max_bytes, "the channel's max_bytes"
     size = len(data_json) if data_json.isascii() else len(data_json.encode("utf-8"))
-    size += len(channel) + 96  # the envelope, seq and ts
+    size += len(encode(channel)) + ENVELOPE_BYTES
     if limit and size > limit:
-        raise PublicationTooLarge(channel, size, limit)
+        raise PublicationTooLarge(channel, size, limit, bound)
     return data_json
+
+
+#: The bytes a ``message`` notification adds around its channel and data, at the largest
+#: ``seq``, ``epoch`` and ``ts`` it can carry: the bound is on the whole frame.
+ENVELOPE_BYTES = len(notification_text("", "", 2**63 - 1, 10**13 - 1, new_epoch()))
 
 
 def _process_start() -> float:

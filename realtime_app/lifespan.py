@@ -10,7 +10,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .write_behind import flush_all
+from .write_behind import flush_all, start_all
 
 __all__ = ["lifespan_app"]
 
@@ -20,10 +20,12 @@ logger = logging.getLogger("realtime_app.lifespan")
 async def lifespan_app(
     scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]], send: Callable[..., Awaitable[None]]
 ) -> None:
-    """Answer startup at once; at shutdown, flush every store before answering."""
+    """At startup, start the stores (taking over journals); at shutdown, flush every store
+    (journaling what cannot be written) before answering."""
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
+            start_all()  # journals of ended processes are written first
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
             try:

@@ -55,13 +55,16 @@ class Busy(Exception):
 
 
 class _Waiter:
-    __slots__ = ("event", "loop", "since", "state")
+    __slots__ = ("event", "granted_at", "loop", "since", "state")
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
         self.loop = loop
         self.event: asyncio.Event | threading.Event = asyncio.Event() if loop is not None else threading.Event()
-        self.state = "waiting"  # -> "granted" (a slot was passed to it) or "gone" (left the queue)
+        # -> "granted" (a slot was passed to it), "expired" (its time was up when a slot
+        # came: it is answered 503, the slot goes on) or "gone" (it left the queue)
+        self.state = "waiting"
         self.since = time.monotonic()
+        self.granted_at = 0.0
 
     def wake(self) -> None:
         if self.loop is None:
@@ -124,13 +127,16 @@ class ConcurrencyPool:
         """Under the lock: a waiter gives up. If a slot reached it meanwhile it owns it."""
         if waiter.state == "granted":
             return self._granted(waiter)
+        if waiter.state == "waiting":
+            self._waiters.remove(waiter)
         waiter.state = "gone"
-        self._waiters.remove(waiter)
         self.refused[reason] += 1
         return None
 
     def _granted(self, waiter: _Waiter) -> Slot:
-        waited_ms = (time.monotonic() - waiter.since) * 1000
+        # Measured to when the slot was passed on, not to when the waiter ran again (a busy
+        # loop resumes it late): never more than the timeout.
+        waited_ms = (waiter.granted_at - waiter.since) * 1000
         self.admitted += 1
         self._waits.append(waited_ms)
         return Slot(self, waited_ms)
@@ -147,7 +153,7 @@ class ConcurrencyPool:
             if entered.state == "granted":
                 return self._granted(entered)
             self._leave(entered, "timeout")
-        raise Busy(self.name, "timeout", self._retry_after_s())
+        raise Busy(self.name, "timeout", self._retry_after_s())  # its time was up
 
     async def aacquire(self) -> Slot:
         """Take a slot, waiting at most ``wait_timeout_ms``. Cancelled while waiting (the
@@ -173,18 +179,29 @@ class ConcurrencyPool:
                 slot.release()  # nobody will run with it: pass it on
             raise
         with self._lock:
-            return self._granted(entered)
+            if entered.state == "granted":
+                return self._granted(entered)
+            self._leave(entered, "timeout")  # expired: its time was up when the slot came
+        raise Busy(self.name, "timeout", self._retry_after_s())
 
     # -- giving it back ---------------------------------------------------------------
 
     def _release(self) -> None:
         with self._lock:
+            now = time.monotonic()
+            timeout_s = self.settings.wait_timeout_ms / 1000
             while self._waiters:
                 waiter = self._waiters.popleft()
-                if waiter.state == "waiting":
-                    waiter.state = "granted"  # the slot passes on: running is unchanged
+                if waiter.state != "waiting":
+                    continue
+                if now - waiter.since >= timeout_s:
+                    waiter.state = "expired"  # answered 503 as it wakes; the slot goes on
                     waiter.wake()
-                    return
+                    continue
+                waiter.state = "granted"  # the slot passes on: running is unchanged
+                waiter.granted_at = now
+                waiter.wake()
+                return
             self.running -= 1
 
     def ran(self, seconds: float) -> None:

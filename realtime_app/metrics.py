@@ -197,7 +197,9 @@ _HISTORY_COUNTERS = {
 
 def _history(instances: list[dict[str, Any]], labels: list[str], label: Any) -> Iterator[Metric]:
     recoveries = CounterMetricFamily(
-        "realtime_history_recoveries", "Resumes answered, by result (served, failed)", labels=[*labels, "result"]
+        "realtime_history_recoveries",
+        "Resumes answered, by result (served, failed, deferred: too many at once)",
+        labels=[*labels, "result"],
     )
     kept = GaugeMetricFamily(
         "realtime_history_kept", "Publications a channel's history keeps, as last seen", labels=[*labels, "channel"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, NotRequired, TypeAlias, TypedDict
 
@@ -178,6 +179,21 @@ def _request(obj: Any) -> Request | Response:
     return Request(method=method, params=params, id=request_id, is_notification=not has_id)
 
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _has_surrogate(value: Any, depth: int = 0) -> bool:
+    """Whether a lone surrogate (valid JSON as an escape, never valid text) is in ``value``."""
+    if isinstance(value, str):
+        return _SURROGATE.search(value) is not None
+    if isinstance(value, dict):
+        return any(_has_surrogate(k) or _has_surrogate(v, depth + 1) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_surrogate(v, depth + 1) for v in value)
+    return False
+
+
 def parse_frame(text: str, max_batch: int = 50) -> Frame:
     """Parse one text frame into requests and the error responses owed for its bad parts.
 
@@ -206,8 +222,20 @@ def parse_frame(text: str, max_batch: int = 50) -> Frame:
         items = data
     else:
         items = [data]
+    surrogates = _SURROGATE_ESCAPE.search(text) is not None  # only escapes can make one
     for item in items:
         parsed = _request(item)
+        if surrogates and isinstance(parsed, Request) and _has_surrogate(parsed.params):
+            if parsed.is_notification:
+                continue  # bad, and owed no answer
+            parsed = error_response(
+                parsed.id,
+                INVALID_PARAMS,
+                "Invalid params: a string holds a lone surrogate (not text)",
+                "invalid_string",
+            )
+        elif surrogates and isinstance(parsed, Request) and _has_surrogate(parsed.method):
+            parsed = error_response(parsed.id, INVALID_REQUEST, "Invalid Request", "method_must_be_string")
         if isinstance(parsed, Request):
             frame.requests.append(parsed)
         else:

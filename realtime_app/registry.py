@@ -57,6 +57,7 @@ class ChannelSpec:
     interval_ms: int | None = None
     factory: Factory | None = field(default=None, compare=False, repr=False)
     history: HistoryPolicy | None = None  # event channels that keep their past (docs/recovery.md)
+    max_bytes: int = 0  # an event channel's own bound on a publication (0: MAX_PUBLICATION_BYTES)
 
     def __str__(self) -> str:
         return self.name
@@ -119,7 +120,12 @@ class Registry:
         return fam
 
     def add_channel(
-        self, name: str, kind: ChannelKind, factory: Factory | None = None, history: HistoryPolicy | None = None
+        self,
+        name: str,
+        kind: ChannelKind,
+        factory: Factory | None = None,
+        history: HistoryPolicy | None = None,
+        max_bytes: int = 0,
     ) -> ChannelSpec:
         """Register an exact state channel (optional factory) or an event channel (none,
         optional history)."""
@@ -128,7 +134,7 @@ class Registry:
             raise ConfigurationError(f"event channel {name!r} cannot have a factory: application code publishes it")
         if history is not None and kind != "event":
             raise ConfigurationError(f"channel {name!r}: only event channels keep a history")
-        spec = ChannelSpec(name, kind, name, None, factory, history)
+        spec = ChannelSpec(name, kind, name, None, factory, history, max_bytes)
         self.exact[name] = spec
         return spec
 
@@ -241,13 +247,18 @@ def state_channel(name: str) -> Callable[[Factory], Factory]:
 MAX_HISTORY_SIZE = 100_000
 
 
-def event_channel(name: str, *, history_size: int = 0, history_ttl_s: int = 300) -> ChannelSpec:
+def event_channel(name: str, *, history_size: int = 0, history_ttl_s: int = 300, max_bytes: int = 0) -> ChannelSpec:
     """Register an event channel: every message counts, published with ``publish()``.
 
     ``history_size`` > 0 keeps the last that many publications, none older than
     ``history_ttl_s``, so that a client that missed some (a drop, a 1013, a reconnect)
     gets them again by subscribing ``since`` the last it saw (docs/recovery.md).
+    ``max_bytes`` > 0 bounds this channel's publications (their whole frame) below
+    ``MAX_PUBLICATION_BYTES``: what a history holds is then at most ``history_size ×
+    max_bytes`` — worth setting on a channel that clients may publish on.
     """
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise ConfigurationError(f"event channel {name!r}: max_bytes must be an integer >= 0, got {max_bytes!r}")
     history = None
     if isinstance(history_size, bool) or not isinstance(history_size, int) or not 0 <= history_size <= MAX_HISTORY_SIZE:
         raise ConfigurationError(
@@ -259,4 +270,4 @@ def event_channel(name: str, *, history_size: int = 0, history_ttl_s: int = 300)
                 f"event channel {name!r}: history_ttl_s must be a positive integer, got {history_ttl_s!r}"
             )
         history = HistoryPolicy(history_size, history_ttl_s)
-    return registry.add_channel(name, "event", history=history)
+    return registry.add_channel(name, "event", history=history, max_bytes=max_bytes)

@@ -5,8 +5,9 @@ decides when it runs. Application methods run here, not in their connection's re
 loop, so a slow method never holds up that connection's other frames (its pings answer
 at once) and responses leave in completion order, each with its own ``id``.
 
-* **Bounded.** At most ``max_running`` requests run at once in the process; the others
-  wait in arrival order. Async handlers run on the event loop, sync ones in a worker
+* **Bounded and fair.** At most ``max_running`` requests run at once in the process; the
+  others wait, one queue per identity, the identity with the fewest running served next
+  (:class:`~realtime_app.admission.CoalescingQueue`). Async handlers run on the event loop, sync ones in a worker
   thread (they may use the ORM) — a blocked sync handler never blocks the loop.
 * **Coalescing.** A request of a method that declares :class:`Coalesce` joins a
   compatible request **still waiting** (same key) up to the method's cap; the handler
@@ -14,19 +15,22 @@ at once) and responses leave in completion order, each with its own ``id``.
   request never takes new callers: what it does was decided when it started.
 * **Released, always.** Every admitted request gives its admission slot back exactly
   once — answered, raising, cancelled, or dropped because its connection closed while it
-  waited (:meth:`RequestPool.abandon`).
+  waited (:meth:`RequestPool.abandon`), or the process stopping (:meth:`RequestPool.close`):
+  the books are kept by the pure :class:`~realtime_app.slots.PoolCore`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .admission import Admission, CoalescingQueue, Job
+from .admission import Admission, Job
 from .protocol import INTERNAL_ERROR
+from .slots import PoolCore
 
 __all__ = ["Call", "Coalesce", "RequestPool"]
 
@@ -75,6 +79,7 @@ class Call:
     coalesce: Coalesce | None = None
     cancellable: bool = True  # an async handler; a sync one runs on in its thread
     future: asyncio.Future[Any] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    released: bool = False  # its admission slots were given back (:mod:`realtime_app.slots`)
 
 
 #: ``execute(owner, method, params) -> (ok, result or JSON-RPC error object)``
@@ -82,64 +87,80 @@ Execute = Callable[[Any, str, Any], Any]
 
 
 class RequestPool:
-    """The process's queue of admitted requests and the tasks that run them."""
+    """The process's queue of admitted requests and the tasks that run them: the asyncio
+    shell around :class:`~realtime_app.slots.PoolCore`, which keeps the books."""
 
     def __init__(self, admission: Admission, max_running: int, execute: Execute) -> None:
         self.admission = admission
-        self.max_running = max_running
+        self.core: PoolCore[Call] = PoolCore(admission, max_running)
         self.execute = execute
-        self.queue: CoalescingQueue[Call] = CoalescingQueue()
-        self._running: dict[Job[Call], asyncio.Task[None]] = {}
+        self._tasks: dict[Job[Call], asyncio.Task[None]] = {}
         self.completed = 0
-        self.merges = 0
-        self.abandoned = 0
+
+    @property
+    def max_running(self) -> int:
+        return self.core.max_running
+
+    @max_running.setter
+    def max_running(self, value: int) -> None:
+        self.core.max_running = value
 
     @property
     def running(self) -> int:
-        return len(self._running)
+        return len(self.core.running)
 
     @property
     def waiting(self) -> int:
         """Requests waiting, merged ones included."""
-        return sum(len(job.entries) for job in self.queue)
+        return self.core.waiting
+
+    @property
+    def merges(self) -> int:
+        return self.core.merges
+
+    @property
+    def abandoned(self) -> int:
+        return self.core.abandoned
 
     def would_merge(self, key: Hashable | None, units: float, cap: float) -> bool:
-        return self.queue.can_merge(key, units, cap)
+        return self.core.would_merge(key, units, cap)
 
     def submit(self, call: Call, key: Hashable | None = None, units: float = 1.0, cap: float = 0.0) -> bool:
-        """Queue an admitted call; returns whether it merged into a waiting job."""
-        _, merged = self.queue.push(call, key, units, cap)
-        if merged:
-            self.merges += 1
-        self._pump()
-        return merged
+        """Queue an admitted call; returns whether it merged into a waiting job (its
+        ``merged`` is updated when that differs from what it was admitted as)."""
+        self._start(self.core.submit(call, key, units, cap))
+        return call.merged
 
-    def _pump(self) -> None:
-        while len(self._running) < self.max_running or not self.max_running:
-            job = self.queue.pop()
-            if job is None:
-                return
-            task = asyncio.get_running_loop().create_task(self._run(job), name="realtime-request")
-            self._running[job] = task
+    def _start(self, jobs: list[Job[Call]]) -> None:
+        loop = asyncio.get_running_loop()
+        for job in jobs:
+            task = loop.create_task(self._run(job), name="realtime-request")
+            self._tasks[job] = task
+            # Released in the done callback: it runs however the task ends, cancelled
+            # before its first step included (the coroutine's own finally would not).
+            task.add_done_callback(functools.partial(self._ended, job))
+
+    def _ended(self, job: Job[Call], task: asyncio.Task[None]) -> None:
+        self._tasks.pop(job, None)
+        failed = not task.cancelled() and task.exception() is not None
+        if failed:
+            logger.error("method %s: its execution failed", job.items[0].method, exc_info=task.exception())
+        for call in job.items:
+            if failed:
+                _resolve(call, False, _INTERNAL)  # answered all the same: never left waiting
+            elif not call.future.done():
+                call.future.cancel()
+        self.completed += len(job.entries)
+        self._start(self.core.finished(job))
 
     async def _run(self, job: Job[Call]) -> None:
         calls = job.items
         head = calls[0]
-        try:
-            if len(calls) == 1:
-                ok, outcome = await self.execute(head.owner, head.method, head.params)
-                _resolve(head, ok, outcome)
-            else:
-                await self._run_merged(job, calls)
-        except asyncio.CancelledError:
-            for call in calls:
-                call.future.cancel()
-        finally:
-            for call in calls:
-                self.admission.release(call.identity, merged=call.merged)
-            self.completed += len(calls)
-            del self._running[job]
-            self._pump()
+        if len(calls) == 1:
+            ok, outcome = await self.execute(head.owner, head.method, head.params)
+            _resolve(head, ok, outcome)
+        else:
+            await self._run_merged(job, calls)
 
     async def _run_merged(self, job: Job[Call], calls: list[Call]) -> None:
         head = calls[0]
@@ -168,20 +189,21 @@ class RequestPool:
         """``owner``'s connection closed: its waiting calls leave the queue and give their
         slots back; a running async job that only it waited for is cancelled (a sync one
         runs to its end in its thread — it cannot be interrupted — and frees its slot then)."""
-        removed = self.queue.remove(lambda call: call.owner is owner)
+        removed, cancel = self.core.abandon(owner)
         for call in removed:
             call.future.cancel()
-            self.admission.release(call.identity, merged=call.merged)
-        for job in self.queue:  # a job that lost the call holding its global slot keeps one
-            if job.entries and all(call.merged for call in job.items):
-                head = job.items[0]
-                head.merged = False
-                self.admission.rebook(merged=False)
-        for job, task in list(self._running.items()):
-            if all(call.owner is owner and call.cancellable for call in job.items):
-                task.cancel()
-        self.abandoned += len(removed)
+        for job in cancel:
+            self._tasks[job].cancel()
         return len(removed)
+
+    def close(self) -> None:
+        """The process stops: waiting calls are dropped, running jobs cancelled; every slot
+        comes back (the running ones as their tasks end)."""
+        removed, cancel = self.core.close()
+        for call in removed:
+            call.future.cancel()
+        for job in cancel:
+            self._tasks[job].cancel()
 
 
 _INTERNAL = {"code": INTERNAL_ERROR, "message": "Internal error", "data": {"reason": "internal_error"}}

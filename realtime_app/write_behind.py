@@ -39,9 +39,11 @@ from django.db import DatabaseError, DataError, IntegrityError, InterfaceError, 
 from django.db.models import Case, F, Q, Value, When
 from django.utils import timezone
 
+from . import journal
+from .journal import JournalFile
 from .logsafe import safe
 
-__all__ = ["Accepted", "WriteBehindStore", "flush_all", "install_shutdown_flush", "stores", "stores_probe"]
+__all__ = ["Accepted", "WriteBehindStore", "flush_all", "install_shutdown_flush", "start_all", "stores", "stores_probe"]
 
 logger = logging.getLogger("realtime_app.write_behind")
 
@@ -112,7 +114,9 @@ class WriteBehindStore(Generic[M]):
         defaults: ``defaults(key) -> {field: value}`` for an object not in the database.
         delay_s: how long a change stays in memory before it may be written
             (default ``WRITE_BEHIND_DELAY_MS``).
-        name: the store's name in the probe (default: the model's label).
+        name: the store's name in the probe and its journal (default: the model's label).
+        max_objects: objects kept in memory; past it the least recently used saved ones
+            are forgotten (read again from the database when next used).
     """
 
     def __init__(
@@ -125,6 +129,7 @@ class WriteBehindStore(Generic[M]):
         defaults: Callable[[Key], dict[str, Any]] | None = None,
         delay_s: float | None = None,
         name: str | None = None,
+        max_objects: int = 10_000,
     ) -> None:
         self.model = model
         self.key_fields = tuple(key)
@@ -143,6 +148,14 @@ class WriteBehindStore(Generic[M]):
         self._wake: asyncio.Event | None = None
         self._inline = False  # write in the calling thread (the end of the process)
         self._in_doubt: list[tuple[str, Batch]] = []  # batches whose outcome is not known yet
+        if max_objects < 1:
+            raise ValueError("max_objects must be >= 1")
+        self.max_objects = max_objects  # objects kept in memory; the least recently used clean ones go
+        self._journals: list[JournalFile] = []  # journal files taken over, not yet all written
+        self._journal_checked = False
+        self.evicted = 0
+        self.journaled = 0  # objects written to a journal at the end of this process
+        self.replayed = 0  # objects taken over from journals
         # the probe
         self.flushed_rows = 0
         self.flushed_deletes = 0
@@ -173,8 +186,9 @@ class WriteBehindStore(Generic[M]):
 
     async def _entry(self, key: Key) -> _Entry:
         self._start()
-        entry = self._entries.get(key)
+        entry = self._entries.pop(key, None)
         if entry is not None:
+            self._entries[key] = entry  # the most recently used last: eviction starts at the front
             return entry
         loading = self._loading.get(key)
         if loading is None:  # one read per key, however many ask at once, in a task of its own:
@@ -185,9 +199,29 @@ class WriteBehindStore(Generic[M]):
     async def _load_into(self, key: Key) -> _Entry:
         try:
             entry = await self._load(key)
-            return self._entries.setdefault(key, entry)
+            entry = self._entries.setdefault(key, entry)
+            self._evict(keep=key)  # never the one its caller is about to change
+            return entry
         finally:
             self._loading.pop(key, None)
+
+    def _evict(self, keep: Key | None = None) -> None:
+        """Forget the least recently used objects that are saved, while over ``max_objects``
+        (those with unsaved changes or waiters stay, however many there are, and ``keep``)."""
+        over = len(self._entries) - self.max_objects
+        if over <= 0:
+            return
+        gone: list[Key] = []
+        for key, entry in self._entries.items():
+            if len(gone) >= over:
+                break
+            if key == keep:
+                continue
+            if entry.dirty_since is None and not entry.in_doubt and not entry.waiters and entry.error is None:
+                gone.append(key)
+        for key in gone:
+            del self._entries[key]
+        self.evicted += len(gone)
 
     async def preload(self, keys: Iterable[Hashable]) -> int:
         """Load many objects at once (one query per 500), so that their first mutation
@@ -216,6 +250,7 @@ class WriteBehindStore(Generic[M]):
                     self._entries[key] = _Entry(
                         state={**{f: None for f in self.fields}, **self.defaults(key)}, in_db=False
                     )
+        self._evict()
         return len(missing)
 
     async def _load(self, key: Key) -> _Entry:
@@ -299,8 +334,8 @@ class WriteBehindStore(Generic[M]):
             self._wake.set()
 
     async def _durable(self, key: Key, version: int) -> None:
-        entry = self._entries[key]
-        if entry.flushed >= version:
+        entry = self._entries.get(key)
+        if entry is None or entry.flushed >= version:  # forgotten: only saved objects are
             return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         entry.waiters.append((version, future))
@@ -315,8 +350,115 @@ class WriteBehindStore(Generic[M]):
         self._loop = loop
         self._wake = asyncio.Event()
         self._flush_lock = asyncio.Lock()
+        if not self._journal_checked:
+            self._journal_checked = True
+            self._take_over_journals()
         self._task = loop.create_task(self._run(), name=f"write-behind {self.name}")
         install_shutdown_flush()
+
+    def start(self) -> None:
+        """Start the flush loop now (on the running loop), taking over the journals that
+        ended processes left; otherwise it starts at the store's first use."""
+        self._start()
+
+    def _take_over_journals(self) -> None:
+        """Journaled batches become in-doubt batches under their own tokens, written before
+        anything newer (a batch that did commit is found by its token, not applied again)."""
+        try:
+            claimed = journal.claim(self.name)
+        except OSError as exc:
+            logger.error("store %s: the journal cannot be read: %s", self.name, exc)
+            return
+        now = time.monotonic()
+        for file in claimed:
+            for token, items in file.batches:
+                batch: Batch = []
+                for key, snap in items:
+                    entry = self._entries.get(key)
+                    if entry is None:
+                        entry = self._entries[key] = _Entry(state=None, in_db=bool(snap["in_db"]))
+                    entry.version += 1
+                    snap = {**snap, "version": entry.version, "generation": entry.generation}
+                    snap["changed"] = {name: entry.version for name in snap["changed"]}
+                    entry.state = None if snap["state"] is None else dict(snap["state"])
+                    for name, delta in snap["deltas"].items():
+                        entry.deltas[name] = entry.deltas.get(name, 0) + delta
+                    entry.changed.update(snap["changed"])
+                    entry.replace = entry.replace or bool(snap["replace"])
+                    entry.in_doubt = True
+                    entry.dirty_since = now - self.delay_s  # due now
+                    batch.append((key, entry, snap))
+                    self.replayed += 1
+                self._in_doubt.append((token, batch))
+            self._journals.append(file)
+            logger.warning(
+                "store %s: %d object(s) taken over from %s, written before anything newer",
+                self.name,
+                sum(len(items) for _, items in file.batches),
+                file.path,
+            )
+
+    def _settle_journals(self) -> None:
+        """Delete the journal files taken over whose every batch is written."""
+        pending = {token for token, _ in self._in_doubt}
+        for file in list(self._journals):
+            if not file.tokens & pending:
+                file.remove()
+                self._journals.remove(file)
+
+    def journal_unsaved(self) -> int:
+        """The process is ending: write what is still unsaved to a journal for the next
+        process (the batches in doubt under their tokens, the rest under new ones); returns
+        the objects kept. An ERROR says how many changes are lost if even that fails."""
+        batches: list[tuple[str, list[tuple[Key, dict[str, Any]]]]] = []
+        covered: dict[Key, dict[str, Any]] = {}  # the newest in-doubt snapshot of each key
+        for token, batch in self._in_doubt:
+            batches.append((token, [(key, snap) for key, _, snap in batch]))
+            for key, _, snap in batch:
+                covered[key] = snap
+        rest = []
+        for key, entry in self._entries.items():
+            if entry.dirty_since is None:
+                continue
+            residual = _residual(self._snapshot(entry), covered.get(key))
+            if residual is not None:
+                rest.append((key, residual))
+        for i in range(0, len(rest), UPSERT_BATCH):
+            batches.append((uuid.uuid4().hex, rest[i : i + UPSERT_BATCH]))
+        objects = sum(len(items) for _, items in batches)
+        if not objects:
+            self._remove_taken_over()
+            return 0
+        try:
+            path = journal.write(self.name, batches)
+        except OSError as exc:
+            logger.error(
+                "store %s: %d accepted object(s) LOST: the database and the journal both failed (%s)",
+                self.name,
+                objects,
+                safe(exc, 200),
+            )
+            return 0
+        self._remove_taken_over()  # what they held is in the new file
+        self._in_doubt = []
+        for entry in self._entries.values():  # handed over: never journaled (or written) twice
+            if entry.dirty_since is not None or entry.in_doubt:
+                entry.dirty_since, entry.in_doubt = None, False
+                entry.deltas.clear()
+                entry.changed.clear()
+        self.journaled += objects
+        logger.warning(
+            "store %s: %d object(s) not written to the database, kept in %s for the next process",
+            self.name,
+            objects,
+            path,
+        )
+        return objects
+
+    def _remove_taken_over(self) -> None:
+        for file in self._journals:
+            file.remove()
+        self._journals.clear()
 
     async def _run(self) -> None:
         assert self._wake is not None
@@ -364,10 +506,12 @@ class WriteBehindStore(Generic[M]):
                 and (everything or (entry.dirty_since + delay <= now and entry.not_before <= now))
             ]
             if not due and not written and not failed:
+                self._settle_journals()
                 return 0
             snapshots = [(key, entry, self._snapshot(entry)) for key, entry in due]
             more, more_failed = await self._write(snapshots)
             written, failed = written + more, failed + more_failed
+            self._settle_journals()
             duration = time.monotonic() - started
             self.flushes += 1
             self.last_flush = {
@@ -399,9 +543,7 @@ class WriteBehindStore(Generic[M]):
             done, bad = await self._write_one(batch, uuid.uuid4().hex)
             written += done
             failed += bad
-        if not failed:
-            self.consecutive_failures = 0
-        return written, failed
+        return written, failed  # a success resets the failure count (_written), nothing else
 
     async def _write_one(self, batch: Batch, token: str) -> tuple[int, int]:
         """Write one batch under its token, retrying; split it if it fails for good.
@@ -694,6 +836,9 @@ class WriteBehindStore(Generic[M]):
             "failing": dict(list(self.failing.items())[:10]),
             "in_doubt": sum(len(batch) for _, batch in self._in_doubt),
             "delay_s": self.delay_s,
+            "evicted": self.evicted,
+            "journaled": self.journaled,
+            "replayed": self.replayed,
         }
 
 
@@ -769,11 +914,36 @@ def install_shutdown_flush() -> None:
 
 
 async def flush_all() -> int:
-    """Flush every store of this process (shutdown, the end of a command)."""
+    """Flush every store of this process (shutdown, the end of a command); what cannot be
+    written goes to the journal for the next process (:mod:`realtime_app.journal`)."""
     written = 0
     for store in stores():
         try:
             written += await store.aflush_all()
         except Exception:
             logger.exception("store %s: final flush failed", store.name)
+        store.journal_unsaved()
     return written
+
+
+def start_all() -> None:
+    """Start every store's flush loop on the running loop, taking over journals (a
+    server's start: the hub's, the ASGI lifespan's)."""
+    for store in stores():
+        store.start()
+
+
+def _residual(now: dict[str, Any], doubt: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What an object's snapshot ``now`` holds beyond the in-doubt batch snapshot ``doubt``
+    of the same object (journaled apart, under its own token); None when nothing."""
+    if doubt is None or now["generation"] != doubt["generation"]:
+        return now  # deleted since: the whole row (or its delete) replaces it
+    deltas = {}
+    for name in set(now["deltas"]) | set(doubt["deltas"]):
+        left = now["deltas"].get(name, 0) - doubt["deltas"].get(name, 0)
+        if left:
+            deltas[name] = left
+    changed = {name: v for name, v in now["changed"].items() if doubt["changed"].get(name) != v}
+    if not deltas and not changed:
+        return None
+    return {**now, "deltas": deltas, "changed": changed, "replace": False, "in_db": True}

@@ -1,6 +1,7 @@
 """A publisher process of the cluster for the live tests: ``python -m tests.publisher
-CHANNEL COUNT RATE`` publishes ``{"i": 0..COUNT-1}`` at RATE per second (0: as fast as it
-can) through a hub of its own, then prints ``done <first seq> <last seq>``."""
+CHANNEL COUNT RATE [PAD]`` publishes ``{"i": 0..COUNT-1}`` (plus ``"pad"``: PAD bytes of
+text) at RATE per second (0: as fast as it can) through a hub of its own, then prints
+``done <first seq> <last seq>``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import asyncio
 import sys
 
 
-async def main(channel: str, count: int, rate: float) -> None:
+async def main(channel: str, count: int, rate: float, pad: int = 0) -> None:
     from realtime_app import apublish
     from realtime_app.hub import get_hub
 
@@ -22,7 +23,7 @@ async def main(channel: str, count: int, rate: float) -> None:
                 delay = start + i / rate - loop.time()
                 if delay > 0:
                     await asyncio.sleep(delay)
-            last = await apublish(channel, {"i": i})
+            last = await apublish(channel, {"i": i, "pad": "x" * pad} if pad else {"i": i})
             first = first or last
             if i % 500 == 499:
                 print(f"published {i + 1}", flush=True)
@@ -35,4 +36,4 @@ if __name__ == "__main__":
     import django
 
     django.setup()
-    asyncio.run(main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3])))
+    asyncio.run(main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else 0))

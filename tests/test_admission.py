@@ -161,7 +161,7 @@ async def test_a_publish_flood_from_one_socket_is_bounded_by_its_bucket(hub):
     assert probe["refused"]["rate_limited"] == 12 and probe["pending"] == 0
 
 
-async def test_connections_of_one_user_share_a_bucket_and_anonymous_ones_do_not(hub, django_user_model):
+async def test_connections_share_their_identitys_bucket_a_user_or_an_anonymous_address(hub, django_user_model):
     from asgiref.sync import sync_to_async
 
     from tests.test_consumer import Client
@@ -177,8 +177,14 @@ async def test_connections_of_one_user_share_a_bucket_and_anonymous_ones_do_not(
     async with Client(user) as a, Client(user) as b:
         assert all(await publish_n(a, 10))
         assert await publish_n(b, 10) == [True] * 8 + [False] * 2
-    async with Client() as x, Client() as y:
-        assert all(await publish_n(x, 18)) and all(await publish_n(y, 18))
+    # Anonymous: the identity is the address, so a second socket (or a reconnect) of the
+    # same address gets no fresh bucket; another address has its own.
+    async with Client(address="203.0.113.7") as x, Client(address="203.0.113.7") as y:
+        assert all(await publish_n(x, 10))
+        assert await publish_n(y, 10) == [True] * 8 + [False] * 2
+    async with Client(address="203.0.113.7") as again, Client(address="203.0.113.8") as other:
+        assert not any(await publish_n(again, 2))  # reconnected: still the same empty bucket
+        assert all(await publish_n(other, 18))
 
 
 async def test_a_refusal_carries_the_methods_snapshot_and_slots_are_released(hub):
@@ -188,7 +194,7 @@ async def test_a_refusal_carries_the_methods_snapshot_and_slots_are_released(hub
         for _ in range(3):  # 3 x 6 = 18 tokens
             assert (await c.call("test.costly"))["result"] == "done"
         error = (await c.call("test.costly"))["error"]
-        assert error["data"]["reason"] == "rate_limited" and error["data"]["snapshot"] == {"who": "connection"}
+        assert error["data"]["reason"] == "rate_limited" and error["data"]["snapshot"] == {"who": "address"}
         assert 600 < error["data"]["retry_after_ms"] <= 667  # (6 - tokens) / 9 s, nearly empty
     async with Client() as c:
         for _ in range(3):
@@ -251,7 +257,7 @@ async def test_a_burst_of_60_from_one_user_has_10_in_flight_and_the_rest_refused
     assert probe["refused"]["too_many_in_flight"] == 50 and probe["admitted"] == 10
 
 
-async def test_the_pool_bounds_what_runs_at_once_and_starts_in_arrival_order(hub, holding):
+async def test_the_pool_bounds_what_runs_at_once_and_serves_the_idlest_identity_first(hub, holding):
     from tests.test_consumer import Client
 
     hub.pool.max_running = 3
@@ -271,7 +277,9 @@ async def test_the_pool_bounds_what_runs_at_once_and_starts_in_arrival_order(hub
         for c in clients:
             await c.__aexit__()
     assert holding["max"] == 3
-    assert holding["order"] == ["00", "01", "10", "11", "20", "21", "30", "31"]
+    # Arrival order within a client; between clients, a free slot goes to the client with
+    # the fewest running (2 and 3 before 1's second, which waited longer).
+    assert holding["order"] == ["00", "01", "10", "20", "30", "11", "21", "31"]
 
 
 async def test_answers_leave_in_completion_order_and_pings_never_wait(hub):

@@ -116,13 +116,17 @@ async def test_unread_answers_are_bounded_then_closed_with_1013_and_memory_retur
     try:
         health = Health(server)
         baseline = rss(server)
-        for _ in range(10):
+        for i in range(10):  # ten clients, each its own address (its own bucket)
             sock = socket.socket()
             try:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # and it never reads
                 sock.connect(("127.0.0.1", server.port))
                 ws = await websockets.connect(
-                    server.ws, sock=sock, origin=f"http://127.0.0.1:{server.port}", max_size=None
+                    server.ws,
+                    sock=sock,
+                    origin=f"http://127.0.0.1:{server.port}",
+                    max_size=None,
+                    additional_headers={"X-Forwarded-For": f"198.51.100.{i}"},
                 )
             except BaseException:
                 sock.close()
@@ -222,8 +226,8 @@ async def test_a_well_behaved_client_keeps_its_pings_fast_while_others_flood(dat
     try:
         stop = asyncio.Event()
 
-        async def abuse() -> None:
-            async with RPC(server.ws) as rpc:
+        async def abuse(i: int) -> None:
+            async with RPC(server.ws, address=f"198.51.100.{i}") as rpc:  # 20 abusive clients
                 n = 0
                 while not stop.is_set():
                     batch = [
@@ -235,10 +239,10 @@ async def test_a_well_behaved_client_keeps_its_pings_fast_while_others_flood(dat
                     with_answers = await rpc.recv(10)
                     assert isinstance(with_answers, list)
 
-        abusers = [asyncio.get_running_loop().create_task(abuse()) for _ in range(20)]
+        abusers = [asyncio.get_running_loop().create_task(abuse(i)) for i in range(20)]
         await asyncio.sleep(1.0)
         latencies = []
-        async with RPC(server.ws) as polite:
+        async with RPC(server.ws, address="192.0.2.1") as polite:  # and a client of its own
             for _ in range(60):
                 started = time.perf_counter()
                 assert (await polite.call("ping"))["result"] == "pong"

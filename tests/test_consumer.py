@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 
 import pytest
@@ -18,10 +19,20 @@ from tests.testapp import realtime_channels as test_channels
 app = URLRouter(websocket_urlpatterns)
 
 
+_addresses = itertools.count(1)
+
+
 class Client:
-    def __init__(self, user=None):
+    """One client: its own address unless ``address`` is given (anonymous clients of one
+    address share an identity: one bucket, one cap)."""
+
+    def __init__(self, user=None, address=None):
         self.comm = WebsocketCommunicator(app, "/realtime/")
         self.comm.scope["user"] = user or AnonymousUser()
+        if address is None:
+            n = next(_addresses)
+            address = f"10.{n >> 16 & 255}.{n >> 8 & 255}.{n & 255}"
+        self.comm.scope["client"] = (address, 40000)
         self.next_id = 0
 
     async def __aenter__(self):

@@ -51,8 +51,8 @@ def env_for(redis_server: PrivateRedis, **overrides: Any) -> dict[str, str]:
 class Reader:
     """A subscribed client whose frames are collected in the background, with when."""
 
-    def __init__(self, url: str, channels: list[str]) -> None:
-        self.rpc = RPC(url)
+    def __init__(self, url: str, channels: list[str], address: str | None = None) -> None:
+        self.rpc = RPC(url, address=address)
         self.channels = channels
         self.frames: list[tuple[float, dict[str, Any]]] = []
         self.closed: int | None = None
@@ -272,15 +272,16 @@ async def test_a_send_the_server_refuses_closes_that_connection_only(private_red
     """With the publication limit off, daphne itself refuses a frame over 1 MiB: the
     connections it was sent to are closed with 1011, the process keeps delivering."""
     with servers(1, env_for(private_redis, MAX_PUBLICATION_BYTES=0)) as (a,):
-        async with Reader(a.ws, ["demo:events"]) as victim, Reader(a.ws, ["demo:clock:200"]) as bystander:
-            assert (await shell_publish(a, "demo:events", "'x' * 1_100_000")).returncode == 0
+        # test:events: an event channel without a max_bytes of its own (demo:events has 4 KiB)
+        async with Reader(a.ws, ["test:events"]) as victim, Reader(a.ws, ["demo:clock:200"]) as bystander:
+            assert (await shell_publish(a, "test:events", "'x' * 1_100_000")).returncode == 0
             await until(lambda: victim.closed is not None, 10, "the victim closed")
             assert victim.closed == 1011
             moment = time.monotonic()
             await until(lambda: bystander.has_frame_after("demo:clock:200", moment), 5, "others go on")
-            async with Reader(a.ws, ["demo:events"]) as fresh:
-                seq = int((await shell_publish(a, "demo:events", "'small'")).stdout.split()[-1])
-                await until(lambda: seq in fresh.seqs("demo:events"), 10, "events go on")
+            async with Reader(a.ws, ["test:events"]) as fresh:
+                seq = int((await shell_publish(a, "test:events", "'small'")).stdout.split()[-1])
+                await until(lambda: seq in fresh.seqs("test:events"), 10, "events go on")
         assert len(log_lines(a, "a send failed")) == 1, a.output()
         assert "Traceback" not in a.output()
 
@@ -291,7 +292,7 @@ async def test_hostile_cadences_do_not_starve_a_legitimate_subscriber(private_re
     MAX_SUBSCRIPTIONS = 100, so all 2,000 asks stand.)"""
     with servers(1, env_for(private_redis)) as (a,):
         async with Reader(a.ws, ["demo:clock:250"]) as legit:
-            attackers = [RPC(a.ws) for _ in range(20)]
+            attackers = [RPC(a.ws, address=f"198.51.100.{i}") for i in range(20)]  # 20 clients
             for attacker in attackers:
                 await attacker.__aenter__()
             try:
@@ -327,7 +328,7 @@ async def test_a_thousand_concurrent_subscribes_succeed(private_redis):
     (MaxConnectionsError: redis-py caps a pool at 100 connections)."""
     env = env_for(private_redis, MAX_CADENCES_PER_FAMILY=0, MAX_TICKERS=0)
     with servers(1, env) as (a,):
-        clients = [RPC(a.ws) for _ in range(200)]
+        clients = [RPC(a.ws, address=f"198.51.100.{i}") for i in range(200)]  # 200 clients
         await asyncio.gather(*(c.__aenter__() for c in clients))
         try:
 
@@ -387,7 +388,7 @@ async def test_unencodable_input_is_answered_like_any_bad_input(private_redis):
             for text in raw:
                 await c.ws.send(text)
                 answer = await c.recv()
-                assert answer.get("result") == "pong" or answer["error"]["code"] in (-32601, -32002), answer
+                assert answer.get("result") == "pong" or answer["error"]["code"] in (-32600, -32602), answer
             first = (await c.call("publish", {"channel": "demo:events", "data": 1}))["result"]["seq"]
             await c.ws.send(
                 '{"jsonrpc":"2.0","method":"publish","params":{"channel":"demo:events","data":1e400},"id":9}'
@@ -397,8 +398,10 @@ async def test_unencodable_input_is_answered_like_any_bad_input(private_redis):
             await c.ws.send(
                 '{"jsonrpc":"2.0","method":"publish","params":{"channel":"demo:events","data":"\\ud800"},"id":10}'
             )
-            assert (await c.recv())["result"]["seq"] == first + 1  # the refused one burned no seq
-            await until(lambda: first + 1 in reader.seqs("demo:events"), 5, "the surrogate event")
+            refused = await c.recv()  # a lone surrogate is bad input, like any other
+            assert refused["error"]["code"] == -32602 and refused["error"]["data"]["reason"] == "invalid_string"
+            assert (await c.call("publish", {"channel": "demo:events", "data": 2}))["result"]["seq"] == first + 1
+            await until(lambda: first + 1 in reader.seqs("demo:events"), 5, "the next event")
             assert (await c.call("ping"))["result"] == "pong"
         output = a.output()
         assert "Traceback" not in output

@@ -138,7 +138,7 @@ async def test_a_resume_too_old_or_of_another_epoch_is_not_recovered(hub):
         assert [f["data"] for f in await c.frames(5)] == [3, 4, 5, 6, 7]  # a resume while subscribed
         kept = await c.recv()
         assert kept["result"]["recovered"] is True and kept["result"]["replayed"] == 5
-        assert hub.probe()["history"]["recoveries"] == {"served": 1, "failed": 2}
+        assert hub.probe()["history"]["recoveries"] == {"served": 1, "failed": 2, "deferred": 0}
         assert hub.probe()["history"]["channels"]["test:short-history"]["kept"] == 5
 
 
@@ -210,7 +210,7 @@ async def test_the_probe_and_metrics_show_histories_and_resumes(hub):
         await c.call("subscribe", {"channel": "test:short-history", "since": {"seq": 0, "epoch": "gone"}})
     probe = hub.probe()["history"]
     assert probe["channels"]["test:short-history"] == {"epoch": start["epoch"], "kept": 1}
-    assert probe["recoveries"] == {"served": 0, "failed": 1}
+    assert probe["recoveries"] == {"served": 0, "failed": 1, "deferred": 0}
     text = render({"instances": [hub.probe()]}).decode()
     assert "realtime_history_recoveries_total{" in text and 'result="failed"' in text
     assert "realtime_history_kept{" in text and 'channel="test:short-history"' in text

@@ -4,6 +4,7 @@ a client can start, the probe's size, publications that cannot be sent."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from django.test import override_settings
@@ -78,9 +79,31 @@ async def test_publications_that_cannot_be_sent_take_no_seq(hub):
     with pytest.raises(PublicationError):
         await hub.publish("demo:events", float("inf"))
     with settings_with(MAX_PUBLICATION_BYTES=10_000), pytest.raises(PublicationTooLarge) as info:
-        await hub.publish("demo:events", "x" * 10_000)
+        await hub.publish("test:events", "x" * 10_000)
     assert info.value.limit == 10_000 and "MAX_PUBLICATION_BYTES" in str(info.value)
+    with pytest.raises(PublicationTooLarge) as info:  # the demo's public channel has its own bound
+        await hub.publish("demo:events", "x" * 5000)
+    assert info.value.limit == 4096 and "max_bytes" in str(info.value)
     assert await hub.publish("demo:events", "\ud800") == first + 1  # a lone surrogate is escaped, not an error
+
+
+async def test_the_largest_publication_accepted_makes_a_frame_within_the_bound(hub):
+    """Found: frames of a channel with history were up to 29 bytes over
+    MAX_PUBLICATION_BYTES (the epoch was not counted)."""
+    limit = 2000
+    async with Client() as c:
+        await c.call("subscribe", {"channel": "test:short-history"})
+        with settings_with(MAX_PUBLICATION_BYTES=limit):
+            n = limit
+            while True:  # the largest string payload that is accepted
+                try:
+                    await hub.publish("test:short-history", "x" * n)
+                    break
+                except PublicationTooLarge:
+                    n -= 1
+        frame = await c.comm.receive_from(3)
+        assert json.loads(frame)["params"]["data"] == "x" * n
+        assert len(frame.encode()) <= limit
 
 
 async def test_a_publication_error_is_answered_as_invalid_params(hub):

@@ -73,7 +73,7 @@ def test_health_and_metrics_are_for_staff(cluster):
     )
     assert instance["admission"]["bucket"] == "shared"  # on Redis: users' buckets are the cluster's
     assert set(instance["history"]) == {"channels", "recoveries", "replayed", "gaps"}
-    assert set(instance["history"]["recoveries"]) == {"served", "failed"}
+    assert set(instance["history"]["recoveries"]) == {"served", "failed", "deferred"}
     status, text = get(a.http + "/realtime/metrics", headers={"Authorization": "Bearer s3cret"})
     assert status == 200 and "realtime_backpressure_drops_total" in text and "realtime_connections{" in text
     for metric in ("running{", "admitted_total{", "shared_bucket{"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -328,3 +329,89 @@ async def test_plain_fields_are_written_only_for_the_objects_that_changed_them()
     await store.flush(everything=True)
     got = await sync_to_async(lambda: {p.handle: (p.nickname, p.color, p.score) for p in Profile.objects.all()})()
     assert got == {"x": ("new", "green", 3), "y": ("why", "black", 0)}  # x's stale color not written back
+
+
+async def test_what_cannot_be_written_at_the_end_is_journaled_and_the_next_process_writes_it_once(
+    users, tmp_path, settings
+):
+    """A stop during a database outage: the final flush fails, so the store journals what it
+    accepted — the batch in doubt (its commit may have happened) under its own token, the
+    rest under new ones — and a store of the same name in the next process writes it, the
+    committed batch not twice."""
+    settings.REALTIME_APP = {**settings.REALTIME_APP, "WRITE_BEHIND_JOURNAL_DIR": str(tmp_path)}
+    store = make_store(delay_s=60, name="test.journaled")
+    a, b = (users[0], "ammo"), (users[1], "ammo")
+    await store.add(a, "shots", -10)
+    await store.flush(everything=True)
+    await store.add(a, "shots", -7)  # its batch commits, the answer is lost, then the database goes
+    real = store._write_batch
+    committed = {"n": 0}
+
+    def committed_then_gone(batch: Any, token: str) -> Any:
+        if committed["n"] == 0:
+            committed["n"] += 1
+            real(batch, token)
+        raise OperationalError("could not connect to server")
+
+    store._write_batch = committed_then_gone  # type: ignore[method-assign]
+    await store.flush(everything=True)
+    await store.add(a, "shots", -1)  # after the batch in doubt
+    await store.add(b, "shots", -3)  # never written at all
+    assert await rows() == {a: 83}  # the -7 did commit
+    assert store.journal_unsaved() == 3  # a's batch in doubt, a's -1, b's -3
+    [file] = list(tmp_path.glob("*.json"))
+    assert store.probe()["dirty"] == 0  # handed over: never journaled twice
+    assert store.journal_unsaved() == 0 and len(list(tmp_path.glob("*.json"))) == 1
+    store.close()
+
+    later = make_store(delay_s=60, name="test.journaled")  # the next process
+    later.start()
+    assert later.probe()["replayed"] == 3 and not file.exists()  # taken over (renamed)
+    await later.flush(everything=True)
+    assert await rows() == {a: 82, b: 97}  # -7 once (its token), then -1 and -3
+    assert not list(tmp_path.iterdir())  # written: the journal is gone
+    assert (await later.get(a)) == {"shots": 82}
+
+
+async def test_a_journal_that_cannot_be_written_says_how_much_is_lost(users, tmp_path, settings, caplog):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    settings.REALTIME_APP = {**settings.REALTIME_APP, "WRITE_BEHIND_JOURNAL_DIR": str(blocked)}
+    store = make_store(delay_s=60, name="test.unjournaled")
+    await store.add((users[0], "ammo"), "shots", -1)
+    assert store.journal_unsaved() == 0
+    [record] = [r for r in caplog.records if "LOST" in r.getMessage()]
+    assert record.levelname == "ERROR" and "1 accepted object(s) LOST" in record.getMessage()
+
+
+async def test_the_backoff_grows_while_a_batch_in_doubt_keeps_failing(users):
+    """Found: after a failed retry of a batch in doubt, the flush wrote an empty batch,
+    which reset the failure count: retries every 0.5-1 s instead of backing off to 30 s."""
+    store = make_store(delay_s=60)
+    key = (users[0], "ammo")
+    await store.add(key, "shots", -1)
+    async with Statements(fail=lambda sql: OperationalError("could not connect to server")):
+        await store.flush(everything=True)  # fails: the batch is in doubt now
+        assert store.probe()["consecutive_failures"] == 1 and store.probe()["in_doubt"] == 1
+        for n in range(2, 6):
+            store._entries[key].not_before = 0.0  # due again now
+            await store.flush()  # its retry fails again
+            assert store.probe()["consecutive_failures"] == n
+    backoff = store._entries[key].not_before - time.monotonic()
+    assert backoff >= 0.5 * 2**5 * 0.5 - 1  # 0.5 s x 2^5, jittered down to half at most
+
+
+async def test_saved_objects_past_max_objects_are_forgotten_unsaved_ones_kept(users):
+    store = make_store(delay_s=60)
+    store.max_objects = 10
+    for i in range(15):
+        await store.get((users[0], f"item{i}"))
+    assert store.probe()["objects"] == 10 and store.probe()["evicted"] == 5
+    dirty = [(users[1], f"dirty{i}") for i in range(12)]
+    for key in dirty:
+        await store.add(key, "shots", -1)
+    assert all(store.unsaved(key) for key in dirty)  # over the bound, but nothing unsaved goes
+    await store.flush(everything=True)
+    await store.get((users[2], "one more"))
+    assert store.probe()["objects"] <= 10
+    assert await rows() == {key: 99 for key in dirty}

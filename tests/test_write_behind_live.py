@@ -22,8 +22,10 @@ pytestmark = pytest.mark.timeout(180)
 START = 10_000
 
 
-def env_for(database_url: str, delay_ms: int, **extra: str) -> dict[str, str]:
-    overrides = {"WRITE_BEHIND_DELAY_MS": delay_ms}
+def env_for(database_url: str, delay_ms: int, journal: str | None = None, **extra: str) -> dict[str, str]:
+    overrides: dict[str, Any] = {"WRITE_BEHIND_DELAY_MS": delay_ms}
+    if journal is not None:
+        overrides["WRITE_BEHIND_JOURNAL_DIR"] = journal
     return {"DATABASE_URL": database_url, "REDIS_URL": "", "REALTIME_TEST_OVERRIDES": json.dumps(overrides), **extra}
 
 
@@ -174,6 +176,49 @@ async def test_the_database_cut_for_seconds_loses_nothing(postgres):
         assert "Traceback" not in server.output()
     finally:
         server.stop()
+        proxy.cut()
+
+
+async def test_sigterm_during_a_database_outage_loses_nothing_and_the_next_start_writes_it(postgres, tmp_path):
+    """Found: the database cut, SIGTERM 10 s later: every shot that process accepted during
+    the outage was lost, the log saying one WARNING then `exit: 0 object(s) flushed`."""
+    server_url, database = postgres
+    reset(database)
+    proxy = TcpProxy(urlparse(server_url).port or 5432)
+    journal = tmp_path / "journal"
+    env = env_for(with_port(database, proxy.port), 300, journal=str(journal))
+    first = Server(env)
+    try:
+        proxy.restore()
+        first.start()
+        cookie = login(first.http, "demo", "demo")
+        async with RPC(first.ws, cookie=cookie) as rpc:
+            before = await fire(rpc, 10)
+            await until(lambda: durable_shots(database) == START - 10, 15, "the first shots durable")
+            proxy.cut()
+            during = await fire(rpc, 30)  # acknowledged while the database is gone
+            await until(lambda: "flush of" in first.output(), 20, "the flush failing")
+        assert len(before) == 10 and len(during) == 30
+        assert first.process is not None
+        first.process.send_signal(signal.SIGTERM)
+        first.process.wait(60)
+        assert durable_shots(database) == START - 10  # nothing more reached the database
+        assert list(journal.glob("*.json")), "a journal file"
+        assert "kept in" in first.output() and "LOST" not in first.output()
+    finally:
+        first.stop()
+    proxy.restore()
+    second = Server(env)
+    try:
+        second.start()
+        async with RPC(second.ws) as rpc:  # a first connection starts the hub, which takes the journal over
+            assert (await rpc.call("ping"))["result"] == "pong"
+        await until(lambda: durable_shots(database) == START - 40, 60, "the journaled shots durable")
+        await until(lambda: not list(journal.iterdir()), 20, "the journal file gone once written")
+        assert durable_shots(database) == START - 40  # none applied twice
+        assert "Traceback" not in second.output()
+    finally:
+        second.stop()
         proxy.cut()
 
 

@@ -13,10 +13,22 @@ import websockets
 class RPC:
     """One connection: ``call()`` answers, ``frames()`` collects ``message`` notifications."""
 
-    def __init__(self, url: str, *, cookie: str | None = None, origin: str | None = None, ssl: Any = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        cookie: str | None = None,
+        origin: str | None = None,
+        ssl: Any = None,
+        address: str | None = None,
+    ) -> None:
+        """``address``: the client's address as a trusted proxy forwards it (the test
+        settings trust 127.0.0.1): a client of its own, not one of 127.0.0.1's sockets."""
         self.url = url
         self.ssl = ssl
         self.headers = {"Cookie": cookie} if cookie else {}
+        if address is not None:
+            self.headers["X-Forwarded-For"] = address
         host = url.split("/")[2]
         self.origin = origin or f"{'https' if url.startswith('wss') else 'http'}://{host}"
         self.ids = itertools.count(1)

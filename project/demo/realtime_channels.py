@@ -44,7 +44,7 @@ def atelier_load(channel: ChannelSpec, publish: Any) -> Any:
     return task.cancel
 
 
-realtime_app.event_channel("demo:events", history_size=1000, history_ttl_s=300)
+realtime_app.event_channel("demo:events", history_size=1000, history_ttl_s=300, max_bytes=4096)
 
 if os.environ.get("REALTIME_DEMO_FLOOD") == "1":
     _flood_counter = itertools.count(1)

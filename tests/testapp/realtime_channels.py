@@ -72,6 +72,7 @@ def broken(channel: ChannelSpec, publish: Any) -> None:
 
 realtime_app.event_channel("test:events")
 realtime_app.event_channel("test:short-history", history_size=5, history_ttl_s=60)
+realtime_app.event_channel("test:big-history", history_size=1000, history_ttl_s=300)
 
 
 @realtime_app.rpc_method("test.echo")

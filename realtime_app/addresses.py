@@ -1,0 +1,92 @@
+"""Who is on the other end: the client's address, read through trusted proxies only.
+
+An anonymous client's identity is its address (docs/admission.md): its connections share
+one per-identity cap and one token bucket, so opening more sockets or reconnecting buys it
+nothing. Behind a reverse proxy every connection comes from the proxy, so the proxy's
+forwarding headers are read — but only when the peer is one of ``TRUSTED_PROXIES``;
+anyone else could write any address into them. ``Forwarded`` (RFC 7239) is read when
+present, else ``X-Forwarded-For``; the list is walked from the right (the hop nearest to
+us), skipping trusted proxies, and the first other address is the client's.
+
+Pure: no Django import; the trusted networks are passed in.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Sequence
+from functools import lru_cache
+from typing import Any
+
+__all__ = ["client_address", "parse_networks", "trusted_networks"]
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def parse_networks(values: Iterable[str]) -> tuple[Network, ...]:
+    """``["10.0.0.0/8", "127.0.0.1", "::1"]`` → networks; raises ``ValueError`` for a bad one."""
+    return tuple(ipaddress.ip_network(str(value).strip(), strict=False) for value in values)
+
+
+@lru_cache(maxsize=8)
+def trusted_networks(values: tuple[str, ...]) -> tuple[Network, ...]:
+    """:func:`parse_networks`, cached for the settings' tuple."""
+    return parse_networks(values)
+
+
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    text = text.strip().strip('"')
+    if text.startswith("["):  # [v6] or [v6]:port
+        text = text[1 : text.find("]")] if "]" in text else text[1:]
+    elif text.count(":") == 1:  # v4:port
+        text = text.split(":", 1)[0]
+    try:
+        return ipaddress.ip_address(text)
+    except ValueError:
+        return None
+
+
+def _trusted(address: str, networks: Sequence[Network]) -> bool:
+    ip = _ip(address)
+    return ip is not None and any(ip in network for network in networks)
+
+
+def _header(scope: dict[str, Any], name: bytes) -> str | None:
+    values = [value for key, value in scope.get("headers") or () if key.lower() == name]
+    if not values:
+        return None
+    return ",".join(value.decode("latin-1") for value in values)
+
+
+def _forwarded_for(value: str) -> list[str]:
+    """The ``for=`` of each element of a ``Forwarded`` header, in order."""
+    hops: list[str] = []
+    for element in value.split(","):
+        for pair in element.split(";"):
+            key, _, item = pair.strip().partition("=")
+            if key.strip().lower() == "for":
+                hops.append(item.strip().strip('"'))
+    return hops
+
+
+def client_address(scope: dict[str, Any], trusted: Sequence[Network] = ()) -> str:
+    """The client's address for ``scope``: the peer's, or — when the peer is a trusted
+    proxy — the nearest untrusted hop its forwarding header names (the leftmost when
+    every hop is trusted). A malformed hop ends the walk at the last good address."""
+    peer = str((scope.get("client") or ("unknown", 0))[0])
+    if not trusted or not _trusted(peer, trusted):
+        return peer
+    forwarded = _header(scope, b"forwarded")
+    hops = _forwarded_for(forwarded) if forwarded is not None else None
+    if hops is None:
+        xff = _header(scope, b"x-forwarded-for")
+        hops = [hop.strip() for hop in xff.split(",")] if xff is not None else []
+    address = peer
+    for hop in reversed(hops):
+        ip = _ip(hop)
+        if ip is None:
+            break  # "unknown", an obfuscated name or garbage: stop at what we know
+        address = str(ip)
+        if not any(ip in network for network in trusted):
+            break
+    return address
