@@ -223,3 +223,29 @@ def test_a_streaming_response_dropped_before_it_is_read_still_releases_its_slot(
     del response  # an outer middleware replaced it, or the client left first
     gc.collect()
     assert pool.running == 0 and slot.released
+
+
+async def test_a_waiter_whose_time_is_up_when_a_slot_frees_gets_503_not_a_late_slot():
+    """Found: wait_ms p99 reached 10,379-10,628 ms against a 10,000 ms timeout: a slot
+    passed to a waiter whose time was up (its loop too busy to run its timeout first) was
+    taken, and the wait measured when the waiter ran again."""
+    import asyncio
+
+    from realtime_app.limiter import Busy, ConcurrencyPool, PoolSettings
+
+    pool = ConcurrencyPool("t", PoolSettings(max_concurrent=1, max_waiting=5, wait_timeout_ms=100))
+    held = await pool.aacquire()
+    waiter = asyncio.get_running_loop().create_task(pool.aacquire())
+    await asyncio.sleep(0)  # it queues
+    assert pool.waiting == 1
+    time.sleep(0.15)  # noqa: ASYNC251 -- the loop busy past the waiter's timeout, as on a loaded server
+    held.release()  # the slot frees before the waiter's timeout could run
+    with pytest.raises(Busy) as refused:
+        await waiter
+    assert refused.value.reason == "timeout"
+    probe = pool.probe()
+    assert probe["wait_ms"]["p99"] <= 100 and probe["refused"]["timeout"] == 1
+    assert probe["running"] == 0 and probe["waiting"] == 0  # the slot went on, nothing leaked
+    fresh = await pool.aacquire()
+    assert fresh.waited_ms == 0.0
+    fresh.release()

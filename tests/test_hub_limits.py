@@ -237,3 +237,40 @@ async def test_a_cancel_landing_as_the_beat_checks_the_backplane_stops_the_beat(
         finally:
             CancelledAsCheckReturns.armed = False
             await asyncio.wait_for(hub.aclose(), 10)
+
+
+class SlowToAnswer(MemoryBackplane):
+    """``check()`` answers after ``delay`` seconds (a busy machine, not a dead Redis)."""
+
+    delay = 0.0
+
+    async def check(self) -> bool:
+        await asyncio.sleep(SlowToAnswer.delay)
+        return True
+
+
+async def test_one_slow_answer_to_the_beat_is_not_an_outage_two_in_a_row_are():
+    """Found: under CPU load with Redis healthy, the beat's 1 s timeout logged false
+    `RedisBackplane unreachable` lines."""
+    from realtime_app.hub import get_hub
+
+    with settings_with(BACKPLANE="tests.test_hub_limits.SlowToAnswer", LEASE_TTL_MS=300):
+        hub = await get_hub()
+        try:
+            maintain = next(t for t in hub._tasks if t.get_name() == "realtime-maintain")
+            maintain.cancel()  # the beats are this test's own
+            backplane = hub.backplane
+            assert backplane is not None
+            SlowToAnswer.delay = 0.7  # past the beat's timeout (0.5 s at this lease)
+            await hub._beat(backplane)
+            assert not backplane.outage.down  # one slow beat: re-asserted, not logged down
+            SlowToAnswer.delay = 0.0
+            await hub._beat(backplane)
+            SlowToAnswer.delay = 0.7
+            await hub._beat(backplane)
+            assert not backplane.outage.down  # a good beat in between starts the count again
+            await hub._beat(backplane)
+            assert backplane.outage.down  # two in a row: down
+        finally:
+            SlowToAnswer.delay = 0.0
+            await asyncio.wait_for(hub.aclose(), 10)
