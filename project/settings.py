@@ -1,4 +1,5 @@
-"""Settings of the demo site. Environment: REDIS_URL, DATABASE_URL, REALTIME_DEMO_FLOOD."""
+"""Settings of the demo site. Environment: REDIS_URL, REALTIME_CHANNEL_LAYER (``pubsub`` for
+channels-redis' pub/sub layer), DATABASE_URL, REALTIME_DEMO_FLOOD."""
 
 from __future__ import annotations
 
@@ -79,16 +80,23 @@ DATABASES = {"default": _database(os.environ.get("DATABASE_URL"))}
 
 REDIS_URL = os.environ.get("REDIS_URL")
 REALTIME_KEY_PREFIX = os.environ.get("REALTIME_KEY_PREFIX", "realtime")
-if REDIS_URL:
+if REDIS_URL and os.environ.get("REALTIME_CHANNEL_LAYER") == "pubsub":
+    # channels-redis' other layer: the backplane carries the cluster on either.
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer",
+            "CONFIG": {"hosts": [REDIS_URL], "prefix": f"{REALTIME_KEY_PREFIX}:asgi"},
+        }
+    }
+elif REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
             "CONFIG": {
                 "hosts": [REDIS_URL],
                 "prefix": f"{REALTIME_KEY_PREFIX}:asgi",
-                # A channel over capacity drops what is sent to it, silently: a process
-                # that falls behind 100 frames (the default) at a high publication rate
-                # loses frames (docs/recovery.md: clients of channels with history resume).
+                # Application consumers' channels (not the backplane's, which has its own
+                # pub/sub): a channel over capacity drops what is sent to it, silently.
                 "capacity": 1000,
             },
         }

@@ -151,7 +151,8 @@ class Backplane:
 
 
 def backplane_class() -> type[Backplane]:
-    """The backplane the settings choose (``"auto"``: Redis iff the layer is channels-redis)."""
+    """The backplane the settings choose (``"auto"``: Redis with either channels-redis layer,
+    one process with the in-memory layer or none, an error with any other)."""
     from django.utils.module_loading import import_string
 
     from .conf import get_config
@@ -166,10 +167,18 @@ def backplane_class() -> type[Backplane]:
 
         return RedisBackplane
     if choice == "auto":
-        from .backplane_redis import RedisBackplane, uses_channels_redis
+        from django.core.exceptions import ImproperlyConfigured
 
-        if uses_channels_redis():
+        from .backplane_redis import RedisBackplane, layer_kind
+
+        kind = layer_kind()
+        if kind == "redis":
             return RedisBackplane
+        if kind == "other":  # never a silent fallback to one process (check E008)
+            raise ImproperlyConfigured(
+                "realtime_app: the default channel layer is neither channels-redis' nor the in-memory one; "
+                "set REALTIME_APP['BACKPLANE'] (see manage.py check, realtime_app.E008)"
+            )
         from .backplane_memory import MemoryBackplane
 
         return MemoryBackplane

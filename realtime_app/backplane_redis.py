@@ -1,30 +1,34 @@
-"""The cluster backplane on channels-redis (and its Redis).
+"""The cluster backplane on Redis: keys of its own under ``KEY_PREFIX``, and Redis pub/sub.
 
-Each process owns one layer channel and is a member of a channel's group while it has
-local subscribers, so a publication costs one backplane message per subscribed process.
-A lease per ticker channel (``SET NX PX``, renewed by its holder) elects the one process
-that runs the ticker; a Lua ``INCR`` numbers publications cluster-wide, above a floor the
-publisher supplies, so ``seq`` survives a failover and never goes back even when Redis
-loses its data. Probes are keys with a TTL, so the cluster view lists live processes only.
+Each process subscribes, on one pub/sub connection of its own, to the Redis channel of
+every channel it has local subscribers for (``<prefix>:ch:<group name>``); a publication
+is numbered, kept (a channel with history) and published in **one** Lua call, so it costs
+the publisher one round trip and Redis one ``PUBLISH`` whatever the number of processes,
+and reaches each subscribed process in ``seq`` order. A lease per ticker channel (``SET NX
+PX``, renewed by its holder) elects the one process that runs the ticker; a Lua ``INCR``
+numbers publications cluster-wide, above a floor the publisher supplies, so ``seq``
+survives a failover and never goes back even when Redis loses its data. Probes are keys
+with a TTL, so the cluster view lists live processes only.
 
-Nothing here is assumed to stay in Redis: :meth:`RedisBackplane.check` keeps a sentinel
-key per process whose disappearance (restart, flush, eviction) or expiry (every
-``REASSERT_INTERVAL_MS``, and always well within channels-redis' ``group_expiry``) tells
-the hub to join every group and reseed every sequence again.
+Nothing here depends on a channel layer's stored format: the layer (channels-redis'
+``RedisChannelLayer`` or ``RedisPubSubChannelLayer``) only says where Redis is, when
+``REDIS_URL`` does not. Nothing is assumed to stay in Redis either: :meth:`check` keeps a
+sentinel key per process whose disappearance (restart, flush, eviction) or expiry (every
+``REASSERT_INTERVAL_MS``) tells the hub to subscribe again and reseed every sequence, and
+the pub/sub connection subscribes again by itself when it reconnects.
 
-Group membership is written exactly as channels-redis 4.3's ``group_add`` does (the
-layer's own key and shard), but pipelined, so a re-assert of a thousand groups is one
-round trip per shard.
+Pub/sub keeps nothing for a process that is away: a frame published while its connection
+is down (or while Redis cuts a process that reads too slowly, ``client-output-buffer-limit
+pubsub``) does not reach it. State channels are whole again at their next frame; channels
+with history count the gap and their clients resume it (docs/recovery.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-import random
-import time
-import uuid
 from typing import Any
 
 from redis import asyncio as aioredis
@@ -36,14 +40,12 @@ from .backplane import Backplane, Deliver, Delivery, now_ms
 from .cancellation import cancel_and_wait
 from .history import PAGE, PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, Since, epoch_suffix
 from .names import group_name
-from .protocol import notification_head, notification_tail
+from .protocol import notification_head
 
-__all__ = ["RedisBackplane", "channels_redis_tested", "group_send_inline", "uses_channels_redis"]
+__all__ = ["REDIS_LAYERS", "RedisBackplane", "layer_hosts", "layer_kind", "uses_channels_redis"]
 
 logger = logging.getLogger("realtime_app.backplane")
 
-FRAME = "realtime.frame"
-RELEASED = "realtime.released"
 
 # Keep the lease, or take it again if it vanished (Redis restarted empty): the holder
 # keeps its ticker across a restart instead of stopping and starting it.
@@ -53,8 +55,13 @@ if holder == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end
 if not holder then redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 1 end
 return 0
 """
+# KEYS: lease, Redis channel; ARGV: this process. The others learn at once that it is free.
 _RELEASE = """
-if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
+if redis.call('get', KEYS[1]) == ARGV[1] then
+  redis.call('del', KEYS[1])
+  redis.call('publish', KEYS[2], 'r 0 - ' .. ARGV[1])
+  return 1
+end
 return 0
 """
 # The next seq, above the publisher's floor; the key expires when the channel is idle.
@@ -68,42 +75,16 @@ end
 redis.call('pexpire', KEYS[1], ARGV[2])
 """
 _SEQ = _NUMBER + "return v\n"
-# channels-redis 4.3's ``group_send``, byte for byte what it stores (expired members and
-# messages dropped, a member's capacity honoured, a random prefix, msgpack), run in the
-# call that numbers the publication: one round trip instead of five. The score is Redis'
-# clock when the number is taken, so a member's queue pops in ``seq`` order. ARGV from
-# ``a``: layer prefix, group expiry, message expiry, capacity, random prefix, channel.
-_GROUP_SEND = """
-local function group_send(group_key, a, fields)
-  local t = redis.call('time')
-  local now = tonumber(t[1])
-  local score = string.format('%d.%06d', now, tonumber(t[2]))
-  redis.call('zremrangebyscore', group_key, 0, now - tonumber(ARGV[a + 1]))
-  local over = 0
-  for _, member in ipairs(redis.call('zrange', group_key, 0, -1)) do
-    local bang = string.find(member, '!', 1, true)
-    local key = ARGV[a] .. (bang and string.sub(member, 1, bang) or member)
-    fields['__asgi_channel__'] = {member}
-    redis.call('zremrangebyscore', key, 0, now - tonumber(ARGV[a + 2]))
-    if redis.call('zcount', key, '-inf', '+inf') < tonumber(ARGV[a + 3]) then
-      redis.call('zadd', key, score, ARGV[a + 4] .. cmsgpack.pack(fields))
-      redis.call('expire', key, ARGV[a + 2])
-    else
-      over = over + 1
-    end
-  end
-  return over
-end
-"""
-# KEYS: seq, group; ARGV: floor, keep ms, head, ts, then the group send's from 5
+# A message on a channel's Redis channel: ``f <seq> <epoch or -> <notification text>`` (a
+# frame), or ``r 0 - <instance>`` (that process released the channel's lease).
+# KEYS: seq, Redis channel; ARGV: floor, keep ms, head, ts
 _PUBLISH = (
-    _GROUP_SEND
-    + _NUMBER
+    _NUMBER
     + """
 local s = string.format('%d', v)
 local text = ARGV[3] .. ',"seq":' .. s .. ',"ts":' .. ARGV[4] .. '}}'
-local over = group_send(KEYS[2], 5, {type = 'realtime.frame', channel = ARGV[10], text = text, seq = v})
-return {v, over}
+redis.call('publish', KEYS[2], 'f ' .. s .. ' - ' .. text)
+return v
 """
 )
 _RESEED = """
@@ -137,11 +118,10 @@ local function renew()
 end
 if not epoch or owner ~= run or not top then renew() end
 """
-# KEYS: seq, epoch, stream, largest entry[, group]; ARGV: new epoch, keep ms, floor, head,
-# ts, size, ttl ms[, the group send's from 8]
+# KEYS: seq, epoch, stream, largest entry, Redis channel; ARGV: new epoch, keep ms, floor,
+# head, ts, size, ttl ms
 _PUBLISH_KEPT = (
-    _GROUP_SEND
-    + _LINEAGE
+    _LINEAGE
     + """
 local incremented = redis.call('incr', KEYS[1])
 local v = incremented
@@ -165,11 +145,8 @@ redis.call('pexpire', KEYS[3], ARGV[7])
 local size = string.len(text)  -- the largest entry bounds each read's bytes (_PAGE)
 if size > tonumber(redis.call('get', KEYS[4]) or '0') then redis.call('set', KEYS[4], size) end
 redis.call('pexpire', KEYS[4], ARGV[7])
-local over = 0
-if KEYS[5] then
-  over = group_send(KEYS[5], 8, {type = 'realtime.frame', channel = ARGV[13], text = text, seq = v, epoch = epoch})
-end
-return {v, epoch, over}
+redis.call('publish', KEYS[5], 'f ' .. s .. ' ' .. epoch .. ' ' .. text)
+return {v, epoch}
 """
 )
 # A page of a history, bounded in entries and in bytes: each XRANGE asks for no more
@@ -240,52 +217,47 @@ return string.format('%.17g', wait)
 """
 
 
-#: channels-redis versions whose stored format ``_GROUP_SEND`` writes, as
-#: ``tests/test_backplane_wire.py`` checks; with another, the layer's own ``group_send``.
-TESTED_CHANNELS_REDIS = ("4.3.",)
+#: How long one read of the pub/sub connection waits for a message before it lets a
+#: SUBSCRIBE or UNSUBSCRIBE have the connection.
+POLL_S = 0.05
 
 
-def channels_redis_tested() -> bool:
-    """True when the installed channels-redis is one ``_GROUP_SEND`` was written against."""
-    from importlib import metadata
+def layer_kind() -> str:
+    """What the default channel layer is, for the backplane's choice: ``"redis"`` (one of
+    channels-redis' layers: the cluster is carried on its Redis), ``"memory"`` (none, or
+    Channels' in-memory layer: one process) or ``"other"`` (a layer the backplane cannot
+    carry a cluster on: check E008, never a silent fallback to one process)."""
+    from django.conf import settings
 
-    try:
-        return metadata.version("channels-redis").startswith(TESTED_CHANNELS_REDIS)
-    except metadata.PackageNotFoundError:
-        return False
+    backend = (getattr(settings, "CHANNEL_LAYERS", {}) or {}).get("default", {}).get("BACKEND")
+    if backend is None or backend == "channels.layers.InMemoryChannelLayer":
+        return "memory"
+    if backend in REDIS_LAYERS:
+        return "redis"
+    return "other"
 
 
-def group_send_inline(layer: Any, settings: dict[str, Any]) -> bool:
-    """True when a publication's Lua call can also do channels-redis' ``group_send``: the
-    layer has one Redis, the backplane's own, and stores msgpack without encryption (the
-    script packs with Redis' ``cmsgpack`` and cannot encrypt), and channels-redis is a
-    version whose format the script writes (check W021). Otherwise the layer's
-    ``group_send`` follows the numbering call."""
-    hosts = getattr(layer, "hosts", None) or []
-    serializer = getattr(layer, "_serializer", None)
-    if (
-        not channels_redis_tested()
-        or len(hosts) != 1
-        or type(serializer).__name__ != "MsgPackSerializer"
-        or getattr(serializer, "crypter", None)
-    ):
-        return False
-    # Only a bare address: the backplane's client is built from the URL alone, and a ``db``
-    # or any other option of the host would put the group where the script does not look.
-    host = dict(hosts[0])
-    return set(host) == {"address"} and settings["REDIS_URL"] in (None, host["address"])
+#: The channel layers whose Redis carries the cluster (their ``CONFIG["hosts"]``).
+REDIS_LAYERS = ("channels_redis.core.RedisChannelLayer", "channels_redis.pubsub.RedisPubSubChannelLayer")
 
 
 def uses_channels_redis() -> bool:
-    """True when the default channel layer is channels-redis' (the cluster backplane fits)."""
-    from channels.layers import get_channel_layer
-    from channels_redis.core import RedisChannelLayer
+    """True when the default channel layer is one of channels-redis' (either of them)."""
+    return layer_kind() == "redis"
 
-    return isinstance(get_channel_layer(), RedisChannelLayer)
+
+def layer_hosts() -> list[dict[str, Any]]:
+    """The default layer's Redis hosts, as channels-redis reads them (``[]`` if none)."""
+    from channels_redis.utils import decode_hosts
+    from django.conf import settings
+
+    layer = (getattr(settings, "CHANNEL_LAYERS", {}) or {}).get("default", {})
+    hosts = (layer.get("CONFIG") or {}).get("hosts")
+    return list(decode_hosts(hosts)) if hosts else []
 
 
 class RedisBackplane(Backplane):
-    """A cluster of processes sharing the channels-redis layer (and its Redis)."""
+    """A cluster of processes sharing one Redis: its keys, and its pub/sub."""
 
     clustered = True
     errors: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
@@ -295,44 +267,33 @@ class RedisBackplane(Backplane):
         *,
         instance_id: str = "headless",
         config: dict[str, Any] | None = None,
-        layer: Any = None,
         redis: Any = None,
+        hosts: list[dict[str, Any]] | None = None,
     ) -> None:
         super().__init__(instance_id=instance_id, config=config)
         from .conf import DEFAULTS
 
         settings = {**DEFAULTS, **(config or {})}
-        if layer is None:
-            from channels.layers import get_channel_layer
-
-            layer = get_channel_layer()
-        self.layer = layer
         self.prefix: str = settings["KEY_PREFIX"]
         self.lease_ttl_ms: int = settings["LEASE_TTL_MS"]
         self.seq_ttl_ms: int = settings["SEQ_IDLE_TTL_MS"]
-        expiry_ms = int(getattr(layer, "group_expiry", 86400)) * 1000
-        self.reassert_ms: int = max(1000, min(settings["REASSERT_INTERVAL_MS"], expiry_ms // 3))
-        self.redis = redis if redis is not None else _client(layer, settings)
+        self.reassert_ms: int = settings["REASSERT_INTERVAL_MS"]
+        self.redis = redis if redis is not None else _client(settings, layer_hosts() if hosts is None else hosts)
         self._owns_pool = redis is None  # a pool made here is closed by stop()
-        # Bound what this process asks of the layer's own pools at once (they raise, not
-        # wait, past their size): a burst of subscribes queues here instead of failing.
-        self._slots = asyncio.Semaphore(settings["REDIS_MAX_CONNECTIONS"])
         self._renew = self.redis.register_script(_RENEW)
         self._release = self.redis.register_script(_RELEASE)
         self._seq = self.redis.register_script(_SEQ)
         self._reseed = self.redis.register_script(_RESEED)
         self._take = self.redis.register_script(_TAKE)
-        self._publish_kept = self.redis.register_script(_PUBLISH_KEPT)
-        self._read_page = self.redis.register_script(_READ_PAGE)
         self._publish = self.redis.register_script(_PUBLISH)
-        #: The publishing script also does the layer's group send (one round trip a
-        #: publication) where it can: see :func:`group_send_inline`.
-        self.inline_group_send = group_send_inline(layer, settings)
-        # Every process's member is named alike (``realtime.<hex>``), so one capacity.
-        self._member_capacity = int(layer.get_capacity("realtime.member")) if self.inline_group_send else 0
-        self._over: set[str] = set()  # channels whose group has a process over capacity
+        self._publish_kept = self.redis.register_script(_PUBLISH_KEPT)
         self._read_kept = self.redis.register_script(_READ_KEPT)
-        self.process_channel: str | None = None
+        self._read_page = self.redis.register_script(_READ_PAGE)
+        self._pubsub: Any = None
+        # Every command of the pub/sub connection, reads included, under one lock: a
+        # SUBSCRIBE that reconnected while the receiver reconnected too read the same socket.
+        self._pubsub_lock = asyncio.Lock()
+        self._names: dict[bytes, str] = {}  # Redis channel -> channel, for what this process subscribed
         self._receive_errors: set[type[BaseException]] = set()  # logged once per kind
         self._run_id: str | None = None
         self._receiver: asyncio.Task[None] | None = None
@@ -340,63 +301,60 @@ class RedisBackplane(Backplane):
     def key(self, kind: str, channel: str) -> str:
         return f"{self.prefix}:{kind}:{group_name(channel)}"
 
+    def redis_channel(self, channel: str) -> str:
+        """The Redis pub/sub channel that carries ``channel``'s frames."""
+        return f"{self.prefix}:ch:{group_name(channel)}"
+
     # -- lifecycle ----------------------------------------------------------------
 
     async def start(self, deliver: Deliver) -> None:
-        # The process's member of each group is a general channel of its own, popped here
-        # and nowhere else: channels-redis' ``receive`` costs four round trips a message
-        # (its in-flight backup) where one ``BZPOPMIN`` does, and nothing is lost by not
-        # keeping a backup — the receiver is only cancelled when the process stops.
-        self.process_channel = f"realtime.{uuid.uuid4().hex}"
+        # One pub/sub connection, subscribed first to a channel of this process's own so
+        # that it exists (and reconnects) before any channel is joined.
+        self._pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        async with self._pubsub_lock:
+            await self._pubsub.subscribe(f"{self.prefix}:proc:{self.instance_id}")
         self._receiver = asyncio.get_running_loop().create_task(self._receive(deliver), name="realtime-receive")
 
     async def stop(self) -> None:
         receiver, self._receiver = self._receiver, None
         await cancel_and_wait(receiver)
+        pubsub, self._pubsub = self._pubsub, None
+        if pubsub is not None:
+            with contextlib.suppress(*self.errors):
+                await pubsub.aclose()
         await self.redis.aclose(close_connection_pool=self._owns_pool or None)
 
-    async def _pop(self) -> Any:
-        """The next message of this process's channel (``None`` after an idle wait)."""
-        assert self.process_channel is not None
-        layer = self.layer
-        connection = layer.connection(layer.consistent_hash(self.process_channel))
-        popped = await connection.bzpopmin(layer.prefix + self.process_channel, timeout=layer.brpop_timeout)
-        return None if popped is None else layer.deserialize(popped[1])
-
     async def _receive(self, deliver: Deliver) -> None:
+        pubsub = self._pubsub
+        assert pubsub is not None
         while True:
             try:
-                message = await self._pop()
+                async with self._pubsub_lock:  # released between reads: a join waits one poll at most
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=POLL_S)
             except asyncio.CancelledError:
                 raise
             except RedisTimeout:
-                continue  # an idle blocking pop outliving the socket timeout: not an outage
+                continue  # an idle read outliving the socket timeout: not an outage
             except self.errors as exc:
                 self.outage.failed(exc)
                 await asyncio.sleep(0.5)
                 continue
-            except Exception as exc:  # a message it cannot decode...: never stop receiving
+            except Exception as exc:  # never stop receiving
                 if type(exc) not in self._receive_errors:
                     self._receive_errors.add(type(exc))
                     logger.exception("receiving from the backplane failed; going on")
                 await asyncio.sleep(0.1)
                 continue
-            if message is None:
+            if message is None or message.get("type") != "message":
                 continue
-            kind = message.get("type")
+            channel = self._names.get(message["channel"])
+            if channel is None:
+                continue  # a channel this process left meanwhile
             try:
-                if kind == FRAME:
-                    await deliver(
-                        Delivery(
-                            "frame",
-                            message["channel"],
-                            message["text"],
-                            int(message.get("seq", 0)),
-                            str(message.get("epoch", "")),
-                        )
-                    )
-                elif kind == RELEASED and message.get("by") != self.instance_id:
-                    await deliver(Delivery("released", message["channel"]))
+                delivery = _delivery(channel, message["data"])
+                if delivery.kind == "released" and delivery.text == self.instance_id:
+                    continue  # its own release
+                await deliver(delivery)
             except asyncio.CancelledError:
                 raise
             except Exception:  # a delivery must never stop this process's receiving
@@ -416,25 +374,20 @@ class RedisBackplane(Backplane):
     # -- groups and publications -----------------------------------------------------
 
     async def join(self, channels: list[str]) -> None:
-        assert self.process_channel is not None
-        layer = self.layer
-        shards: dict[int, list[bytes]] = {}
-        for channel in channels:
-            group = group_name(channel)
-            shards.setdefault(layer.consistent_hash(group), []).append(layer._group_key(group))
-        now = time.time()
-        async with self._slots:
-            for index, keys in shards.items():
-                async with layer.connection(index).pipeline(transaction=False) as pipe:
-                    for key in keys:
-                        pipe.zadd(key, {self.process_channel: now})
-                        pipe.expire(key, layer.group_expiry)
-                    await pipe.execute()
+        """Subscribe to each channel's Redis channel (again, on a re-assert: idempotent)."""
+        assert self._pubsub is not None
+        names = {self.redis_channel(channel).encode(): channel for channel in channels}
+        self._names.update(names)
+        if names:
+            async with self._pubsub_lock:
+                await self._pubsub.subscribe(*names)
 
     async def leave(self, channel: str) -> None:
-        assert self.process_channel is not None
-        async with self._slots:
-            await self.layer.group_discard(group_name(channel), self.process_channel)
+        assert self._pubsub is not None
+        name = self.redis_channel(channel).encode()
+        self._names.pop(name, None)
+        async with self._pubsub_lock:
+            await self._pubsub.unsubscribe(name)
 
     def _kept_keys(self, channel: str) -> list[str]:
         return [
@@ -444,67 +397,20 @@ class RedisBackplane(Backplane):
             self.key("history-largest", channel),
         ]
 
-    def _group_send_args(self, channel: str) -> list[Any]:
-        """ARGV of the group send done by the publishing script (see ``_GROUP_SEND``)."""
-        layer = self.layer
-        length = layer._serializer.random_prefix_length
-        return [
-            layer.prefix,
-            layer.group_expiry,
-            int(layer.expiry),
-            self._member_capacity,
-            random.getrandbits(8 * length).to_bytes(length, "big"),
-            channel,
-        ]
-
-    def _over_capacity(self, channel: str, over: Any) -> None:
-        """Log once when processes of ``channel``'s group start missing its frames (their
-        layer channel is full: they fall behind) and once when none does any more."""
-        if int(over) and channel not in self._over:
-            self._over.add(channel)
-            logger.warning(
-                "%s member(s) of group %s are over the layer's capacity and miss frames "
-                "(a process that falls behind, or one that stopped without leaving the group)",
-                int(over),
-                group_name(channel),
-            )
-        elif not int(over) and channel in self._over:
-            self._over.discard(channel)
-            logger.warning("every process of group %s takes frames again", group_name(channel))
-
     async def publish(self, channel: str, data_json: str, floor: int = 0, history: HistoryPolicy | None = None) -> int:
         ts = now_ms()
         head = notification_head(channel, data_json)
-        inline = self.inline_group_send
-        group = [self.layer._group_key(group_name(channel))] if inline else []
-        send = self._group_send_args(channel) if inline else []
-        message: dict[str, Any] = {"type": FRAME, "channel": channel}
         if history is None:
-            if inline:
-                seq_, over = await self._publish(
-                    keys=[self.key("seq", channel), *group], args=[floor, self.seq_ttl_ms, head, ts, *send]
-                )
-                self._over_capacity(channel, over)
-                return int(seq_)
-            seq = int(await self._seq(keys=[self.key("seq", channel)], args=[floor, self.seq_ttl_ms]))
-            text = head + notification_tail(seq, ts)
-        else:
-            keep = max(self.seq_ttl_ms, history.ttl_ms, KEEP_LINEAGE_MS)
-            seq_, epoch_, over = await self._publish_kept(
-                keys=[*self._kept_keys(channel), *group],
-                args=[epoch_suffix(), keep, floor, head, ts, history.size, history.ttl_ms, *send],
-            )
-            seq, epoch = int(seq_), _text(epoch_)
-            seen, kept = self.histories.get(channel, ("", 0))  # counted exactly at each read
-            self.histories[channel] = (epoch, min(history.size, kept + 1) if seen == epoch else 1)
-            if inline:
-                self._over_capacity(channel, over)
-                return seq
-            text = head + notification_tail(seq, ts, epoch)
-            message["epoch"] = epoch
-        message.update(text=text, seq=seq)
-        async with self._slots:
-            await self.layer.group_send(group_name(channel), message)
+            keys = [self.key("seq", channel), self.redis_channel(channel)]
+            return int(await self._publish(keys=keys, args=[floor, self.seq_ttl_ms, head, ts]))
+        keep = max(self.seq_ttl_ms, history.ttl_ms, KEEP_LINEAGE_MS)
+        seq_, epoch_ = await self._publish_kept(
+            keys=[*self._kept_keys(channel), self.redis_channel(channel)],
+            args=[epoch_suffix(), keep, floor, head, ts, history.size, history.ttl_ms],
+        )
+        seq, epoch = int(seq_), _text(epoch_)
+        seen, kept = self.histories.get(channel, ("", 0))  # counted exactly at each read
+        self.histories[channel] = (epoch, min(history.size, kept + 1) if seen == epoch else 1)
         return seq
 
     async def history(
@@ -551,11 +457,7 @@ class RedisBackplane(Backplane):
         return bool(await self._renew(keys=[self.key("lease", channel)], args=[self.instance_id, self.lease_ttl_ms]))
 
     async def release(self, channel: str) -> None:
-        await self._release(keys=[self.key("lease", channel)], args=[self.instance_id])
-        async with self._slots:
-            await self.layer.group_send(
-                group_name(channel), {"type": RELEASED, "channel": channel, "by": self.instance_id}
-            )
+        await self._release(keys=[self.key("lease", channel), self.redis_channel(channel)], args=[self.instance_id])
 
     async def lease_holder(self, channel: str) -> str | None:
         value = await self.redis.get(self.key("lease", channel))
@@ -615,14 +517,26 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _client(layer: Any, settings: dict[str, Any]) -> Any:
-    """A redis.asyncio client with a *blocking* pool (a burst waits for a connection
-    instead of failing) on ``REDIS_URL`` or the layer's first host."""
-    url = settings["REDIS_URL"] or dict(layer.hosts[0]).get("address")
-    if not url:  # a sentinel or keyword host: the layer's own kind of pool
-        from channels_redis.utils import create_pool
+def _delivery(channel: str, data: bytes) -> Delivery:
+    """A message of a channel's Redis channel (see ``_PUBLISH``) as a :class:`Delivery`."""
+    kind, seq, epoch, rest = data.split(b" ", 3)
+    if kind == b"f":
+        return Delivery("frame", channel, rest.decode(), int(seq), "" if epoch == b"-" else epoch.decode())
+    if kind == b"r":
+        return Delivery("released", channel, rest.decode())
+    raise ValueError(f"unknown backplane message kind {kind!r}")
 
-        return aioredis.Redis(connection_pool=create_pool(layer.hosts[0]))
+
+def _client(settings: dict[str, Any], hosts: list[dict[str, Any]]) -> Any:
+    """A redis.asyncio client with a *blocking* pool (a burst waits for a connection
+    instead of failing) on ``REDIS_URL`` or the channel layer's first host."""
+    url = settings["REDIS_URL"] or (dict(hosts[0]).get("address") if hosts else None)
+    if not url:
+        if not hosts:
+            raise ValueError("the Redis backplane needs REDIS_URL or a channels-redis layer with hosts")
+        from channels_redis.utils import create_pool  # a sentinel or keyword host
+
+        return aioredis.Redis(connection_pool=create_pool(hosts[0]))
     timeout_s = settings["REDIS_TIMEOUT_MS"] / 1000
     pool = aioredis.BlockingConnectionPool.from_url(
         url,

@@ -16,7 +16,7 @@ from .conf import DEFAULTS, get_config
 from .policies import Rule, compile_rules, matching_rule
 from .registry import Family, registry
 
-__all__ = ["check_layer_version", "check_policies", "check_server_versions", "check_settings"]
+__all__ = ["check_layer", "check_policies", "check_server_versions", "check_settings"]
 
 _INT_SETTINGS = {
     "MAX_FRAME_BYTES": 0,
@@ -157,7 +157,7 @@ def _check_trusted_proxies(value: Any) -> list[CheckMessage]:
 
 
 def _check_backplane(backplane: Any) -> list[CheckMessage]:
-    """E003 a backplane that is not one; E005 the Redis backplane without the Redis layer."""
+    """E003 a backplane that is not one; E005 the Redis backplane without a Redis to use."""
     from django.utils.module_loading import import_string
 
     from .backplane import Backplane
@@ -167,12 +167,14 @@ def _check_backplane(backplane: Any) -> list[CheckMessage]:
     if backplane == "redis":
         from .backplane_redis import uses_channels_redis
 
-        if uses_channels_redis():
+        if uses_channels_redis() or get_config()["REDIS_URL"]:
             return []
         return [
             Error(
-                "REALTIME_APP['BACKPLANE'] is 'redis' but the default channel layer is not channels-redis'.",
-                hint="Configure CHANNEL_LAYERS with channels_redis.core.RedisChannelLayer, or use 'auto'.",
+                "REALTIME_APP['BACKPLANE'] is 'redis' but neither REDIS_URL nor a channels-redis layer says "
+                "where Redis is.",
+                hint="Set REDIS_URL, or configure CHANNEL_LAYERS with channels_redis.core.RedisChannelLayer or "
+                "channels_redis.pubsub.RedisPubSubChannelLayer.",
                 id="realtime_app.E005",
             )
         ]
@@ -336,27 +338,23 @@ def check_server_versions(app_configs: Any = None, **kwargs: Any) -> list[CheckM
 
 
 @register(Tags.compatibility)
-def check_layer_version(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """W021: a channels-redis whose stored format the one-call group send was not written for."""
-    from importlib import metadata
-
+def check_layer(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """E008: ``BACKPLANE = "auto"`` with a channel layer the cluster cannot be carried on."""
     from django.conf import settings
 
-    from .backplane_redis import TESTED_CHANNELS_REDIS, channels_redis_tested
+    from .backplane_redis import REDIS_LAYERS, layer_kind
 
-    layers = getattr(settings, "CHANNEL_LAYERS", None) or {}
-    if (layers.get("default") or {}).get("BACKEND") != "channels_redis.core.RedisChannelLayer":
+    if get_config()["BACKPLANE"] != "auto" or layer_kind() != "other":
         return []
-    if channels_redis_tested():
-        return []
+    backend = settings.CHANNEL_LAYERS["default"]["BACKEND"]
     return [
-        Warning(
-            f"channels-redis {metadata.version('channels-redis')} is installed; realtime_app numbers and sends a "
-            f"publication in one Redis call written for channels-redis "
-            f"{' / '.join(p.rstrip('.') + '.x' for p in TESTED_CHANNELS_REDIS)}, so it uses the layer's own "
-            "group_send instead (four more round trips per publication).",
-            hint="Run tests/test_backplane_wire.py against this version, or pin the tested one.",
-            id="realtime_app.W021",
+        Error(
+            f"The default channel layer is {backend}: realtime_app carries a cluster on the Redis of "
+            f"{' or '.join(REDIS_LAYERS)}, and runs one process on channels.layers.InMemoryChannelLayer; "
+            "with another layer, BACKPLANE='auto' would silently keep every process to itself.",
+            hint="Use one of those layers, or set REALTIME_APP['BACKPLANE'] to 'memory' (one process), "
+            "'redis' (with REDIS_URL) or the dotted path of a Backplane subclass.",
+            id="realtime_app.E008",
         )
     ]
 

@@ -146,31 +146,39 @@ def test_an_untested_server_version_is_flagged(monkeypatch):
 REDIS_LAYER = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": ["redis://x"]}}}
 
 
-def test_the_tested_channels_redis_is_installed():
-    from realtime_app.checks import check_layer_version
-
-    with override_settings(CHANNEL_LAYERS=REDIS_LAYER):
-        assert check_layer_version() == []
+PUBSUB_LAYER = {
+    "default": {"BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer", "CONFIG": {"hosts": ["redis://x"]}}
+}
 
 
-def test_another_channels_redis_is_flagged_and_gets_the_layers_own_group_send(monkeypatch):
-    from importlib import metadata
+@pytest.mark.parametrize("layers", [REDIS_LAYER, PUBSUB_LAYER])
+def test_both_channels_redis_layers_carry_the_cluster(layers):
+    """Found: with RedisPubSubChannelLayer, "auto" picked the in-memory backplane: every
+    process kept to itself (two tickers per cadence) and check said nothing."""
+    from realtime_app.backplane import backplane_class
+    from realtime_app.backplane_redis import RedisBackplane
+    from realtime_app.checks import check_layer
 
-    from channels_redis.core import RedisChannelLayer
+    with override_settings(CHANNEL_LAYERS=layers):
+        assert backplane_class() is RedisBackplane
+        assert check_layer() == []
 
-    from realtime_app.backplane_redis import group_send_inline
-    from realtime_app.checks import check_layer_version
-    from realtime_app.conf import DEFAULTS
 
-    layer = RedisChannelLayer(hosts=["redis://127.0.0.1:6379/0"])
-    assert group_send_inline(layer, DEFAULTS)
-    real = metadata.version
-    monkeypatch.setattr(metadata, "version", lambda name: "4.4.0" if name == "channels-redis" else real(name))
-    assert not group_send_inline(layer, DEFAULTS)
-    with override_settings(CHANNEL_LAYERS=REDIS_LAYER):
-        [message] = check_layer_version()
-    assert message.id == "realtime_app.W021" and "channels-redis 4.4.0" in message.msg
-    assert check_layer_version() == []  # the in-memory layer of the tests: nothing to say
+def test_a_layer_the_cluster_cannot_be_carried_on_is_an_error_not_one_process():
+    from django.core.exceptions import ImproperlyConfigured
+
+    from realtime_app.backplane import backplane_class
+    from realtime_app.checks import check_layer
+
+    other = {"default": {"BACKEND": "somewhere.else.RabbitLayer"}}
+    with override_settings(CHANNEL_LAYERS=other):
+        [message] = check_layer()
+        assert message.id == "realtime_app.E008" and "somewhere.else.RabbitLayer" in message.msg
+        with pytest.raises(ImproperlyConfigured):
+            backplane_class()
+    with override_settings(CHANNEL_LAYERS=other, REALTIME_APP={"BACKPLANE": "memory"}):
+        assert check_layer() == []  # chosen on purpose
+    assert check_layer() == []  # the in-memory layer of the tests: one process
 
 
 @pytest.mark.parametrize(

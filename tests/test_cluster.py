@@ -1,5 +1,6 @@
-"""Two daphne processes sharing the real Redis: one ticker per cadence in the cluster,
-per-process fan-out, cleanup, and failover when the ticker's process is killed."""
+"""Two daphne processes sharing the real Redis, on each of channels-redis' layers: one
+ticker per cadence in the cluster, per-process fan-out, a publication from a management
+command, cleanup, and failover when the ticker's process is killed."""
 
 from __future__ import annotations
 
@@ -22,11 +23,17 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 LEASE_TTL_MS = 1500
 
 
-@pytest.fixture
-def cluster(redis_url):
-    """Two daphne processes of the demo site on Redis, with a key prefix of their own."""
+@pytest.fixture(params=["core", "pubsub"])
+def cluster(redis_url, request):
+    """Two daphne processes of the demo site on Redis, with a key prefix of their own, on
+    each of channels-redis' layers (``RedisChannelLayer``, ``RedisPubSubChannelLayer``)."""
     prefix = f"{os.environ['REALTIME_TEST_PREFIX']}-{secrets.token_hex(3)}"
-    env = {"REDIS_URL": redis_url, "REALTIME_KEY_PREFIX": prefix, "REALTIME_LEASE_TTL_MS": str(LEASE_TTL_MS)}
+    env = {
+        "REDIS_URL": redis_url,
+        "REALTIME_KEY_PREFIX": prefix,
+        "REALTIME_LEASE_TTL_MS": str(LEASE_TTL_MS),
+        "REALTIME_CHANNEL_LAYER": request.param,
+    }
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     with servers(2, env) as procs:
         yield procs, client, prefix, env
@@ -158,9 +165,11 @@ async def test_the_applications_own_consumers_keep_working_beside_the_hub(cluste
     """channels-redis serves all process-local channels through one receive lock: the hub's
     channel must not starve the application's consumers (regression)."""
     from channels_redis.core import RedisChannelLayer
+    from channels_redis.pubsub import RedisPubSubChannelLayer
 
-    (a, _), _, prefix, _ = cluster
-    layer = RedisChannelLayer(hosts=[redis_url], prefix=f"{prefix}:asgi")
+    (a, _), _, prefix, env = cluster
+    kind = RedisPubSubChannelLayer if env["REALTIME_CHANNEL_LAYER"] == "pubsub" else RedisChannelLayer
+    layer = kind(hosts=[redis_url], prefix=f"{prefix}:asgi")
     plain_url = a.ws.replace("/realtime/", "/plain/")
     async with RPC(a.ws) as hub_client, RPC(plain_url) as plain:
         await hub_client.subscribe("demo:clock:100")  # the hub now receives on the layer too

@@ -38,8 +38,9 @@ def private_redis():
     server.close()
 
 
-def env_for(redis_server: PrivateRedis, **overrides: Any) -> dict[str, str]:
+def env_for(redis_server: PrivateRedis, layer: str = "core", **overrides: Any) -> dict[str, str]:
     env = {
+        "REALTIME_CHANNEL_LAYER": layer,
         "REDIS_URL": redis_server.url,
         "REALTIME_KEY_PREFIX": PREFIX,
         "REALTIME_LEASE_TTL_MS": str(LEASE_TTL_MS),
@@ -124,11 +125,13 @@ def log_lines(server: Server, needle: str) -> list[str]:
     return [line for line in server.output().splitlines() if needle in line]
 
 
-@pytest.mark.parametrize("fault", ["kill", "stop", "pause"])
-async def test_fan_out_survives_redis_going_away_and_coming_back(private_redis, fault):
+@pytest.mark.parametrize(
+    ("fault", "layer"), [("kill", "core"), ("stop", "core"), ("pause", "core"), ("kill", "pubsub")]
+)
+async def test_fan_out_survives_redis_going_away_and_coming_back(private_redis, fault, layer):
     """Found: after a Redis restart no subscription ever received a frame again."""
     channels_a, channels_b = ["demo:clock:200", "demo:events"], ["demo:clock:200", "demo:clock:300", "demo:events"]
-    with servers(2, env_for(private_redis)) as (a, b):
+    with servers(2, env_for(private_redis, layer)) as (a, b):
         async with Reader(a.ws, channels_a) as ra, Reader(b.ws, channels_b) as rb:
             await until(lambda: all(ra.seqs(c) for c in channels_a[:1]) and rb.seqs("demo:clock:300"), 10, "frames")
             before = {c: max(ra.seqs(c) + rb.seqs(c), default=0) for c in ("demo:clock:200", "demo:clock:300")}

@@ -122,8 +122,9 @@ class Collector:
         assert len({m["epoch"] for m in self.messages}) == 1
 
 
-async def test_a_client_away_for_5_s_gets_the_100_events_it_missed_in_order_once_then_live(redis_url):
-    with cluster(redis_url) as ((a, _b), env):
+@pytest.mark.parametrize("layer", ["core", "pubsub"])
+async def test_a_client_away_for_5_s_gets_the_100_events_it_missed_in_order_once_then_live(redis_url, layer):
+    with cluster(redis_url, REALTIME_CHANNEL_LAYER=layer) as ((a, _b), env):
         proxy = TcpProxy(a.port).restore()
         try:
             async with Collector(f"ws://127.0.0.1:{proxy.port}/realtime/", a.http) as c:
