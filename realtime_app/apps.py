@@ -29,9 +29,11 @@ class RealtimeAppConfig(AppConfig):
 
         from . import checks  # noqa: F401  (registers the checks)
         from .conf import get_config, reset_config
+        from .policies import reset_rules
         from .sessions import on_logout
 
         setting_changed.connect(reset_config, dispatch_uid="realtime_app.reset_config")
+        setting_changed.connect(reset_rules, dispatch_uid="realtime_app.reset_rules")
         user_logged_out.connect(on_logout, dispatch_uid="realtime_app.on_logout")
         request_started.connect(start_hub_with_first_request, dispatch_uid="realtime_app.start_hub")
         # Importing each app's channel module registers its families (no I/O).

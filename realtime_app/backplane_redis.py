@@ -459,10 +459,6 @@ class RedisBackplane(Backplane):
     async def release(self, channel: str) -> None:
         await self._release(keys=[self.key("lease", channel), self.redis_channel(channel)], args=[self.instance_id])
 
-    async def lease_holder(self, channel: str) -> str | None:
-        value = await self.redis.get(self.key("lease", channel))
-        return value.decode() if isinstance(value, bytes) else value
-
     # -- probes -----------------------------------------------------------------------
 
     async def put_probe(self, probe: dict[str, Any], ttl_ms: int) -> None:

@@ -362,12 +362,12 @@ def check_layer(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
 @register(Tags.compatibility)
 def check_method_costs(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """W030: a method that costs more than a full bucket holds is refused every time."""
-    from .consumers import BUILTIN_COSTS, _methods
+    from .consumers import method_costs
 
     capacity = get_config()["ADMISSION_BUCKET_CAPACITY"]
     if not isinstance(capacity, (int, float)) or isinstance(capacity, bool) or not capacity:
         return []
-    costs = {**BUILTIN_COSTS, **{name: method.cost for name, method in _methods.items()}}
+    costs = method_costs()
     return [
         Warning(
             f"RPC method {name!r} costs {cost:g} tokens, more than ADMISSION_BUCKET_CAPACITY ({capacity:g}): "

@@ -133,9 +133,7 @@ def get_config() -> dict[str, Any]:
 
 
 def reset_config(*, setting: str, **kwargs: Any) -> None:
-    """``setting_changed`` receiver: forget the cached config when the settings change."""
+    """``setting_changed`` receiver: forget the cached config when the settings change (the
+    modules that derive something from it connect receivers of their own)."""
     if setting in ("REALTIME_APP", "CHANNEL_LAYERS"):
         get_config.cache_clear()
-        from .policies import active_rules
-
-        active_rules.cache_clear()

@@ -58,12 +58,16 @@ class Method:
 
 _methods: dict[str, Method] = {}
 
+
+def method_costs() -> dict[str, float]:
+    """The cost of every method a client may call: the built-ins and the registered ones."""
+    return {**BUILTIN_COSTS, **{name: method.cost for name, method in _methods.items()}}
+
+
 #: Tokens the built-in methods take from the caller's bucket (docs/admission.md): small,
 #: so that a client's own subscriptions and heartbeats never starve its application calls,
 #: but not nothing, so that a batch of thousands of subscribes is bounded all the same.
 BUILTIN_COSTS: dict[str, float] = {"ping": 0.1, "subscribe": 0.25, "unsubscribe": 0.1, "publish": 1.0}
-#: Cost of the built-in ``publish`` in tokens of the publisher's bucket.
-PUBLISH_COST = BUILTIN_COSTS["publish"]
 
 
 def rpc_method(
@@ -219,12 +223,6 @@ class RealtimeConsumer:
         self.connection.guard.close(code, reason)
         hub = await get_hub()
         await hub.remove_connection(self.connection)
-
-    async def send_json(self, message: Any) -> None:
-        """Send a JSON-RPC response (or batch) through the connection's guard."""
-        assert self.connection is not None
-        hub = await get_hub()
-        hub.send_to(self.connection, protocol.encode(message), response=True)
 
     # -- frames ---------------------------------------------------------------------
 

@@ -28,12 +28,13 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 from .admission import Admission, AdmissionLimits, Refusal, RefusalBudget
-from .backplane import Backplane, Delivery, make_backplane, now_ms
+from .backplane import Backplane, Delivery, now_ms
+from .backplanes import make_backplane
 from .backpressure import CLOSE, DROP, SEND, Decision, decide_send
 from .cancellation import cancel_and_wait
 from .conf import get_config
@@ -67,6 +68,11 @@ _MISSING = object()
 REPLAY_TIMEOUT_S = 10.0
 REPLAY_MEASURE_BYTES = 64 * 1024
 MAX_REPLAY_BUFFER = 10_000
+#: Loops every hub runs beside its own while it is started, by task name: registered by the
+#: modules that own them (sessions' re-validation), so that the hub imports none of them.
+BACKGROUND_LOOPS: dict[str, Callable[[Hub], Coroutine[Any, Any, None]]] = {}
+#: What a control message of each ``kind`` does in every process (sessions' ``logout``).
+CONTROL_HANDLERS: dict[str, Callable[[Hub, dict[str, Any]], None]] = {}
 #: Beats in a row whose check of the backplane timed out before it is logged as down.
 SLOW_BEATS_DOWN = 2
 #: Tokens a resume pays for each page of history it reads after the first, and when a
@@ -214,13 +220,9 @@ class Hub:
             await self.backplane.start(self._deliver)
             self.reconciler.subscribed(CONTROL_CHANNEL, ticker=False)  # wanted as long as the hub runs
             await self._converge(CONTROL_CHANNEL)
-            from .sessions import revalidation_loop
-
-            for coro, name in (
-                (self._publisher(), "realtime-publisher"),
-                (self._maintain(), "realtime-maintain"),
-                (revalidation_loop(self), "realtime-revalidate"),
-            ):
+            loops = [(self._publisher(), "realtime-publisher"), (self._maintain(), "realtime-maintain")]
+            loops += [(loop(self), name) for name, loop in BACKGROUND_LOOPS.items()]
+            for coro, name in loops:
                 task = self.loop.create_task(coro, name=name)
                 task.add_done_callback(_log_death)
                 self._tasks.append(task)
@@ -821,12 +823,11 @@ class Hub:
         except (ValueError, KeyError, TypeError):
             logger.warning("ignoring a malformed control message")
             return
-        if kind == "logout":
-            from .sessions import close_session
-
-            closed = close_session(self, str(message.get("session", "")))
-            if closed:
-                logger.info("closed %d connection(s) of a session that logged out", closed)
+        handler = CONTROL_HANDLERS.get(kind)
+        if handler is None:
+            logger.warning("ignoring a control message of an unknown kind")
+            return
+        handler(self, message)
 
     async def control(self, message: dict[str, Any]) -> None:
         """Send a control message to every process of the cluster, this one included."""

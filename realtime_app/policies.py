@@ -37,6 +37,7 @@ __all__ = [
     "Requirement",
     "Rule",
     "active_rules",
+    "reset_rules",
     "allowed",
     "compile_rules",
     "evaluate",
@@ -100,16 +101,6 @@ class Requirement:
             superuser=self.superuser or other.superuser,
             permissions=tuple(dict.fromkeys((*self.permissions, *other.permissions))),
             check=check,
-        )
-
-    def strength(self) -> tuple[int, ...]:
-        """A partial order of strictness, for the 'loosens' system check."""
-        return (
-            0 if self.allowed else 1,
-            int(self.authenticated or self.staff or self.superuser or bool(self.permissions) or bool(self.check)),
-            int(self.staff or self.superuser),
-            int(self.superuser),
-            len(self.permissions),
         )
 
 
@@ -279,3 +270,9 @@ async def allowed(user: Any, name: str, base: str | None, action: Action) -> boo
 
         return bool(await database_sync_to_async(evaluate)(req, user, name, action))
     return evaluate(req, user, name, action)
+
+
+def reset_rules(*, setting: str, **kwargs: Any) -> None:
+    """``setting_changed`` receiver: compile the rules again when ``REALTIME_APP`` changes."""
+    if setting == "REALTIME_APP":
+        active_rules.cache_clear()

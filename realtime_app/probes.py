@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .backplane import make_backplane
+from .backplanes import make_backplane
 from .hub import hub_of_current_loop
 
 __all__ = ["PROBE_FIELDS", "cluster_probe", "totals"]

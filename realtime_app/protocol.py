@@ -35,7 +35,6 @@ __all__ = [
     "Response",
     "encode",
     "error_response",
-    "message_notification",
     "notification_head",
     "notification_tail",
     "notification_text",
@@ -282,8 +281,3 @@ def notification_tail(seq: int, ts: int, epoch: str | None = None) -> str:
     if epoch is None:
         return f',"seq":{int(seq)},"ts":{int(ts)}}}}}'
     return f',"seq":{int(seq)},"epoch":{encode(epoch)},"ts":{int(ts)}}}}}'
-
-
-def message_notification(channel: str, data: Any, seq: int, ts: int) -> str:
-    """The encoded ``message`` notification of one publication, built once per publication."""
-    return notification_text(channel, encode(data), seq, ts)

@@ -12,7 +12,7 @@ from typing import Any
 
 from asgiref.sync import async_to_sync
 
-from .backplane import make_backplane
+from .backplanes import make_backplane
 from .exceptions import BackplaneUnavailable, ConfigurationError
 from .hub import encode_publication, hub_of_current_loop, running_hub
 from .registry import registry

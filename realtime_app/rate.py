@@ -24,10 +24,6 @@ class RateBounds(NamedTuple):
     min: int
     max: int
 
-    def clamp(self, ms: int) -> int:
-        """Bring ``ms`` into ``[min, max]``: the server, not the client, has the last word."""
-        return max(self.min, min(self.max, ms))
-
 
 def rate_channel(base: str, ms: int, default: int) -> str:
     """Name the channel of ``base`` at cadence ``ms``: ``base`` for the default, else ``base:ms``."""

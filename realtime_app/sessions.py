@@ -21,15 +21,13 @@ import asyncio
 import hashlib
 import logging
 from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .conf import get_config
+from .hub import BACKGROUND_LOOPS, CONTROL_HANDLERS, Connection, Hub
 from .policies import Action, active_rules, evaluate, requirement_for
 from .protocol import CloseCode
 from .registry import registry
-
-if TYPE_CHECKING:
-    from .hub import Connection, Hub
 
 __all__ = ["current_user", "needs_user", "on_logout", "revalidate", "revalidation_loop", "session_digest"]
 
@@ -180,3 +178,15 @@ def on_logout(sender: Any, request: Any = None, user: Any = None, **kwargs: Any)
         async_to_sync(acontrol)({"kind": "logout", "session": session_digest(key)})
     except Exception:  # the periodic re-validation closes them anyway
         logger.exception("telling the cluster about a logout failed")
+
+
+def _on_logout_message(hub: Hub, message: dict[str, Any]) -> None:
+    closed = close_session(hub, str(message.get("session", "")))
+    if closed:
+        logger.info("closed %d connection(s) of a session that logged out", closed)
+
+
+# Every hub runs the re-validation and closes the sockets of a session that logged out on
+# any process: the hub learns it from here and imports nothing of this module.
+BACKGROUND_LOOPS["realtime-revalidate"] = revalidation_loop
+CONTROL_HANDLERS["logout"] = _on_logout_message

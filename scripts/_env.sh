@@ -18,6 +18,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
   .venv/bin/python -m pip install --quiet -r requirements.txt
   .venv/bin/python -m pip install --quiet --no-deps -e .
+  # The pins must satisfy the package's declared ranges (pyproject.toml): what CI tests.
+  .venv/bin/python -m pip check
   echo "$want" > "$stamp"
 fi
 export PATH="$ROOT/.venv/bin:$PATH"

@@ -155,8 +155,8 @@ PUBSUB_LAYER = {
 def test_both_channels_redis_layers_carry_the_cluster(layers):
     """Found: with RedisPubSubChannelLayer, "auto" picked the in-memory backplane: every
     process kept to itself (two tickers per cadence) and check said nothing."""
-    from realtime_app.backplane import backplane_class
     from realtime_app.backplane_redis import RedisBackplane
+    from realtime_app.backplanes import backplane_class
     from realtime_app.checks import check_layer
 
     with override_settings(CHANNEL_LAYERS=layers):
@@ -167,7 +167,7 @@ def test_both_channels_redis_layers_carry_the_cluster(layers):
 def test_a_layer_the_cluster_cannot_be_carried_on_is_an_error_not_one_process():
     from django.core.exceptions import ImproperlyConfigured
 
-    from realtime_app.backplane import backplane_class
+    from realtime_app.backplanes import backplane_class
     from realtime_app.checks import check_layer
 
     other = {"default": {"BACKEND": "somewhere.else.RabbitLayer"}}

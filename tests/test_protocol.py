@@ -73,8 +73,8 @@ def test_batch_over_the_limit_is_refused_whole():
     assert not frame.requests and reasons(frame) == ["batch_too_large"]
 
 
-def test_message_notification_is_the_spec_envelope():
-    text = protocol.message_notification("demo:clock", {"n": 1}, 3, 1700)
+def test_a_notification_is_the_spec_envelope():
+    text = protocol.notification_text("demo:clock", protocol.encode({"n": 1}), 3, 1700)
     assert json.loads(text) == {
         "jsonrpc": "2.0",
         "method": "message",

@@ -1,0 +1,54 @@
+"""Which backplane this process uses: the settings' choice (``BACKPLANE``), built.
+
+Apart from :mod:`realtime_app.backplane` (the interface) so that the interface does not
+import its implementations, which import it.
+"""
+
+from __future__ import annotations
+
+from .backplane import Backplane
+
+__all__ = ["backplane_class", "make_backplane"]
+
+
+def backplane_class() -> type[Backplane]:
+    """The backplane the settings choose (``"auto"``: Redis with either channels-redis layer,
+    one process with the in-memory layer or none, an error with any other)."""
+    from django.utils.module_loading import import_string
+
+    from .conf import get_config
+
+    choice = get_config()["BACKPLANE"]
+    if choice == "memory":
+        from .backplane_memory import MemoryBackplane
+
+        return MemoryBackplane
+    if choice == "redis":
+        from .backplane_redis import RedisBackplane
+
+        return RedisBackplane
+    if choice == "auto":
+        from django.core.exceptions import ImproperlyConfigured
+
+        from .backplane_redis import RedisBackplane, layer_kind
+
+        kind = layer_kind()
+        if kind == "redis":
+            return RedisBackplane
+        if kind == "other":  # never a silent fallback to one process (check E008)
+            raise ImproperlyConfigured(
+                "realtime_app: the default channel layer is neither channels-redis' nor the in-memory one; "
+                "set REALTIME_APP['BACKPLANE'] (see manage.py check, realtime_app.E008)"
+            )
+        from .backplane_memory import MemoryBackplane
+
+        return MemoryBackplane
+    cls: type[Backplane] = import_string(choice)
+    return cls
+
+
+def make_backplane(instance_id: str = "headless") -> Backplane:
+    """Build the configured backplane (``"headless"``: publish or read probes, no receiving)."""
+    from .conf import get_config
+
+    return backplane_class()(instance_id=instance_id, config=get_config())
