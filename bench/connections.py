@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import redis
 import websockets
 
-from bench.common import cpu_seconds, daphne, free_port, percentile, processes, progress, rss_bytes
+from bench.common import as_new_client, cpu_seconds, daphne, free_port, percentile, processes, progress, rss_bytes
 
 WARM = 100
 PROBES = 20  # connections of the probe process
@@ -57,7 +57,13 @@ async def open_connections(url: str, count: int, subscribe: str | None, into: li
     async def one() -> None:
         async with sem:
             ws = await websockets.connect(
-                url, origin="http://127.0.0.1", open_timeout=120, ping_interval=None, compression=None, max_size=None
+                url,
+                origin="http://127.0.0.1",
+                open_timeout=120,
+                ping_interval=None,
+                compression=None,
+                max_size=None,
+                additional_headers=as_new_client(),
             )
             if subscribe:
                 await ws.send(

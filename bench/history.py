@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import redis
 import websockets
 
-from bench.common import cpu_seconds, daphne, free_port, percentile, processes, progress
+from bench.common import as_new_client, cpu_seconds, daphne, free_port, percentile, processes, progress
 from tests.private_redis import PrivateRedis
 
 PLAIN, KEPT = "bench:events", "demo:events"
@@ -54,7 +54,9 @@ class Subscribers:
 
     async def start(self, url: str, n: int) -> None:
         for _ in range(n):
-            ws = await websockets.connect(url, origin="http://127.0.0.1", max_size=None, compression=None)
+            ws = await websockets.connect(
+                url, origin="http://127.0.0.1", additional_headers=as_new_client(), max_size=None, compression=None
+            )
             for i, channel in enumerate((PLAIN, KEPT)):
                 await ws.send(
                     json.dumps({"jsonrpc": "2.0", "method": "subscribe", "params": {"channel": channel}, "id": i})
@@ -99,14 +101,18 @@ async def resume_times(url: str, hub: Any, missed: int, resumes: int) -> list[fl
     """Milliseconds from ``subscribe since`` to its answer, ``missed`` events behind."""
     times = []
     for round_ in range(resumes):
-        async with websockets.connect(url, origin="http://127.0.0.1", max_size=None) as ws:
+        async with websockets.connect(
+            url, origin="http://127.0.0.1", additional_headers=as_new_client(), max_size=None
+        ) as ws:
             await ws.send(json.dumps({"jsonrpc": "2.0", "method": "subscribe", "params": {"channel": KEPT}, "id": 1}))
             while "id" not in (answer := json.loads(await ws.recv())):
                 pass
             since = {"seq": answer["result"]["seq"], "epoch": answer["result"]["epoch"]}
         for i in range(missed):  # published while the client is away
             await hub.publish(KEPT, {"i": i, "text": "an event of about the size of a chat line"})
-        async with websockets.connect(url, origin="http://127.0.0.1", max_size=None) as ws:
+        async with websockets.connect(
+            url, origin="http://127.0.0.1", additional_headers=as_new_client(), max_size=None
+        ) as ws:
             request = {"jsonrpc": "2.0", "method": "subscribe", "params": {"channel": KEPT, "since": since}, "id": 2}
             start = time.perf_counter()
             await ws.send(json.dumps(request))

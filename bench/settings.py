@@ -10,9 +10,9 @@ LOGGING = {"version": 1, "disable_existing_loggers": False, "root": {"level": "W
 import json  # noqa: E402
 import os  # noqa: E402
 
-# The benchmarks open thousands of sockets from 127.0.0.1: one anonymous address, which the
-# per-address connection and handshake limits would refuse (bench/admission.py turns them
-# back on, with clients of their own addresses behind a trusted proxy header).
-REALTIME_APP = {**REALTIME_APP, "MAX_CONNECTIONS_PER_ADDRESS": 0, "HANDSHAKES_PER_S": 0}  # noqa: F405
+# The benchmarks' thousands of sockets stand for thousands of clients, all on 127.0.0.1:
+# each says its own address in X-Forwarded-For (bench/common.py's as_new_client), trusted
+# from 127.0.0.1, so that per-address limits apply per client as in production.
+REALTIME_APP = {**REALTIME_APP, "TRUSTED_PROXIES": ["127.0.0.1"]}  # noqa: F405
 # A benchmark phase may change REALTIME_APP keys (admission off, say) through the environment.
 REALTIME_APP = {**REALTIME_APP, **json.loads(os.environ.get("REALTIME_BENCH_OVERRIDES") or "{}")}

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import (
     ROOT,
     Collector,
+    as_new_client,
     client,
     cpu_seconds,
     daphne,
@@ -60,7 +61,9 @@ def slope_mb_per_min(samples: list[tuple[float, int]]) -> float:
 async def dead_client(url: str, channel: str, stop: asyncio.Event) -> None:
     import websockets
 
-    async with websockets.connect(url, origin="http://127.0.0.1", max_size=None, compression=None) as ws:
+    async with websockets.connect(
+        url, origin="http://127.0.0.1", additional_headers=as_new_client(), max_size=None, compression=None
+    ) as ws:
         await ws.send(json.dumps({"jsonrpc": "2.0", "method": "subscribe", "params": {"channel": channel}, "id": 1}))
         await ws.recv()
         ws.transport.pause_reading()  # never reads again

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import websockets
 
-from bench.common import daphne, free_port, prepare_database, processes, progress, rss_bytes
+from bench.common import as_new_client, daphne, free_port, prepare_database, processes, progress, rss_bytes
 from tests.private_redis import PrivateRedis
 
 MIB = 1024 * 1024
@@ -54,7 +54,9 @@ class Stats:
 async def live_client(url: str, stats: Stats, lifetime: float, dead: bool) -> None:
     """One client: subscribe, read (or not), leave after ``lifetime`` seconds."""
     try:
-        ws = await websockets.connect(url, origin="http://127.0.0.1", max_size=None, open_timeout=30)
+        ws = await websockets.connect(
+            url, origin="http://127.0.0.1", additional_headers=as_new_client(), max_size=None, open_timeout=30
+        )
     except (OSError, websockets.WebSocketException, TimeoutError):
         return
     stats.connected += 1
@@ -107,7 +109,7 @@ async def publisher(url: str, stop: asyncio.Event) -> None:
     n = 0
     while not stop.is_set():
         try:
-            async with websockets.connect(url, origin="http://127.0.0.1") as ws:
+            async with websockets.connect(url, origin="http://127.0.0.1", additional_headers=as_new_client()) as ws:
                 while not stop.is_set():
                     n += 1
                     request = {"jsonrpc": "2.0", "method": "publish", "id": n}

@@ -217,9 +217,8 @@ return string.format('%.17g', wait)
 """
 
 
-#: How long one read of the pub/sub connection waits for a message before it lets a
-#: SUBSCRIBE or UNSUBSCRIBE have the connection.
-POLL_S = 0.05
+#: How long one read of the idle pub/sub connection waits (a SUBSCRIBE wakes it earlier).
+IDLE_READ_S = 5.0
 
 
 def layer_kind() -> str:
@@ -290,9 +289,11 @@ class RedisBackplane(Backplane):
         self._read_kept = self.redis.register_script(_READ_KEPT)
         self._read_page = self.redis.register_script(_READ_PAGE)
         self._pubsub: Any = None
-        # Every command of the pub/sub connection, reads included, under one lock: a
-        # SUBSCRIBE that reconnected while the receiver reconnected too read the same socket.
-        self._pubsub_lock = asyncio.Lock()
+        # SUBSCRIBE / UNSUBSCRIBE waiting for the receiver, the only task that uses the pub/sub
+        # connection (two tasks reconnecting it at once read the same socket); a message on
+        # the process's own channel wakes the receiver for them.
+        self._commands: list[tuple[str, list[bytes], asyncio.Future[None]]] = []
+        self.own_channel = f"{self.prefix}:proc:{self.instance_id}"
         self._names: dict[bytes, str] = {}  # Redis channel -> channel, for what this process subscribed
         self._receive_errors: set[type[BaseException]] = set()  # logged once per kind
         self._run_id: str | None = None
@@ -311,8 +312,7 @@ class RedisBackplane(Backplane):
         # One pub/sub connection, subscribed first to a channel of this process's own so
         # that it exists (and reconnects) before any channel is joined.
         self._pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-        async with self._pubsub_lock:
-            await self._pubsub.subscribe(f"{self.prefix}:proc:{self.instance_id}")
+        await self._pubsub.subscribe(self.own_channel)
         self._receiver = asyncio.get_running_loop().create_task(self._receive(deliver), name="realtime-receive")
 
     async def stop(self) -> None:
@@ -329,8 +329,8 @@ class RedisBackplane(Backplane):
         assert pubsub is not None
         while True:
             try:
-                async with self._pubsub_lock:  # released between reads: a join waits one poll at most
-                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=POLL_S)
+                await self._run_commands(pubsub)
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=IDLE_READ_S)
             except asyncio.CancelledError:
                 raise
             except RedisTimeout:
@@ -375,19 +375,40 @@ class RedisBackplane(Backplane):
 
     async def join(self, channels: list[str]) -> None:
         """Subscribe to each channel's Redis channel (again, on a re-assert: idempotent)."""
-        assert self._pubsub is not None
         names = {self.redis_channel(channel).encode(): channel for channel in channels}
         self._names.update(names)
         if names:
-            async with self._pubsub_lock:
-                await self._pubsub.subscribe(*names)
+            await self._command("subscribe", list(names))
 
     async def leave(self, channel: str) -> None:
-        assert self._pubsub is not None
         name = self.redis_channel(channel).encode()
         self._names.pop(name, None)
-        async with self._pubsub_lock:
-            await self._pubsub.unsubscribe(name)
+        await self._command("unsubscribe", [name])
+
+    async def _command(self, verb: str, names: list[bytes]) -> None:
+        """Have the receiver send ``verb`` on the pub/sub connection, and wait for it."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._commands.append((verb, names, future))
+        try:
+            await self.redis.publish(self.own_channel, b"w 0 - wake")  # the receiver reads it and runs the command
+            await future
+        except BaseException:
+            future.cancel()  # (the receiver skips it)
+            raise
+
+    async def _run_commands(self, pubsub: Any) -> None:
+        commands, self._commands = self._commands, []
+        for verb, names, future in commands:
+            if future.done():
+                continue
+            try:
+                await getattr(pubsub, verb)(*names)
+            except self.errors as exc:
+                if not future.done():
+                    future.set_exception(exc)
+            else:
+                if not future.done():
+                    future.set_result(None)
 
     def _kept_keys(self, channel: str) -> list[str]:
         return [
