@@ -314,11 +314,10 @@ TESTED_SERVERS = {"daphne": ("4.2",), "autobahn": ("26.",), "twisted": ("26.",),
 
 @register(Tags.compatibility)
 def check_server_versions(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """W020: an installed server whose transport internals the guard was not tested against."""
+    """W020: an installed server whose transport internals were not tested. Whatever
+    ``MAX_BACKPRESSURE`` says: the transport also writes frames, pauses reading and closes."""
     from importlib import metadata
 
-    if get_config()["MAX_BACKPRESSURE"] == 0:
-        return []
     messages: list[CheckMessage] = []
     for package, prefixes in TESTED_SERVERS.items():
         try:
@@ -328,7 +327,7 @@ def check_server_versions(app_configs: Any = None, **kwargs: Any) -> list[CheckM
         if not version.startswith(prefixes):
             messages.append(
                 Warning(
-                    f"{package} {version} is installed; transport backpressure reads its private internals and was "
+                    f"{package} {version} is installed; realtime_app's transport reads its private internals and was "
                     f"tested with {package} {' / '.join(p.rstrip('.') + '.x' for p in prefixes)}.",
                     hint="Run realtime_app's transport tests against this version, or pin the tested one.",
                     id="realtime_app.W020",

@@ -11,8 +11,9 @@ ROOT_URLCONF = "tests.urls"
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast logins in tests
 REALTIME_APP = {
     **REALTIME_APP,  # noqa: F405
-    # A journal directory of this process's own: nothing left by another run is taken over.
-    "WRITE_BEHIND_JOURNAL_DIR": tempfile.mkdtemp(prefix="rt-journal-"),
+    # A journal directory of this process's own (made only if a journal is written): nothing
+    # left by another run is taken over.
+    "WRITE_BEHIND_JOURNAL_DIR": os.path.join(tempfile.gettempdir(), f"rt-journal-{os.getpid()}"),
     # Test clients are all on 127.0.0.1: one that stands for a client of its own says its
     # address in X-Forwarded-For (tests/wsclient.py's RPC(address=...)); without that
     # header a socket's address is 127.0.0.1, as in production without a proxy.

@@ -141,6 +141,9 @@ def test_an_untested_server_version_is_flagged(monkeypatch):
     monkeypatch.setattr(metadata, "version", lambda name: "5.0" if name == "daphne" else real(name))
     [message] = check_server_versions()
     assert message.id == "realtime_app.W020" and "daphne 5.0" in message.msg
+    with override_settings(REALTIME_APP={"MAX_BACKPRESSURE": 0}):  # the transport is used all the same
+        [message] = check_server_versions()
+    assert message.id == "realtime_app.W020"
 
 
 REDIS_LAYER = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": ["redis://x"]}}}
