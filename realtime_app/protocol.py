@@ -182,14 +182,14 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _has_surrogate(value: Any, depth: int = 0) -> bool:
+def _has_surrogate(value: Any) -> bool:
     """Whether a lone surrogate (valid JSON as an escape, never valid text) is in ``value``."""
     if isinstance(value, str):
         return _SURROGATE.search(value) is not None
     if isinstance(value, dict):
-        return any(_has_surrogate(k) or _has_surrogate(v, depth + 1) for k, v in value.items())
+        return any(_has_surrogate(k) or _has_surrogate(v) for k, v in value.items())
     if isinstance(value, list):
-        return any(_has_surrogate(v, depth + 1) for v in value)
+        return any(_has_surrogate(v) for v in value)
     return False
 
 
