@@ -76,7 +76,7 @@ HISTORY = "bench:big-history"
 
 def decision_cost(n: int = 200_000) -> dict[str, float]:
     """µs per admitted decision (admit + release) and per refusal, of the pure core."""
-    from realtime_app.admission import Admission, AdmissionLimits
+    from realtime_app.inbound.admission import Admission, AdmissionLimits
 
     admission = Admission(AdmissionLimits())
     identities = [("connection", str(i)) for i in range(1000)]

@@ -34,7 +34,7 @@ DATA = '{"n":1}'
 
 
 async def backplane_path(url: str, prefix: str) -> tuple[Callable[[int], Awaitable[None]], Any]:
-    from realtime_app.backplane_redis import RedisBackplane
+    from realtime_app.cluster.redis import RedisBackplane
 
     backplane = RedisBackplane(instance_id=f"bench-{prefix}", config={"KEY_PREFIX": prefix, "REDIS_URL": url})
     received = [0]
@@ -57,9 +57,9 @@ async def backplane_path(url: str, prefix: str) -> tuple[Callable[[int], Awaitab
 
 async def layer_path(layer: Any, url: str, prefix: str) -> tuple[Callable[[int], Awaitable[None]], Any]:
     """The numbering call of the backplane, then the layer's own group_send and receive."""
-    from realtime_app.backplane_redis import RedisBackplane
-    from realtime_app.names import group_name
-    from realtime_app.protocol import notification_head, notification_tail
+    from realtime_app.cluster.redis import RedisBackplane
+    from realtime_app.wire.names import group_name
+    from realtime_app.wire.protocol import notification_head, notification_tail
 
     numbering = RedisBackplane(instance_id=f"bench-n-{prefix}", config={"KEY_PREFIX": prefix, "REDIS_URL": url})
     channel = await layer.new_channel("bench.")

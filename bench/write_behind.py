@@ -82,7 +82,7 @@ def run(args: argparse.Namespace, database_url: str) -> dict[str, Any]:
     from django.contrib.auth import get_user_model
 
     from project.demo.models import InventoryItem
-    from realtime_app.write_behind import WriteBehindStore
+    from realtime_app.persistence.write_behind import WriteBehindStore
 
     users = [get_user_model().objects.create(username=f"bench{i}").pk for i in range(args.objects // 10)]
     keys = [(users[i % len(users)], f"item{i // len(users)}") for i in range(args.objects)]

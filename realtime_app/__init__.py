@@ -1,7 +1,7 @@
 """realtime_app: flow control for Django Channels, in both directions.
 
-Pure modules (``rate``, ``backpressure``, ``adaptive``, ``protocol``, ``names``) import
-without a configured Django project; the names below load lazily.
+The pure modules (``wire``, ``outbound.backpressure``, ``client``) import without a
+configured Django project; the names below load lazily from the subpackages.
 """
 
 from __future__ import annotations
@@ -12,30 +12,30 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "rate_channel": "rate",
-    "is_rate_channel": "rate",
-    "parse_rate": "rate",
-    "RateBounds": "rate",
-    "AdaptiveRate": "adaptive",
-    "derive_ladder": "adaptive",
-    "decide_send": "backpressure",
-    "BackpressureConfig": "backpressure",
-    "Decision": "backpressure",
-    "DropState": "backpressure",
-    "family": "registry",
-    "ticker": "registry",
-    "state_channel": "registry",
-    "event_channel": "registry",
-    "ChannelSpec": "registry",
-    "publish": "publishing",
-    "apublish": "publishing",
-    "rpc_method": "consumers",
-    "Coalesce": "workers",
-    "WriteBehindStore": "write_behind",
-    "RealtimeConsumer": "consumers",
+    "rate_channel": "wire.rate",
+    "is_rate_channel": "wire.rate",
+    "parse_rate": "wire.rate",
+    "RateBounds": "wire.rate",
+    "AdaptiveRate": "client.adaptive",
+    "derive_ladder": "client.adaptive",
+    "decide_send": "outbound.backpressure",
+    "BackpressureConfig": "outbound.backpressure",
+    "Decision": "outbound.backpressure",
+    "DropState": "outbound.backpressure",
+    "family": "channels.registry",
+    "ticker": "channels.registry",
+    "state_channel": "channels.registry",
+    "event_channel": "channels.registry",
+    "ChannelSpec": "channels.registry",
+    "publish": "hub.publishing",
+    "apublish": "hub.publishing",
+    "rpc_method": "endpoint.consumer",
+    "Coalesce": "inbound.workers",
+    "WriteBehindStore": "persistence.write_behind",
+    "RealtimeConsumer": "endpoint.consumer",
     "get_hub": "hub",
-    "Guard": "guard",
-    "GuardedSendMixin": "guard",
+    "Guard": "outbound.guard",
+    "GuardedSendMixin": "outbound.guard",
     "RealtimeClient": "client",
     "bind_adaptive_channel": "client",
     "RealtimeError": "exceptions",
@@ -44,11 +44,11 @@ _EXPORTS = {
     "UnknownChannel": "exceptions",
     "ForbiddenChannel": "exceptions",
     "ConfigurationError": "exceptions",
-    "CloseCode": "protocol",
+    "CloseCode": "wire.protocol",
     "BackplaneUnavailable": "exceptions",
     "PublicationError": "exceptions",
     "PublicationTooLarge": "exceptions",
-    "Backplane": "backplane",
+    "Backplane": "cluster.base",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -8,9 +8,9 @@ from django.contrib import admin
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 
-from .models import RealtimeCluster
-from .realtime_channels import HEALTH_CHANNEL
-from .registry import registry
+from realtime_app.channels.registry import registry
+from realtime_app.models import RealtimeCluster
+from realtime_app.realtime_channels import HEALTH_CHANNEL
 
 
 @admin.register(RealtimeCluster)

@@ -14,7 +14,7 @@ async def start_hub_with_first_request(sender: Any, scope: dict[str, Any] | None
     WebSocket), so that it joins the cluster view early. WSGI requests carry no scope."""
     if scope is None:
         return
-    from .hub import get_hub
+    from realtime_app.hub.core import get_hub
 
     await get_hub()
 
@@ -27,10 +27,13 @@ class RealtimeAppConfig(AppConfig):
     def ready(self) -> None:
         from django.contrib.auth.signals import user_logged_out
 
-        from . import checks  # noqa: F401  (registers the checks)
-        from .conf import get_config, reset_config
-        from .policies import reset_rules
-        from .sessions import on_logout
+        from realtime_app.channels.policies import reset_rules
+        from realtime_app.channels.sessions import on_logout
+        from realtime_app.conf import (
+            checks,  # noqa: F401  (registers the checks)
+            get_config,
+            reset_config,
+        )
 
         setting_changed.connect(reset_config, dispatch_uid="realtime_app.reset_config")
         setting_changed.connect(reset_rules, dispatch_uid="realtime_app.reset_rules")

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .protocol import ErrorObject
+    from realtime_app.wire.protocol import ErrorObject
 
 __all__ = [
     "BackplaneUnavailable",
@@ -109,7 +109,7 @@ class UnknownChannel(ChannelError):
     """No family, exact channel or event channel has this name."""
 
     def __init__(self, channel: str) -> None:
-        from .protocol import UNKNOWN_CHANNEL
+        from realtime_app.wire.protocol import UNKNOWN_CHANNEL
 
         super().__init__(UNKNOWN_CHANNEL, "Unknown channel", "unknown_channel", channel)
 
@@ -118,7 +118,7 @@ class ForbiddenChannel(ChannelError):
     """The channel policy refuses this user this action on this channel."""
 
     def __init__(self, channel: str, action: str = "subscribe") -> None:
-        from .protocol import FORBIDDEN_CHANNEL
+        from realtime_app.wire.protocol import FORBIDDEN_CHANNEL
 
         super().__init__(FORBIDDEN_CHANNEL, f"Forbidden: may not {action} this channel", "forbidden_channel", channel)
         self.action = action

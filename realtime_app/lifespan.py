@@ -10,7 +10,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .write_behind import flush_all, start_all
+from realtime_app.persistence.write_behind import flush_all, start_all
 
 __all__ = ["lifespan_app"]
 

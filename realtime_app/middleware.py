@@ -20,8 +20,8 @@ from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.urls import Resolver404, resolve
 
-from .conf import get_config
-from .limiter import Busy, ConcurrencyPool, PoolSettings, Slot
+from realtime_app.conf import get_config
+from realtime_app.inbound.limiter import Busy, ConcurrencyPool, PoolSettings, Slot
 
 __all__ = ["ConcurrencyLimitMiddleware", "concurrency_limit", "http_pools", "pools_probe"]
 

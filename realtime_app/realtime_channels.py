@@ -7,7 +7,7 @@ import asyncio
 import logging
 from typing import Any
 
-from .registry import ChannelSpec, Publish, family
+from realtime_app.channels.registry import ChannelSpec, Publish, family
 
 logger = logging.getLogger("realtime_app.probes")
 
@@ -17,7 +17,7 @@ HEALTH_CHANNEL = "realtime:socket"
 @family(HEALTH_CHANNEL, default=2000, min=500, max=60000)
 def health_channel(channel: ChannelSpec, publish: Publish) -> Any:
     """Publish the whole cluster's probe at the channel's cadence."""
-    from .probes import cluster_probe
+    from realtime_app.observability.probes import cluster_probe
 
     async def run() -> None:
         assert channel.interval_ms is not None

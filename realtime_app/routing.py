@@ -13,8 +13,8 @@ from typing import Any
 
 from django.urls import path, re_path
 
-from .consumers import RealtimeConsumer
-from .logsafe import safe
+from realtime_app.endpoint.consumer import RealtimeConsumer
+from realtime_app.observability.logsafe import safe
 
 __all__ = ["WebSocketNotFound", "not_found_urlpatterns", "websocket_urlpatterns"]
 

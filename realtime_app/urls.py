@@ -2,7 +2,7 @@
 
 from django.urls import path
 
-from . import views
+from realtime_app import views
 
 app_name = "realtime_app"
 

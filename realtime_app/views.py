@@ -6,10 +6,10 @@ import hmac
 
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
-from .conf import get_config
-from .middleware import pools_probe
-from .probes import cluster_probe
-from .write_behind import stores_probe
+from realtime_app.conf import get_config
+from realtime_app.middleware import pools_probe
+from realtime_app.observability.probes import cluster_probe
+from realtime_app.persistence.write_behind import stores_probe
 
 __all__ = ["health", "metrics"]
 
@@ -33,7 +33,7 @@ async def _refusal(request: HttpRequest, *, allow_token: bool = False) -> HttpRe
 
 async def _probe(request: HttpRequest) -> dict[str, object]:
     if hasattr(request, "scope"):  # served by this ASGI process: include its own hub
-        from .hub import get_hub
+        from realtime_app.hub.core import get_hub
 
         await get_hub()
     probe = await cluster_probe()
@@ -58,6 +58,6 @@ async def metrics(request: HttpRequest) -> HttpResponse:
         return refusal
     from prometheus_client import CONTENT_TYPE_LATEST
 
-    from .metrics import render
+    from realtime_app.observability.metrics import render
 
     return HttpResponse(render(await _probe(request)), content_type=CONTENT_TYPE_LATEST)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from realtime_app.adaptive import AdaptiveRate, derive_ladder
+from realtime_app.client.adaptive import AdaptiveRate, derive_ladder
 
 VECTORS = json.loads((Path(__file__).parent / "vectors" / "adaptive.json").read_text())["cases"]
 

@@ -1,11 +1,11 @@
-"""The client's address (realtime_app.addresses): forwarding headers read from trusted
+"""The client's address (realtime_app.endpoint.addresses): forwarding headers read from trusted
 proxies only, from the right, stopping at the first untrusted or malformed hop."""
 
 from __future__ import annotations
 
 import pytest
 
-from realtime_app.addresses import client_address, parse_networks
+from realtime_app.endpoint.addresses import client_address, parse_networks
 
 TRUSTED = parse_networks(["127.0.0.1", "10.0.0.0/8", "::1"])
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from realtime_app.admission import Admission, AdmissionLimits, CoalescingQueue
+from realtime_app.inbound.admission import Admission, AdmissionLimits, CoalescingQueue
 
 
 class Clock:
@@ -443,8 +443,8 @@ async def test_a_request_cancelled_while_the_shared_bucket_answers_gives_its_slo
 
 async def test_a_merged_job_whose_first_caller_left_still_holds_a_global_slot(hub):
     """Found in review: the job ran on, but no call of it counted in ``pending``."""
-    from realtime_app.consumers import _methods
-    from realtime_app.workers import Call
+    from realtime_app.endpoint.consumer import _methods
+    from realtime_app.inbound.workers import Call
     from tests.test_consumer import Client
 
     method = _methods["inventory.consume"]

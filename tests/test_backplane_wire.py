@@ -15,10 +15,10 @@ import pytest
 import redis
 from django.test import override_settings
 
-from realtime_app.backplane import Delivery
-from realtime_app.backplane_redis import RedisBackplane, layer_hosts
-from realtime_app.history import HistoryPolicy
-from realtime_app.protocol import notification_text
+from realtime_app.cluster.base import Delivery
+from realtime_app.cluster.redis import RedisBackplane, layer_hosts
+from realtime_app.wire.history import HistoryPolicy
+from realtime_app.wire.protocol import notification_text
 from tests.private_redis import PrivateRedis
 
 DATA = '{"n":1,"s":"caf\\u00e9"}'

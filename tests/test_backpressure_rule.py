@@ -4,7 +4,7 @@ import tracemalloc
 
 import pytest
 
-from realtime_app.backpressure import CLOSE, DROP, SEND, BackpressureConfig, DropState, decide_send
+from realtime_app.outbound.backpressure import CLOSE, DROP, SEND, BackpressureConfig, DropState, decide_send
 
 MIB = 1024 * 1024
 

@@ -14,7 +14,7 @@ import time
 import pytest
 import redis
 
-from realtime_app.names import group_name
+from realtime_app.wire.names import group_name
 from tests.servers import ROOT, servers
 from tests.wsclient import RPC
 

@@ -62,9 +62,10 @@ def test_top_level_names_come_from_the_submodules():
 def test_pure_modules_import_without_a_django_project():
     env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
     code = (
-        "import realtime_app.rate, realtime_app.adaptive, realtime_app.backpressure, realtime_app.protocol, "
-        "realtime_app.names, realtime_app.scenarios, realtime_app.reconciler, realtime_app.logsafe, "
-        "realtime_app.admission; "
+        "import realtime_app.wire.rate, realtime_app.client.adaptive, realtime_app.outbound.backpressure, "
+        "realtime_app.wire.protocol, realtime_app.wire.names, realtime_app.client.scenarios, "
+        "realtime_app.hub.reconciler, realtime_app.observability.logsafe, "
+        "realtime_app.inbound.admission; "
         "from realtime_app import rate_channel, AdaptiveRate, decide_send; "
         "print(rate_channel('a', 2000, 1000))"
     )

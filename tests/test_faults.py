@@ -20,7 +20,7 @@ import psutil
 import pytest
 import websockets
 
-from realtime_app.names import group_name
+from realtime_app.wire.names import group_name
 from tests.private_redis import PrivateRedis
 from tests.servers import ROOT, Server, servers
 from tests.wsclient import RPC

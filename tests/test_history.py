@@ -9,11 +9,11 @@ import pytest
 from django.test import override_settings
 
 from realtime_app import ConfigurationError
-from realtime_app.backplane_memory import MemoryBackplane
+from realtime_app.channels.registry import Registry, event_channel, registry
+from realtime_app.cluster.memory import MemoryBackplane
 from realtime_app.conf import get_config
-from realtime_app.history import HistoryEntry, HistoryPolicy, HistoryRead, Since, plan_resume
-from realtime_app.protocol import encode, notification_text
-from realtime_app.registry import Registry, event_channel, registry
+from realtime_app.wire.history import HistoryEntry, HistoryPolicy, HistoryRead, Since, plan_resume
+from realtime_app.wire.protocol import encode, notification_text
 from tests.test_consumer import Client
 
 POLICY = HistoryPolicy(size=5, ttl_s=60)
@@ -201,7 +201,7 @@ async def test_live_publications_during_a_replay_come_after_it_in_order_none_twi
 
 
 async def test_the_probe_and_metrics_show_histories_and_resumes(hub):
-    from realtime_app.metrics import render
+    from realtime_app.observability.metrics import render
 
     async with Client() as c:
         start = (await c.call("subscribe", {"channel": "test:short-history"}))["result"]
@@ -217,7 +217,7 @@ async def test_the_probe_and_metrics_show_histories_and_resumes(hub):
 
 
 async def test_a_process_fans_frames_out_in_seq_order_and_releases_over_a_gap_after_a_window(hub):
-    from realtime_app.backplane import Delivery
+    from realtime_app.cluster.base import Delivery
     from realtime_app.hub import REORDER_WINDOW_S
 
     async with Client() as c:
@@ -246,7 +246,7 @@ async def test_a_late_frame_still_reaches_a_connection_behind_the_process(hub):
     """Found in review: two first subscribes whose reads returned different tops (10, 11)
     set the process's next seq past 11, and the frame 11 was dropped for the connection
     at 10 — which only noticed at the next publication."""
-    from realtime_app.backplane import Delivery
+    from realtime_app.cluster.base import Delivery
 
     async with Client() as c:
         start = (await c.call("subscribe", {"channel": "demo:events"}))["result"]

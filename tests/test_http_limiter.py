@@ -212,7 +212,7 @@ def test_a_streaming_response_dropped_before_it_is_read_still_releases_its_slot(
 
     from django.http import StreamingHttpResponse
 
-    from realtime_app.limiter import ConcurrencyPool, PoolSettings
+    from realtime_app.inbound.limiter import ConcurrencyPool, PoolSettings
     from realtime_app.middleware import _hand_over
 
     pool = ConcurrencyPool("t", PoolSettings(max_concurrent=1))
@@ -231,7 +231,7 @@ async def test_a_waiter_whose_time_is_up_when_a_slot_frees_gets_503_not_a_late_s
     taken, and the wait measured when the waiter ran again."""
     import asyncio
 
-    from realtime_app.limiter import Busy, ConcurrencyPool, PoolSettings
+    from realtime_app.inbound.limiter import Busy, ConcurrencyPool, PoolSettings
 
     pool = ConcurrencyPool("t", PoolSettings(max_concurrent=1, max_waiting=5, wait_timeout_ms=100))
     held = await pool.aacquire()

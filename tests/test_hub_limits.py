@@ -10,7 +10,7 @@ import pytest
 from django.test import override_settings
 
 from realtime_app import PublicationError, PublicationTooLarge
-from realtime_app.backplane_memory import MemoryBackplane
+from realtime_app.cluster.memory import MemoryBackplane
 from realtime_app.conf import get_config
 from tests.test_consumer import Client
 from tests.testapp import backplanes
@@ -131,8 +131,8 @@ async def test_a_channel_lock_is_not_forgotten_while_a_converge_waits_for_it():
     channel run at once, and an orphan ticker outlived its last subscriber."""
     import asyncio
 
+    from realtime_app.channels.registry import ChannelSpec
     from realtime_app.hub import Connection, get_hub
-    from realtime_app.registry import ChannelSpec
 
     live: set[int] = set()
     calls = [0]

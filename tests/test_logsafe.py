@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from realtime_app.logsafe import Outage, safe
-from realtime_app.rate import nearest_cadence
+from realtime_app.observability.logsafe import Outage, safe
+from realtime_app.wire.rate import nearest_cadence
 
 
 def test_client_strings_cannot_forge_a_log_line():

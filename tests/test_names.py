@@ -3,7 +3,7 @@ import re
 from hypothesis import given
 from hypothesis import strategies as st
 
-from realtime_app.names import group_name
+from realtime_app.wire.names import group_name
 
 VALID = re.compile(r"^[A-Za-z0-9\-_.]{1,99}$")
 

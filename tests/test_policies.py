@@ -2,7 +2,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from realtime_app.policies import compile_rules, evaluate, matching_rule, requirement_for
+from realtime_app.channels.policies import compile_rules, evaluate, matching_rule, requirement_for
 
 ANON = SimpleNamespace(is_authenticated=False, is_active=False, is_staff=False, is_superuser=False)
 USER = SimpleNamespace(is_authenticated=True, is_active=True, is_staff=False, is_superuser=False)

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from realtime_app import protocol
-from realtime_app.protocol import parse_frame
+from realtime_app.wire import protocol
+from realtime_app.wire.protocol import parse_frame
 
 
 def reasons(frame):

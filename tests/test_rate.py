@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from realtime_app.rate import RateBounds, is_rate_channel, parse_rate, rate_channel
+from realtime_app.wire.rate import RateBounds, is_rate_channel, parse_rate, rate_channel
 
 BOUNDS = RateBounds(1000, 250, 60000)
 

@@ -13,7 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from realtime_app.reconciler import REMOTE, Action, Reconciler
+from realtime_app.hub.reconciler import REMOTE, Action, Reconciler
 
 PROCESSES = range(3)
 CHANNELS = {"clock:1000": True, "clock:2000": True, "events": False}  # name -> has a ticker

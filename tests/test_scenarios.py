@@ -5,7 +5,7 @@ import json
 
 from django.core.management import call_command
 
-from realtime_app.scenarios import cadence_under_degradation, dead_client, passing_spike
+from realtime_app.client.scenarios import cadence_under_degradation, dead_client, passing_spike
 
 
 def test_cadence_under_degradation_has_the_expected_shape():

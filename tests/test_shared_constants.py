@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from realtime_app.client import RESUME_TIMEOUT, RealtimeClient, is_reconnectable_close_code
-from realtime_app.cursor import MAX_HELD
+from realtime_app.client.cursor import MAX_HELD
 from realtime_app.exceptions import REFUSAL_CODES
-from realtime_app.history import newer_epoch
-from realtime_app.protocol import CloseCode
+from realtime_app.wire.history import newer_epoch
+from realtime_app.wire.protocol import CloseCode
 
 SHARED = json.loads((Path(__file__).parent / "vectors" / "constants.json").read_text())
 

@@ -1,4 +1,4 @@
-"""The pool's slot accounting (realtime_app.slots): every admitted request released exactly
+"""The pool's slot accounting (realtime_app.inbound.slots): every admitted request released exactly
 once whatever ends it, and the asyncio shell keeping that promise for a task cancelled
 before its first step."""
 
@@ -14,9 +14,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from realtime_app.admission import Admission, AdmissionLimits, Job
-from realtime_app.slots import PoolCore
-from realtime_app.workers import Call, RequestPool
+from realtime_app.inbound.admission import Admission, AdmissionLimits, Job
+from realtime_app.inbound.slots import PoolCore
+from realtime_app.inbound.workers import Call, RequestPool
 
 
 @dataclass(eq=False)

@@ -9,7 +9,7 @@ import pytest
 from autobahn.twisted.websocket import WebSocketServerFactory, WebSocketServerProtocol
 from twisted.internet.testing import StringTransport
 
-from realtime_app.transports import DaphneTransport, text_frame
+from realtime_app.outbound.transports import DaphneTransport, text_frame
 
 
 def autobahn_protocol() -> tuple[WebSocketServerProtocol, StringTransport]:

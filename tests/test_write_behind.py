@@ -14,7 +14,7 @@ from asgiref.sync import sync_to_async
 from django.db import OperationalError, connection
 
 from project.demo.models import InventoryItem
-from realtime_app.write_behind import WriteBehindStore
+from realtime_app.persistence.write_behind import WriteBehindStore
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(60)]
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import realtime_app
 from realtime_app import RPCError
-from realtime_app.write_behind import WriteBehindStore
+from realtime_app.persistence.write_behind import WriteBehindStore
 
 from .models import InventoryItem
 

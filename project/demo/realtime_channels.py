@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 import realtime_app
-from realtime_app.registry import ChannelSpec
+from realtime_app.channels.registry import ChannelSpec
 
 from . import inventory  # noqa: F401  (its RPC methods register on import)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from realtime_app.backplane_memory import MemoryBackplane
+from realtime_app.cluster.memory import MemoryBackplane
 
 CALLS: list[tuple[str, Any]] = []
 

@@ -4,7 +4,7 @@ import json
 
 from channels.generic.websocket import AsyncWebsocketConsumer
 
-from realtime_app.guard import GuardedSendMixin
+from realtime_app.outbound.guard import GuardedSendMixin
 
 PLAIN_GROUP = "plain"
 

@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 import realtime_app
-from realtime_app.registry import ChannelSpec
+from realtime_app.channels.registry import ChannelSpec
 
 EVENTS: list[tuple[str, str]] = []
 

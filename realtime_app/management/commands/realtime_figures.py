@@ -11,7 +11,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
 
-from realtime_app.scenarios import QueueSeries, cadence_under_degradation, dead_client, passing_spike
+from realtime_app.client.scenarios import QueueSeries, cadence_under_degradation, dead_client, passing_spike
 
 __all__ = ["Command"]
 

@@ -10,7 +10,7 @@ from typing import Any
 from asgiref.sync import async_to_sync
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from realtime_app.probes import cluster_probe
+from realtime_app.observability.probes import cluster_probe
 
 __all__ = ["Command"]
 

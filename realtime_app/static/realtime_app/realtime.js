@@ -1,7 +1,7 @@
 // realtime_app browser client: JSON-RPC 2.0 over WebSocket, subscriptions with automatic
 // resubscription, capped jittered reconnect, and adaptive cadence (AIMD) bound by
 // make-before-break. ES module, no build step, no dependency.
-// The Python twin is realtime_app/adaptive.py; both pass tests/vectors/adaptive.json.
+// The Python twin is realtime_app/client/adaptive.py; both pass tests/vectors/adaptive.json.
 
 /** Close codes after which the client reconnects (with backoff). 1008 and 4xxx are fatal. */
 export const RECONNECT_CODES = Object.freeze([1001, 1005, 1006, 1011, 1012, 1013]);
@@ -166,7 +166,7 @@ const OUR_EPOCH = /^[0-9a-f]{19}$/;
 
 /**
  * True when `epoch` replaced `than`: later by the time it names when both are ours (19 hex
- * characters), else simply different. The twin of realtime_app.history.newer_epoch.
+ * characters), else simply different. The twin of realtime_app.wire.history.newer_epoch.
  */
 export function newerEpoch(epoch, than) {
   if (OUR_EPOCH.test(epoch) && OUR_EPOCH.test(than)) return epoch > than;
@@ -181,7 +181,7 @@ export const RESUME_TIMEOUT_MS = 60000;
 
 /**
  * Where the application is in one channel with history: each message once, in order, or
- * a resync. The twin of realtime_app/cursor.py (both pass tests/vectors/cursor.json).
+ * a resync. The twin of realtime_app/client/cursor.py (both pass tests/vectors/cursor.json).
  * `message(params)` and `answer(result)` return actions: ["deliver", params],
  * ["recover", since] (subscribe again with `since`), ["recovered", replayed],
  * ["resync", {epoch, seq, reason}] (the gap cannot be filled: reload the state).

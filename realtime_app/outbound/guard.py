@@ -1,7 +1,7 @@
 """Transport backpressure applied to a connection: read, decide, then write, drop or close.
 
-:class:`Guard` joins a connection's :class:`~realtime_app.transports.Transport` to the pure
-:func:`~realtime_app.backpressure.decide_send`. The hub guards every frame it sends with
+:class:`Guard` joins a connection's :class:`~realtime_app.outbound.transports.Transport` to the pure
+:func:`~realtime_app.outbound.backpressure.decide_send`. The hub guards every frame it sends with
 it (ticks, publications, RPC responses); :class:`GuardedSendMixin` gives a custom Channels
 consumer the same protection.
 """
@@ -12,9 +12,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from .backpressure import CLOSE, DROP, SEND, BackpressureConfig, Decision, DropState, decide_send
-from .protocol import CloseCode
-from .transports import Transport, transport_for
+from realtime_app.outbound.backpressure import CLOSE, DROP, SEND, BackpressureConfig, Decision, DropState, decide_send
+from realtime_app.outbound.transports import Transport, transport_for
+from realtime_app.wire.protocol import CloseCode
 
 __all__ = ["BACKPRESSURE_REASON", "Guard", "GuardedSendMixin", "backpressure_config"]
 
@@ -25,7 +25,7 @@ BACKPRESSURE_REASON = "backpressure"
 
 def backpressure_config() -> BackpressureConfig:
     """The guard's settings from ``REALTIME_APP``."""
-    from .conf import get_config
+    from realtime_app.conf import get_config
 
     config = get_config()
     return BackpressureConfig(config["MAX_BACKPRESSURE"], config["BACKPRESSURE_POLICY"], config["CLOSE_AFTER_DROPS"])
@@ -37,7 +37,7 @@ class Guard:
     __slots__ = ("closed", "config", "drain_s", "measure", "never_drop_responses", "state", "transport")
 
     def __init__(self, send: Callable[..., Any], config: BackpressureConfig | None = None) -> None:
-        from .conf import get_config
+        from realtime_app.conf import get_config
 
         settings = get_config()
         self.config = config or backpressure_config()

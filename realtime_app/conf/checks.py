@@ -12,9 +12,9 @@ from typing import Any
 
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
-from .conf import DEFAULTS, get_config
-from .policies import Rule, compile_rules, matching_rule
-from .registry import Family, registry
+from realtime_app.channels.policies import Rule, compile_rules, matching_rule
+from realtime_app.channels.registry import Family, registry
+from realtime_app.conf import DEFAULTS, get_config
 
 __all__ = ["check_layer", "check_policies", "check_server_versions", "check_settings"]
 
@@ -135,7 +135,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
 
 def _check_trusted_proxies(value: Any) -> list[CheckMessage]:
     """E007: TRUSTED_PROXIES must be a list of addresses or networks."""
-    from .addresses import parse_networks
+    from realtime_app.endpoint.addresses import parse_networks
 
     problem = None
     if isinstance(value, str) or not isinstance(value, (list, tuple)):
@@ -160,12 +160,12 @@ def _check_backplane(backplane: Any) -> list[CheckMessage]:
     """E003 a backplane that is not one; E005 the Redis backplane without a Redis to use."""
     from django.utils.module_loading import import_string
 
-    from .backplane import Backplane
+    from realtime_app.cluster.base import Backplane
 
     if backplane in ("auto", "memory"):
         return []
     if backplane == "redis":
-        from .backplane_redis import uses_channels_redis
+        from realtime_app.cluster.redis import uses_channels_redis
 
         if uses_channels_redis() or get_config()["REDIS_URL"]:
             return []
@@ -308,7 +308,7 @@ def check_policies(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     return messages
 
 
-#: Versions whose private transport internals realtime_app.transports was written against.
+#: Versions whose private transport internals realtime_app.outbound.transports was written against.
 TESTED_SERVERS = {"daphne": ("4.2",), "autobahn": ("26.",), "twisted": ("26.",), "uvicorn": ("0.54",)}
 
 
@@ -341,7 +341,7 @@ def check_layer(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """E008: ``BACKPLANE = "auto"`` with a channel layer the cluster cannot be carried on."""
     from django.conf import settings
 
-    from .backplane_redis import REDIS_LAYERS, layer_kind
+    from realtime_app.cluster.redis import REDIS_LAYERS, layer_kind
 
     if get_config()["BACKPLANE"] != "auto" or layer_kind() != "other":
         return []
@@ -361,7 +361,7 @@ def check_layer(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
 @register(Tags.compatibility)
 def check_method_costs(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """W030: a method that costs more than a full bucket holds is refused every time."""
-    from .consumers import method_costs
+    from realtime_app.endpoint.consumer import method_costs
 
     capacity = get_config()["ADMISSION_BUCKET_CAPACITY"]
     if not isinstance(capacity, (int, float)) or isinstance(capacity, bool) or not capacity:
@@ -402,7 +402,7 @@ def check_http_pools(app_configs: Any = None, **kwargs: Any) -> list[CheckMessag
             )
             for problem in problems
         ]
-    from .middleware import decorated_pools
+    from realtime_app.middleware import decorated_pools
 
     try:  # the URLconf imports the views: their decorators name their pools
         from django.urls import get_resolver

@@ -23,11 +23,11 @@ import logging
 from importlib import import_module
 from typing import Any
 
-from .conf import get_config
-from .hub import BACKGROUND_LOOPS, CONTROL_HANDLERS, Connection, Hub
-from .policies import Action, active_rules, evaluate, requirement_for
-from .protocol import CloseCode
-from .registry import registry
+from realtime_app.channels.policies import Action, active_rules, evaluate, requirement_for
+from realtime_app.channels.registry import registry
+from realtime_app.conf import get_config
+from realtime_app.hub.core import BACKGROUND_LOOPS, CONTROL_HANDLERS, Connection, Hub
+from realtime_app.wire.protocol import CloseCode
 
 __all__ = ["current_user", "needs_user", "on_logout", "revalidate", "revalidation_loop", "session_digest"]
 
@@ -172,7 +172,7 @@ def on_logout(sender: Any, request: Any = None, user: Any = None, **kwargs: Any)
         return  # an anonymous session has no socket rights to end
     from asgiref.sync import async_to_sync
 
-    from .publishing import acontrol
+    from realtime_app.hub.publishing import acontrol
 
     try:
         async_to_sync(acontrol)({"kind": "logout", "session": session_digest(key)})

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .backplanes import make_backplane
-from .hub import hub_of_current_loop
+from realtime_app.cluster.factory import make_backplane
+from realtime_app.hub.core import hub_of_current_loop
 
 __all__ = ["PROBE_FIELDS", "cluster_probe", "totals"]
 

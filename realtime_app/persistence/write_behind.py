@@ -39,9 +39,9 @@ from django.db import DatabaseError, DataError, IntegrityError, InterfaceError, 
 from django.db.models import Case, F, Q, Value, When
 from django.utils import timezone
 
-from . import journal
-from .journal import JournalFile
-from .logsafe import safe
+from realtime_app.observability.logsafe import safe
+from realtime_app.persistence import journal
+from realtime_app.persistence.journal import JournalFile
 
 __all__ = ["Accepted", "WriteBehindStore", "flush_all", "install_shutdown_flush", "start_all", "stores", "stores_probe"]
 
@@ -170,7 +170,7 @@ class WriteBehindStore(Generic[M]):
     def delay_s(self) -> float:
         if self._delay_s is not None:
             return self._delay_s
-        from .conf import get_config
+        from realtime_app.conf import get_config
 
         return float(get_config()["WRITE_BEHIND_DELAY_MS"]) / 1000
 
@@ -754,7 +754,7 @@ class WriteBehindStore(Generic[M]):
         PostgreSQL a batch still in flight under that token makes this wait for its end."""
         from django.db import connections, router
 
-        from .models import FlushMark
+        from realtime_app.models import FlushMark
 
         alias = router.db_for_write(FlushMark)
         connection = connections[alias]
@@ -793,7 +793,7 @@ class WriteBehindStore(Generic[M]):
         if now - _marks_swept < 600:
             return
         _marks_swept = now
-        from .models import FlushMark
+        from realtime_app.models import FlushMark
 
         FlushMark.objects.filter(created__lt=timezone.now() - timedelta(hours=1)).delete()
 
@@ -915,7 +915,7 @@ def install_shutdown_flush() -> None:
 
 async def flush_all() -> int:
     """Flush every store of this process (shutdown, the end of a command); what cannot be
-    written goes to the journal for the next process (:mod:`realtime_app.journal`)."""
+    written goes to the journal for the next process (:mod:`realtime_app.persistence.journal`)."""
     written = 0
     for store in stores():
         try:

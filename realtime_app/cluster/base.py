@@ -3,8 +3,8 @@
 :class:`Backplane` is the contract, and only the contract; the implementations live in
 their own modules:
 
-* :mod:`realtime_app.backplane_memory` — the embedded default, one process;
-* :mod:`realtime_app.backplane_redis` — a cluster on channels-redis.
+* :mod:`realtime_app.cluster.memory` — the embedded default, one process;
+* :mod:`realtime_app.cluster.redis` — a cluster on channels-redis.
 
 ``REALTIME_APP["BACKPLANE"]`` chooses one: ``"auto"`` (Redis when the default channel
 layer is channels-redis), ``"memory"``, ``"redis"``, or the dotted path of a subclass.
@@ -13,7 +13,7 @@ The hub hands ``start()`` a ``deliver`` callback and never looks inside: what ar
 this process (a frame of a channel it joined, another process giving a lease up) comes
 back through it. Every method may raise when the backplane is unreachable; the hub
 treats that as an outage, keeps its desired state and re-asserts it once the backplane
-answers again (see :mod:`realtime_app.reconciler`). State a backplane keeps for a
+answers again (see :mod:`realtime_app.hub.reconciler`). State a backplane keeps for a
 process (group membership, leases, sequence numbers) may vanish at any time (a restart,
 an expiry): :meth:`check` reports it, and the hub joins and reseeds again.
 """
@@ -26,8 +26,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .history import PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, Since
-from .logsafe import Outage
+from realtime_app.observability.logsafe import Outage
+from realtime_app.wire.history import PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, Since
 
 __all__ = ["Backplane", "Delivery", "Deliver", "now_ms"]
 

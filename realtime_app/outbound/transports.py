@@ -34,7 +34,7 @@ import termios
 from collections.abc import Callable
 from typing import Any
 
-from .exceptions import RealtimeError
+from realtime_app.exceptions import RealtimeError
 
 __all__ = ["Transport", "UnsupportedServer", "server_send", "text_frame", "transport_for"]
 

@@ -1,6 +1,6 @@
 """A client's place in one channel with history: each message once, in order, or a resync.
 
-The clients (:mod:`realtime_app.client` and ``EventCursor`` in the browser module, both
+The clients (:mod:`realtime_app.client.connection` and ``EventCursor`` in the browser module, both
 tested against ``tests/vectors/cursor.json``) feed it every ``message`` of the channel and
 every answer to a ``subscribe`` of it, and do what it returns:
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, TypeAlias
 
-from .history import newer_epoch
+from realtime_app.wire.history import newer_epoch
 
 __all__ = ["Action", "EventCursor"]
 

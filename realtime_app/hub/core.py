@@ -1,7 +1,7 @@
 """The per-process hub: local subscriptions, tickers, publications and fan-out.
 
 Each process keeps, for every channel, the set of its own connections subscribed to it,
-and tells its :class:`~realtime_app.reconciler.Reconciler` when a channel gets its first
+and tells its :class:`~realtime_app.hub.reconciler.Reconciler` when a channel gets its first
 local subscriber or loses its last. The reconciler decides what to do on the backplane
 (join, acquire, start the ticker, release, leave...) and the hub only carries it out, one
 action at a time per channel. A maintenance beat renews leases, retries what failed and,
@@ -32,24 +32,24 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from .admission import Admission, AdmissionLimits, Refusal, RefusalBudget
-from .backplane import Backplane, Delivery, now_ms
-from .backplanes import make_backplane
-from .backpressure import CLOSE, DROP, SEND, Decision, decide_send
-from .cancellation import cancel_and_wait
-from .conf import get_config
-from .exceptions import BackplaneUnavailable, PublicationError, PublicationTooLarge, RPCError
-from .guard import BACKPRESSURE_REASON, Guard
-from .history import PAGE, HistoryEntry, Since, follows, new_epoch, newer_epoch, plan_resume
-from .logsafe import safe
-from .middleware import pools_probe
-from .protocol import OVERLOADED, CloseCode, encode, notification_text
-from .reconciler import REMOTE, Action, Reconciler
-from .registry import RESERVED, ChannelSpec, registry
-from .transports import text_frame
-from .workers import RequestPool
-from .write_behind import start_all as start_stores
-from .write_behind import stores_probe
+from realtime_app.cancellation import cancel_and_wait
+from realtime_app.channels.registry import RESERVED, ChannelSpec, registry
+from realtime_app.cluster.base import Backplane, Delivery, now_ms
+from realtime_app.cluster.factory import make_backplane
+from realtime_app.conf import get_config
+from realtime_app.exceptions import BackplaneUnavailable, PublicationError, PublicationTooLarge, RPCError
+from realtime_app.hub.reconciler import REMOTE, Action, Reconciler
+from realtime_app.inbound.admission import Admission, AdmissionLimits, Refusal, RefusalBudget
+from realtime_app.inbound.workers import RequestPool
+from realtime_app.middleware import pools_probe
+from realtime_app.observability.logsafe import safe
+from realtime_app.outbound.backpressure import CLOSE, DROP, SEND, Decision, decide_send
+from realtime_app.outbound.guard import BACKPRESSURE_REASON, Guard
+from realtime_app.outbound.transports import text_frame
+from realtime_app.persistence.write_behind import start_all as start_stores
+from realtime_app.persistence.write_behind import stores_probe
+from realtime_app.wire.history import PAGE, HistoryEntry, Since, follows, new_epoch, newer_epoch, plan_resume
+from realtime_app.wire.protocol import OVERLOADED, CloseCode, encode, notification_text
 
 __all__ = ["Connection", "Hub", "get_hub", "running_hub"]
 

@@ -1,7 +1,7 @@
 """The WebSocket endpoint: a thin ASGI adapter between the socket and the hub.
 
-It parses frames with :mod:`realtime_app.protocol`, checks channel access with
-:mod:`realtime_app.policies`, and subscribes through the :class:`~realtime_app.hub.Hub`.
+It parses frames with :mod:`realtime_app.wire.protocol`, checks channel access with
+:mod:`realtime_app.channels.policies`, and subscribes through the :class:`~realtime_app.hub.core.Hub`.
 It has no channel-layer channel of its own: frames reach it from the process's hub,
 so a connection costs nothing on the backplane.
 """
@@ -18,21 +18,27 @@ from typing import Any, Literal
 
 from channels.db import database_sync_to_async
 
-from . import protocol
-from .addresses import client_address, trusted_networks
-from .admission import Refusal
-from .conf import get_config
-from .exceptions import BackplaneUnavailable, ForbiddenChannel, PublicationError, PublicationTooLarge, RPCError
-from .history import Since
-from .hub import Connection, Hub, get_hub
-from .logsafe import safe
-from .policies import allowed
-from .protocol import CloseCode, Request, Response
-from .rate import nearest_cadence, rate_channel
-from .registry import ChannelSpec, registry
-from .sessions import current_user, needs_user
-from .transports import UnsupportedServer
-from .workers import Call, Coalesce
+from realtime_app.channels.policies import allowed
+from realtime_app.channels.registry import ChannelSpec, registry
+from realtime_app.channels.sessions import current_user, needs_user
+from realtime_app.conf import get_config
+from realtime_app.endpoint.addresses import client_address, trusted_networks
+from realtime_app.exceptions import (
+    BackplaneUnavailable,
+    ForbiddenChannel,
+    PublicationError,
+    PublicationTooLarge,
+    RPCError,
+)
+from realtime_app.hub.core import Connection, Hub, get_hub
+from realtime_app.inbound.admission import Refusal
+from realtime_app.inbound.workers import Call, Coalesce
+from realtime_app.observability.logsafe import safe
+from realtime_app.outbound.transports import UnsupportedServer
+from realtime_app.wire import protocol
+from realtime_app.wire.history import Since
+from realtime_app.wire.protocol import CloseCode, Request, Response
+from realtime_app.wire.rate import nearest_cadence, rate_channel
 
 __all__ = ["RealtimeConsumer", "rpc_method"]
 
@@ -81,7 +87,7 @@ def rpc_method(
     given, so that the client can resync. Admitted calls wait their turn in the process's
     pool (``ADMISSION_MAX_RUNNING`` at once): an ``async def`` handler runs on the event
     loop, a plain ``def`` one in a worker thread (it may use the ORM). ``coalesce``
-    (:class:`~realtime_app.workers.Coalesce`) lets compatible waiting calls merge into one
+    (:class:`~realtime_app.inbound.workers.Coalesce`) lets compatible waiting calls merge into one
     execution. Raise :class:`~realtime_app.exceptions.RPCError` to answer an error; any
     other exception answers -32603 and is logged.
     """
@@ -156,7 +162,7 @@ class RealtimeConsumer:
 
     def identity(self) -> tuple[str, str]:
         """Who this connection is: the user's primary key, else the client's address
-        (read through ``TRUSTED_PROXIES`` only, :mod:`realtime_app.addresses`). Its
+        (read through ``TRUSTED_PROXIES`` only, :mod:`realtime_app.endpoint.addresses`). Its
         connection cap, handshake rate, request cap and token bucket all belong to that
         identity, so reconnecting or opening more sockets gives a client nothing more."""
         user = self.user
@@ -498,7 +504,7 @@ class RealtimeConsumer:
         return "pong"
 
     async def rpc_publish(self, params: Any) -> dict[str, Any]:
-        from .publishing import apublish
+        from realtime_app.hub.publishing import apublish
 
         name = self._channel_param(params)
         if not isinstance(params, dict) or "data" not in params:

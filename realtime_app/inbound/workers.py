@@ -1,14 +1,15 @@
 """Bounded execution of admitted requests: a FIFO queue, at most ``max_running`` at once.
 
-Admission (:mod:`realtime_app.admission`) decides whether a request may wait; this pool
+Admission (:mod:`realtime_app.inbound.admission`) decides whether a request may wait; this pool
 decides when it runs. Application methods run here, not in their connection's receive
 loop, so a slow method never holds up that connection's other frames (its pings answer
 at once) and responses leave in completion order, each with its own ``id``.
 
 * **Bounded and fair.** At most ``max_running`` requests run at once in the process; the
   others wait, one queue per identity, the identity with the fewest running served next
-  (:class:`~realtime_app.admission.CoalescingQueue`). Async handlers run on the event loop, sync ones in a worker
-  thread (they may use the ORM) — a blocked sync handler never blocks the loop.
+  (:class:`~realtime_app.inbound.admission.CoalescingQueue`). Async handlers run on the
+  event loop, sync ones in a worker thread (they may use the ORM) — a blocked sync
+  handler never blocks the loop.
 * **Coalescing.** A request of a method that declares :class:`Coalesce` joins a
   compatible request **still waiting** (same key) up to the method's cap; the handler
   runs once with the merged params and every caller gets its own answer. A running
@@ -16,7 +17,7 @@ at once) and responses leave in completion order, each with its own ``id``.
 * **Released, always.** Every admitted request gives its admission slot back exactly
   once — answered, raising, cancelled, or dropped because its connection closed while it
   waited (:meth:`RequestPool.abandon`), or the process stopping (:meth:`RequestPool.close`):
-  the books are kept by the pure :class:`~realtime_app.slots.PoolCore`.
+  the books are kept by the pure :class:`~realtime_app.inbound.slots.PoolCore`.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .admission import Admission, Job
-from .protocol import INTERNAL_ERROR
-from .slots import PoolCore
+from realtime_app.inbound.admission import Admission, Job
+from realtime_app.inbound.slots import PoolCore
+from realtime_app.wire.protocol import INTERNAL_ERROR
 
 __all__ = ["Call", "Coalesce", "RequestPool"]
 
@@ -79,7 +80,7 @@ class Call:
     coalesce: Coalesce | None = None
     cancellable: bool = True  # an async handler; a sync one runs on in its thread
     future: asyncio.Future[Any] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    released: bool = False  # its admission slots were given back (:mod:`realtime_app.slots`)
+    released: bool = False  # its admission slots were given back (:mod:`realtime_app.inbound.slots`)
 
 
 #: ``execute(owner, method, params) -> (ok, result or JSON-RPC error object)``
@@ -88,7 +89,7 @@ Execute = Callable[[Any, str, Any], Any]
 
 class RequestPool:
     """The process's queue of admitted requests and the tasks that run them: the asyncio
-    shell around :class:`~realtime_app.slots.PoolCore`, which keeps the books."""
+    shell around :class:`~realtime_app.inbound.slots.PoolCore`, which keeps the books."""
 
     def __init__(self, admission: Admission, max_running: int, execute: Execute) -> None:
         self.admission = admission

@@ -35,12 +35,12 @@ from redis import asyncio as aioredis
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeout
 
-from .admission import retry_after_ms
-from .backplane import Backplane, Deliver, Delivery, now_ms
-from .cancellation import cancel_and_wait
-from .history import PAGE, PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, Since, epoch_suffix
-from .names import group_name
-from .protocol import notification_head
+from realtime_app.cancellation import cancel_and_wait
+from realtime_app.cluster.base import Backplane, Deliver, Delivery, now_ms
+from realtime_app.inbound.admission import retry_after_ms
+from realtime_app.wire.history import PAGE, PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, Since, epoch_suffix
+from realtime_app.wire.names import group_name
+from realtime_app.wire.protocol import notification_head
 
 __all__ = ["REDIS_LAYERS", "RedisBackplane", "layer_hosts", "layer_kind", "uses_channels_redis"]
 
@@ -270,7 +270,7 @@ class RedisBackplane(Backplane):
         hosts: list[dict[str, Any]] | None = None,
     ) -> None:
         super().__init__(instance_id=instance_id, config=config)
-        from .conf import DEFAULTS
+        from realtime_app.conf import DEFAULTS
 
         settings = {**DEFAULTS, **(config or {})}
         self.prefix: str = settings["KEY_PREFIX"]

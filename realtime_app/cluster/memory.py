@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .backplane import Backplane, Deliver, Delivery, now_ms
-from .history import PAGE, PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, MemoryHistory, Since
-from .protocol import notification_text
+from realtime_app.cluster.base import Backplane, Deliver, Delivery, now_ms
+from realtime_app.wire.history import PAGE, PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, MemoryHistory, Since
+from realtime_app.wire.protocol import notification_text
 
 __all__ = ["MemoryBackplane"]
 

@@ -8,7 +8,7 @@ request moves through::
        └──────────────abandon / close─────────▶ released
 
 :class:`PoolCore` makes each transition and returns what its caller must do: the jobs to
-start, the jobs to cancel. The asyncio shell (:class:`~realtime_app.workers.RequestPool`)
+start, the jobs to cancel. The asyncio shell (:class:`~realtime_app.inbound.workers.RequestPool`)
 calls :meth:`PoolCore.finished` from each job task's *done callback*, which runs however
 the task ended — answered, raising, cancelled while running, or cancelled **before its
 first step** (a coroutine that never started never enters its own ``try/finally``; a done
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any, Generic, Protocol, TypeVar
 
-from .admission import Admission, CoalescingQueue, Job
+from realtime_app.inbound.admission import Admission, CoalescingQueue, Job
 
 __all__ = ["PoolCore", "Ticket"]
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from .protocol import OVERLOADED, RATE_LIMITED, TOO_MANY_IN_FLIGHT
+from realtime_app.wire.protocol import OVERLOADED, RATE_LIMITED, TOO_MANY_IN_FLIGHT
 
 __all__ = [
     "Admission",

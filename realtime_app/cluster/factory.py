@@ -1,12 +1,12 @@
 """Which backplane this process uses: the settings' choice (``BACKPLANE``), built.
 
-Apart from :mod:`realtime_app.backplane` (the interface) so that the interface does not
+Apart from :mod:`realtime_app.cluster.base` (the interface) so that the interface does not
 import its implementations, which import it.
 """
 
 from __future__ import annotations
 
-from .backplane import Backplane
+from realtime_app.cluster.base import Backplane
 
 __all__ = ["backplane_class", "make_backplane"]
 
@@ -16,21 +16,21 @@ def backplane_class() -> type[Backplane]:
     one process with the in-memory layer or none, an error with any other)."""
     from django.utils.module_loading import import_string
 
-    from .conf import get_config
+    from realtime_app.conf import get_config
 
     choice = get_config()["BACKPLANE"]
     if choice == "memory":
-        from .backplane_memory import MemoryBackplane
+        from realtime_app.cluster.memory import MemoryBackplane
 
         return MemoryBackplane
     if choice == "redis":
-        from .backplane_redis import RedisBackplane
+        from realtime_app.cluster.redis import RedisBackplane
 
         return RedisBackplane
     if choice == "auto":
         from django.core.exceptions import ImproperlyConfigured
 
-        from .backplane_redis import RedisBackplane, layer_kind
+        from realtime_app.cluster.redis import RedisBackplane, layer_kind
 
         kind = layer_kind()
         if kind == "redis":
@@ -40,7 +40,7 @@ def backplane_class() -> type[Backplane]:
                 "realtime_app: the default channel layer is neither channels-redis' nor the in-memory one; "
                 "set REALTIME_APP['BACKPLANE'] (see manage.py check, realtime_app.E008)"
             )
-        from .backplane_memory import MemoryBackplane
+        from realtime_app.cluster.memory import MemoryBackplane
 
         return MemoryBackplane
     cls: type[Backplane] = import_string(choice)
@@ -49,6 +49,6 @@ def backplane_class() -> type[Backplane]:
 
 def make_backplane(instance_id: str = "headless") -> Backplane:
     """Build the configured backplane (``"headless"``: publish or read probes, no receiving)."""
-    from .conf import get_config
+    from realtime_app.conf import get_config
 
     return backplane_class()(instance_id=instance_id, config=get_config())

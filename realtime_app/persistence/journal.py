@@ -38,7 +38,7 @@ Batches = list[tuple[str, list[tuple[tuple[Any, ...], dict[str, Any]]]]]
 
 def journal_dir() -> Path:
     """``WRITE_BEHIND_JOURNAL_DIR``, or ``<tmp>/realtime_app-journal`` when unset."""
-    from .conf import get_config
+    from realtime_app.conf import get_config
 
     configured = get_config()["WRITE_BEHIND_JOURNAL_DIR"]
     return Path(configured) if configured else Path(tempfile.gettempdir()) / "realtime_app-journal"

@@ -12,10 +12,10 @@ from typing import Any
 
 from asgiref.sync import async_to_sync
 
-from .backplanes import make_backplane
-from .exceptions import BackplaneUnavailable, ConfigurationError
-from .hub import encode_publication, hub_of_current_loop, running_hub
-from .registry import registry
+from realtime_app.channels.registry import registry
+from realtime_app.cluster.factory import make_backplane
+from realtime_app.exceptions import BackplaneUnavailable, ConfigurationError
+from realtime_app.hub.core import encode_publication, hub_of_current_loop, running_hub
 
 __all__ = ["acontrol", "apublish", "publish"]
 
@@ -59,8 +59,8 @@ def publish(channel: str, data: Any) -> int:
 
 async def acontrol(message: dict[str, Any]) -> None:
     """Send a control message to every serving process (e.g. a logout); internal."""
-    from .hub import CONTROL_CHANNEL
-    from .protocol import encode
+    from realtime_app.hub.core import CONTROL_CHANNEL
+    from realtime_app.wire.protocol import encode
 
     hub = hub_of_current_loop()
     if hub is not None:

@@ -256,7 +256,7 @@ def evaluate(req: Requirement, user: Any, channel: str, action: Action) -> bool:
 @cache
 def active_rules() -> list[Rule]:
     """The compiled rules of the settings: the user's, then the built-in ones."""
-    from .conf import get_config
+    from realtime_app.conf import get_config
 
     config = get_config()
     return compile_rules([*config["POLICIES"], *config["BUILTIN_POLICIES"]])

@@ -17,9 +17,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
-from .exceptions import ConfigurationError, UnknownChannel
-from .history import HistoryPolicy
-from .rate import RateBounds, is_rate_channel, parse_rate, rate_channel
+from realtime_app.exceptions import ConfigurationError, UnknownChannel
+from realtime_app.wire.history import HistoryPolicy
+from realtime_app.wire.rate import RateBounds, is_rate_channel, parse_rate, rate_channel
 
 __all__ = [
     "ChannelKind",

@@ -27,12 +27,12 @@ from typing import Any
 import websockets
 from websockets.typing import Origin
 
-from .adaptive import AdaptiveRate
-from .admission import retry_delay_ms
-from .cancellation import cancel_and_wait
-from .cursor import Action, EventCursor
-from .exceptions import Refused, RPCError, error_from_response
-from .rate import rate_channel
+from realtime_app.cancellation import cancel_and_wait
+from realtime_app.client.adaptive import AdaptiveRate
+from realtime_app.client.cursor import Action, EventCursor
+from realtime_app.exceptions import Refused, RPCError, error_from_response
+from realtime_app.inbound.admission import retry_delay_ms
+from realtime_app.wire.rate import rate_channel
 
 __all__ = [
     "RECONNECT_CODES",
@@ -325,7 +325,7 @@ class RealtimeClient:
         when admission refused it) or ``TimeoutError``.
 
         ``retries``: how many times a refused call is sent again after its
-        ``retry_after_ms`` (jittered by :func:`~realtime_app.admission.retry_delay_ms`);
+        ``retry_after_ms`` (jittered by :func:`~realtime_app.inbound.admission.retry_delay_ms`);
         0 by default — whether a late retry still makes sense is the application's call.
         """
         while True:

@@ -1,7 +1,7 @@
 """The scenarios of docs/cadence-and-backpressure.md, replayed on a controlled clock (no sleeping, no I/O).
 
-They drive the real :class:`~realtime_app.adaptive.AdaptiveRate` and the real
-:func:`~realtime_app.backpressure.decide_send` — no copy of their logic — with a simple
+They drive the real :class:`~realtime_app.client.adaptive.AdaptiveRate` and the real
+:func:`~realtime_app.outbound.backpressure.decide_send` — no copy of their logic — with a simple
 model of a client, one millisecond at a time, and return one sample per second.
 ``manage.py realtime_figures`` writes them as CSV/JSON and draws them.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .adaptive import AdaptiveRate
-from .backpressure import CLOSE, SEND, BackpressureConfig, DropState, decide_send
+from realtime_app.client.adaptive import AdaptiveRate
+from realtime_app.outbound.backpressure import CLOSE, SEND, BackpressureConfig, DropState, decide_send
 
 __all__ = ["CadenceSeries", "QueueSeries", "cadence_under_degradation", "dead_client", "passing_spike", "replay_all"]
 

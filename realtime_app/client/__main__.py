@@ -1,0 +1,7 @@
+"""``python -m realtime_app.client URL CHANNEL...``: subscribe and print (docs/clients.md)."""
+
+import sys
+
+from realtime_app.client.connection import main
+
+sys.exit(main())

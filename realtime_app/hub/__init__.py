@@ -1,0 +1,33 @@
+"""The per-process hub: a small facade over rooms that each own one job.
+
+:mod:`.core` (the :class:`Hub` facade and its lifecycle), :mod:`.connections`,
+:mod:`.convergence` (carrying out the :mod:`.reconciler`'s actions, the beat),
+:mod:`.tickers`, :mod:`.ordering`, :mod:`.replay`, :mod:`.fanout`, :mod:`.gate`
+(admission), :mod:`.publishing` and :mod:`.probe`. The rules they follow are pure
+functions or state machines that take ``now`` (:mod:`.lease`, :mod:`.ordering`,
+:mod:`.tickers`, :mod:`.replay`), tested without Redis or an event loop.
+"""
+
+from __future__ import annotations
+
+from realtime_app.hub.core import (
+    BACKGROUND_LOOPS,
+    CONTROL_CHANNEL,
+    CONTROL_HANDLERS,
+    Connection,
+    Hub,
+    get_hub,
+    hub_of_current_loop,
+    running_hub,
+)
+
+__all__ = [
+    "BACKGROUND_LOOPS",
+    "CONTROL_CHANNEL",
+    "CONTROL_HANDLERS",
+    "Connection",
+    "Hub",
+    "get_hub",
+    "hub_of_current_loop",
+    "running_hub",
+]

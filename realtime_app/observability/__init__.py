@@ -1,0 +1,1 @@
+"""Probes (one typed schema), Prometheus metrics, and logging of client-supplied text."""
