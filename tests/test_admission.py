@@ -432,7 +432,7 @@ async def test_a_request_cancelled_while_the_shared_bucket_answers_gives_its_slo
 
     monkeypatch.setattr(hub.backplane, "clustered", True, raising=False)
     monkeypatch.setattr(hub, "_take_shared", slow_bucket)
-    task = asyncio.get_running_loop().create_task(hub.admit(("user", "7"), 1.0))
+    task = asyncio.get_running_loop().create_task(hub.gate.admit(("user", "7"), 1.0))
     await asked.wait()
     assert hub.admission.pending == 1
     task.cancel()

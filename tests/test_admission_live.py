@@ -15,7 +15,7 @@ import psutil
 import pytest
 import websockets
 
-from realtime_app.hub import UNREAD_ANSWER_BYTES
+from realtime_app.hub.fanout import UNREAD_ANSWER_BYTES
 from tests.private_redis import PrivateRedis
 from tests.servers import Server, login, prepare_database, servers
 from tests.test_faults import until

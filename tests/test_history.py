@@ -218,7 +218,7 @@ async def test_the_probe_and_metrics_show_histories_and_resumes(hub):
 
 async def test_a_process_fans_frames_out_in_seq_order_and_releases_over_a_gap_after_a_window(hub):
     from realtime_app.cluster.base import Delivery
-    from realtime_app.hub import REORDER_WINDOW_S
+    from realtime_app.hub.ordering import REORDER_WINDOW_S
 
     async with Client() as c:
         start = (await c.call("subscribe", {"channel": "demo:events"}))["result"]
@@ -251,8 +251,8 @@ async def test_a_late_frame_still_reaches_a_connection_behind_the_process(hub):
     async with Client() as c:
         start = (await c.call("subscribe", {"channel": "demo:events"}))["result"]
         top, epoch = start["seq"], start["epoch"]
-        hub._orders.pop("demo:events").stop()
-        hub._sequencer("demo:events", epoch, top + 1)  # another subscriber's later read
+        hub.ordering.forget("demo:events")
+        hub.ordering.read("demo:events", epoch, top + 1)  # another subscriber's later read
         text = notification_text("demo:events", encode("late"), top + 1, 0, epoch)
         await hub._deliver(Delivery("frame", "demo:events", text, top + 1, epoch))
         assert [f["data"] for f in await c.frames(1)] == ["late"]

@@ -196,7 +196,7 @@ async def test_a_ticker_stops_publishing_once_its_lease_cannot_be_renewed():
                 from tests.test_faults import until
 
                 backplanes.ClusteredMemoryBackplane.renew_fails = True
-                await until(lambda: hub.stale_ticks > 0, 5, "ticks held back")  # past the lease TTL
+                await until(lambda: hub.tickers.stale_ticks > 0, 5, "ticks held back")  # past the lease TTL
                 published = hub.published
                 await asyncio.sleep(0.5)
                 assert hub.published == published  # nothing goes out without a fresh lease
@@ -262,14 +262,14 @@ async def test_one_slow_answer_to_the_beat_is_not_an_outage_two_in_a_row_are():
             backplane = hub.backplane
             assert backplane is not None
             SlowToAnswer.delay = 0.7  # past the beat's timeout (0.5 s at this lease)
-            await hub._beat(backplane)
+            await hub.convergence.beat(backplane)
             assert not backplane.outage.down  # one slow beat: re-asserted, not logged down
             SlowToAnswer.delay = 0.0
-            await hub._beat(backplane)
+            await hub.convergence.beat(backplane)
             SlowToAnswer.delay = 0.7
-            await hub._beat(backplane)
+            await hub.convergence.beat(backplane)
             assert not backplane.outage.down  # a good beat in between starts the count again
-            await hub._beat(backplane)
+            await hub.convergence.beat(backplane)
             assert backplane.outage.down  # two in a row: down
         finally:
             SlowToAnswer.delay = 0.0

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from realtime_app.observability.logsafe import Outage
+from realtime_app.observability.schema import ProcessProbe
 from realtime_app.wire.history import PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, Since
 
 __all__ = ["Backplane", "Delivery", "Deliver", "now_ms"]
@@ -131,7 +132,7 @@ class Backplane:
         """Give the lease up and tell the other subscribed processes."""
         raise NotImplementedError
 
-    async def put_probe(self, probe: dict[str, Any], ttl_ms: int) -> None:
+    async def put_probe(self, probe: ProcessProbe, ttl_ms: int) -> None:
         """Publish this process's probe for ``ttl_ms``."""
         raise NotImplementedError
 
@@ -139,7 +140,7 @@ class Backplane:
         """Withdraw this process's probe (clean shutdown)."""
         raise NotImplementedError
 
-    async def cluster_probes(self) -> list[dict[str, Any]]:
+    async def cluster_probes(self) -> list[ProcessProbe]:
         """The probes of every live process."""
         raise NotImplementedError
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from realtime_app.cluster.base import Backplane, Deliver, Delivery, now_ms
+from realtime_app.observability.schema import ProcessProbe
 from realtime_app.wire.history import PAGE, PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, MemoryHistory, Since
 from realtime_app.wire.protocol import notification_text
 
@@ -22,7 +23,7 @@ class MemoryBackplane(Backplane):
         super().__init__(instance_id=instance_id, config=config)
         self._deliver: Deliver | None = None
         self._seq: dict[str, int] = {}
-        self._probe: dict[str, Any] | None = None
+        self._probe: ProcessProbe | None = None
         self._history = MemoryHistory()
 
     async def start(self, deliver: Deliver) -> None:
@@ -82,11 +83,11 @@ class MemoryBackplane(Backplane):
     async def release(self, channel: str) -> None:
         pass
 
-    async def put_probe(self, probe: dict[str, Any], ttl_ms: int) -> None:
+    async def put_probe(self, probe: ProcessProbe, ttl_ms: int) -> None:
         self._probe = probe
 
     async def drop_probe(self) -> None:
         self._probe = None
 
-    async def cluster_probes(self) -> list[dict[str, Any]]:
+    async def cluster_probes(self) -> list[ProcessProbe]:
         return [self._probe] if self._probe else []

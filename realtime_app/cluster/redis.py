@@ -38,6 +38,7 @@ from redis.exceptions import TimeoutError as RedisTimeout
 from realtime_app.cancellation import cancel_and_wait
 from realtime_app.cluster.base import Backplane, Deliver, Delivery, now_ms
 from realtime_app.inbound.admission import retry_after_ms
+from realtime_app.observability.schema import ProcessProbe
 from realtime_app.wire.history import PAGE, PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, Since, epoch_suffix
 from realtime_app.wire.names import group_name
 from realtime_app.wire.protocol import notification_head
@@ -482,7 +483,7 @@ class RedisBackplane(Backplane):
 
     # -- probes -----------------------------------------------------------------------
 
-    async def put_probe(self, probe: dict[str, Any], ttl_ms: int) -> None:
+    async def put_probe(self, probe: ProcessProbe, ttl_ms: int) -> None:
         now = now_ms()
         instances = f"{self.prefix}:instances"
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -498,7 +499,7 @@ class RedisBackplane(Backplane):
             pipe.zrem(f"{self.prefix}:instances", self.instance_id)
             await pipe.execute()
 
-    async def cluster_probes(self) -> list[dict[str, Any]]:
+    async def cluster_probes(self) -> list[ProcessProbe]:
         ids = await self.redis.zrangebyscore(f"{self.prefix}:instances", now_ms(), "+inf")
         if not ids:
             return []

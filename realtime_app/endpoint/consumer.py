@@ -198,7 +198,7 @@ class RealtimeConsumer:
         await send({"type": "websocket.accept"})
         self.connection = conn
         identity = self.admission_identity()
-        if not hub.handshake(identity):  # logged by the hub, once while it lasts
+        if not hub.gate.handshake(identity):  # logged by the hub, once while it lasts
             conn.closed = True
             conn.guard.close(CloseCode.TRY_AGAIN_LATER, "too many handshakes")
             return
@@ -243,7 +243,7 @@ class RealtimeConsumer:
             return
         assert self.connection is not None
         hub = await get_hub()
-        if hub.unread_responses(self.connection):
+        if hub.fanout.unread_responses(self.connection):
             return  # the client does not read its answers: none of these requests runs
         frame = protocol.parse_frame(text, config["MAX_BATCH"])
         errors: list[Response] = []
@@ -283,7 +283,7 @@ class RealtimeConsumer:
         if method is not None and method.coalesce is not None:
             key, units = self._coalescing(method.coalesce, identity, request)
         merged = method is not None and hub.pool.would_merge(key, units, method.coalesce.cap if method.coalesce else 0)
-        refusal = await hub.admit(identity, cost, merged=merged)
+        refusal = await hub.gate.admit(identity, cost, merged=merged)
         if refusal is not None:
             if not await self._refused_again(hub, refusal):
                 return None
@@ -302,8 +302,7 @@ class RealtimeConsumer:
         with 1008) when the client ignores its refusals. Over its own limits, nothing more
         is read from it until it may pass again (at most a second): TCP pushes back on a
         flood; answers go on."""
-        if not hub.spend_refusal(self.admission_identity()):
-            hub.refusal_closes += 1
+        if not hub.gate.spend_refusal(self.admission_identity()):
             await self.close(CloseCode.POLICY_VIOLATION, "too many refused requests")
             return False
         if self.connection is not None and refusal.reason != "overloaded":
@@ -315,7 +314,7 @@ class RealtimeConsumer:
         else the refusal to answer instead of the error (a flood of bad input is refused,
         then closed, as other floods are)."""
         identity = self.admission_identity()
-        refusal = await hub.admit(identity, float(get_config()["ADMISSION_ERROR_COST"]))
+        refusal = await hub.gate.admit(identity, float(get_config()["ADMISSION_ERROR_COST"]))
         if refusal is None:
             hub.admission.release(identity)
             return None
@@ -482,11 +481,11 @@ class RealtimeConsumer:
                 ms = nearest_cadence(spec.interval_ms, running)
                 spec = registry.resolve(rate_channel(family.base, ms, family.bounds.default))
                 await self._require(spec, "subscribe")
-                hub.refused["cadences"] += 1
+                hub.count_refusal("cadences")
                 return spec
         tickers = config["MAX_TICKERS"]
         if spec.has_ticker and tickers and hub.ticker_count() >= tickers:
-            hub.refused["tickers"] += 1
+            hub.count_refusal("tickers")
             raise RPCError(
                 protocol.OVERLOADED, "Too many tickers", "too_many_tickers", limit=tickers, retry_after_ms=5000
             )
@@ -578,4 +577,4 @@ class _Reply:
         conn = self.consumer.connection
         responses = [entry for entry in self.entries if entry is not None]
         if responses and conn is not None and not conn.closed:
-            self.hub.send_to(conn, protocol.encode(responses if self.batch else responses[0]), response=True)
+            self.hub.fanout.send_to(conn, protocol.encode(responses if self.batch else responses[0]), response=True)

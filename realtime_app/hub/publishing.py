@@ -15,7 +15,8 @@ from asgiref.sync import async_to_sync
 from realtime_app.channels.registry import registry
 from realtime_app.cluster.factory import make_backplane
 from realtime_app.exceptions import BackplaneUnavailable, ConfigurationError
-from realtime_app.hub.core import encode_publication, hub_of_current_loop, running_hub
+from realtime_app.hub.core import hub_of_current_loop, running_hub
+from realtime_app.hub.envelope import encode_publication
 
 __all__ = ["acontrol", "apublish", "publish"]
 

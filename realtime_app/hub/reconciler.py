@@ -60,6 +60,7 @@ class ChannelState:
     renew_due: bool = False  # renew the lease at the next step
     backoff: bool = False  # the factory failed: release the lease, retry at the next beat
     parked: bool = False  # a remote action failed: wait for the next beat
+    lease_at: float = float("-inf")  # when the lease was last granted or renewed (monotonic)
 
     @property
     def idle(self) -> bool:
@@ -150,13 +151,25 @@ class Reconciler:
         """Channels with an action to carry out now (a snapshot: safe to act while iterating)."""
         return iter([name for name in self.channels if self.next_action(name) is not None])
 
-    def done(self, channel: str, action: Action, ok: bool) -> None:
+    def lease_fresh(self, channel: str, now: float, ttl_s: float) -> bool:
+        """True while this process may publish for ``channel``'s ticker: the lease was
+        granted or renewed less than ``ttl_s`` before ``now``. A process cut off from the
+        backplane stops publishing before another one can take the lease over."""
+        state = self.channels.get(channel)
+        return state is not None and state.held and now - state.lease_at < ttl_s
+
+    def running(self) -> list[str]:
+        """The channels whose ticker runs in this process (the one record of it)."""
+        return sorted(name for name, state in self.channels.items() if state.running)
+
+    def done(self, channel: str, action: Action, ok: bool, now: float | None = None) -> None:
         """Report the result of ``action``.
 
         ``ok`` is the outcome: for ACQUIRE whether the lease was granted, for RENEW
         whether it is still held, for START whether the factory succeeded; for the other
         remote actions whether the backplane answered. Use :meth:`failed` when a remote
-        action raised (the backplane is unreachable).
+        action raised (the backplane is unreachable). ``now`` dates a granted or renewed
+        lease (:meth:`lease_fresh`).
         """
         state = self.channels.get(channel)
         if state is None:
@@ -166,12 +179,10 @@ class Reconciler:
             state.rejoin = state.rejoin and not ok
         elif action is Action.LEAVE:
             state.joined = state.joined and not ok
-        elif action is Action.ACQUIRE:
+        elif action in (Action.ACQUIRE, Action.RENEW):
             state.held = ok
-            state.acquire_due = False
-        elif action is Action.RENEW:
-            state.held = ok
-            state.renew_due = False
+            state.acquire_due = state.renew_due = False
+            state.lease_at = now if ok and now is not None else float("-inf")
         elif action is Action.RELEASE:
             state.held = False  # released, or it expires on its own
         elif action is Action.START:

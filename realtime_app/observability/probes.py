@@ -7,19 +7,14 @@ from typing import Any
 
 from realtime_app.cluster.factory import make_backplane
 from realtime_app.hub.core import hub_of_current_loop
+from realtime_app.observability.schema import BackpressureProbe, ProcessProbe, fields_of
 
 __all__ = ["PROBE_FIELDS", "cluster_probe", "totals"]
 
 #: Numeric fields of an instance's probe, in the order the table and metrics show them.
 PROBE_FIELDS = ("connections", "subscriptions", "published")
-BACKPRESSURE_FIELDS = (
-    "max_buffered_amount",
-    "max_drop_balance",
-    "total_buffered_amount",
-    "slow_consumers",
-    "drops",
-    "closes",
-)
+#: Summed over the cluster, except the worst-queue fields (``max_``), the maximum.
+BACKPRESSURE_FIELDS = tuple(fields_of(BackpressureProbe))
 
 
 async def cluster_probe() -> dict[str, Any]:
@@ -55,15 +50,16 @@ async def cluster_probe() -> dict[str, Any]:
     }
 
 
-def totals(instances: list[dict[str, Any]]) -> dict[str, Any]:
+def totals(instances: list[ProcessProbe]) -> dict[str, Any]:
     """Cluster-wide sums (worst queue: the maximum) and subscribers per channel."""
-    out: dict[str, Any] = {name: sum(p.get(name, 0) for p in instances) for name in PROBE_FIELDS}
-    bp = [p.get("backpressure", {}) for p in instances]
+    probes: list[dict[str, Any]] = [dict(p) for p in instances]  # other processes' may lack a field
+    out: dict[str, Any] = {name: sum(p.get(name, 0) for p in probes) for name in PROBE_FIELDS}
+    bp = [p.get("backpressure", {}) for p in probes]
     for name in BACKPRESSURE_FIELDS:
         values = [b.get(name, 0) for b in bp]
         out[name] = max(values, default=0) if name.startswith("max_") else sum(values)
     channels: dict[str, int] = {}
-    for p in instances:
+    for p in probes:
         for channel, count in p.get("channels", {}).items():
             channels[channel] = channels.get(channel, 0) + count
     out["channels"] = channels

@@ -1,0 +1,33 @@
+"""One WebSocket connection as the hub sees it."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from realtime_app.outbound.guard import Guard
+
+__all__ = ["Connection"]
+
+_connection_ids = itertools.count(1)
+
+
+@dataclass(eq=False, slots=True)
+class Connection:
+    """One WebSocket connection: its guarded transport, its identity, its channels."""
+
+    send: Callable[[dict[str, Any]], Any]
+    scope: dict[str, Any] = field(default_factory=dict, repr=False)
+    id: int = field(default_factory=lambda: next(_connection_ids))
+    subscriptions: set[str] = field(default_factory=set)
+    closed: bool = False
+    identity: tuple[str, str] | None = None
+    unread_bytes: int = 0  # answers written over the threshold since the queue was last under it
+    #: Per channel with history: the (epoch, seq) last sent, below which nothing is sent again.
+    positions: dict[str, tuple[str, int]] = field(default_factory=dict)
+    guard: Guard = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.guard = Guard(self.send)

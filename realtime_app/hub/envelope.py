@@ -1,0 +1,37 @@
+"""A publication as JSON text, checked against its size bound before any ``seq`` is
+taken: a publication that cannot be sent must not burn a number."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from realtime_app.channels.registry import registry
+from realtime_app.conf import get_config
+from realtime_app.exceptions import PublicationError, PublicationTooLarge
+from realtime_app.wire.history import new_epoch
+from realtime_app.wire.protocol import encode, notification_text
+
+__all__ = ["ENVELOPE_BYTES", "encode_publication"]
+
+#: The bytes a ``message`` notification adds around its channel and data, at the largest
+#: ``seq``, ``epoch`` and ``ts`` it can carry: the bound is on the whole frame.
+ENVELOPE_BYTES = len(notification_text("", "", 2**63 - 1, 10**13 - 1, new_epoch()))
+
+
+def encode_publication(channel: str, data: Any) -> str:
+    """``data`` as JSON text; :class:`PublicationError` when it is not JSON,
+    :class:`PublicationTooLarge` when the whole frame would exceed
+    ``MAX_PUBLICATION_BYTES`` or the channel's ``max_bytes``."""
+    try:
+        data_json = encode(data)
+    except (ValueError, TypeError) as exc:
+        raise PublicationError(channel, f"data is not JSON ({exc})") from None
+    limit, bound = get_config()["MAX_PUBLICATION_BYTES"], "MAX_PUBLICATION_BYTES"
+    spec = registry.exact.get(channel)
+    if spec is not None and spec.max_bytes and (not limit or spec.max_bytes < limit):
+        limit, bound = spec.max_bytes, "the channel's max_bytes"
+    size = len(data_json) if data_json.isascii() else len(data_json.encode("utf-8"))
+    size += len(encode(channel)) + ENVELOPE_BYTES
+    if limit and size > limit:
+        raise PublicationTooLarge(channel, size, limit, bound)
+    return data_json

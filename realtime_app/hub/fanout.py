@@ -1,0 +1,180 @@
+"""Fan-out: every frame to the local subscribers of its channel, through each
+connection's guard, encoded once; and the accounting of what the guards decided.
+
+A failing send to one connection closes that connection and nothing else; a connection
+over its backpressure threshold has frames dropped, then is closed with 1013; one that
+does not read its answers stops having its requests run (docs/admission.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import TYPE_CHECKING
+
+from realtime_app.conf import get_config
+from realtime_app.hub.replay import already_sent
+from realtime_app.observability.logsafe import safe
+from realtime_app.outbound.backpressure import CLOSE, DROP, SEND, Decision, decide_send
+from realtime_app.outbound.guard import BACKPRESSURE_REASON
+from realtime_app.outbound.transports import text_frame
+from realtime_app.wire.protocol import CloseCode
+
+if TYPE_CHECKING:
+    from realtime_app.hub.core import Connection, Hub
+    from realtime_app.observability.schema import BackpressureProbe
+
+__all__ = ["UNREAD_ANSWER_BYTES", "Fanout"]
+
+logger = logging.getLogger("realtime_app.hub")
+
+#: Answers a connection over its backpressure threshold may still be written before its
+#: requests stop running (docs/admission.md): enough for a slow client's small calls.
+UNREAD_ANSWER_BYTES = 64 * 1024
+
+
+class Fanout:
+    """Sends frames to connections and counts drops, 1013 closes and failed sends."""
+
+    def __init__(self, hub: Hub) -> None:
+        self.hub = hub
+        self.drops = 0  # frames refused by the guard, cumulative
+        self.closes = 0  # connections closed with 1013 by the guard
+        self.send_failures = 0  # connections closed because a send raised
+        self.unread_refused = 0  # requests not run: their connection does not read its answers
+
+    def fanout(self, channel: str, text: str, seq: int = 0, epoch: str = "") -> None:
+        """Hand one encoded frame to every local subscriber of ``channel``, guarded. A frame
+        of a channel with history (``epoch``) goes to each connection once, in order, and
+        after its replay."""
+        subs = self.hub.subscribers.get(channel)
+        if not subs:
+            return
+        payload = text.encode("utf-8")  # once per publication, not per subscriber
+        frame = text_frame(payload)  # the same bytes on every subscriber's socket
+        if epoch:
+            replays = self.hub.replays.buffers.get(channel, {})
+            for conn in tuple(subs):
+                buffer = replays.get(conn)
+                if buffer is not None:
+                    buffer.append((seq, epoch, payload))
+                else:
+                    self.push_kept(conn, channel, seq, epoch, payload, frame)
+            return
+        for conn in tuple(subs):
+            try:
+                decision = conn.guard.send(payload, frame=frame)
+            except Exception as exc:
+                self._send_failed(conn, exc)
+                continue
+            if decision is not SEND:
+                self._account(conn, decision)
+
+    def push(self, conn: Connection, payload: bytes, frame: bytes | None = None) -> None:
+        """One frame of a channel to one connection, guarded (as :meth:`fanout` does)."""
+        try:
+            decision = conn.guard.send(payload, frame=frame if frame is not None else text_frame(payload))
+        except Exception as exc:
+            self._send_failed(conn, exc)
+            return
+        if decision is not SEND:
+            self._account(conn, decision)
+
+    def push_kept(
+        self, conn: Connection, channel: str, seq: int, epoch: str, payload: bytes, frame: bytes | None = None
+    ) -> None:
+        """A frame of a channel with history, unless this connection had it already."""
+        if already_sent(conn.positions.get(channel), epoch, seq):
+            return
+        conn.positions[channel] = (epoch, seq)
+        self.push(conn, payload, frame)
+
+    def send_to(self, conn: Connection, text: str, *, response: bool = False) -> Decision:
+        """Send one frame to one connection through its guard (RPC responses, errors)."""
+        payload = text.encode("utf-8")
+        try:
+            decision = conn.guard.send(payload, response=response, frame=text_frame(payload))
+        except Exception as exc:
+            self._send_failed(conn, exc)
+            return CLOSE
+        if decision is not SEND:
+            if response and decision is DROP and conn.guard.never_drop_responses:
+                conn.unread_bytes += len(payload)  # written all the same: it counts
+            self._account(conn, decision)
+        return decision
+
+    def unread_responses(self, conn: Connection) -> bool:
+        """True when the requests of ``conn``'s next frame must not run: its queue is over
+        the threshold *and* the answers written since it went over reach
+        ``UNREAD_ANSWER_BYTES``. The client does not read; each such frame counts as a
+        dropped frame toward its 1013. A client that is only slow still gets small answers
+        through (the adaptive client's subscribe to a slower cadence, a ping), while what
+        the server holds stays within the threshold plus that budget plus one answer,
+        whatever the client sends."""
+        guard = conn.guard
+        if conn.closed:
+            return True
+        if not guard.measure:
+            return False
+        buffered = guard.buffered()
+        if buffered <= guard.config.max_backpressure:
+            conn.unread_bytes = 0
+            return False
+        if conn.unread_bytes < UNREAD_ANSWER_BYTES:
+            return False
+        decision = decide_send(buffered, guard.config, guard.state)
+        self.unread_refused += 1
+        if decision is CLOSE:
+            guard.close(CloseCode.TRY_AGAIN_LATER, BACKPRESSURE_REASON)
+        self._account(conn, decision)
+        return True
+
+    def _send_failed(self, conn: Connection, exc: Exception) -> None:
+        """A send raised (the server refused the frame): close that connection, only it."""
+        if conn.closed:
+            return
+        self.send_failures += 1
+        logger.warning(
+            "connection %s closed with %s: a send failed (%s: %s)",
+            conn.id,
+            int(CloseCode.INTERNAL_ERROR),
+            type(exc).__name__,
+            safe(exc, 200),
+        )
+        with contextlib.suppress(Exception):
+            conn.guard.close(CloseCode.INTERNAL_ERROR, "send failed")
+        self.hub.forget(conn)
+
+    def _account(self, conn: Connection, decision: Decision) -> None:
+        if decision is DROP:
+            self.drops += 1
+        elif decision is CLOSE and not conn.closed:
+            self.closes += 1
+            logger.warning(
+                "connection %s closed with %s: backpressure (%s bytes queued, %s drops)",
+                conn.id,
+                int(CloseCode.TRY_AGAIN_LATER),
+                conn.guard.buffered(),
+                conn.guard.state.drops,
+            )
+            self.hub.forget(conn)
+
+    def probe(self) -> BackpressureProbe:
+        """Queued bytes per connection, read now from the transports (no decision taken)."""
+        slow = get_config()["SLOW_CONSUMER_BYTES"]
+        worst = total = slow_count = balance = 0
+        for conn in self.hub.connections:
+            queued = conn.guard.buffered()
+            total += queued
+            worst = max(worst, queued)
+            balance = max(balance, conn.guard.state.balance)
+            if slow and queued >= slow:
+                slow_count += 1
+        return {
+            "max_buffered_amount": worst,
+            "max_drop_balance": balance,
+            "total_buffered_amount": total,
+            "slow_consumers": slow_count,
+            "drops": self.drops,
+            "closes": self.closes,
+        }

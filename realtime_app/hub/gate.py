@@ -1,0 +1,186 @@
+"""The hub's door: handshakes and connections per identity, and the admission of each
+request — the caps of this process, then the identity's bucket (the cluster's, shared by
+a user's processes, on a backplane that keeps one) — with the refusal budgets that close
+a connection ignoring its refusals (docs/admission.md)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+from realtime_app.conf import get_config
+from realtime_app.inbound.admission import Admission, AdmissionLimits, Refusal, RefusalBudget
+from realtime_app.inbound.workers import RequestPool
+
+if TYPE_CHECKING:
+    from realtime_app.cluster.base import Backplane
+    from realtime_app.observability.schema import AdmissionProbe
+
+__all__ = ["Gate", "admission_limits", "handshake_limits"]
+
+logger = logging.getLogger("realtime_app.hub")
+
+#: Identities whose refusal budgets are remembered (the least recently refused forgotten first).
+MAX_REFUSAL_BUDGETS = 10_000
+#: Identities whose refused handshakes are remembered, to log each once while it lasts.
+MAX_REFUSING = 10_000
+Identity = tuple[str, str]
+
+
+def admission_limits() -> AdmissionLimits:
+    """The admission limits of ``REALTIME_APP`` (checked by ``realtime_app.E006``)."""
+    config = get_config()
+    return AdmissionLimits(
+        max_pending=config["ADMISSION_MAX_PENDING"],
+        max_per_identity=config["ADMISSION_MAX_PER_IDENTITY"],
+        bucket_capacity=float(config["ADMISSION_BUCKET_CAPACITY"]),
+        refill_per_s=float(config["ADMISSION_REFILL_PER_S"]),
+    )
+
+
+def handshake_limits() -> AdmissionLimits:
+    """The handshake bucket of each identity (``HANDSHAKES_PER_S``, ``HANDSHAKE_BURST``)."""
+    config = get_config()
+    rate = float(config["HANDSHAKES_PER_S"])
+    return AdmissionLimits(
+        max_pending=0,
+        max_per_identity=0,
+        bucket_capacity=float(config["HANDSHAKE_BURST"]) if rate else 0.0,
+        refill_per_s=rate,
+    )
+
+
+async def _execute(owner: Any, method: str, params: Any) -> Any:
+    return await owner.execute(method, params)
+
+
+class Gate:
+    """Who gets in, and which requests run: the counters of the probe's ``admission``."""
+
+    def __init__(self) -> None:
+        self.backplane: Backplane | None = None  # set when the hub starts
+        self.admission = Admission(admission_limits())
+        self.handshakes = Admission(handshake_limits())  # its buckets only: handshakes per identity
+        self.pool = RequestPool(self.admission, get_config()["ADMISSION_MAX_RUNNING"], _execute)
+        self.identities: dict[Identity, int] = {}  # open connections per identity
+        self.refused: dict[str, int] = {"connections": 0, "handshakes": 0}
+        self.refusal_closes = 0  # connections closed (1008) for ignoring their refusals
+        self._refusing: set[Identity] = set()  # identities whose handshakes are refused now
+        self._bucket_fallback: str | None = None  # why users' buckets are local now, if they are
+        # Per identity, so that reconnecting does not refill it; least recently used first.
+        self._refusal_budgets: OrderedDict[Identity, RefusalBudget] = OrderedDict()
+
+    def handshake(self, identity: Identity) -> bool:
+        """Count one handshake of ``identity``; False past ``HANDSHAKES_PER_S`` (reconnect
+        churn: every reconnect of an identity draws on the same bucket)."""
+        self.handshakes.forget_idle()  # memory follows the identities that connect now
+        if not self.handshakes.limits.bucket_capacity or self.handshakes.charge(identity, 1.0) is None:
+            self._refusing.discard(identity)
+            return True
+        self.refused["handshakes"] += 1
+        if identity not in self._refusing:  # once until it slows down, not once per handshake
+            if len(self._refusing) > MAX_REFUSING:
+                self._refusing.clear()
+            self._refusing.add(identity)
+            logger.info(
+                "refusing the handshakes of one %s: over %s per second (counted in the probe)",
+                identity[0],
+                self.handshakes.limits.refill_per_s,
+            )
+        return False
+
+    def enter(self, identity: Identity) -> bool:
+        """Count one open connection of ``identity``; False when it is over its cap."""
+        config = get_config()
+        cap = config["MAX_CONNECTIONS_PER_USER" if identity[0] == "user" else "MAX_CONNECTIONS_PER_ADDRESS"]
+        if cap and self.identities.get(identity, 0) >= cap:
+            self.refused["connections"] += 1
+            return False
+        self.identities[identity] = self.identities.get(identity, 0) + 1
+        return True
+
+    def leave(self, identity: Identity) -> None:
+        left = self.identities.get(identity, 1) - 1
+        if left > 0:
+            self.identities[identity] = left
+        else:
+            self.identities.pop(identity, None)
+
+    async def admit(self, identity: Identity, cost: float, *, merged: bool = False) -> Refusal | None:
+        """Admit one request: the caps here, then the bucket — the cluster's for a user on
+        a backplane that shares them; else this process's, and the probe says why."""
+        admission = self.admission
+        refusal = admission.reserve(identity, merged=merged)
+        if refusal is not None:
+            return refusal
+        limits = admission.limits
+        try:
+            if identity[0] == "user" and limits.bucket_capacity and self.backplane and self.backplane.clustered:
+                refusal = await self._take_shared(identity, cost)
+            else:
+                refusal = admission.charge(identity, cost)
+        except BaseException:  # cancelled while the shared bucket answered: give the slot back
+            admission.cancel(identity, merged=merged)
+            raise
+        if refusal is not None:
+            admission.cancel(identity, merged=merged)
+        else:
+            admission.confirm(merged=merged)
+        return refusal
+
+    async def _take_shared(self, identity: Identity, cost: float) -> Refusal | None:
+        assert self.backplane is not None
+        limits = self.admission.limits
+        try:
+            wait_ms = await self.backplane.take_tokens(
+                f"{identity[0]}:{identity[1]}", cost, limits.bucket_capacity, limits.refill_per_s
+            )
+        except NotImplementedError:
+            self._bucket_fallback = "the backplane shares no buckets"
+            return self.admission.charge(identity, cost)
+        except self.backplane.errors:  # the outage is logged by the beat
+            self._bucket_fallback = "backplane unreachable"
+            return self.admission.charge(identity, cost)
+        self._bucket_fallback = None
+        return None if wait_ms is None else self.admission.rate_limited(wait_ms)
+
+    def spend_refusal(self, identity: Identity) -> bool:
+        """Count one refusal of ``identity`` against ``ADMISSION_CLOSE_AFTER_REFUSALS``;
+        False when its budget is spent: the caller closes the connection (1008), counted."""
+        budgets = self._refusal_budgets
+        budget = budgets.get(identity)
+        if budget is None:
+            budget = budgets[identity] = RefusalBudget(float(get_config()["ADMISSION_CLOSE_AFTER_REFUSALS"]))
+            while len(budgets) > MAX_REFUSAL_BUDGETS:
+                budgets.popitem(last=False)
+        else:
+            budgets.move_to_end(identity)
+        if budget.spend(time.monotonic()):
+            return True
+        self.refusal_closes += 1
+        return False
+
+    @property
+    def shared_bucket(self) -> str:
+        """Where users' buckets live: ``"shared"`` (the cluster's), ``"local"`` (one
+        process, no cluster), or ``"local (why)"`` while the backplane cannot share them."""
+        if self.backplane is None or not self.backplane.clustered:
+            return "local"
+        return "shared" if self._bucket_fallback is None else f"local ({self._bucket_fallback})"
+
+    def probe(self, unread_refused: int) -> AdmissionProbe:
+        return {
+            "pending": self.admission.pending,
+            "queued": self.pool.waiting,
+            "running": self.pool.running,
+            "admitted": self.admission.admitted,
+            "completed": self.pool.completed,
+            "coalesced": self.pool.merges,
+            "abandoned": self.pool.abandoned,
+            "refused": {**self.admission.refused, "unread_responses": unread_refused},
+            "identities": self.admission.identities,
+            "bucket": self.shared_bucket,
+            "closed_for_refusals": self.refusal_closes,
+        }

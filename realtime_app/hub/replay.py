@@ -1,0 +1,212 @@
+"""Subscribing to a channel with history, and resuming it after a gap.
+
+The publications after the client's position are sent first, in order, then the live
+ones, none twice: live frames that arrive meanwhile wait in a buffer for that connection
+and go out after the replay, those the replay carried skipped. The replay is read a page
+at a time, each page after the first paid from the reader's bucket, and paced by the
+connection's send queue (docs/recovery.md). The rules — :func:`already_sent` and
+:func:`pace` — are pure; :class:`Replays` carries them out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any, Literal
+
+from realtime_app.cluster.base import now_ms
+from realtime_app.conf import get_config
+from realtime_app.exceptions import BackplaneUnavailable, RPCError
+from realtime_app.wire.history import PAGE, HistoryEntry, Since, follows, newer_epoch, plan_resume
+from realtime_app.wire.protocol import OVERLOADED
+
+if TYPE_CHECKING:
+    from realtime_app.channels.registry import ChannelSpec
+    from realtime_app.hub.core import Connection, Hub
+
+__all__ = ["Replays", "already_sent", "pace"]
+
+#: How long a replay may wait for a slow client to read (docs/recovery.md), and how many
+#: live frames may wait for it meanwhile; past either, the resume answers ``too_slow``.
+REPLAY_TIMEOUT_S = 10.0
+REPLAY_MEASURE_BYTES = 64 * 1024
+MAX_REPLAY_BUFFER = 10_000
+#: How often a replay waiting for a calm queue looks at it again.
+REPLAY_POLL_S = 0.02
+#: Tokens a resume pays for each page of history it reads after the first, and when a
+#: resume refused for ``MAX_CONCURRENT_RESUMES`` may come back.
+RESUME_PAGE_COST = 1.0
+RESUME_RETRY_MS = 1000
+
+#: A live frame kept for a connection during its replay: ``(seq, epoch, payload)``.
+Held = tuple[int, str, bytes]
+
+
+def already_sent(at: tuple[str, int] | None, epoch: str, seq: int) -> bool:
+    """Whether a connection whose position is ``at`` (``(epoch, seq)`` last sent) has had
+    this frame: a replay sent it, or it arrives late (queued for this process before it
+    left the channel and joined again, a publisher overtaken by another, a frame of the
+    history a newer epoch replaced)."""
+    if at is None:
+        return False
+    return seq <= at[1] if epoch == at[0] else not newer_epoch(epoch, at[0])
+
+
+def pace(*, queued: int, calm: int, held: int, now: float, deadline: float) -> Literal["send", "wait", "too_slow"]:
+    """Whether a replay sends its next frame: when the connection's queue is under
+    ``calm`` bytes (half the backpressure threshold: a client that just had frames
+    dropped gets its replay as fast as it reads, not dropped again); past ``deadline``
+    or with more than ``MAX_REPLAY_BUFFER`` live frames ``held`` for it, it gives up."""
+    if queued <= calm:
+        return "send"
+    if now > deadline or held > MAX_REPLAY_BUFFER:
+        return "too_slow"
+    return "wait"
+
+
+class Replays:
+    """The replays in progress in this process, their buffers and their counters."""
+
+    def __init__(self, hub: Hub) -> None:
+        self.hub = hub
+        self.buffers: dict[str, dict[Connection, list[Held]]] = {}  # per channel, per connection
+        self.recoveries: dict[str, int] = {"served": 0, "failed": 0, "deferred": 0}
+        self.resuming = 0  # resumes replaying now (MAX_CONCURRENT_RESUMES)
+        self.replayed = 0  # publications sent again from a history
+
+    async def subscribe_kept(self, conn: Connection, spec: ChannelSpec, since: Since | None = None) -> dict[str, Any]:
+        """Subscribe ``conn`` to a channel with history — or resume it, with ``since``.
+        Returns the channel's position ``{"epoch", "seq"}`` and, with ``since``,
+        ``recovered`` and ``replayed``, or ``reason`` when the gap was not filled."""
+        if since is not None:
+            limit = get_config()["MAX_CONCURRENT_RESUMES"]
+            if limit and self.resuming >= limit:
+                self.recoveries["deferred"] += 1
+                raise RPCError(
+                    OVERLOADED, "Too many resumes", "too_many_resumes", limit=limit, retry_after_ms=RESUME_RETRY_MS
+                )
+            self.resuming += 1
+        try:
+            return await self._subscribe_kept(conn, spec, since)
+        finally:
+            if since is not None:
+                self.resuming -= 1
+
+    async def _subscribe_kept(self, conn: Connection, spec: ChannelSpec, since: Since | None) -> dict[str, Any]:
+        hub = self.hub
+        policy, backplane = spec.history, hub.backplane
+        assert policy is not None and backplane is not None
+        channel = spec.name
+        buffer: list[Held] = []
+        self.buffers.setdefault(channel, {})[conn] = buffer
+        added = False
+        try:
+            added = await hub.subscribe(conn, spec)
+            read = await backplane.history(channel, policy, since, hub.last_seq.get(channel, 0))
+            if channel in hub.subscribers:
+                hub.ordering.read(channel, read.epoch, read.top)
+            at = conn.positions.get(channel)
+            if at is None or at[0] != read.epoch or at[1] < read.top:
+                conn.positions[channel] = (read.epoch, read.top)  # the replay brings it there
+            answer: dict[str, Any] = {"epoch": read.epoch, "seq": read.top}
+            if since is None:
+                return answer
+            plan = plan_resume(since, read, policy, now_ms())
+            reason, sent = plan.reason, 0
+            if plan.recovered:
+                sent, reason = await self._replay(conn, channel, plan.entries, since.seq, read.top, buffer)
+            answer["recovered"] = not reason
+            if reason:
+                self.recoveries["failed"] += 1
+                answer["reason"] = reason
+            else:
+                self.recoveries["served"] += 1
+                answer["replayed"] = sent
+            return answer
+        except backplane.errors as exc:
+            backplane.outage.failed(exc)
+            # A first subscribe is undone (it is told it failed); a resume keeps the
+            # subscription: frames go on and the client resumes again at the next one.
+            if added and since is None:
+                hub.undo_subscribe(conn, channel)
+            buffer.clear()
+            raise BackplaneUnavailable("history", exc) from exc
+        except BaseException:  # a bug or a cancel: never a half-done subscription
+            if added:
+                hub.undo_subscribe(conn, channel)
+            buffer.clear()
+            raise
+        finally:
+            self._end(conn, channel, buffer)
+
+    async def _replay(
+        self, conn: Connection, channel: str, entries: list[HistoryEntry], after: int, top: int, buffer: list[Held]
+    ) -> tuple[int, str]:
+        """Send the publications ``after`` .. ``top``: ``(sent, "")``, or why it stopped.
+        Pages are read as they are needed; the queue is measured every 64 KiB sent."""
+        backplane = self.hub.backplane
+        assert backplane is not None
+        guard = conn.guard
+        calm = guard.config.max_backpressure // 2
+        deadline = time.monotonic() + REPLAY_TIMEOUT_S
+        sent = 0
+        unmeasured = REPLAY_MEASURE_BYTES + 1  # the first frame waits for a calm queue
+        while after < top:
+            if not entries:
+                if not await self._pay_page(conn, deadline):
+                    return sent, "too_slow"
+                entries = await backplane.history_page(channel, after, PAGE)
+            entries = [e for e in entries if e.seq <= top]
+            if not entries or not follows(entries, after):
+                return sent, "too_old"  # trimmed while it was read
+            for entry in entries:
+                payload = entry.text.encode("utf-8")
+                unmeasured += len(payload)
+                if unmeasured > REPLAY_MEASURE_BYTES and guard.measure:
+                    unmeasured = 0
+                    while not conn.closed:
+                        step = pace(
+                            queued=guard.buffered(),
+                            calm=calm,
+                            held=len(buffer),
+                            now=time.monotonic(),
+                            deadline=deadline,
+                        )
+                        if step == "send":
+                            break
+                        if step == "too_slow":
+                            return sent, "too_slow"
+                        await asyncio.sleep(REPLAY_POLL_S)  # the transports signal no drain
+                if conn.closed or channel not in conn.subscriptions:
+                    return sent, "closed"
+                self.hub.fanout.push(conn, payload)
+                sent += 1
+                self.replayed += 1
+            after = entries[-1].seq
+            entries = []
+        return sent, ""
+
+    async def _pay_page(self, conn: Connection, deadline: float) -> bool:
+        """A page after the first costs its reader ``RESUME_PAGE_COST`` tokens of its
+        identity's bucket in this process: a resume costs what it replays, and one that
+        outruns its bucket waits for it (False past ``deadline``)."""
+        if conn.identity is None:
+            return True
+        while (refusal := self.hub.gate.admission.charge(conn.identity, RESUME_PAGE_COST)) is not None:
+            wait = refusal.retry_after_ms / 1000
+            if time.monotonic() + wait > deadline or conn.closed:
+                return False
+            await asyncio.sleep(wait)
+        return True
+
+    def _end(self, conn: Connection, channel: str, buffer: list[Held]) -> None:
+        """Send what arrived live during a replay, in ``seq`` order, what it held skipped."""
+        replays = self.buffers.get(channel)
+        if replays is not None:
+            replays.pop(conn, None)
+            if not replays:
+                del self.buffers[channel]
+        for seq, epoch, payload in sorted(buffer, key=lambda item: (item[1], item[0])):
+            if conn.closed or channel not in conn.subscriptions:
+                return
+            self.hub.fanout.push_kept(conn, channel, seq, epoch, payload)

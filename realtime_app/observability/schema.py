@@ -1,0 +1,190 @@
+"""The probe, as one typed schema: what every process reports, field by field.
+
+The hub produces :class:`ProcessProbe`; ``GET /realtime/probe``, the health channel and
+``realtime_probe`` carry it as it is; Prometheus (:mod:`~realtime_app.observability.metrics`)
+and the admin screen read it. Each numeric field is annotated with how Prometheus shows
+it (:class:`Gauge` or :class:`Counter`, or :data:`NOT_EXPORTED` with the reason), and
+``tests/test_probe_schema.py`` fails when a field is added in one place only: the hub's
+probe, this schema, the metrics, or the admin screen.
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+from typing import Annotated, Any, NotRequired, TypedDict
+
+__all__ = [
+    "NOT_EXPORTED",
+    "AdmissionProbe",
+    "BackplaneProbe",
+    "BackpressureProbe",
+    "ClusterProbe",
+    "Counter",
+    "Gauge",
+    "HistoryProbe",
+    "PoolProbe",
+    "ProcessProbe",
+    "StoreProbe",
+    "fields_of",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Gauge:
+    """A value that goes up and down: ``realtime_<section>_<field>``, or ``name``."""
+
+    help: str
+    name: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Counter:
+    """A count that only grows while the process lives."""
+
+    help: str
+    name: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Shown:
+    """A field Prometheus does not carry as such (text, a list, or shown by another metric)."""
+
+    why: str
+
+
+NOT_EXPORTED = Shown
+
+
+class BackpressureProbe(TypedDict):
+    max_buffered_amount: Annotated[int, Gauge("Bytes queued for the worst connection")]
+    max_drop_balance: Annotated[int, Gauge("Highest drop balance of a connection")]
+    total_buffered_amount: Annotated[int, Gauge("Bytes queued for all connections")]
+    slow_consumers: Annotated[int, Gauge("Connections at or above SLOW_CONSUMER_BYTES queued")]
+    drops: Annotated[int, Counter("Frames dropped by transport backpressure")]
+    closes: Annotated[int, Counter("Connections closed with 1013 by transport backpressure")]
+
+
+class AdmissionProbe(TypedDict):
+    pending: Annotated[int, Gauge("Admitted requests queued or running")]
+    queued: Annotated[int, Gauge("Admitted requests waiting for the pool")]
+    running: Annotated[int, Gauge("Requests running in the pool")]
+    admitted: Annotated[int, Counter("Requests admitted")]
+    completed: Annotated[int, Counter("Admitted requests answered, failed or cancelled")]
+    coalesced: Annotated[int, Counter("Requests merged into a waiting one")]
+    abandoned: Annotated[int, Counter("Waiting requests dropped because their connection closed")]
+    refused: Annotated[dict[str, int], Shown("realtime_admission_refused{reason}")]
+    identities: Annotated[int, Gauge("Identities (users, anonymous connections) admission tracks")]
+    bucket: Annotated[str, Shown("realtime_admission_shared_bucket (1 while shared)")]
+    closed_for_refusals: Annotated[int, Counter("Connections closed with 1008 for ignoring their refusals")]
+
+
+class HistoryChannel(TypedDict):
+    epoch: str
+    kept: int
+
+
+class HistoryProbe(TypedDict):
+    channels: Annotated[dict[str, HistoryChannel], Shown("realtime_history_kept{channel}")]
+    recoveries: Annotated[dict[str, int], Shown("realtime_history_recoveries{result}")]
+    replayed: Annotated[int, Counter("Publications sent again from a history")]
+    gaps: Annotated[int, Counter("Publications with history that never reached this process")]
+
+
+class BackplaneProbe(TypedDict):
+    up: Annotated[bool, Gauge("1 while the backplane answers", "realtime_backplane_up")]
+    outages: Annotated[int, Counter("Times the backplane stopped answering", "realtime_backplane_outages")]
+
+
+class PoolWait(TypedDict):
+    p50: float
+    p99: float
+
+
+class PoolProbe(TypedDict):
+    """One HTTP concurrency pool (``http_pools``, by pool name)."""
+
+    max_concurrent: Annotated[int, Shown("a setting")]
+    max_waiting: Annotated[int, Shown("a setting")]
+    running: Annotated[int, Gauge("HTTP requests running in the pool", "realtime_http_pool_running")]
+    waiting: Annotated[int, Gauge("HTTP requests waiting for the pool", "realtime_http_pool_waiting")]
+    admitted: Annotated[int, Counter("HTTP requests the pool ran", "realtime_http_pool_admitted")]
+    refused: Annotated[dict[str, int], Shown("realtime_http_pool_refused{reason}")]
+    wait_ms: Annotated[PoolWait, Shown("realtime_http_pool_wait_ms{quantile}")]
+
+
+class StoreProbe(TypedDict):
+    """One write-behind store (``write_behind``, by store name)."""
+
+    objects: Annotated[int, Gauge("Objects the store holds in memory", "realtime_write_behind_objects")]
+    dirty: Annotated[int, Gauge("Objects with a change not yet written", "realtime_write_behind_dirty")]
+    oldest_unsaved_s: Annotated[
+        float, Gauge("Age of the oldest unsaved change", "realtime_write_behind_oldest_unsaved_seconds")
+    ]
+    last_flush: Annotated[dict[str, Any] | None, Shown("realtime_write_behind_last_flush_timestamp_seconds")]
+    consecutive_failures: Annotated[int, Gauge("Flushes failed in a row", "realtime_write_behind_consecutive_failures")]
+    retries: Annotated[int, Counter("Batches retried after a transient error", "realtime_write_behind_retries")]
+    flushes: Annotated[int, Counter("Flushes run", "realtime_write_behind_flushes")]
+    flushed_rows: Annotated[int, Counter("Objects written", "realtime_write_behind_flushed_rows")]
+    flushed_deletes: Annotated[int, Counter("Objects deleted", "realtime_write_behind_flushed_deletes")]
+    failing: Annotated[dict[str, str], Shown("text: the errors of the failing objects")]
+    in_doubt: Annotated[int, Gauge("Objects of batches whose commit is in doubt", "realtime_write_behind_in_doubt")]
+    delay_s: Annotated[float, Gauge("Seconds until the next flush", "realtime_write_behind_delay_seconds")]
+    evicted: Annotated[int, Counter("Clean objects evicted at max_objects", "realtime_write_behind_evicted")]
+    journaled: Annotated[int, Counter("Objects journaled at a stop", "realtime_write_behind_journaled")]
+    replayed: Annotated[int, Counter("Journaled objects written again", "realtime_write_behind_replayed")]
+
+
+class ProcessProbe(TypedDict):
+    """One process: ``GET /realtime/probe``'s ``instances[]``, a health-channel frame's."""
+
+    instance: Annotated[str, Shown("the instance label")]
+    host: Annotated[str, Shown("the host label")]
+    pid: Annotated[int, Shown("the pid label")]
+    uptime_s: Annotated[float, Gauge("Seconds since the process started", "realtime_uptime_s")]
+    connections: Annotated[int, Gauge("Open WebSocket connections", "realtime_connections")]
+    subscriptions: Annotated[int, Gauge("Channel subscriptions of local connections", "realtime_subscriptions")]
+    channels: Annotated[dict[str, int], Shown("subscribers of the busiest channels; see channel_count")]
+    channel_count: Annotated[int, Gauge("Channels with local subscribers", "realtime_channels")]
+    tickers: Annotated[list[str], Shown("names; see ticker_count")]
+    ticker_count: Annotated[int, Gauge("Tickers this process runs", "realtime_tickers")]
+    failing_tickers: Annotated[
+        list[str], Gauge("Tickers whose factory, tick or publication fails now", "realtime_failing_tickers")
+    ]
+    published: Annotated[int, Counter("Publications sent by this process", "realtime_published")]
+    refused: Annotated[dict[str, int], Shown("realtime_refused{limit}")]
+    admission: AdmissionProbe
+    history: HistoryProbe
+    send_failures: Annotated[
+        int, Counter("Connections closed with 1011 because a send raised", "realtime_send_failures")
+    ]
+    stale_ticks: Annotated[
+        int, Counter("Ticks not published: the lease was not renewed in time", "realtime_stale_ticks")
+    ]
+    backplane: BackplaneProbe
+    backpressure: BackpressureProbe
+    http_pools: dict[str, PoolProbe]
+    write_behind: dict[str, StoreProbe]
+
+
+class ClusterProbe(TypedDict):
+    """``GET /realtime/probe``: every live process, and the cluster's totals."""
+
+    generated_at: int
+    clustered: bool
+    complete: bool  # False: the backplane did not answer, only this process is listed
+    instances: list[ProcessProbe]
+    totals: dict[str, Any]
+    stale: NotRequired[bool]
+
+
+def fields_of(schema: type) -> dict[str, tuple[Any, tuple[Any, ...]]]:
+    """A TypedDict's fields: name -> (type without annotations, annotations)."""
+    hints = typing.get_type_hints(schema, include_extras=True)
+    out: dict[str, tuple[Any, tuple[Any, ...]]] = {}
+    for name, hint in hints.items():
+        if typing.get_origin(hint) is Annotated:
+            out[name] = (hint.__origin__, hint.__metadata__)
+        else:
+            out[name] = (hint, ())
+    return out
