@@ -431,7 +431,7 @@ async def test_a_request_cancelled_while_the_shared_bucket_answers_gives_its_slo
         await asyncio.sleep(30)
 
     monkeypatch.setattr(hub.backplane, "clustered", True, raising=False)
-    monkeypatch.setattr(hub, "_take_shared", slow_bucket)
+    monkeypatch.setattr(hub.gate, "_take_shared", slow_bucket)
     task = asyncio.get_running_loop().create_task(hub.gate.admit(("user", "7"), 1.0))
     await asked.wait()
     assert hub.admission.pending == 1

@@ -12,26 +12,37 @@ import asyncio
 import itertools
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from realtime_app.cluster.base import Backplane
 from realtime_app.conf import get_config
 from realtime_app.hub.beat import BeatRule
-from realtime_app.hub.reconciler import REMOTE, Action
+from realtime_app.hub.connections import Connection
+from realtime_app.hub.reconciler import REMOTE, Action, Reconciler
+from realtime_app.hub.tickers import Tickers
 from realtime_app.observability.logsafe import safe
-
-if TYPE_CHECKING:
-    from realtime_app.hub.core import Hub
 
 __all__ = ["Convergence"]
 
 logger = logging.getLogger("realtime_app.hub")
 
 
+class Member(Protocol):
+    """What convergence needs of the hub: its reconciler, tickers, channels and probe."""
+
+    backplane: Backplane | None
+    reconciler: Reconciler
+    tickers: Tickers
+    subscribers: dict[str, set[Connection]]
+    last_seq: dict[str, int]
+
+    def probe(self) -> Any: ...
+
+
 class Convergence:
     """One lock per channel with a converge holding or awaiting it; the beat's rule."""
 
-    def __init__(self, hub: Hub) -> None:
+    def __init__(self, hub: Member) -> None:
         self.hub = hub
         self.rule = BeatRule()
         self._locks: dict[str, asyncio.Lock] = {}

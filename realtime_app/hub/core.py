@@ -83,9 +83,9 @@ class Hub:
         self.refused: dict[str, int] = {"tickers": 0, "cadences": 0, "revoked": 0}
         # The rooms, each the owner of its state.
         self.gate = Gate()
-        self.fanout = Fanout(self)
-        self.replays = Replays(self)
+        self.fanout = Fanout(self.subscribers, self.connections, self.forget)
         self.ordering = Ordering(self.fanout.fanout)
+        self.replays = Replays(self, self.fanout, self.ordering, self.gate.admission)
         self.tickers = Tickers(self)
         self.convergence = Convergence(self)
         self._tasks: list[asyncio.Task[Any]] = []

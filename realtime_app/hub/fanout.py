@@ -10,21 +10,22 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from realtime_app.conf import get_config
-from realtime_app.hub.replay import already_sent
+from realtime_app.hub.connections import Connection
 from realtime_app.observability.logsafe import safe
 from realtime_app.outbound.backpressure import CLOSE, DROP, SEND, Decision, decide_send
 from realtime_app.outbound.guard import BACKPRESSURE_REASON
 from realtime_app.outbound.transports import text_frame
+from realtime_app.wire.history import already_sent
 from realtime_app.wire.protocol import CloseCode
 
 if TYPE_CHECKING:
-    from realtime_app.hub.core import Connection, Hub
     from realtime_app.observability.schema import BackpressureProbe
 
-__all__ = ["UNREAD_ANSWER_BYTES", "Fanout"]
+__all__ = ["UNREAD_ANSWER_BYTES", "Fanout", "Held"]
 
 logger = logging.getLogger("realtime_app.hub")
 
@@ -32,12 +33,24 @@ logger = logging.getLogger("realtime_app.hub")
 #: requests stop running (docs/admission.md): enough for a slow client's small calls.
 UNREAD_ANSWER_BYTES = 64 * 1024
 
+#: A live frame kept for a connection during its replay: ``(seq, epoch, payload)``.
+Held = tuple[int, str, bytes]
+
 
 class Fanout:
     """Sends frames to connections and counts drops, 1013 closes and failed sends."""
 
-    def __init__(self, hub: Hub) -> None:
-        self.hub = hub
+    def __init__(
+        self,
+        subscribers: dict[str, set[Connection]],
+        connections: set[Connection],
+        forget: Callable[[Connection], None],
+    ) -> None:
+        self.subscribers = subscribers  # the hub's, per channel
+        self.connections = connections
+        self.forget = forget  # closes what a connection held, from synchronous code
+        #: Connections being given a channel's history: their live frames wait here meanwhile.
+        self.buffers: dict[str, dict[Connection, list[Held]]] = {}
         self.drops = 0  # frames refused by the guard, cumulative
         self.closes = 0  # connections closed with 1013 by the guard
         self.send_failures = 0  # connections closed because a send raised
@@ -47,13 +60,13 @@ class Fanout:
         """Hand one encoded frame to every local subscriber of ``channel``, guarded. A frame
         of a channel with history (``epoch``) goes to each connection once, in order, and
         after its replay."""
-        subs = self.hub.subscribers.get(channel)
+        subs = self.subscribers.get(channel)
         if not subs:
             return
         payload = text.encode("utf-8")  # once per publication, not per subscriber
         frame = text_frame(payload)  # the same bytes on every subscriber's socket
         if epoch:
-            replays = self.hub.replays.buffers.get(channel, {})
+            replays = self.buffers.get(channel, {})
             for conn in tuple(subs):
                 buffer = replays.get(conn)
                 if buffer is not None:
@@ -143,7 +156,7 @@ class Fanout:
         )
         with contextlib.suppress(Exception):
             conn.guard.close(CloseCode.INTERNAL_ERROR, "send failed")
-        self.hub.forget(conn)
+        self.forget(conn)
 
     def _account(self, conn: Connection, decision: Decision) -> None:
         if decision is DROP:
@@ -157,13 +170,13 @@ class Fanout:
                 conn.guard.buffered(),
                 conn.guard.state.drops,
             )
-            self.hub.forget(conn)
+            self.forget(conn)
 
     def probe(self) -> BackpressureProbe:
         """Queued bytes per connection, read now from the transports (no decision taken)."""
         slow = get_config()["SLOW_CONSUMER_BYTES"]
         worst = total = slow_count = balance = 0
-        for conn in self.hub.connections:
+        for conn in self.connections:
             queued = conn.guard.buffered()
             total += queued
             worst = max(worst, queued)

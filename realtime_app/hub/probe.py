@@ -7,20 +7,43 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from realtime_app.cluster.base import Backplane
 from realtime_app.conf import get_config
+from realtime_app.hub.connections import Connection
+from realtime_app.hub.fanout import Fanout
+from realtime_app.hub.gate import Gate
+from realtime_app.hub.ordering import Ordering
+from realtime_app.hub.reconciler import Reconciler
+from realtime_app.hub.replay import Replays
+from realtime_app.hub.tickers import Tickers
 from realtime_app.middleware import pools_probe
+from realtime_app.observability.schema import HistoryProbe, ProcessProbe
 from realtime_app.persistence.write_behind import stores_probe
-
-if TYPE_CHECKING:
-    from realtime_app.hub.core import Hub
-    from realtime_app.observability.schema import HistoryProbe, ProcessProbe
 
 __all__ = ["process_probe"]
 
 
-def history_probe(hub: Hub, top: int) -> HistoryProbe:
+class Probed(Protocol):
+    """The hub as its probe reads it: its identity, its channels and its rooms."""
+
+    instance_id: str
+    started_at: float
+    connections: set[Connection]
+    subscribers: dict[str, set[Connection]]
+    backplane: Backplane | None
+    reconciler: Reconciler
+    published: int
+    refused: dict[str, int]
+    gate: Gate
+    fanout: Fanout
+    replays: Replays
+    ordering: Ordering
+    tickers: Tickers
+
+
+def history_probe(hub: Probed, top: int) -> HistoryProbe:
     """Channels with history as this process last saw them, and its recoveries."""
     seen = hub.backplane.histories if hub.backplane is not None else {}
     busiest = sorted(seen.items(), key=lambda item: (-item[1][1], item[0]))[:top]
@@ -32,7 +55,7 @@ def history_probe(hub: Hub, top: int) -> HistoryProbe:
     }
 
 
-def process_probe(hub: Hub) -> ProcessProbe:
+def process_probe(hub: Probed) -> ProcessProbe:
     top = get_config()["PROBE_TOP_CHANNELS"]
     busiest = sorted(hub.subscribers.items(), key=lambda item: (-len(item[1]), item[0]))[:top]
     backplane = hub.backplane

@@ -12,19 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
-from realtime_app.cluster.base import now_ms
+from realtime_app.channels.registry import ChannelSpec
+from realtime_app.cluster.base import Backplane, now_ms
 from realtime_app.conf import get_config
 from realtime_app.exceptions import BackplaneUnavailable, RPCError
-from realtime_app.wire.history import PAGE, HistoryEntry, Since, follows, newer_epoch, plan_resume
+from realtime_app.hub.connections import Connection
+from realtime_app.hub.fanout import Fanout, Held
+from realtime_app.hub.ordering import Ordering
+from realtime_app.inbound.admission import Admission
+from realtime_app.wire.history import PAGE, HistoryEntry, Since, follows, plan_resume
 from realtime_app.wire.protocol import OVERLOADED
 
-if TYPE_CHECKING:
-    from realtime_app.channels.registry import ChannelSpec
-    from realtime_app.hub.core import Connection, Hub
-
-__all__ = ["Replays", "already_sent", "pace"]
+__all__ = ["Replays", "pace"]
 
 #: How long a replay may wait for a slow client to read (docs/recovery.md), and how many
 #: live frames may wait for it meanwhile; past either, the resume answers ``too_slow``.
@@ -38,18 +39,17 @@ REPLAY_POLL_S = 0.02
 RESUME_PAGE_COST = 1.0
 RESUME_RETRY_MS = 1000
 
-#: A live frame kept for a connection during its replay: ``(seq, epoch, payload)``.
-Held = tuple[int, str, bytes]
 
+class Subscriptions(Protocol):
+    """What a replay needs of the hub: its subscriptions and its view of each channel."""
 
-def already_sent(at: tuple[str, int] | None, epoch: str, seq: int) -> bool:
-    """Whether a connection whose position is ``at`` (``(epoch, seq)`` last sent) has had
-    this frame: a replay sent it, or it arrives late (queued for this process before it
-    left the channel and joined again, a publisher overtaken by another, a frame of the
-    history a newer epoch replaced)."""
-    if at is None:
-        return False
-    return seq <= at[1] if epoch == at[0] else not newer_epoch(epoch, at[0])
+    backplane: Backplane | None
+    subscribers: dict[str, set[Connection]]
+    last_seq: dict[str, int]
+
+    async def subscribe(self, conn: Connection, spec: ChannelSpec) -> bool: ...
+
+    def undo_subscribe(self, conn: Connection, channel: str) -> None: ...
 
 
 def pace(*, queued: int, calm: int, held: int, now: float, deadline: float) -> Literal["send", "wait", "too_slow"]:
@@ -67,9 +67,12 @@ def pace(*, queued: int, calm: int, held: int, now: float, deadline: float) -> L
 class Replays:
     """The replays in progress in this process, their buffers and their counters."""
 
-    def __init__(self, hub: Hub) -> None:
+    def __init__(self, hub: Subscriptions, fanout: Fanout, ordering: Ordering, admission: Admission) -> None:
         self.hub = hub
-        self.buffers: dict[str, dict[Connection, list[Held]]] = {}  # per channel, per connection
+        self.fanout = fanout
+        self.ordering = ordering
+        self.admission = admission  # each page after the first is paid from its buckets
+        self.buffers = fanout.buffers  # per channel, per connection being replayed
         self.recoveries: dict[str, int] = {"served": 0, "failed": 0, "deferred": 0}
         self.resuming = 0  # resumes replaying now (MAX_CONCURRENT_RESUMES)
         self.replayed = 0  # publications sent again from a history
@@ -104,7 +107,7 @@ class Replays:
             added = await hub.subscribe(conn, spec)
             read = await backplane.history(channel, policy, since, hub.last_seq.get(channel, 0))
             if channel in hub.subscribers:
-                hub.ordering.read(channel, read.epoch, read.top)
+                self.ordering.read(channel, read.epoch, read.top)
             at = conn.positions.get(channel)
             if at is None or at[0] != read.epoch or at[1] < read.top:
                 conn.positions[channel] = (read.epoch, read.top)  # the replay brings it there
@@ -179,7 +182,7 @@ class Replays:
                         await asyncio.sleep(REPLAY_POLL_S)  # the transports signal no drain
                 if conn.closed or channel not in conn.subscriptions:
                     return sent, "closed"
-                self.hub.fanout.push(conn, payload)
+                self.fanout.push(conn, payload)
                 sent += 1
                 self.replayed += 1
             after = entries[-1].seq
@@ -192,7 +195,7 @@ class Replays:
         outruns its bucket waits for it (False past ``deadline``)."""
         if conn.identity is None:
             return True
-        while (refusal := self.hub.gate.admission.charge(conn.identity, RESUME_PAGE_COST)) is not None:
+        while (refusal := self.admission.charge(conn.identity, RESUME_PAGE_COST)) is not None:
             wait = refusal.retry_after_ms / 1000
             if time.monotonic() + wait > deadline or conn.closed:
                 return False
@@ -209,4 +212,4 @@ class Replays:
         for seq, epoch, payload in sorted(buffer, key=lambda item: (item[1], item[0])):
             if conn.closed or channel not in conn.subscriptions:
                 return
-            self.hub.fanout.push_kept(conn, channel, seq, epoch, payload)
+            self.fanout.push_kept(conn, channel, seq, epoch, payload)

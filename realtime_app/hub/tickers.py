@@ -17,14 +17,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from realtime_app.channels.registry import ChannelSpec
+from realtime_app.cluster.base import Backplane
 from realtime_app.conf import get_config
 from realtime_app.exceptions import BackplaneUnavailable, PublicationError
+from realtime_app.hub.reconciler import Reconciler
 from realtime_app.observability.logsafe import safe
-
-if TYPE_CHECKING:
-    from realtime_app.hub.core import Hub
 
 __all__ = ["MISSING", "TickerBook", "TickerPublish", "Tickers"]
 
@@ -125,10 +125,23 @@ class TickerPublish:
             method(self.channel, *args)
 
 
+class Publisher(Protocol):
+    """What tickers need of the hub: the channels, the lease, the loop, publishing."""
+
+    instance_id: str
+    loop: asyncio.AbstractEventLoop | None
+    thread_id: int
+    backplane: Backplane | None
+    reconciler: Reconciler
+    specs: dict[str, ChannelSpec]
+
+    async def publish(self, channel: str, data: Any) -> int: ...
+
+
 class Tickers:
     """Starts and stops this process's tickers and publishes their values."""
 
-    def __init__(self, hub: Hub) -> None:
+    def __init__(self, hub: Publisher) -> None:
         self.hub = hub
         self.book = TickerBook()
         self.stale_ticks = 0  # ticks not published: the lease could not be renewed in time

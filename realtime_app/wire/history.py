@@ -33,6 +33,7 @@ __all__ = [
     "new_epoch",
     "newer_epoch",
     "plan_resume",
+    "already_sent",
 ]
 
 #: Entries and bytes read from a history per round trip, whichever comes first: a long
@@ -224,3 +225,13 @@ class MemoryHistory:
                 if len(out) == count:
                     break
         return out
+
+
+def already_sent(at: tuple[str, int] | None, epoch: str, seq: int) -> bool:
+    """Whether a connection whose position is ``at`` (``(epoch, seq)`` last sent) has had
+    this frame: a replay sent it, or it arrives late (queued for this process before it
+    left the channel and joined again, a publisher overtaken by another, a frame of the
+    history a newer epoch replaced)."""
+    if at is None:
+        return False
+    return seq <= at[1] if epoch == at[0] else not newer_epoch(epoch, at[0])
