@@ -161,7 +161,7 @@ async def test_transient_errors_are_retried_and_a_failing_database_loses_nothing
         assert await store.flush(everything=True) == 0  # 1 + 3 retries, all failed: kept
     probe = store.probe()
     assert probe["dirty"] == 1 and probe["consecutive_failures"] == 1 and await rows() == {key: 97}
-    assert store._entries[key].not_before > 0  # the next attempt is backed off
+    assert store.entries[key].not_before > 0  # the next attempt is backed off
     assert await store.flush(everything=True) == 1  # the database is back
     assert await rows() == {key: 93} and store.probe()["consecutive_failures"] == 0
 
@@ -238,7 +238,7 @@ async def test_a_delete_during_a_flush_leaves_no_phantom_delta(users):
     async with flush_held(store) as flushing:
         await store.delete(key)  # while the flush writes -10
     await flushing
-    assert store._entries[key].deltas == {}
+    assert store.entries[key].deltas == {}
     await store.flush(everything=True)
     assert await rows() == {}  # the delete won; nothing came back
     again = await store.add(key, "shots", -1)
@@ -269,7 +269,7 @@ async def test_a_commit_whose_answer_is_lost_is_not_applied_twice(users):
     await store.add(key, "shots", -10)
     await store.flush(everything=True)
     await store.add(key, "shots", -7)
-    real = store._write_batch
+    real = store.table.write_batch
     lost = {"n": 0}
 
     def committed_then_lost(batch: Any, token: str) -> Any:
@@ -279,7 +279,7 @@ async def test_a_commit_whose_answer_is_lost_is_not_applied_twice(users):
             raise OperationalError("server closed the connection unexpectedly")
         return result
 
-    store._write_batch = committed_then_lost  # type: ignore[method-assign]
+    store.table.write_batch = committed_then_lost  # type: ignore[method-assign]
     await store.flush(everything=True)  # the retry finds the batch's token: no second -7
     assert await rows() == {key: 83} and store.probe()["dirty"] == 0
 
@@ -344,7 +344,7 @@ async def test_what_cannot_be_written_at_the_end_is_journaled_and_the_next_proce
     await store.add(a, "shots", -10)
     await store.flush(everything=True)
     await store.add(a, "shots", -7)  # its batch commits, the answer is lost, then the database goes
-    real = store._write_batch
+    real = store.table.write_batch
     committed = {"n": 0}
 
     def committed_then_gone(batch: Any, token: str) -> Any:
@@ -353,7 +353,7 @@ async def test_what_cannot_be_written_at_the_end_is_journaled_and_the_next_proce
             real(batch, token)
         raise OperationalError("could not connect to server")
 
-    store._write_batch = committed_then_gone  # type: ignore[method-assign]
+    store.table.write_batch = committed_then_gone  # type: ignore[method-assign]
     await store.flush(everything=True)
     await store.add(a, "shots", -1)  # after the batch in doubt
     await store.add(b, "shots", -3)  # never written at all
@@ -394,10 +394,10 @@ async def test_the_backoff_grows_while_a_batch_in_doubt_keeps_failing(users):
         await store.flush(everything=True)  # fails: the batch is in doubt now
         assert store.probe()["consecutive_failures"] == 1 and store.probe()["in_doubt"] == 1
         for n in range(2, 6):
-            store._entries[key].not_before = 0.0  # due again now
+            store.entries[key].not_before = 0.0  # due again now
             await store.flush()  # its retry fails again
             assert store.probe()["consecutive_failures"] == n
-    backoff = store._entries[key].not_before - time.monotonic()
+    backoff = store.entries[key].not_before - time.monotonic()
     assert backoff >= 0.5 * 2**5 * 0.5 - 1  # 0.5 s x 2^5, jittered down to half at most
 
 

@@ -84,5 +84,5 @@ def process_probe(hub: Probed) -> ProcessProbe:
         },
         "backpressure": hub.fanout.probe(),
         "http_pools": pools_probe(),  # type: ignore[typeddict-item]
-        "write_behind": stores_probe(),  # type: ignore[typeddict-item]
+        "write_behind": stores_probe(),
     }

@@ -30,76 +30,36 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass, field
-from datetime import timedelta
 from functools import partial
 from typing import Any, Generic, TypeVar
 
-from django.db import DatabaseError, DataError, IntegrityError, InterfaceError, OperationalError, models, transaction
-from django.db.models import Case, F, Q, Value, When
-from django.utils import timezone
+from django.db import DatabaseError, DataError, IntegrityError, InterfaceError, OperationalError, models
 
 from realtime_app.observability.logsafe import safe
-from realtime_app.persistence import journal
-from realtime_app.persistence.journal import JournalFile
+from realtime_app.observability.schema import StoreProbe
+from realtime_app.persistence import lifecycle
+from realtime_app.persistence.entries import Accepted, Batch, Entry, Key, evictable, settle, snapshot
+from realtime_app.persistence.handover import Handover
+from realtime_app.persistence.lifecycle import (
+    flush_all,
+    install_shutdown_flush,
+    start_all,
+    store_probe,
+    stores,
+    stores_probe,
+)
+from realtime_app.persistence.sql import Permanent, Table, transient
 
 __all__ = ["Accepted", "WriteBehindStore", "flush_all", "install_shutdown_flush", "start_all", "stores", "stores_probe"]
 
 logger = logging.getLogger("realtime_app.write_behind")
 
 M = TypeVar("M", bound=models.Model)
-Key = tuple[Any, ...]
 
 UPSERT_BATCH = 50
 DELETE_BATCH = 200
 RETRIES = 3
 MAX_BACKOFF_S = 30.0
-#: PostgreSQL SQLSTATEs worth an immediate retry: deadlock, serialization failure.
-TRANSIENT_PGCODES = {"40P01", "40001"}
-
-_stores: list[WriteBehindStore[Any]] = []
-_marks_swept = float("-inf")  # when old flush marks were last deleted
-
-
-def stores() -> list[WriteBehindStore[Any]]:
-    """Every store of this process (the probe lists them)."""
-    return list(_stores)
-
-
-@dataclass(slots=True)
-class _Entry:
-    state: dict[str, Any] | None  # None: deleted
-    in_db: bool  # the row exists as far as this process knows
-    version: int = 0  # bumped by each mutation
-    flushed: int = 0  # the version the last successful flush wrote
-    deltas: dict[str, int | float] = field(default_factory=dict)  # counters: change not yet written
-    changed: dict[str, int] = field(default_factory=dict)  # plain field -> version of its last change
-    dirty_since: float | None = None  # monotonic time of the oldest unsaved change
-    not_before: float = 0.0  # pushed back after an error
-    error: str | None = None  # a permanent failure, reported
-    durable: dict[str, Any] | None = None  # the row as last read or written (None: no row)
-    saved_at: float | None = None  # wall time of the last write that covered this object
-    waiters: list[tuple[int, asyncio.Future[None]]] = field(default_factory=list)
-    generation: int = 0  # bumped by each delete: what an older snapshot took is moot
-    replace: bool = False  # deleted since the last write: the next one writes the whole row
-    in_doubt: bool = False  # in a batch whose outcome is not known yet
-
-
-Batch = list[tuple[Key, _Entry, dict[str, Any]]]
-
-
-@dataclass(frozen=True, slots=True)
-class Accepted:
-    """A mutation accepted in memory: its ``state`` now; ``await durable()`` for the flush."""
-
-    state: dict[str, Any] | None
-    version: int
-    _store: WriteBehindStore[Any]
-    _key: Key
-
-    async def durable(self, timeout: float | None = None) -> None:
-        """Wait until a flush has written this version (or a later one)."""
-        await asyncio.wait_for(self._store._durable(self._key, self.version), timeout)
 
 
 class WriteBehindStore(Generic[M]):
@@ -140,8 +100,8 @@ class WriteBehindStore(Generic[M]):
         self.defaults = defaults or (lambda key: {})
         self._delay_s = delay_s
         self.name = name or model._meta.label
-        self._entries: dict[Key, _Entry] = {}
-        self._loading: dict[Key, asyncio.Future[_Entry]] = {}
+        self.entries: dict[Key, Entry] = {}
+        self._loading: dict[Key, asyncio.Future[Entry]] = {}
         self._flush_lock = asyncio.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
@@ -151,11 +111,9 @@ class WriteBehindStore(Generic[M]):
         if max_objects < 1:
             raise ValueError("max_objects must be >= 1")
         self.max_objects = max_objects  # objects kept in memory; the least recently used clean ones go
-        self._journals: list[JournalFile] = []  # journal files taken over, not yet all written
+        self.handover = Handover(self.name)  # the journals taken over, and what this one hands over
         self._journal_checked = False
         self.evicted = 0
-        self.journaled = 0  # objects written to a journal at the end of this process
-        self.replayed = 0  # objects taken over from journals
         # the probe
         self.flushed_rows = 0
         self.flushed_deletes = 0
@@ -164,7 +122,8 @@ class WriteBehindStore(Generic[M]):
         self.consecutive_failures = 0
         self.last_flush: dict[str, Any] | None = None
         self.failing: dict[str, str] = {}  # key -> the permanent error that keeps it unsaved
-        _stores.append(self)
+        self.table = Table(model, self.key_fields, self.fields, self.counters)
+        lifecycle.register(self)
 
     @property
     def delay_s(self) -> float:
@@ -184,11 +143,11 @@ class WriteBehindStore(Generic[M]):
         entry = await self._entry(self._key(key))
         return None if entry.state is None else dict(entry.state)
 
-    async def _entry(self, key: Key) -> _Entry:
+    async def _entry(self, key: Key) -> Entry:
         self._start()
-        entry = self._entries.pop(key, None)
+        entry = self.entries.pop(key, None)
         if entry is not None:
-            self._entries[key] = entry  # the most recently used last: eviction starts at the front
+            self.entries[key] = entry  # the most recently used last: eviction starts at the front
             return entry
         loading = self._loading.get(key)
         if loading is None:  # one read per key, however many ask at once, in a task of its own:
@@ -196,31 +155,20 @@ class WriteBehindStore(Generic[M]):
             self._loading[key] = loading  # cancelled does not cancel the others' load
         return await asyncio.shield(loading)
 
-    async def _load_into(self, key: Key) -> _Entry:
+    async def _load_into(self, key: Key) -> Entry:
         try:
             entry = await self._load(key)
-            entry = self._entries.setdefault(key, entry)
+            entry = self.entries.setdefault(key, entry)
             self._evict(keep=key)  # never the one its caller is about to change
             return entry
         finally:
             self._loading.pop(key, None)
 
     def _evict(self, keep: Key | None = None) -> None:
-        """Forget the least recently used objects that are saved, while over ``max_objects``
-        (those with unsaved changes or waiters stay, however many there are, and ``keep``)."""
-        over = len(self._entries) - self.max_objects
-        if over <= 0:
-            return
-        gone: list[Key] = []
-        for key, entry in self._entries.items():
-            if len(gone) >= over:
-                break
-            if key == keep:
-                continue
-            if entry.dirty_since is None and not entry.in_doubt and not entry.waiters and entry.error is None:
-                gone.append(key)
+        """Forget the least recently used saved objects while over ``max_objects``."""
+        gone = evictable(self.entries, len(self.entries) - self.max_objects, keep)
         for key in gone:
-            del self._entries[key]
+            del self.entries[key]
         self.evicted += len(gone)
 
     async def preload(self, keys: Iterable[Hashable]) -> int:
@@ -229,53 +177,42 @@ class WriteBehindStore(Generic[M]):
         from channels.db import database_sync_to_async
 
         self._start()
-        missing = [k for k in dict.fromkeys(self._key(key) for key in keys) if k not in self._entries]
-
-        def read(chunk: list[Key]) -> dict[Key, dict[str, Any]]:
-            where = Q()
-            for key in chunk:
-                where |= self._where(key)
-            rows = self.model._default_manager.filter(where).values(*self.key_fields, *self.fields)
-            return {tuple(row[f] for f in self.key_fields): {f: row[f] for f in self.fields} for row in rows}
+        missing = [k for k in dict.fromkeys(self._key(key) for key in keys) if k not in self.entries]
 
         for i in range(0, len(missing), 500):
             chunk = missing[i : i + 500]
-            found = await database_sync_to_async(read)(chunk)
+            found = await database_sync_to_async(self.table.read)(chunk)
             for key in chunk:
-                if key in self._entries:
+                if key in self.entries:
                     continue
                 if key in found:
-                    self._entries[key] = _Entry(state=found[key], in_db=True, durable=dict(found[key]))
+                    self.entries[key] = Entry(state=found[key], in_db=True, durable=dict(found[key]))
                 else:
-                    self._entries[key] = _Entry(
+                    self.entries[key] = Entry(
                         state={**{f: None for f in self.fields}, **self.defaults(key)}, in_db=False
                     )
         self._evict()
         return len(missing)
 
-    async def _load(self, key: Key) -> _Entry:
+    async def _load(self, key: Key) -> Entry:
         from channels.db import database_sync_to_async
 
-        def read() -> dict[str, Any] | None:
-            rows = self.model._default_manager.filter(self._where(key)).values(*self.fields)
-            return next(iter(rows), None)
-
-        found = await database_sync_to_async(read)()
+        found = (await database_sync_to_async(self.table.read)([key])).get(key)
         if found is not None:
-            return _Entry(state=found, in_db=True, durable=dict(found))
-        return _Entry(state={**{f: None for f in self.fields}, **self.defaults(key)}, in_db=False)
+            return Entry(state=found, in_db=True, durable=dict(found))
+        return Entry(state={**{f: None for f in self.fields}, **self.defaults(key)}, in_db=False)
 
     def durable(self, key: Hashable) -> tuple[dict[str, Any] | None, float | None]:
         """What the database holds for ``key`` as this process last read or wrote it, and
         when it last wrote it (wall time; None: not since it started). Loaded keys only."""
-        entry = self._entries.get(self._key(key))
+        entry = self.entries.get(self._key(key))
         if entry is None:
             return None, None
         return (None if entry.durable is None else dict(entry.durable)), entry.saved_at
 
     def unsaved(self, key: Hashable) -> bool:
         """True while ``key`` has a change that no flush has written yet."""
-        entry = self._entries.get(self._key(key))
+        entry = self.entries.get(self._key(key))
         return entry is not None and entry.dirty_since is not None
 
     # -- changing -----------------------------------------------------------------------
@@ -327,14 +264,14 @@ class WriteBehindStore(Generic[M]):
         self._dirty(entry)
         return Accepted(None, entry.version, self, k)
 
-    def _dirty(self, entry: _Entry) -> None:
+    def _dirty(self, entry: Entry) -> None:
         if entry.dirty_since is None:
             entry.dirty_since = time.monotonic()
         if self._wake is not None:
             self._wake.set()
 
     async def _durable(self, key: Key, version: int) -> None:
-        entry = self._entries.get(key)
+        entry = self.entries.get(key)
         if entry is None or entry.flushed >= version:  # forgotten: only saved objects are
             return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -352,7 +289,7 @@ class WriteBehindStore(Generic[M]):
         self._flush_lock = asyncio.Lock()
         if not self._journal_checked:
             self._journal_checked = True
-            self._take_over_journals()
+            self.handover.take_over(self.entries, self._in_doubt, self.delay_s)
         self._task = loop.create_task(self._run(), name=f"write-behind {self.name}")
         install_shutdown_flush()
 
@@ -361,104 +298,10 @@ class WriteBehindStore(Generic[M]):
         ended processes left; otherwise it starts at the store's first use."""
         self._start()
 
-    def _take_over_journals(self) -> None:
-        """Journaled batches become in-doubt batches under their own tokens, written before
-        anything newer (a batch that did commit is found by its token, not applied again)."""
-        try:
-            claimed = journal.claim(self.name)
-        except OSError as exc:
-            logger.error("store %s: the journal cannot be read: %s", self.name, exc)
-            return
-        now = time.monotonic()
-        for file in claimed:
-            for token, items in file.batches:
-                batch: Batch = []
-                for key, snap in items:
-                    entry = self._entries.get(key)
-                    if entry is None:
-                        entry = self._entries[key] = _Entry(state=None, in_db=bool(snap["in_db"]))
-                    entry.version += 1
-                    snap = {**snap, "version": entry.version, "generation": entry.generation}
-                    snap["changed"] = {name: entry.version for name in snap["changed"]}
-                    entry.state = None if snap["state"] is None else dict(snap["state"])
-                    for name, delta in snap["deltas"].items():
-                        entry.deltas[name] = entry.deltas.get(name, 0) + delta
-                    entry.changed.update(snap["changed"])
-                    entry.replace = entry.replace or bool(snap["replace"])
-                    entry.in_doubt = True
-                    entry.dirty_since = now - self.delay_s  # due now
-                    batch.append((key, entry, snap))
-                    self.replayed += 1
-                self._in_doubt.append((token, batch))
-            self._journals.append(file)
-            logger.warning(
-                "store %s: %d object(s) taken over from %s, written before anything newer",
-                self.name,
-                sum(len(items) for _, items in file.batches),
-                file.path,
-            )
-
-    def _settle_journals(self) -> None:
-        """Delete the journal files taken over whose every batch is written."""
-        pending = {token for token, _ in self._in_doubt}
-        for file in list(self._journals):
-            if not file.tokens & pending:
-                file.remove()
-                self._journals.remove(file)
-
     def journal_unsaved(self) -> int:
-        """The process is ending: write what is still unsaved to a journal for the next
-        process (the batches in doubt under their tokens, the rest under new ones); returns
-        the objects kept. An ERROR says how many changes are lost if even that fails."""
-        batches: list[tuple[str, list[tuple[Key, dict[str, Any]]]]] = []
-        covered: dict[Key, dict[str, Any]] = {}  # the newest in-doubt snapshot of each key
-        for token, batch in self._in_doubt:
-            batches.append((token, [(key, snap) for key, _, snap in batch]))
-            for key, _, snap in batch:
-                covered[key] = snap
-        rest = []
-        for key, entry in self._entries.items():
-            if entry.dirty_since is None:
-                continue
-            residual = _residual(self._snapshot(entry), covered.get(key))
-            if residual is not None:
-                rest.append((key, residual))
-        for i in range(0, len(rest), UPSERT_BATCH):
-            batches.append((uuid.uuid4().hex, rest[i : i + UPSERT_BATCH]))
-        objects = sum(len(items) for _, items in batches)
-        if not objects:
-            self._remove_taken_over()
-            return 0
-        try:
-            path = journal.write(self.name, batches)
-        except OSError as exc:
-            logger.error(
-                "store %s: %d accepted object(s) LOST: the database and the journal both failed (%s)",
-                self.name,
-                objects,
-                safe(exc, 200),
-            )
-            return 0
-        self._remove_taken_over()  # what they held is in the new file
-        self._in_doubt = []
-        for entry in self._entries.values():  # handed over: never journaled (or written) twice
-            if entry.dirty_since is not None or entry.in_doubt:
-                entry.dirty_since, entry.in_doubt = None, False
-                entry.deltas.clear()
-                entry.changed.clear()
-        self.journaled += objects
-        logger.warning(
-            "store %s: %d object(s) not written to the database, kept in %s for the next process",
-            self.name,
-            objects,
-            path,
-        )
-        return objects
-
-    def _remove_taken_over(self) -> None:
-        for file in self._journals:
-            file.remove()
-        self._journals.clear()
+        """The process is ending: journal what is still unsaved for the next process
+        (:meth:`~realtime_app.persistence.handover.Handover.hand_over`)."""
+        return self.handover.hand_over(self.entries, self._in_doubt)
 
     async def _run(self) -> None:
         assert self._wake is not None
@@ -483,7 +326,7 @@ class WriteBehindStore(Generic[M]):
     def _next_due(self) -> float | None:
         due: float | None = None
         delay = self.delay_s
-        for entry in self._entries.values():
+        for entry in self.entries.values():
             if entry.dirty_since is None:
                 continue
             when = max(entry.dirty_since + delay, entry.not_before)
@@ -500,18 +343,18 @@ class WriteBehindStore(Generic[M]):
             delay = 0.0 if everything else self.delay_s
             due = [
                 (key, entry)
-                for key, entry in self._entries.items()
+                for key, entry in self.entries.items()
                 if entry.dirty_since is not None
                 and not entry.in_doubt
                 and (everything or (entry.dirty_since + delay <= now and entry.not_before <= now))
             ]
             if not due and not written and not failed:
-                self._settle_journals()
+                self.handover.settle(self._in_doubt)
                 return 0
-            snapshots = [(key, entry, self._snapshot(entry)) for key, entry in due]
+            snapshots = [(key, entry, snapshot(entry)) for key, entry in due]
             more, more_failed = await self._write(snapshots)
             written, failed = written + more, failed + more_failed
-            self._settle_journals()
+            self.handover.settle(self._in_doubt)
             duration = time.monotonic() - started
             self.flushes += 1
             self.last_flush = {
@@ -521,17 +364,6 @@ class WriteBehindStore(Generic[M]):
                 "failed": failed,
             }
             return written
-
-    def _snapshot(self, entry: _Entry) -> dict[str, Any]:
-        return {
-            "version": entry.version,
-            "state": None if entry.state is None else dict(entry.state),
-            "deltas": dict(entry.deltas),
-            "changed": dict(entry.changed),
-            "in_db": entry.in_db,
-            "generation": entry.generation,
-            "replace": entry.replace,
-        }
 
     async def _write(self, snapshots: Batch) -> tuple[int, int]:
         written = failed = 0
@@ -557,7 +389,7 @@ class WriteBehindStore(Generic[M]):
             entry.in_doubt = True
         try:
             current = await self._with_retries(partial(self._batch_writer(), batch, token))
-        except _Permanent as exc:  # rolled back: split until the objects at fault stand alone
+        except Permanent as exc:  # rolled back: split until the objects at fault stand alone
             for _, entry, _ in batch:
                 entry.in_doubt = False
             if len(batch) == 1:
@@ -573,7 +405,15 @@ class WriteBehindStore(Generic[M]):
                 self._failed_transiently(batch, exc)
                 return 0, len(batch)
             raise
-        self._written(batch, current)
+        if self.consecutive_failures:
+            logger.info("store %s: flushing again after %d failure(s)", self.name, self.consecutive_failures)
+            self.consecutive_failures = 0
+        for key, entry, snap in batch:
+            if settle(entry, snap, current.get(key), self.counters):
+                self.flushed_rows += 1
+            else:
+                self.flushed_deletes += 1
+            self.failing.pop(repr(key), None)
         return len(batch), 0
 
     async def _settle_in_doubt(self, everything: bool) -> tuple[int, int]:
@@ -595,14 +435,14 @@ class WriteBehindStore(Generic[M]):
             try:
                 return await attempt()
             except (IntegrityError, DataError) as exc:
-                raise _Permanent(exc) from exc
+                raise Permanent(exc) from exc
             except (OperationalError, InterfaceError, DatabaseError) as exc:
-                if not _transient(exc) or n == RETRIES:
+                if not transient(exc) or n == RETRIES:
                     raise
                 self.retries += 1
                 await asyncio.sleep(0.05 * (2**n))
 
-    def _cannot_save(self, item: tuple[Key, _Entry, dict[str, Any]], exc: _Permanent) -> None:
+    def _cannot_save(self, item: tuple[Key, Entry, dict[str, Any]], exc: Permanent) -> None:
         """The database refuses this object for good: keep it, report it, try it rarely."""
         key, entry, _ = item
         message = f"{type(exc.cause).__name__}: {safe(exc.cause, 200)}"
@@ -618,15 +458,15 @@ class WriteBehindStore(Generic[M]):
         if self._inline:
 
             async def inline(batch: Batch, token: str) -> Any:
-                return self._write_batch(batch, token)
+                return self.table.write_batch(batch, token)
 
             return inline
         from channels.db import database_sync_to_async
 
-        writer: Callable[[Batch, str], Any] = database_sync_to_async(self._write_batch)
+        writer: Callable[[Batch, str], Any] = database_sync_to_async(self.table.write_batch)
         return writer
 
-    def _failed_transiently(self, batch: list[tuple[Key, _Entry, dict[str, Any]]], exc: BaseException) -> None:
+    def _failed_transiently(self, batch: list[tuple[Key, Entry, dict[str, Any]]], exc: BaseException) -> None:
         self.consecutive_failures += 1
         backoff = min(MAX_BACKOFF_S, 0.5 * 2 ** min(self.consecutive_failures, 10))
         backoff *= 0.5 + random.random() / 2  # jitter: processes do not come back in step
@@ -641,170 +481,6 @@ class WriteBehindStore(Generic[M]):
         for _, entry, _ in batch:
             entry.not_before = time.monotonic() + backoff
 
-    def _written(self, batch: list[tuple[Key, _Entry, dict[str, Any]]], current: dict[Key, dict[str, Any]]) -> None:
-        """A batch is durable: settle what it wrote, keep what changed meanwhile, and take
-        the counters as the database holds them (other processes' deltas included)."""
-        if self.consecutive_failures:
-            logger.info("store %s: flushing again after %d failure(s)", self.name, self.consecutive_failures)
-            self.consecutive_failures = 0
-        for key, entry, snap in batch:
-            version = snap["version"]
-            entry.in_doubt = False
-            if entry.generation == snap["generation"]:  # else deleted since: its deltas are gone
-                for name, delta in snap["deltas"].items():
-                    left = entry.deltas.get(name, 0) - delta
-                    if left:
-                        entry.deltas[name] = left
-                    else:
-                        entry.deltas.pop(name, None)
-                for name, changed_at in snap["changed"].items():
-                    if entry.changed.get(name) == changed_at:
-                        del entry.changed[name]
-                if snap["replace"]:
-                    entry.replace = False
-            if snap["state"] is None:
-                entry.in_db = False
-                entry.durable = None
-                self.flushed_deletes += 1
-            else:
-                entry.in_db = True
-                durable = dict(entry.durable or snap["state"])
-                durable.update({name: snap["state"][name] for name in snap["changed"]})
-                self.flushed_rows += 1
-            entry.saved_at = time.time()
-            row = current.get(key)
-            if snap["state"] is not None:
-                if row is not None:
-                    durable.update({name: row[name] for name in self.counters})
-                entry.durable = durable
-            if row is not None and entry.state is not None and entry.generation == snap["generation"]:
-                for name in self.counters:  # the database's value plus what is not yet written
-                    entry.state[name] = row[name] + entry.deltas.get(name, 0)
-            entry.flushed = max(entry.flushed, version)
-            entry.error = None
-            self.failing.pop(repr(key), None)
-            entry.not_before = 0.0
-            if entry.version == entry.flushed:
-                entry.dirty_since = None
-            else:
-                entry.dirty_since = time.monotonic()  # changed during the flush: due again later
-            still = []
-            for wanted, future in entry.waiters:
-                if wanted <= entry.flushed:
-                    if not future.done() and not future.get_loop().is_closed():
-                        future.set_result(None)
-                else:
-                    still.append((wanted, future))
-            entry.waiters = still
-
-    def _where(self, key: Key) -> Q:
-        return Q(**dict(zip(self.key_fields, key, strict=True)))
-
-    def _write_batch(self, batch: Batch, token: str) -> dict[Key, dict[str, Any]]:
-        """One batch in one transaction (runs in a worker thread); returns the counters as
-        the database holds them now, other processes' deltas included.
-
-        Its first statement writes the batch's token: if that token is there already, the
-        batch was committed before (its answer was lost) and nothing is written again.
-        """
-        manager = self.model._default_manager
-        with transaction.atomic():
-            if not self._mark(token):
-                return self._read_counters([key for key, _, snap in batch if snap["state"] is not None])
-            self._forget_old_marks()
-            deletes = [key for key, _, snap in batch if snap["state"] is None or snap["replace"]]
-            if deletes:
-                manager.filter(self._any(deletes)).delete()
-            upserts = [(key, snap) for key, _, snap in batch if snap["state"] is not None]
-            if not upserts:
-                return {}
-            replaced = [(key, snap) for key, snap in upserts if snap["replace"]]
-            if replaced:  # deleted, then created again: the whole row, counters as values
-                manager.bulk_create([self._instance(key, snap, base=False) for key, snap in replaced])
-            upserts = [(key, snap) for key, snap in upserts if not snap["replace"]]
-            # Every row exists (a new one, or one another process deleted meanwhile), its
-            # counters at their base: the state minus what is not yet written.
-            manager.bulk_create([self._instance(key, snap) for key, snap in upserts], ignore_conflicts=True)
-            groups: dict[frozenset[str], list[tuple[Key, dict[str, Any]]]] = {}
-            for key, snap in upserts:  # only the plain fields each object changed
-                names = frozenset(snap["changed"]) - self.counters
-                if names:
-                    groups.setdefault(names, []).append((key, snap))
-            for names, members in sorted(groups.items(), key=lambda group: sorted(group[0])):
-                manager.bulk_create(
-                    [self._instance(key, snap) for key, snap in members],
-                    update_conflicts=True,
-                    unique_fields=list(self.key_fields),
-                    update_fields=sorted(names),
-                )
-            deltas = [(key, snap["deltas"]) for key, snap in upserts if snap["deltas"]]
-            for counter in sorted({name for _, d in deltas for name in d}):
-                keys = [key for key, d in deltas if d.get(counter)]
-                if not keys:
-                    continue
-                cases = [When(self._where(key), then=Value(d[counter])) for key, d in deltas if d.get(counter)]
-                output = self.model._meta.get_field(counter)
-                manager.filter(self._any(keys)).update(
-                    **{counter: F(counter) + Case(*cases, default=Value(0), output_field=output)}
-                )
-            return self._read_counters([key for key, _ in deltas] + [key for key, _ in replaced])
-
-    def _mark(self, token: str) -> bool:
-        """Write the batch's token; False if it is there already (committed before). On
-        PostgreSQL a batch still in flight under that token makes this wait for its end."""
-        from django.db import connections, router
-
-        from realtime_app.models import FlushMark
-
-        alias = router.db_for_write(FlushMark)
-        connection = connections[alias]
-        if connection.vendor in ("postgresql", "sqlite"):  # one statement, no savepoint
-            table = connection.ops.quote_name(FlushMark._meta.db_table)
-            with connection.cursor() as cursor:
-                cursor.execute(
-                    f"INSERT INTO {table} (token, created) VALUES (%s, %s) "
-                    "ON CONFLICT (token) DO NOTHING RETURNING token",
-                    [token, timezone.now()],
-                )
-                return cursor.fetchone() is not None
-        try:
-            with transaction.atomic(using=alias):
-                FlushMark.objects.create(token=token, created=timezone.now())
-        except IntegrityError:
-            return False
-        return True
-
-    def _any(self, keys: list[Key]) -> Q:
-        where = Q()
-        for key in keys:
-            where |= self._where(key)
-        return where
-
-    def _read_counters(self, keys: list[Key]) -> dict[Key, dict[str, Any]]:
-        if not self.counters or not keys:
-            return {}
-        rows = self.model._default_manager.filter(self._any(keys)).values(*self.key_fields, *sorted(self.counters))
-        return {tuple(row[f] for f in self.key_fields): row for row in rows}
-
-    def _forget_old_marks(self) -> None:
-        """Tokens are needed only while a batch may be retried: keep an hour of them."""
-        global _marks_swept
-        now = time.monotonic()
-        if now - _marks_swept < 600:
-            return
-        _marks_swept = now
-        from realtime_app.models import FlushMark
-
-        FlushMark.objects.filter(created__lt=timezone.now() - timedelta(hours=1)).delete()
-
-    def _instance(self, key: Key, snap: dict[str, Any], *, base: bool = True) -> M:
-        values = dict(snap["state"])
-        if base:
-            for name, delta in snap["deltas"].items():  # the base: the delta is added after
-                values[name] = (values[name] or 0) - delta
-        instance: M = self.model(**dict(zip(self.key_fields, key, strict=True)), **values)
-        return instance
-
     # -- shutdown and probe -------------------------------------------------------------
 
     def close(self) -> None:
@@ -812,138 +488,12 @@ class WriteBehindStore(Generic[M]):
         listed in the probe. What is unsaved is dropped — flush first to keep it."""
         if self._task is not None and not self._task.done() and self._loop is not None and not self._loop.is_closed():
             self._task.cancel()
-        with contextlib.suppress(ValueError):
-            _stores.remove(self)
+        lifecycle.unregister(self)
 
     async def aflush_all(self) -> int:
         """Write everything dirty now (shutdown), retrying transient errors."""
         return await self.flush(everything=True)
 
-    def probe(self) -> dict[str, Any]:
-        now = time.monotonic()
-        dirty = [e for e in self._entries.values() if e.dirty_since is not None]
-        oldest = max((now - e.dirty_since for e in dirty if e.dirty_since is not None), default=0.0)
-        return {
-            "objects": len(self._entries),
-            "dirty": len(dirty),
-            "oldest_unsaved_s": round(oldest, 3),
-            "last_flush": self.last_flush,
-            "consecutive_failures": self.consecutive_failures,
-            "retries": self.retries,
-            "flushes": self.flushes,
-            "flushed_rows": self.flushed_rows,
-            "flushed_deletes": self.flushed_deletes,
-            "failing": dict(list(self.failing.items())[:10]),
-            "in_doubt": sum(len(batch) for _, batch in self._in_doubt),
-            "delay_s": self.delay_s,
-            "evicted": self.evicted,
-            "journaled": self.journaled,
-            "replayed": self.replayed,
-        }
-
-
-class _Permanent(Exception):
-    def __init__(self, cause: BaseException) -> None:
-        super().__init__(cause)
-        self.cause = cause
-
-
-def _transient(exc: BaseException) -> bool:
-    """A lost connection, a deadlock, a serialization failure: worth trying again."""
-    if isinstance(exc, (OperationalError, InterfaceError)):
-        return True
-    cause = exc.__cause__
-    code = getattr(cause, "pgcode", None) or getattr(getattr(cause, "diag", None), "sqlstate", None)
-    return code in TRANSIENT_PGCODES
-
-
-def stores_probe() -> dict[str, dict[str, Any]]:
-    """Every store's counters (the probe's ``write_behind``)."""
-    return {store.name: store.probe() for store in stores()}
-
-
-_shutdown_installed = False
-_atexit_installed = False
-
-
-def _flush_at_exit() -> None:
-    """A process ending without a server's shutdown (a management command, a script):
-    write what is still dirty, on a loop of its own."""
-    if not any(e.dirty_since is not None for store in stores() for e in store._entries.values()):
-        return
-    import os
-
-    for store in stores():
-        store._flush_lock = asyncio.Lock()
-        store._inline = True  # threads can no longer be started at exit
-    # The database is called from the (only) thread left, inside the loop that drives the
-    # flush: nothing else runs at this point, so Django's async-safety guard is lifted.
-    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
-    try:
-        written = asyncio.run(flush_all())
-        logger.info("exit: %d object(s) flushed", written)
-    except Exception:
-        logger.exception("exit: the final flush failed")
-
-
-def install_shutdown_flush() -> None:
-    """Flush every store when the server shuts down. Daphne has no ASGI lifespan: hook
-    Twisted's shutdown (SIGTERM and SIGINT stop the reactor; the flush runs before). Under
-    uvicorn, route ``lifespan`` to :func:`realtime_app.lifespan.lifespan_app` instead."""
-    global _shutdown_installed, _atexit_installed
-    import atexit
-    import sys
-
-    if not _atexit_installed:
-        _atexit_installed = True
-        atexit.register(_flush_at_exit)
-
-    if _shutdown_installed or "twisted.internet.reactor" not in sys.modules:
-        return
-    from twisted.internet import defer, reactor
-
-    if not getattr(reactor, "running", False):
-        return
-    _shutdown_installed = True
-
-    def before_shutdown() -> Any:
-        return defer.Deferred.fromFuture(asyncio.ensure_future(flush_all()))
-
-    reactor_: Any = reactor
-    reactor_.addSystemEventTrigger("before", "shutdown", before_shutdown)
-
-
-async def flush_all() -> int:
-    """Flush every store of this process (shutdown, the end of a command); what cannot be
-    written goes to the journal for the next process (:mod:`realtime_app.persistence.journal`)."""
-    written = 0
-    for store in stores():
-        try:
-            written += await store.aflush_all()
-        except Exception:
-            logger.exception("store %s: final flush failed", store.name)
-        store.journal_unsaved()
-    return written
-
-
-def start_all() -> None:
-    """Start every store's flush loop on the running loop, taking over journals (a
-    server's start: the hub's, the ASGI lifespan's)."""
-    for store in stores():
-        store.start()
-
-
-def _residual(now: dict[str, Any], doubt: dict[str, Any] | None) -> dict[str, Any] | None:
-    """What an object's snapshot ``now`` holds beyond the in-doubt batch snapshot ``doubt``
-    of the same object (journaled apart, under its own token); None when nothing."""
-    if doubt is None or now["generation"] != doubt["generation"]:
-        return now  # deleted since: the whole row (or its delete) replaces it
-    deltas = {}
-    for name in set(now["deltas"]) | set(doubt["deltas"]):
-        left = now["deltas"].get(name, 0) - doubt["deltas"].get(name, 0)
-        if left:
-            deltas[name] = left
-    changed = {name: v for name, v in now["changed"].items() if doubt["changed"].get(name) != v}
-    if not deltas and not changed:
-        return None
-    return {**now, "deltas": deltas, "changed": changed, "replace": False, "in_db": True}
+    def probe(self) -> StoreProbe:
+        """This store's counters (the probe's ``write_behind``)."""
+        return store_probe(self)

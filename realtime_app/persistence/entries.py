@@ -1,0 +1,150 @@
+"""The objects a write-behind store keeps: each one's state, what is not yet written
+(counter deltas, changed fields, versions), and how a written batch settles it. No
+database and no loop here: :mod:`.write_behind` drives it, :mod:`.sql` writes it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+__all__ = ["Accepted", "Batch", "Entry", "Key", "evictable", "residual", "settle", "snapshot"]
+
+Key = tuple[Any, ...]
+
+
+@dataclass(slots=True)
+class Entry:
+    state: dict[str, Any] | None  # None: deleted
+    in_db: bool  # the row exists as far as this process knows
+    version: int = 0  # bumped by each mutation
+    flushed: int = 0  # the version the last successful flush wrote
+    deltas: dict[str, int | float] = field(default_factory=dict)  # counters: change not yet written
+    changed: dict[str, int] = field(default_factory=dict)  # plain field -> version of its last change
+    dirty_since: float | None = None  # monotonic time of the oldest unsaved change
+    not_before: float = 0.0  # pushed back after an error
+    error: str | None = None  # a permanent failure, reported
+    durable: dict[str, Any] | None = None  # the row as last read or written (None: no row)
+    saved_at: float | None = None  # wall time of the last write that covered this object
+    waiters: list[tuple[int, asyncio.Future[None]]] = field(default_factory=list)
+    generation: int = 0  # bumped by each delete: what an older snapshot took is moot
+    replace: bool = False  # deleted since the last write: the next one writes the whole row
+    in_doubt: bool = False  # in a batch whose outcome is not known yet
+
+
+Batch = list[tuple[Key, Entry, dict[str, Any]]]
+
+
+class _Store(Protocol):
+    async def _durable(self, key: Key, version: int) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """A mutation accepted in memory: its ``state`` now; ``await durable()`` for the flush."""
+
+    state: dict[str, Any] | None
+    version: int
+    _store: _Store
+    _key: Key
+
+    async def durable(self, timeout: float | None = None) -> None:
+        """Wait until a flush has written this version (or a later one)."""
+        await asyncio.wait_for(self._store._durable(self._key, self.version), timeout)
+
+
+def evictable(entries: dict[Key, Entry], over: int, keep: Key | None = None) -> list[Key]:
+    """The ``over`` least recently used objects that are saved (``entries`` is in order
+    of use): those with unsaved changes, in doubt, waited for or failing stay, however
+    many there are, and ``keep``."""
+    gone: list[Key] = []
+    if over <= 0:
+        return gone
+    for key, entry in entries.items():
+        if len(gone) >= over:
+            break
+        if key == keep:
+            continue
+        if entry.dirty_since is None and not entry.in_doubt and not entry.waiters and entry.error is None:
+            gone.append(key)
+    return gone
+
+
+def snapshot(entry: Entry) -> dict[str, Any]:
+    return {
+        "version": entry.version,
+        "state": None if entry.state is None else dict(entry.state),
+        "deltas": dict(entry.deltas),
+        "changed": dict(entry.changed),
+        "in_db": entry.in_db,
+        "generation": entry.generation,
+        "replace": entry.replace,
+    }
+
+
+def residual(now: dict[str, Any], doubt: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What an object's snapshot ``now`` holds beyond the in-doubt batch snapshot ``doubt``
+    of the same object (journaled apart, under its own token); None when nothing."""
+    if doubt is None or now["generation"] != doubt["generation"]:
+        return now  # deleted since: the whole row (or its delete) replaces it
+    deltas = {}
+    for name in set(now["deltas"]) | set(doubt["deltas"]):
+        left = now["deltas"].get(name, 0) - doubt["deltas"].get(name, 0)
+        if left:
+            deltas[name] = left
+    changed = {name: v for name, v in now["changed"].items() if doubt["changed"].get(name) != v}
+    if not deltas and not changed:
+        return None
+    return {**now, "deltas": deltas, "changed": changed, "replace": False, "in_db": True}
+
+
+def settle(entry: Entry, snap: dict[str, Any], row: dict[str, Any] | None, counters: frozenset[str]) -> bool:
+    """A batch that held ``snap`` of ``entry`` is durable: take off what it wrote, keep
+    what changed meanwhile, take the counters as the database holds them (``row``: other
+    processes' deltas included) and wake who waited for it. True: a row was written
+    (False: deleted)."""
+    version = snap["version"]
+    entry.in_doubt = False
+    if entry.generation == snap["generation"]:  # else deleted since: its deltas are gone
+        for name, delta in snap["deltas"].items():
+            left = entry.deltas.get(name, 0) - delta
+            if left:
+                entry.deltas[name] = left
+            else:
+                entry.deltas.pop(name, None)
+        for name, changed_at in snap["changed"].items():
+            if entry.changed.get(name) == changed_at:
+                del entry.changed[name]
+        if snap["replace"]:
+            entry.replace = False
+    if snap["state"] is None:
+        entry.in_db = False
+        entry.durable = None
+    else:
+        entry.in_db = True
+        durable = dict(entry.durable or snap["state"])
+        durable.update({name: snap["state"][name] for name in snap["changed"]})
+        if row is not None:
+            durable.update({name: row[name] for name in counters})
+        entry.durable = durable
+    entry.saved_at = time.time()
+    if row is not None and entry.state is not None and entry.generation == snap["generation"]:
+        for name in counters:  # the database's value plus what is not yet written
+            entry.state[name] = row[name] + entry.deltas.get(name, 0)
+    entry.flushed = max(entry.flushed, version)
+    entry.error = None
+    entry.not_before = 0.0
+    if entry.version == entry.flushed:
+        entry.dirty_since = None
+    else:
+        entry.dirty_since = time.monotonic()  # changed during the flush: due again later
+    still = []
+    for wanted, future in entry.waiters:
+        if wanted <= entry.flushed:
+            if not future.done() and not future.get_loop().is_closed():
+                future.set_result(None)
+        else:
+            still.append((wanted, future))
+    entry.waiters = still
+    return snap["state"] is not None

@@ -1,0 +1,141 @@
+"""Every write-behind store of this process: listed for the probe, started with the
+server (taking over the journals ended processes left), flushed at its end — and what
+cannot be written then, journaled for the next process."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from realtime_app.observability.schema import StoreProbe
+
+__all__ = [
+    "flush_all",
+    "install_shutdown_flush",
+    "register",
+    "start_all",
+    "store_probe",
+    "stores",
+    "stores_probe",
+    "unregister",
+]
+
+logger = logging.getLogger("realtime_app.write_behind")
+
+_stores: list[Any] = []  # WriteBehindStore instances, in creation order
+
+
+def stores() -> list[Any]:
+    """Every store of this process (the probe lists them)."""
+    return list(_stores)
+
+
+def register(store: Any) -> None:
+    _stores.append(store)
+
+
+def unregister(store: Any) -> None:
+    if store in _stores:
+        _stores.remove(store)
+
+
+def store_probe(store: Any) -> StoreProbe:
+    """One store's counters, read without deciding anything."""
+    now = time.monotonic()
+    dirty = [e for e in store.entries.values() if e.dirty_since is not None]
+    oldest = max((now - e.dirty_since for e in dirty if e.dirty_since is not None), default=0.0)
+    return {
+        "objects": len(store.entries),
+        "dirty": len(dirty),
+        "oldest_unsaved_s": round(oldest, 3),
+        "last_flush": store.last_flush,
+        "consecutive_failures": store.consecutive_failures,
+        "retries": store.retries,
+        "flushes": store.flushes,
+        "flushed_rows": store.flushed_rows,
+        "flushed_deletes": store.flushed_deletes,
+        "failing": dict(list(store.failing.items())[:10]),
+        "in_doubt": sum(len(batch) for _, batch in store._in_doubt),
+        "delay_s": store.delay_s,
+        "evicted": store.evicted,
+        "journaled": store.handover.journaled,
+        "replayed": store.handover.replayed,
+    }
+
+
+def stores_probe() -> dict[str, StoreProbe]:
+    """Every store's counters (the probe's ``write_behind``)."""
+    return {store.name: store.probe() for store in stores()}
+
+
+_shutdown_installed = False
+_atexit_installed = False
+
+
+def _flush_at_exit() -> None:
+    """A process ending without a server's shutdown (a management command, a script):
+    write what is still dirty, on a loop of its own."""
+    if not any(e.dirty_since is not None for store in stores() for e in store.entries.values()):
+        return
+    import os
+
+    for store in stores():
+        store._flush_lock = asyncio.Lock()
+        store._inline = True  # threads can no longer be started at exit
+    # The database is called from the (only) thread left, inside the loop that drives the
+    # flush: nothing else runs at this point, so Django's async-safety guard is lifted.
+    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+    try:
+        written = asyncio.run(flush_all())
+        logger.info("exit: %d object(s) flushed", written)
+    except Exception:
+        logger.exception("exit: the final flush failed")
+
+
+def install_shutdown_flush() -> None:
+    """Flush every store when the server shuts down. Daphne has no ASGI lifespan: hook
+    Twisted's shutdown (SIGTERM and SIGINT stop the reactor; the flush runs before). Under
+    uvicorn, route ``lifespan`` to :func:`realtime_app.lifespan.lifespan_app` instead."""
+    global _shutdown_installed, _atexit_installed
+    import atexit
+    import sys
+
+    if not _atexit_installed:
+        _atexit_installed = True
+        atexit.register(_flush_at_exit)
+
+    if _shutdown_installed or "twisted.internet.reactor" not in sys.modules:
+        return
+    from twisted.internet import defer, reactor
+
+    if not getattr(reactor, "running", False):
+        return
+    _shutdown_installed = True
+
+    def before_shutdown() -> Any:
+        return defer.Deferred.fromFuture(asyncio.ensure_future(flush_all()))
+
+    reactor_: Any = reactor
+    reactor_.addSystemEventTrigger("before", "shutdown", before_shutdown)
+
+
+async def flush_all() -> int:
+    """Flush every store of this process (shutdown, the end of a command); what cannot be
+    written goes to the journal for the next process (:mod:`realtime_app.persistence.journal`)."""
+    written = 0
+    for store in stores():
+        try:
+            written += await store.aflush_all()
+        except Exception:
+            logger.exception("store %s: final flush failed", store.name)
+        store.journal_unsaved()
+    return written
+
+
+def start_all() -> None:
+    """Start every store's flush loop on the running loop, taking over journals (a
+    server's start: the hub's, the ASGI lifespan's)."""
+    for store in stores():
+        store.start()
