@@ -443,11 +443,11 @@ async def test_a_request_cancelled_while_the_shared_bucket_answers_gives_its_slo
 
 async def test_a_merged_job_whose_first_caller_left_still_holds_a_global_slot(hub):
     """Found in review: the job ran on, but no call of it counted in ``pending``."""
-    from realtime_app.endpoint.consumer import _methods
+    from realtime_app.endpoint.methods import methods
     from realtime_app.inbound.workers import Call
     from tests.test_consumer import Client
 
-    method = _methods["inventory.consume"]
+    method = methods()["inventory.consume"]
     hub.pool.max_running = 1
     async with Client() as blocker, Client() as first, Client() as second:
         await blocker.call_nowait("test.hold", {"seconds": 0.5})

@@ -2,6 +2,6 @@
 
 import sys
 
-from realtime_app.client.connection import main
+from realtime_app.client.cli import main
 
 sys.exit(main())

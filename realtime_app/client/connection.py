@@ -1,16 +1,14 @@
 """An asyncio client of the realtime endpoint, the twin of the browser module.
 
 Same features as ``RealtimeClient`` in ``realtime.js``: JSON-RPC calls with timeouts,
-subscriptions with handlers kept across reconnects, capped jittered exponential backoff
-on transient close codes, and :func:`bind_adaptive_channel` (make-before-break, watchdog).
-Built on the ``websockets`` library. Also a small CLI for operators::
-
-    python -m realtime_app.client ws://127.0.0.1:8000/realtime/ demo:clock --adaptive
+subscriptions with handlers kept across reconnects (resumed where a channel keeps a
+history), capped jittered exponential backoff on transient close codes. Built on the
+``websockets`` library. The adaptive cadence is :mod:`.adaptive_channel`, the operators'
+CLI :mod:`.cli`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import inspect
@@ -18,7 +16,6 @@ import itertools
 import json
 import logging
 import random
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -28,20 +25,11 @@ import websockets
 from websockets.typing import Origin
 
 from realtime_app.cancellation import cancel_and_wait
-from realtime_app.client.adaptive import AdaptiveRate
 from realtime_app.client.cursor import Action, EventCursor
 from realtime_app.exceptions import Refused, RPCError, error_from_response
 from realtime_app.inbound.admission import retry_delay_ms
-from realtime_app.wire.rate import rate_channel
 
-__all__ = [
-    "RECONNECT_CODES",
-    "AdaptiveChannel",
-    "RealtimeClient",
-    "Refused",
-    "bind_adaptive_channel",
-    "is_reconnectable_close_code",
-]
+__all__ = ["RECONNECT_CODES", "Handler", "RealtimeClient", "Refused", "is_reconnectable_close_code"]
 
 logger = logging.getLogger("realtime_app.client")
 
@@ -60,7 +48,7 @@ def is_reconnectable_close_code(code: int | None) -> bool:
     return code in RECONNECT_CODES
 
 
-def _now_ms() -> float:
+def now_ms() -> float:
     return time.monotonic() * 1000
 
 
@@ -450,158 +438,3 @@ class RealtimeClient:
         if canonical not in self._canonical.values() and self._ws is not None:
             with contextlib.suppress(Exception):
                 await self.call("unsubscribe", {"channel": channel})
-
-
-class AdaptiveChannel:
-    """A cadenced state family followed at the cadence the client can absorb.
-
-    Decisions of :class:`AdaptiveRate` are applied make-before-break: subscribe to the
-    new cadence, then leave the old one, so the handler sees one uninterrupted stream.
-    Never use it on event channels: a slower cadence there would lose messages.
-    """
-
-    def __init__(
-        self,
-        client: RealtimeClient,
-        base: str,
-        interval_ms: int,
-        handler: Handler,
-        *,
-        default_ms: int | None = None,
-        **options: Any,
-    ) -> None:
-        self.client = client
-        self.base = base
-        self.handler = handler
-        self.default_ms = default_ms
-        self.rate = AdaptiveRate(interval_ms, **options)
-        self.channel = self._name()
-        self.changes: list[tuple[float, str | None, int]] = []
-        self.on_change: list[Callable[[str, int], None]] = []
-        self._handlers: dict[str, Handler] = {}
-        self._switching = asyncio.Lock()
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._watchdog: asyncio.Task[None] | None = None
-        self._closed = False
-
-    def _name(self) -> str:
-        return rate_channel(self.base, self.rate.interval_ms, self.default_ms if self.default_ms else -1)
-
-    @property
-    def interval_ms(self) -> int:
-        """The effective cadence (for a badge)."""
-        return self.rate.interval_ms
-
-    def _handler_for(self, name: str) -> Handler:
-        if name not in self._handlers:
-
-            async def on_frame(params: dict[str, Any]) -> None:
-                result = self.handler(params)
-                if inspect.isawaitable(result):
-                    await result
-                if name == self.channel:  # only the current cadence is measured
-                    self._apply(self.rate.note_frame(_now_ms()))
-
-            self._handlers[name] = on_frame
-        return self._handlers[name]
-
-    async def start(self) -> AdaptiveChannel:
-        await self.client.subscribe(self.channel, self._handler_for(self.channel))
-        if self.rate.enabled:
-            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
-        return self
-
-    async def _watch(self) -> None:
-        while not self._closed:
-            await asyncio.sleep(self.rate.interval_ms / 1000)
-            self._apply(self.rate.check_starvation(_now_ms()))
-
-    def _apply(self, decision: str | None) -> None:
-        if decision is None or self._closed:
-            return
-        old, self.channel = self.channel, self._name()
-        self.changes.append((time.time(), decision, self.rate.interval_ms))
-        for callback in self.on_change:
-            callback(decision, self.rate.interval_ms)
-        task = asyncio.get_running_loop().create_task(self._switch(old, self.channel))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _switch(self, old: str, new: str) -> None:
-        async with self._switching:
-            try:
-                await self.client.subscribe(new, self._handler_for(new))  # make…
-                if old != new:
-                    await self.client.unsubscribe(old, self._handler_for(old))  # …before break
-            except Exception:
-                logger.exception("adaptive switch %s → %s failed", old, new)
-
-    async def close(self) -> None:
-        self._closed = True
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(Exception):
-                await task
-        await self.client.unsubscribe(self.channel, self._handler_for(self.channel))
-
-
-async def bind_adaptive_channel(
-    client: RealtimeClient, base: str, interval_ms: int, handler: Handler, **options: Any
-) -> AdaptiveChannel:
-    """Follow ``base`` adaptively from ``interval_ms`` (``AdaptiveRate`` options accepted)."""
-    return await AdaptiveChannel(client, base, interval_ms, handler, **options).start()
-
-
-async def _cli(args: argparse.Namespace) -> int:
-    headers = {"Cookie": args.cookie} if args.cookie else {}
-    client = RealtimeClient(args.url, origin=args.origin, headers=headers)
-    client.on_state.append(lambda state: print(f"# {state}", file=sys.stderr))
-    count = 0
-    done = asyncio.Event()
-
-    def show(params: dict[str, Any]) -> None:
-        nonlocal count
-        count += 1
-        data = json.dumps(params.get("data"), separators=(",", ":"))
-        print(f"{params.get('channel')}\tseq={params.get('seq')}\t{data[:200]}", flush=True)
-        if args.count and count >= args.count:
-            done.set()
-
-    await client.connect()
-    try:
-        if args.adaptive:
-            base, _, digits = args.channel.rpartition(":")
-            if not (digits.isascii() and digits.isdigit()):
-                base, digits = args.channel, str(args.interval)
-            bound = await bind_adaptive_channel(client, base, int(digits), show)
-            bound.on_change.append(lambda d, ms: print(f"# cadence {d}: {ms} ms", file=sys.stderr))
-        else:
-            print(f"# {await client.subscribe(args.channel, show)}", file=sys.stderr)
-        await done.wait()
-    except RPCError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    finally:
-        await client.close()
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m realtime_app.client", description="Watch a realtime channel.")
-    parser.add_argument("url", help="ws://host:port/realtime/")
-    parser.add_argument("channel", help="e.g. demo:clock or demo:clock:2000")
-    parser.add_argument("--adaptive", action="store_true", help="follow the family at the cadence you can absorb")
-    parser.add_argument("--interval", type=int, default=1000, help="desired cadence with --adaptive on a bare base")
-    parser.add_argument("--cookie", help="Cookie header (a Django session) for guarded channels")
-    parser.add_argument("--origin", help="Origin header (default: the URL's host)")
-    parser.add_argument("--count", type=int, default=0, help="stop after this many frames (0: never)")
-    args = parser.parse_args(argv)
-    try:
-        return asyncio.run(_cli(args))
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

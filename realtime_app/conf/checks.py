@@ -361,7 +361,7 @@ def check_layer(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
 @register(Tags.compatibility)
 def check_method_costs(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """W030: a method that costs more than a full bucket holds is refused every time."""
-    from realtime_app.endpoint.consumer import method_costs
+    from realtime_app.endpoint.methods import method_costs
 
     capacity = get_config()["ADMISSION_BUCKET_CAPACITY"]
     if not isinstance(capacity, (int, float)) or isinstance(capacity, bool) or not capacity:

@@ -8,12 +8,11 @@ so a connection costs nothing on the backplane.
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Hashable
-from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 from channels.db import database_sync_to_async
@@ -23,6 +22,8 @@ from realtime_app.channels.registry import ChannelSpec, registry
 from realtime_app.channels.sessions import current_user, needs_user
 from realtime_app.conf import get_config
 from realtime_app.endpoint.addresses import client_address, trusted_networks
+from realtime_app.endpoint.methods import BUILTIN_COSTS, Method, method_costs, methods, rpc_method
+from realtime_app.endpoint.replies import Pending, Reply
 from realtime_app.exceptions import (
     BackplaneUnavailable,
     ForbiddenChannel,
@@ -40,71 +41,12 @@ from realtime_app.wire.history import Since
 from realtime_app.wire.protocol import CloseCode, Request, Response
 from realtime_app.wire.rate import nearest_cadence, rate_channel
 
-__all__ = ["RealtimeConsumer", "rpc_method"]
+__all__ = ["RealtimeConsumer", "method_costs", "rpc_method"]
 
 logger = logging.getLogger("realtime_app.consumers")
 
 #: How long a re-read user stays fresh for the next guarded requests of one connection.
 FRESH_USER_S = 1.0
-
-Handler = Callable[["RealtimeConsumer", Any], Awaitable[Any] | Any]
-Snapshot = Callable[["RealtimeConsumer"], Awaitable[Any] | Any]
-
-
-@dataclass(frozen=True, slots=True)
-class Method:
-    """A registered application method and what admission needs to know of it."""
-
-    handler: Handler
-    cost: float = 1.0
-    snapshot: Snapshot | None = None
-    coalesce: Coalesce | None = None
-    is_async: bool = True
-
-
-_methods: dict[str, Method] = {}
-
-
-def method_costs() -> dict[str, float]:
-    """The cost of every method a client may call: the built-ins and the registered ones."""
-    return {**BUILTIN_COSTS, **{name: method.cost for name, method in _methods.items()}}
-
-
-#: Tokens the built-in methods take from the caller's bucket (docs/admission.md): small,
-#: so that a client's own subscriptions and heartbeats never starve its application calls,
-#: but not nothing, so that a batch of thousands of subscribes is bounded all the same.
-BUILTIN_COSTS: dict[str, float] = {"ping": 0.1, "subscribe": 0.25, "unsubscribe": 0.1, "publish": 1.0}
-
-
-def rpc_method(
-    name: str, *, cost: float = 1.0, coalesce: Coalesce | None = None, snapshot: Snapshot | None = None
-) -> Callable[[Handler], Handler]:
-    """Register an application JSON-RPC method: ``handler(consumer, params) -> result``.
-
-    Each call is admitted first (docs/admission.md): ``cost`` tokens of the caller's
-    bucket (a float: 0.25 for cheap operations); a refusal is answered at once with its
-    reason and ``retry_after_ms``, plus ``snapshot(consumer)`` (sync or async) when
-    given, so that the client can resync. Admitted calls wait their turn in the process's
-    pool (``ADMISSION_MAX_RUNNING`` at once): an ``async def`` handler runs on the event
-    loop, a plain ``def`` one in a worker thread (it may use the ORM). ``coalesce``
-    (:class:`~realtime_app.inbound.workers.Coalesce`) lets compatible waiting calls merge into one
-    execution. Raise :class:`~realtime_app.exceptions.RPCError` to answer an error; any
-    other exception answers -32603 and is logged.
-    """
-    if name in BUILTIN_COSTS or name.startswith("rpc."):
-        raise ValueError(f"method name {name!r} is reserved")
-    if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost < float("inf"):
-        raise ValueError(f"method {name!r}: cost must be a number >= 0, got {cost!r}")
-    if coalesce is not None and not isinstance(coalesce, Coalesce):
-        raise ValueError(f"method {name!r}: coalesce must be a realtime_app.Coalesce")
-
-    def register(handler: Handler) -> Handler:
-        is_async = inspect.iscoroutinefunction(handler)
-        _methods[name] = Method(handler, float(cost), snapshot, coalesce, is_async)
-        return handler
-
-    return register
-
 
 _unsupported_logged = False
 
@@ -232,6 +174,12 @@ class RealtimeConsumer:
 
     # -- frames ---------------------------------------------------------------------
 
+    def _respond(self, hub: Hub, text: str) -> None:
+        """Write one frame of answers, if the connection is still open."""
+        conn = self.connection
+        if conn is not None and not conn.closed:
+            hub.fanout.send_to(conn, text, response=True)
+
     async def receive_frame(self, text: str | None, data: bytes | None) -> None:
         config = get_config()
         if text is None:
@@ -254,7 +202,7 @@ class RealtimeConsumer:
             if self.connection.closed:
                 return
             errors.append(error if answer is None else answer)
-        reply = _Reply(self, hub, frame.is_batch, errors)
+        reply = Reply(partial(self._respond, hub), frame.is_batch, errors)
         for request in frame.requests:
             outcome = await self.handle_request(request)
             if not request.is_notification:
@@ -272,7 +220,7 @@ class RealtimeConsumer:
     async def handle_request(self, request: Request) -> Response | Pending | None:
         """Admit one request, then run it: a built-in inline (its answer is returned), an
         application method in the pool (a future of its answer is returned)."""
-        method = _methods.get(request.method)
+        method = methods().get(request.method)
         cost = method.cost if method is not None else BUILTIN_COSTS.get(request.method)
         if cost is None:  # unknown method: answered at once, but it costs like one
             cost = float(get_config()["ADMISSION_ERROR_COST"])
@@ -401,7 +349,7 @@ class RealtimeConsumer:
         }.get(method)
         if builtin is not None:
             return await builtin(params)
-        registered = _methods.get(method)
+        registered = methods().get(method)
         if registered is None:
             raise RPCError(protocol.METHOD_NOT_FOUND, "Method not found", "unknown_method", method=method[:100])
         if not registered.is_async:
@@ -519,62 +467,3 @@ class RealtimeConsumer:
         except PublicationError as exc:
             raise _invalid(f"Invalid params: {exc.problem}", "invalid_data") from None
         return {"channel": spec.name, "seq": seq}
-
-
-@dataclass(frozen=True, slots=True)
-class Pending:
-    """A queued request's answer to come: ``future`` gives ``(ok, result or error)``."""
-
-    id: Any
-    future: asyncio.Future[Any]
-
-    def response(self) -> Response:
-        ok, outcome = self.future.result()
-        if ok:
-            return protocol.result_response(self.id, outcome)
-        return {"jsonrpc": "2.0", "error": outcome, "id": self.id}
-
-
-class _Reply:
-    """The answer to one frame: sent at once when every request is done, else when the
-    last queued one is (a batch gets one array, in request order — JSON-RPC allows any)."""
-
-    __slots__ = ("batch", "consumer", "entries", "hub", "pending", "sealed")
-
-    def __init__(self, consumer: RealtimeConsumer, hub: Hub, batch: bool, errors: list[Response]) -> None:
-        self.consumer = consumer
-        self.hub = hub
-        self.batch = batch
-        self.entries: list[Response | None] = list(errors)
-        self.pending = 0
-        self.sealed = False
-
-    def add(self, outcome: Response | Pending | None) -> None:
-        if outcome is None:
-            return
-        if not isinstance(outcome, Pending):
-            self.entries.append(outcome)
-            return
-        index = len(self.entries)
-        self.entries.append(None)
-        self.pending += 1
-        outcome.future.add_done_callback(lambda _: self._filled(index, outcome))
-
-    def _filled(self, index: int, pending: Pending) -> None:
-        self.pending -= 1
-        if pending.future.cancelled():  # its connection closed while it waited
-            return
-        self.entries[index] = pending.response()
-        self._maybe_send()
-
-    def seal(self) -> None:
-        self.sealed = True
-        self._maybe_send()
-
-    def _maybe_send(self) -> None:
-        if not self.sealed or self.pending:
-            return
-        conn = self.consumer.connection
-        responses = [entry for entry in self.entries if entry is not None]
-        if responses and conn is not None and not conn.closed:
-            self.hub.fanout.send_to(conn, protocol.encode(responses if self.batch else responses[0]), response=True)
