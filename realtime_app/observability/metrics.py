@@ -1,4 +1,11 @@
-"""Prometheus exposition of the cluster probe (``GET /realtime/metrics``)."""
+"""Prometheus exposition of the cluster probe (``GET /realtime/metrics``).
+
+Derived from the probe's schema (:mod:`~realtime_app.observability.schema`): every field
+annotated :class:`Gauge` or :class:`Counter` becomes a metric, per process (labels
+``instance``, ``host``, ``pid``), named ``realtime_<section>_<field>`` unless the schema
+names it; the fields that are maps (refusals by reason, pools, stores, channels) are
+labelled below, one function each.
+"""
 
 from __future__ import annotations
 
@@ -8,41 +15,57 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-__all__ = ["render"]
+from realtime_app.observability.schema import (
+    AdmissionProbe,
+    BackplaneProbe,
+    BackpressureProbe,
+    Counter,
+    Gauge,
+    HistoryProbe,
+    PoolProbe,
+    ProcessProbe,
+    StoreProbe,
+    fields_of,
+)
 
-_GAUGES = {  # metric name: (probe field, help)
-    "connections": ("connections", "Open WebSocket connections"),
-    "subscriptions": ("subscriptions", "Channel subscriptions of local connections"),
-    "channels": ("channel_count", "Channels with local subscribers"),
-    "tickers": ("ticker_count", "Tickers this process runs"),
-    "failing_tickers": ("failing_tickers", "Tickers whose factory, tick or publication fails now"),
-    "uptime_s": ("uptime_s", "Seconds since the process started"),
+__all__ = ["metric_names", "render"]
+
+LABELS = ["instance", "host", "pid"]
+#: The probe's sections of one process, each a block of fields.
+SECTIONS: dict[str, type] = {
+    "": ProcessProbe,
+    "backpressure": BackpressureProbe,
+    "admission": AdmissionProbe,
+    "history": HistoryProbe,
+    "backplane": BackplaneProbe,
 }
-_BP_GAUGES = {
-    "max_buffered_amount": "Bytes queued for the worst connection",
-    "max_drop_balance": "Highest drop balance of a connection",
-    "total_buffered_amount": "Bytes queued for all connections",
-    "slow_consumers": "Connections at or above SLOW_CONSUMER_BYTES queued",
-}
-_BP_COUNTERS = {
-    "drops": "Frames dropped by transport backpressure",
-    "closes": "Connections closed with 1013 by transport backpressure",
-}
+#: The probe's maps of blocks, by the label their keys become.
+KEYED: dict[str, tuple[type, str]] = {"http_pools": (PoolProbe, "pool"), "write_behind": (StoreProbe, "store")}
 
 
-_ADMISSION_GAUGES = {
-    "pending": "Admitted requests queued or running",
-    "queued": "Admitted requests waiting for the pool",
-    "running": "Requests running in the pool",
-    "identities": "Identities (users, anonymous connections) admission tracks",
-}
-_ADMISSION_COUNTERS = {
-    "admitted": "Requests admitted",
-    "completed": "Admitted requests answered, failed or cancelled",
-    "coalesced": "Requests merged into a waiting one",
-    "abandoned": "Waiting requests dropped because their connection closed",
-    "closed_for_refusals": "Connections closed with 1008 for ignoring their refusals",
-}
+def exported(schema: type, section: str) -> dict[str, tuple[str, Gauge | Counter]]:
+    """The fields of ``schema`` that are metrics: field -> (metric name, kind)."""
+    out: dict[str, tuple[str, Gauge | Counter]] = {}
+    for name, (_, marks) in fields_of(schema).items():
+        for mark in marks:
+            if isinstance(mark, (Gauge, Counter)):
+                out[name] = (mark.name or f"realtime_{section + '_' if section else ''}{name}", mark)
+    return out
+
+
+def _family(name: str, mark: Gauge | Counter, labels: list[str]) -> Any:
+    kind = GaugeMetricFamily if isinstance(mark, Gauge) else CounterMetricFamily
+    return kind(name, mark.help, labels=labels)
+
+
+def _value(value: Any) -> float:
+    if isinstance(value, (list, dict)):
+        return float(len(value))
+    return float(value or 0)
+
+
+def _label(p: dict[str, Any]) -> list[str]:
+    return [str(p.get("instance", "")), str(p.get("host", "")), str(p.get("pid", ""))]
 
 
 class _ProbeCollector:
@@ -50,168 +73,85 @@ class _ProbeCollector:
         self.probe = probe
 
     def collect(self) -> Iterator[Metric]:
-        instances = self.probe["instances"]
-        labels = ["instance", "host", "pid"]
-
-        def label(p: dict[str, Any]) -> list[str]:
-            return [str(p.get("instance", "")), str(p.get("host", "")), str(p.get("pid", ""))]
-
-        for name, (key, doc) in _GAUGES.items():
-            gauge = GaugeMetricFamily(f"realtime_{name}", doc, labels=labels)
-            for p in instances:
-                value = p.get(key) or 0
-                gauge.add_metric(label(p), float(len(value) if isinstance(value, list) else value))
-            yield gauge
-        published = CounterMetricFamily("realtime_published", "Publications sent by this process", labels=labels)
-        for p in instances:
-            published.add_metric(label(p), float(p.get("published", 0)))
-        yield published
-        yield from _section(instances, labels, label, "backpressure", _BP_GAUGES, GaugeMetricFamily)
-        yield from _section(instances, labels, label, "backpressure", _BP_COUNTERS, CounterMetricFamily)
-        failures = CounterMetricFamily(
-            "realtime_send_failures", "Connections closed with 1011 because a send raised", labels=labels
-        )
-        up = GaugeMetricFamily("realtime_backplane_up", "1 while the backplane answers", labels=labels)
-        outages = CounterMetricFamily(
-            "realtime_backplane_outages", "Times the backplane stopped answering", labels=labels
-        )
-        refused = CounterMetricFamily(
-            "realtime_refused", "Requests refused or narrowed by a limit", labels=[*labels, "limit"]
-        )
-        for p in instances:
-            failures.add_metric(label(p), float(p.get("send_failures", 0)))
-            backplane = p.get("backplane", {})
-            up.add_metric(label(p), 1.0 if backplane.get("up", True) else 0.0)
-            outages.add_metric(label(p), float(backplane.get("outages", 0)))
-            for limit, count in sorted(p.get("refused", {}).items()):
-                refused.add_metric([*label(p), limit], float(count))
-        yield from (failures, up, outages, refused)
-        yield from _admission(instances, labels, label)
-        yield from _http_pools(instances, labels, label)
-        yield from _write_behind(instances, labels, label)
-        yield from _history(instances, labels, label)
+        instances: list[dict[str, Any]] = self.probe["instances"]
+        for section, schema in SECTIONS.items():
+            for field, (name, mark) in exported(schema, section).items():
+                metric = _family(name, mark, LABELS)
+                for p in instances:
+                    block = p.get(section, {}) if section else p
+                    metric.add_metric(_label(p), _value(block.get(field)))
+                yield metric
+        for section, (schema, key) in KEYED.items():
+            for field, (name, mark) in exported(schema, section).items():
+                metric = _family(name, mark, [*LABELS, key])
+                for p in instances:
+                    for item, block in sorted(p.get(section, {}).items()):
+                        metric.add_metric([*_label(p), item], _value(block.get(field)))
+                yield metric
+        yield from _maps(instances)
         live = GaugeMetricFamily("realtime_instances", "Live processes in the cluster view")
         live.add_metric([], float(len(instances)))
         yield live
 
 
-def _section(
-    instances: list[dict[str, Any]],
-    labels: list[str],
-    label: Any,
-    section: str,
-    fields: dict[str, str],
-    family: type[GaugeMetricFamily] | type[CounterMetricFamily],
-) -> Iterator[Metric]:
-    """One metric ``realtime_<section>_<field>`` per field of a probe block, per process."""
-    for name, doc in fields.items():
-        metric = family(f"realtime_{section}_{name}", doc, labels=labels)
-        for p in instances:
-            metric.add_metric(label(p), float(p.get(section, {}).get(name, 0)))
-        yield metric
-
-
-def _admission(instances: list[dict[str, Any]], labels: list[str], label: Any) -> Iterator[Metric]:
-    yield from _section(instances, labels, label, "admission", _ADMISSION_GAUGES, GaugeMetricFamily)
-    yield from _section(instances, labels, label, "admission", _ADMISSION_COUNTERS, CounterMetricFamily)
+def _maps(instances: list[dict[str, Any]]) -> Iterator[Metric]:
+    """The fields that are maps: one labelled metric each."""
     refused = CounterMetricFamily(
-        "realtime_admission_refused", "Requests admission refused, by reason", labels=[*labels, "reason"]
+        "realtime_refused", "Requests refused or narrowed by a limit", labels=[*LABELS, "limit"]
+    )
+    admission_refused = CounterMetricFamily(
+        "realtime_admission_refused", "Requests admission refused, by reason", labels=[*LABELS, "reason"]
     )
     shared = GaugeMetricFamily(
-        "realtime_admission_shared_bucket", "1 while users' buckets are shared through the backplane", labels=labels
+        "realtime_admission_shared_bucket", "1 while users' buckets are shared through the backplane", labels=LABELS
     )
-    for p in instances:
-        admission = p.get("admission", {})
-        for reason, count in sorted(admission.get("refused", {}).items()):
-            refused.add_metric([*label(p), reason], float(count))
-        shared.add_metric(label(p), 1.0 if admission.get("bucket") == "shared" else 0.0)
-    yield refused
-    yield shared
-
-
-def _http_pools(instances: list[dict[str, Any]], labels: list[str], label: Any) -> Iterator[Metric]:
-    with_pool = [*labels, "pool"]
-    running = GaugeMetricFamily("realtime_http_pool_running", "HTTP requests running in the pool", labels=with_pool)
-    waiting = GaugeMetricFamily("realtime_http_pool_waiting", "HTTP requests waiting for the pool", labels=with_pool)
-    admitted = CounterMetricFamily("realtime_http_pool_admitted", "HTTP requests the pool ran", labels=with_pool)
-    refused = CounterMetricFamily(
-        "realtime_http_pool_refused", "HTTP requests answered 503 or gone, by reason", labels=[*with_pool, "reason"]
-    )
-    wait = GaugeMetricFamily(
-        "realtime_http_pool_wait_ms", "Wait before running, recent requests", labels=[*with_pool, "quantile"]
-    )
-    for p in instances:
-        for name, pool in sorted(p.get("http_pools", {}).items()):
-            key = [*label(p), name]
-            running.add_metric(key, float(pool["running"]))
-            waiting.add_metric(key, float(pool["waiting"]))
-            admitted.add_metric(key, float(pool["admitted"]))
-            for reason, count in sorted(pool["refused"].items()):
-                refused.add_metric([*key, reason], float(count))
-            for quantile in ("p50", "p99"):
-                wait.add_metric([*key, quantile], float(pool["wait_ms"][quantile]))
-    yield from (running, waiting, admitted, refused, wait)
-
-
-def _write_behind(instances: list[dict[str, Any]], labels: list[str], label: Any) -> Iterator[Metric]:
-    with_store = [*labels, "store"]
-    gauges = {
-        "dirty": ("realtime_write_behind_dirty", "Objects with a change not yet written"),
-        "oldest_unsaved_s": ("realtime_write_behind_oldest_unsaved_seconds", "Age of the oldest unsaved change"),
-        "consecutive_failures": ("realtime_write_behind_consecutive_failures", "Flushes failed in a row"),
-    }
-    counters = {
-        "flushed_rows": ("realtime_write_behind_flushed_rows", "Objects written"),
-        "flushed_deletes": ("realtime_write_behind_flushed_deletes", "Objects deleted"),
-        "retries": ("realtime_write_behind_retries", "Batches retried after a transient error"),
-        "flushes": ("realtime_write_behind_flushes", "Flushes run"),
-    }
-    families: list[Any] = []
-    kinds: tuple[tuple[dict[str, tuple[str, str]], Any], ...] = (
-        (gauges, GaugeMetricFamily),
-        (counters, CounterMetricFamily),
-    )
-    for fields, family in kinds:
-        for key, (name, doc) in fields.items():
-            metric = family(name, doc, labels=with_store)
-            for p in instances:
-                for store, probe in sorted(p.get("write_behind", {}).items()):
-                    metric.add_metric([*label(p), store], float(probe.get(key, 0)))
-            families.append(metric)
-    last = GaugeMetricFamily(
-        "realtime_write_behind_last_flush_timestamp_seconds", "When the last flush ended", labels=with_store
-    )
-    for p in instances:
-        for store, probe in sorted(p.get("write_behind", {}).items()):
-            flush = probe.get("last_flush") or {}
-            last.add_metric([*label(p), store], float(flush.get("at", 0)))
-    families.append(last)
-    yield from families
-
-
-_HISTORY_COUNTERS = {
-    "replayed": "Publications sent again from a history",
-    "gaps": "Publications with history that never reached this process",
-}
-
-
-def _history(instances: list[dict[str, Any]], labels: list[str], label: Any) -> Iterator[Metric]:
     recoveries = CounterMetricFamily(
         "realtime_history_recoveries",
         "Resumes answered, by result (served, failed, deferred: too many at once)",
-        labels=[*labels, "result"],
+        labels=[*LABELS, "result"],
     )
     kept = GaugeMetricFamily(
-        "realtime_history_kept", "Publications a channel's history keeps, as last seen", labels=[*labels, "channel"]
+        "realtime_history_kept", "Publications a channel's history keeps, as last seen", labels=[*LABELS, "channel"]
+    )
+    pool_refused = CounterMetricFamily(
+        "realtime_http_pool_refused",
+        "HTTP requests answered 503 or gone, by reason",
+        labels=[*LABELS, "pool", "reason"],
+    )
+    wait = GaugeMetricFamily(
+        "realtime_http_pool_wait_ms", "Wait before running, recent requests", labels=[*LABELS, "pool", "quantile"]
+    )
+    last = GaugeMetricFamily(
+        "realtime_write_behind_last_flush_timestamp_seconds", "When the last flush ended", labels=[*LABELS, "store"]
     )
     for p in instances:
+        label = _label(p)
+        for limit, count in sorted(p.get("refused", {}).items()):
+            refused.add_metric([*label, limit], float(count))
+        admission = p.get("admission", {})
+        for reason, count in sorted(admission.get("refused", {}).items()):
+            admission_refused.add_metric([*label, reason], float(count))
+        shared.add_metric(label, 1.0 if admission.get("bucket") == "shared" else 0.0)
         history = p.get("history", {})
         for result, count in sorted(history.get("recoveries", {}).items()):
-            recoveries.add_metric([*label(p), result], float(count))
+            recoveries.add_metric([*label, result], float(count))
         for channel, seen in sorted(history.get("channels", {}).items()):
-            kept.add_metric([*label(p), channel], float(seen.get("kept", 0)))
-    yield from (recoveries, kept)
-    yield from _section(instances, labels, label, "history", _HISTORY_COUNTERS, CounterMetricFamily)
+            kept.add_metric([*label, channel], float(seen.get("kept", 0)))
+        for name, pool in sorted(p.get("http_pools", {}).items()):
+            for reason, count in sorted(pool.get("refused", {}).items()):
+                pool_refused.add_metric([*label, name, reason], float(count))
+            for quantile in ("p50", "p99"):
+                wait.add_metric([*label, name, quantile], float(pool.get("wait_ms", {}).get(quantile, 0)))
+        for store, probe in sorted(p.get("write_behind", {}).items()):
+            last.add_metric([*label, store], float((probe.get("last_flush") or {}).get("at", 0)))
+    yield from (refused, admission_refused, shared, recoveries, kept, pool_refused, wait, last)
+
+
+def metric_names() -> set[str]:
+    """Every metric family this module renders (without ``_total``)."""
+    names = {name for section, schema in SECTIONS.items() for name, _ in exported(schema, section).values()}
+    names |= {name for section, (schema, _) in KEYED.items() for name, _ in exported(schema, section).values()}
+    return names | {metric.name for metric in _maps([])} | {"realtime_instances"}
 
 
 def render(probe: dict[str, Any]) -> bytes:

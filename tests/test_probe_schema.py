@@ -1,0 +1,123 @@
+"""The probe has one schema (realtime_app.observability.schema): the hub produces exactly
+its fields, Prometheus exports every field the schema marks, and what the admin screen
+and ``realtime_probe`` read exists in it. A field added in one place only fails here."""
+
+from __future__ import annotations
+
+import re
+import typing
+from pathlib import Path
+from typing import Any, get_origin
+
+import pytest
+
+from realtime_app.observability import metrics
+from realtime_app.observability.schema import Counter, Gauge, ProcessProbe, Shown, fields_of
+
+ROOT = Path(__file__).resolve().parent.parent
+#: The blocks Prometheus reads field by field (metrics.SECTIONS and metrics.KEYED).
+METRIC_BLOCKS = {"", ".backpressure", ".admission", ".history", ".backplane", ".http_pools[]", ".write_behind[]"}
+
+
+def is_block(kind: Any) -> bool:
+    return typing.is_typeddict(kind)
+
+
+def blocks(schema: type, path: str = "") -> dict[str, type]:
+    """Every TypedDict reachable from ``schema``, by path (``dict[str, X]`` values too)."""
+    out = {path: schema}
+    for name, (kind, _) in fields_of(schema).items():
+        if is_block(kind):
+            out.update(blocks(kind, f"{path}.{name}"))
+        elif get_origin(kind) is dict and is_block(typing.get_args(kind)[1]):
+            out.update(blocks(typing.get_args(kind)[1], f"{path}.{name}[]"))
+    return out
+
+
+def all_field_names() -> set[str]:
+    return {name for schema in blocks(ProcessProbe).values() for name in fields_of(schema)}
+
+
+def check_against(value: dict[str, Any], schema: type, path: str = "probe") -> None:
+    """``value`` has exactly the fields of ``schema``, recursively."""
+    fields = fields_of(schema)
+    required = {n for n in fields if n in getattr(schema, "__required_keys__", fields)}
+    assert required <= set(value) <= set(fields), f"{path}: {sorted(set(value) ^ set(fields))}"
+    for name, (kind, _) in fields.items():
+        if name not in value:
+            continue
+        if is_block(kind) and value[name] is not None:
+            check_against(value[name], kind, f"{path}.{name}")
+        elif get_origin(kind) is dict and is_block(typing.get_args(kind)[1]):
+            for key, item in value[name].items():
+                check_against(item, typing.get_args(kind)[1], f"{path}.{name}[{key}]")
+
+
+async def test_the_hub_produces_exactly_the_schema(hub) -> None:
+    probe = hub.probe()
+    assert probe["http_pools"], "the test settings declare HTTP pools: each is checked"
+    check_against(dict(probe), ProcessProbe)
+
+
+def test_a_store_probe_has_exactly_the_schema() -> None:
+    from django.contrib.auth import get_user_model
+
+    from realtime_app.observability.schema import StoreProbe
+    from realtime_app.persistence.write_behind import WriteBehindStore
+
+    store = WriteBehindStore(get_user_model(), key=("username",), fields=("first_name",), name="schema-test")
+    try:
+        check_against(dict(store.probe()), StoreProbe)
+    finally:
+        store.close()
+
+
+def test_the_check_fails_on_a_field_in_one_place_only() -> None:
+    from realtime_app.observability.schema import BackplaneProbe
+
+    with pytest.raises(AssertionError):
+        check_against({"up": True, "outages": 0, "lag_ms": 3}, BackplaneProbe)  # not in the schema
+    with pytest.raises(AssertionError):
+        check_against({"up": True}, BackplaneProbe)  # in the schema, not produced
+
+
+@pytest.mark.parametrize("path", sorted(blocks(ProcessProbe)))
+def test_every_field_is_a_metric_or_says_why_not(path: str) -> None:
+    """A new field must decide: a Gauge, a Counter, or Shown (with the reason)."""
+    for name, (kind, marks) in fields_of(blocks(ProcessProbe)[path]).items():
+        decided = any(isinstance(m, (Gauge, Counter, Shown)) for m in marks)
+        nested = is_block(kind) or (get_origin(kind) is dict and is_block(typing.get_args(kind)[1]))
+        if path in METRIC_BLOCKS and not nested:
+            assert decided, f"{path}.{name}: Gauge, Counter or Shown?"
+
+
+async def test_prometheus_renders_every_metric_the_schema_marks(hub) -> None:
+    from realtime_app.observability.probes import cluster_probe
+
+    text = metrics.render(await cluster_probe()).decode()
+    families = {name.removesuffix("_total") for name in re.findall(r"^# TYPE (\S+) ", text, re.M)}
+    assert metrics.metric_names() <= families
+    marked = {
+        mark.name or f"realtime_{section + '_' if section else ''}{name}"
+        for section, schema in metrics.SECTIONS.items()
+        for name, (_, marks) in fields_of(schema).items()
+        for mark in marks
+        if isinstance(mark, (Gauge, Counter))
+    }
+    assert marked <= families
+
+
+def test_what_the_admin_screen_reads_is_in_the_schema() -> None:
+    script = (ROOT / "realtime_app/static/realtime_app/admin_cluster.js").read_text()
+    read = set(re.findall(r"\.([a-z]+(?:_[a-z0-9]+)+)\b", script))
+    assert read, "the pattern finds the screen's snake_case fields"
+    assert read <= all_field_names() | {"generated_at"}, sorted(read - all_field_names())
+
+
+def test_what_realtime_probe_reads_is_in_the_schema() -> None:
+    source = (ROOT / "realtime_app/management/commands/realtime_probe.py").read_text()
+    read = set(re.findall(r"""(?:get\(|\[)["']([a-z_]+)["']""", source))
+    assert read
+    known = all_field_names() | {"served", "failed", "instances", "totals", "clustered", "complete", "stale"}
+    known |= {"json", "watch"}  # the command's own options
+    assert read <= known, sorted(read - known)
