@@ -9,7 +9,9 @@ import pytest
 from autobahn.twisted.websocket import WebSocketServerFactory, WebSocketServerProtocol
 from twisted.internet.testing import StringTransport
 
-from realtime_app.outbound.transports import DaphneTransport, text_frame
+from realtime_app.outbound import daphne
+from realtime_app.outbound.base import text_frame
+from realtime_app.outbound.daphne import DaphneTransport
 
 
 def autobahn_protocol() -> tuple[WebSocketServerProtocol, StringTransport]:
@@ -105,3 +107,67 @@ def test_a_frame_goes_to_the_socket_at_once_and_what_it_does_not_take_to_twisted
     wire.dataBuffer = b"".join(queued)  # as Twisted would hold it
     transport.write(b"b" * 5, second)
     assert queued == [first[10:], second] and sock.sent == first[:10]  # behind what waits, not before it
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    """The version gate, read afresh by each test; ``gate(shut=True)`` fakes untested versions."""
+    from importlib import metadata
+
+    real = metadata.version
+
+    def set_gate(*, shut: bool) -> None:
+        monkeypatch.setattr(daphne, "_tested", None)
+        if shut:
+            monkeypatch.setattr(
+                daphne.metadata, "version", lambda name: "99.0" if name in daphne.TESTED else real(name)
+            )
+
+    yield set_gate
+    daphne._tested = None
+
+
+def test_untested_versions_shut_the_direct_path_with_one_warning(gate, caplog):
+    gate(shut=True)
+    assert daphne.untested() == ["daphne 99.0", "autobahn 99.0", "twisted 99.0"]
+    protocol, wire = autobahn_protocol()
+    transport = DaphneTransport(protocol)
+    transport._write_frame = None  # the private path must not be taken
+    payloads = [b'{"n":1}', b'{"n":2}']
+    with caplog.at_level("WARNING", logger="realtime_app.backpressure"):
+        for payload in payloads:
+            assert transport.write(payload, text_frame(payload))
+    assert wire.value() == b"".join(text_frame(p) for p in payloads)  # the same bytes, through autobahn
+    warned = [r for r in caplog.records if "not the series realtime_app was tested with" in r.getMessage()]
+    assert len(warned) == 1
+
+
+def test_the_tested_versions_open_the_gate(gate):
+    gate(shut=False)
+    assert daphne.untested() == [] and daphne.internals_tested()
+
+
+@pytest.mark.parametrize("mode", ["prepared", "message"])
+def test_autobahns_public_paths_write_the_same_bytes(mode, monkeypatch):
+    monkeypatch.setattr(DaphneTransport, "write_mode", mode)
+    frames = []
+    for payload in (b"x" * 10, b"y" * 70000):
+        protocol, wire = autobahn_protocol()
+        frame = text_frame(payload)
+        assert DaphneTransport(protocol).write(payload, frame)
+        frames.append(wire.value() == frame)
+    assert frames == [True, True]
+
+
+def test_a_publication_is_prepared_once_for_all_connections(monkeypatch):
+    monkeypatch.setattr(DaphneTransport, "write_mode", "prepared")
+    prepared = []
+    payload = b'{"same":"publication"}'
+    frame = text_frame(payload)
+    for _ in range(3):
+        protocol, wire = autobahn_protocol()
+        real = protocol.factory.prepareMessage
+        protocol.factory.prepareMessage = lambda p, real=real: prepared.append(p) or real(p)
+        DaphneTransport(protocol).write(payload, frame)
+        assert wire.value() == frame
+    assert prepared == [payload]  # built once, written three times

@@ -1,0 +1,212 @@
+"""The daphne transport: the only module that reads daphne's, autobahn's and Twisted's
+private names, behind one version gate.
+
+The application's ``send`` is ``functools.partial(server.handle_reply, protocol)`` under
+Channels' wrappers; the queued bytes are Twisted's ``FileDescriptor`` buffers
+(``dataBuffer``/``offset``/``_tempDataLen``), plus TLS's pre-handshake buffer one level
+up. With the tested series (:data:`TESTED`) a frame built once per publication goes
+straight to the socket (:meth:`DaphneTransport._write_frame`, docs/performance.md says
+what it saves); with any other version that path is off — frames go through autobahn's
+public ``sendPreparedMessage`` — and a warning says so once (check ``W020`` says it at
+``manage.py check``). The buffers are read on every version that still has them;
+one that does not is refused as :class:`UnsupportedServer`, never guessed at.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from importlib import metadata
+from typing import Any
+
+from realtime_app.outbound.base import Transport, UnsupportedServer, kernel_queue
+
+__all__ = ["TESTED", "DaphneTransport", "daphne_protocol", "internals_tested", "untested"]
+
+logger = logging.getLogger("realtime_app.backpressure")
+
+#: The series whose private names this module was tested against (pyproject.toml bounds them).
+TESTED = {"daphne": ("4.2",), "autobahn": ("26.",), "twisted": ("26.",)}
+
+_tested: bool | None = None
+
+
+def untested() -> list[str]:
+    """``"package version"`` of each installed package outside :data:`TESTED`."""
+    out = []
+    for package, prefixes in TESTED.items():
+        try:
+            version = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            continue
+        if not version.startswith(prefixes):
+            out.append(f"{package} {version}")
+    return out
+
+
+def internals_tested() -> bool:
+    """The version gate, read once per process; logged once when it is shut."""
+    global _tested
+    if _tested is None:
+        found = untested()
+        _tested = not found
+        if found:
+            logger.warning(
+                "%s: not the series realtime_app was tested with; frames go through autobahn's "
+                "public API (slower), queued bytes are still read (check realtime_app.W020)",
+                ", ".join(found),
+            )
+    return _tested
+
+
+def daphne_protocol(send: Callable[..., Any]) -> Any | None:
+    """daphne's protocol of a connection, from the server's ``send``; None for another server."""
+    if isinstance(send, functools.partial) and send.args:
+        protocol = send.args[0]
+        if hasattr(protocol, "sendCloseFrame") and hasattr(protocol, "handle_reply"):
+            return protocol
+    return None
+
+
+_last: tuple[bytes, Any] | None = None  # the frame of the publication being fanned out, prepared
+
+
+def _prepared(factory: Any, payload: bytes, frame: bytes) -> Any:
+    """autobahn's public ``PreparedMessage`` of a publication, built once for all of this
+    process's connections (the hub hands every subscriber the same ``frame`` object)."""
+    global _last
+    if _last is None or _last[0] is not frame:
+        _last = (frame, factory.prepareMessage(payload))
+    return _last[1]
+
+
+class DaphneTransport(Transport):
+    kind = "daphne"
+    measurable = True
+    #: How a frame built once per publication is written: ``"direct"`` — to the socket
+    #: (tested versions only, else as ``"prepared"``); ``"prepared"`` — autobahn's public
+    #: ``sendPreparedMessage``; ``"message"`` — ``sendMessage``, framed again per
+    #: connection. ``bench/fanout.py --daphne-write`` measures the three side by side.
+    write_mode = "direct"
+
+    def __init__(self, protocol: Any) -> None:
+        self.protocol = protocol
+        self._open = protocol.STATE_OPEN
+        # Walk down to Twisted's TCP transport: through TLS when there is one.
+        top = protocol.transport
+        self.tls = top if hasattr(top, "_appSendBuffer") else None
+        self.tcp = top.transport if self.tls is not None else top
+        if self.tls is not None:
+            self.kind = "daphne-tls"
+        if not hasattr(self.tcp, "_tempDataLen"):
+            raise UnsupportedServer(protocol)
+        try:
+            self.fileno = self.tcp.fileno()
+        except Exception:
+            self.fileno = -1
+        self._direct: bool | None = None  # decided at the first write, once the handshake is done
+        # Plain TCP: a frame may go to the socket at once while Twisted holds nothing for it.
+        self.sock = getattr(self.tcp, "socket", None) if self.tls is None else None
+
+    def buffered(self) -> int:
+        tcp = self.tcp
+        queued: int = len(tcp.dataBuffer) - tcp.offset + tcp._tempDataLen + kernel_queue(self.fileno)
+        if self.tls is not None and self.tls._appSendBuffer:
+            queued += sum(len(b) for b in self.tls._appSendBuffer)
+        return queued
+
+    def _can_write_frames(self) -> bool:
+        """True when autobahn would put exactly :func:`text_frame` on the wire: no
+        per-message compression (daphne accepts none), no server masking, no automatic
+        fragmentation, no timing tracker (autobahn 26)."""
+        protocol = self.protocol
+        return (
+            getattr(protocol, "_perMessageCompress", True) is None
+            and not getattr(protocol, "trackedTimings", True)
+            and not getattr(protocol, "maskServerFrames", True)
+            and not getattr(protocol, "autoFragmentSize", True)
+            and not getattr(protocol, "logFrames", True)
+            and not getattr(protocol, "logOctets", True)
+            and hasattr(protocol, "send_queue")
+        )
+
+    def write(self, payload: bytes, frame: bytes | None = None) -> bool:
+        protocol = self.protocol
+        if protocol.state != self._open:
+            return False
+        if frame is not None and self.write_mode != "message" and self._frame_as_is(payload):
+            if self.write_mode == "direct" and internals_tested():
+                # The frame built once per publication, straight to the socket's transport
+                # (TLS included): autobahn's sendMessage would rebuild the same bytes per
+                # connection and format a debug line it then discards.
+                self._write_frame(frame)
+            else:
+                protocol.sendPreparedMessage(_prepared(protocol.factory, payload, frame))
+            return True
+        protocol.sendMessage(payload, False)
+        return True
+
+    def _frame_as_is(self, payload: bytes) -> bool:
+        """The frame built once is what autobahn would write for this connection now
+        (nothing queued in it, within its size limit); else ``sendMessage`` frames it."""
+        direct = self._direct
+        if direct is None:
+            direct = self._direct = self._can_write_frames()
+        limit = self.protocol.maxMessagePayloadSize
+        return direct and not self.protocol.send_queue and not (0 < limit < len(payload))
+
+    def _write_frame(self, frame: bytes) -> None:
+        """On plain TCP with nothing queued in Twisted, ``send()`` now (what asyncio's
+        transports do) instead of registering the socket for writing and sending at the
+        next turn of the loop: two ``epoll_ctl`` calls and a loop turn per frame and
+        connection saved. What the socket does not take goes to Twisted's buffer, so
+        bytes stay in order and the guard still sees them all."""
+        tcp = self.tcp
+        sock = self.sock
+        if (
+            sock is None
+            or tcp._tempDataLen
+            or len(tcp.dataBuffer) != tcp.offset
+            or tcp.disconnecting
+            or not tcp.connected
+            or getattr(tcp, "_aborting", False)
+            or getattr(tcp, "TLS", False)  # a connection upgraded with startTLS
+        ):
+            self.protocol.transport.write(frame)
+            return
+        try:
+            sent = sock.send(frame)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:  # the connection is going: Twisted reports it (a reset as a plain close)
+            tcp.write(frame)
+            return
+        if sent < len(frame):
+            tcp.write(frame[sent:])
+
+    def close(self, code: int, reason: str, drain_s: float) -> None:
+        protocol = self.protocol
+        if protocol.state != self._open:
+            return
+        # autobahn drops the connection closeHandshakeTimeout (1 s) after our close frame,
+        # discarding what is queued before it: give a slow reader time to reach the frame.
+        protocol.closeHandshakeTimeout = drain_s
+        protocol.sendCloseFrame(code=int(code), reasonUtf8=reason.encode("utf-8")[:123] or None, isReply=False)
+
+    def pause_reading(self, seconds: float) -> None:
+        from twisted.internet import reactor
+
+        tcp = self.tcp
+        if getattr(self, "_paused", False) or self.protocol.state != self._open:
+            return
+        self._paused = True
+        tcp.pauseProducing()
+
+        def resume() -> None:
+            self._paused = False
+            if tcp.connected:
+                tcp.resumeProducing()
+
+        reactor_: Any = reactor
+        reactor_.callLater(seconds, resume)

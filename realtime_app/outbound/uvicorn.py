@@ -1,0 +1,81 @@
+"""The uvicorn transport (0.54, ``--ws websockets-sansio``): ``send`` is the bound
+``send`` of the protocol, whose asyncio transport reports its write buffer publicly; a
+frame is written through the protocol's sans-I/O connection without awaiting uvicorn's
+flow control (the guard, not its 64 KiB high-water mark, bounds what is queued)."""
+
+from __future__ import annotations
+
+from importlib import metadata
+from typing import Any
+
+from realtime_app.outbound.base import Transport, kernel_queue
+
+__all__ = ["TESTED", "UvicornTransport", "untested", "uvicorn_protocol"]
+
+#: The series whose private names this module was tested against (the ``uvicorn`` extra bounds it).
+TESTED = {"uvicorn": ("0.54",)}
+
+
+def untested() -> list[str]:
+    """``"uvicorn version"`` when the installed uvicorn is outside :data:`TESTED`."""
+    try:
+        version = metadata.version("uvicorn")
+    except metadata.PackageNotFoundError:
+        return []
+    return [] if version.startswith(TESTED["uvicorn"]) else [f"uvicorn {version}"]
+
+
+def uvicorn_protocol(owner: Any) -> bool:
+    """True when ``owner`` (what the server's ``send`` is bound to) is uvicorn's sans-I/O protocol."""
+    return owner is not None and hasattr(owner, "conn") and hasattr(owner, "writable") and hasattr(owner, "transport")
+
+
+class UvicornTransport(Transport):
+    kind = "uvicorn"
+    measurable = True
+
+    def __init__(self, protocol: Any) -> None:
+        self.protocol = protocol
+        self.transport = protocol.transport
+        sock = self.transport.get_extra_info("socket")
+        self.fileno = sock.fileno() if sock is not None else -1
+
+    def buffered(self) -> int:
+        return int(self.transport.get_write_buffer_size()) + kernel_queue(self.fileno)
+
+    def write(self, payload: bytes, frame: bytes | None = None) -> bool:
+        protocol = self.protocol
+        if protocol.close_sent or self.transport.is_closing():
+            return False
+        # What uvicorn's own send does, minus ``await writable.wait()``: the guard, not
+        # the transport's 64 KiB high-water mark, bounds what is queued.
+        protocol.conn.send_text(payload)
+        self.transport.write(b"".join(protocol.conn.data_to_send()))
+        return True
+
+    def close(self, code: int, reason: str, drain_s: float) -> None:
+        protocol = self.protocol
+        if protocol.close_sent or self.transport.is_closing():
+            return
+        protocol.queue.put_nowait({"type": "websocket.disconnect", "code": code, "reason": reason})
+        protocol.conn.send_close(code, reason)
+        self.transport.write(b"".join(protocol.conn.data_to_send()))
+        protocol.close_sent = True
+        if protocol.read_paused:
+            protocol.read_paused = False
+            self.transport.resume_reading()
+        protocol.close_timer = protocol.loop.call_later(drain_s, self.transport.close)
+
+    def pause_reading(self, seconds: float) -> None:
+        transport = self.transport
+        if getattr(self, "_paused", False) or transport.is_closing():
+            return
+        self._paused = True
+        transport.pause_reading()
+
+        def resume() -> None:
+            self._paused = False
+            if not transport.is_closing() and not self.protocol.read_paused:  # uvicorn's own pause wins
+                transport.resume_reading()
+
+        self.protocol.loop.call_later(seconds, resume)
