@@ -22,6 +22,11 @@ if "bench:big-history" not in registry.exact:  # 1,000 events of any size kept: 
 
     event_channel("bench:big-history", history_size=1000, history_ttl_s=600)
 
+if os.environ.get("BENCH_DAPHNE_WRITE"):  # bench/fanout.py --daphne-write
+    from realtime_app.outbound.daphne import DaphneTransport
+
+    DaphneTransport.write_mode = os.environ["BENCH_DAPHNE_WRITE"]
+
 BASELINE_GROUP = "bench-baseline"
 
 

@@ -14,6 +14,12 @@ publication:
 
 Usage:  REDIS_URL=redis://127.0.0.1:6379/0 python bench/fanout.py [--clients 100 1000]
             [--seconds 10] [--interval-ms 100] [--server daphne|uvicorn] [--json FILE]
+        ... python bench/fanout.py --daphne-write direct prepared message [--clients ...]
+
+``--daphne-write`` compares, in one run, how daphne's hub path writes the frame built once
+per publication (``DaphneTransport.write_mode``): ``direct`` to the socket, autobahn's
+public ``prepared`` message, or ``message`` (framed again per connection) — each against
+the bare websockets server.
 With no --interval-ms, 100 ms below 1000 clients and 1000 ms from 1000 on (at 10 publications
 per second, 1000 plain-Channels consumers saturate this 2-core machine).
 """
@@ -166,6 +172,7 @@ async def main() -> None:
     parser.add_argument("--interval-ms", type=int, default=None)
     parser.add_argument("--server", choices=["daphne", "uvicorn"], default="daphne")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--daphne-write", nargs="+", choices=["direct", "prepared", "message"], default=None)
     args = parser.parse_args()
     url = os.environ.get("REDIS_URL")
     if not url:
@@ -183,6 +190,14 @@ async def main() -> None:
     ports = [free_port(), free_port()]
     ref_port = free_port()
     results = []
+    if args.daphne_write:
+        try:
+            results = await compare_writes(args.daphne_write, args, env, r, ports, ref_port)
+        finally:
+            for key in r.scan_iter(match=f"{prefix}*"):
+                r.delete(key)
+        report(results)
+        return
     try:
         server = daphne if args.server == "daphne" else uvicorn
         print(f"== servers: two {args.server} processes", file=sys.stderr)
@@ -225,6 +240,29 @@ async def main() -> None:
         args.json.write_text(json.dumps(results, indent=2))
 
 
+async def compare_writes(
+    modes: list[str], args: argparse.Namespace, env: dict[str, str], r: redis.Redis, ports: list[int], ref_port: int
+) -> list[dict[str, Any]]:
+    """The hub phase on two daphne processes once per write mode, then the bare server."""
+    results = []
+    for mode in modes:
+        print(f"== daphne, frames written {mode}", file=sys.stderr)
+        with processes([daphne(p) for p in ports], ports, {**env, "BENCH_DAPHNE_WRITE": mode}) as procs:
+            pids = [p.pid for p in procs]
+            for n in args.clients:
+                interval = args.interval_ms or (100 if n < 1000 else 1000)
+                urls = [f"ws://127.0.0.1:{p}/realtime/" for p in ports]
+                row = await run_phase("hub", urls, n, interval, args.seconds, pids, r)
+                results.append({**row, "kind": f"hub:{mode}"})
+    for n in args.clients:
+        interval = args.interval_ms or (100 if n < 1000 else 1000)
+        ref_cmd = [sys.executable, "bench/ws_broadcast.py", str(ref_port), str(interval)]
+        with processes([ref_cmd], [ref_port], {}) as ref:
+            url = f"ws://127.0.0.1:{ref_port}/"
+            results.append(await run_phase("websockets", [url], n, interval, args.seconds, [ref[0].pid], r))
+    return results
+
+
 def report(results: list[dict[str, Any]]) -> None:
     print(
         f"{'phase':<11}{'clients':>8}{'every':>7}{'frames/s':>10}{'of':>8}{'p50 ms':>9}{'p99 ms':>9}"
@@ -238,6 +276,13 @@ def report(results: list[dict[str, Any]]) -> None:
         )
     print()
     by = {(row["kind"], row["clients"]): row for row in results}
+    for (kind, n), row in sorted(by.items()):
+        ref = by.get(("websockets", n))
+        if kind.startswith("hub:") and ref:
+            print(
+                f"n={n}: {kind}/websockets CPU per frame {row['cpu_s_per_1000'] / ref['cpu_s_per_1000']:.2f}, "
+                f"p99 {row['p99_ms'] / ref['p99_ms']:.2f}"
+            )
     for n in sorted({row["clients"] for row in results}):
         hub, base, ref = by.get(("hub", n)), by.get(("channels", n)), by.get(("websockets", n))
         if hub and base:
