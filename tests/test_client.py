@@ -170,3 +170,42 @@ async def test_a_rate_limited_call_raises_refused_and_an_opt_in_retry_gets_throu
         assert i >= 18
         assert refused.value.reason == "rate_limited" and 0 < refused.value.retry_after_ms <= 112
         assert await client.call("demo.echo", {"text": "again"}, retries=3) == {"text": "again"}
+
+
+async def test_a_connection_cut_during_the_handshake_is_retried_not_fatal(server):
+    """Found under load: a connection dropped while the client waited for the handshake's
+    answer raised ``InvalidMessage`` out of the connection loop, and the client never
+    reconnected (nor said it closed). The first handshakes here are cut, then the server answers."""
+    cuts = 0
+
+    async def cut_then_forward(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal cuts
+        if cuts < 3:
+            cuts += 1
+            await reader.readuntil(b"\r\n\r\n")  # the request arrives; no answer
+            writer.close()
+            return
+        upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", server.port)
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            while data := await source.read(65536):
+                sink.write(data)
+                await sink.drain()
+            sink.close()
+
+        await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer), return_exceptions=True)
+
+    proxy = await asyncio.start_server(cut_then_forward, "127.0.0.1", 0)
+    port = proxy.sockets[0].getsockname()[1]
+    client = RealtimeClient(
+        f"ws://127.0.0.1:{port}/realtime/", origin=server.http, backoff_initial=0.05, backoff_max=0.1
+    )
+    closes: list[tuple[int | None, bool]] = []
+    client.on_close.append(lambda code, reason, again: closes.append((code, again)))
+    try:
+        await client.connect(timeout=20)
+        assert await client.call("ping") == "pong"
+        assert closes == [(1006, True)] * 3
+    finally:
+        await client.close()
+        proxy.close()

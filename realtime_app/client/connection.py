@@ -173,8 +173,9 @@ class RealtimeClient:
                 code, reason = (closed.rcvd.code, closed.rcvd.reason) if closed.rcvd else (1006, "")
             except websockets.InvalidStatus as refused:
                 code, reason = 4000 + refused.response.status_code, "handshake refused"
-            except OSError as error:
-                code, reason = 1006, str(error)
+            except (websockets.InvalidHandshake, OSError, EOFError) as error:
+                # Unreachable, or cut during the handshake (``InvalidMessage``): try again.
+                code, reason = 1006, f"{type(error).__name__}: {error}"
             finally:
                 self._ws = None
                 self._open.clear()
