@@ -4,7 +4,9 @@ ASGI hides all three. Under daphne ``await send()`` never blocks, so a client th
 reading makes Twisted's write buffer (and the process) grow without bound; under uvicorn
 ``await send()`` blocks on flow control, so one dead client stalls whoever awaits it; and
 daphne's autobahn refuses to send 1003/1008/1009/1013 through the ASGI close. This module
-reaches past ASGI, per server, and is the only one that does:
+picks, per connection, the adapter that reaches past ASGI to the server's own transport
+(the only code that touches a connection below ASGI; the shutdown flush only uses
+Twisted's public ``addSystemEventTrigger``, in :mod:`realtime_app.persistence.lifecycle`):
 
 * **daphne** (4.2, autobahn 26, Twisted 26, over TCP or TLS): :mod:`.daphne`;
 * **uvicorn** (0.54, ``websockets-sansio``, the default ``--ws``): :mod:`.uvicorn`;
