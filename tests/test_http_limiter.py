@@ -49,6 +49,16 @@ class Health:
         self.server = server
         self.cookie = login(server.http, "admin", "admin")
 
+    def metrics(self) -> tuple[int, str]:
+        """``GET /realtime/metrics`` as staff: its status and text."""
+        connection = http.client.HTTPConnection("127.0.0.1", self.server.port, timeout=10)
+        try:
+            connection.request("GET", "/realtime/metrics", headers={"Cookie": self.cookie})
+            response = connection.getresponse()
+            return response.status, response.read().decode()
+        finally:
+            connection.close()
+
     def pool(self, name: str = "test") -> dict[str, Any]:
         connection = http.client.HTTPConnection("127.0.0.1", self.server.port, timeout=10)
         try:
@@ -200,6 +210,8 @@ def test_health_and_metrics_are_never_limited(database):
         until(lambda: health.pool()["running"] == 1, 10, "A runs")
         assert get(server, "/accounts/login/")[0] == 503  # covered by "/*", and full
         assert health.pool()["running"] == 1  # the health endpoint itself got through
+        status, text = health.metrics()  # and so does the metrics endpoint
+        assert status == 200 and 'realtime_http_pool_running{' in text
     finally:
         if holder.ident is not None:
             holder.join(30)
