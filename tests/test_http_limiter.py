@@ -211,7 +211,7 @@ def test_health_and_metrics_are_never_limited(database):
         assert get(server, "/accounts/login/")[0] == 503  # covered by "/*", and full
         assert health.pool()["running"] == 1  # the health endpoint itself got through
         status, text = health.metrics()  # and so does the metrics endpoint
-        assert status == 200 and 'realtime_http_pool_running{' in text
+        assert status == 200 and "realtime_http_pool_running{" in text
     finally:
         if holder.ident is not None:
             holder.join(30)
