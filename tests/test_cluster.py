@@ -54,6 +54,13 @@ async def wait_for(predicate, timeout=10.0):
     return predicate()
 
 
+def instance_pids(client: redis.Redis, prefix: str) -> dict[str, int]:
+    """Each live process's instance id and pid, from the probes it keeps in Redis."""
+    ids = list(client.zrange(f"{prefix}:instances", 0, -1))  # the fixture's client decodes
+    probes = [client.get(f"{prefix}:probe:{i}") for i in ids]
+    return {i: json.loads(raw)["pid"] for i, raw in zip(ids, probes, strict=True) if raw}
+
+
 async def test_two_processes_share_one_ticker_per_cadence(cluster):
     (a, b), client, prefix, _ = cluster
     async with RPC(a.ws) as ca, RPC(b.ws) as cb, RPC(b.ws) as c4:
@@ -69,10 +76,13 @@ async def test_two_processes_share_one_ticker_per_cadence(cluster):
         # one publication per 2 s, not two: two tickers would halve the mean gap per seq
         mean = (fa[-1]["ts"] - fa[0]["ts"]) / (fa[-1]["seq"] - fa[0]["seq"])
         assert mean >= 1500, [(f["seq"], f["ts"]) for f in fa]
-        # exactly one lease holder per cadence, and a distinct one for :4000
+        # one lease per cadence: :2000's held by one of the two, :4000's by b, its only subscriber
+        instance = {pid: instance for instance, pid in instance_pids(client, prefix).items()}
+        assert set(instance) == {a.process.pid, b.process.pid}
         holder_2000 = client.get(f"{prefix}:lease:{group_name('demo:clock:2000')}")
         holder_4000 = client.get(f"{prefix}:lease:{group_name('demo:clock:4000')}")
-        assert holder_2000 and holder_4000
+        assert holder_2000 in instance.values()
+        assert holder_4000 == instance[b.process.pid]
         f4 = await c4.frames(2)
         assert (f4[1]["ts"] - f4[0]["ts"]) / (f4[1]["seq"] - f4[0]["seq"]) >= 3000, f4
 
