@@ -104,8 +104,10 @@ test("a refused call rejects with RefusedError, and retries: n sends it again af
   await assert.rejects(plain, (err) => err instanceof RefusedError && err.retryAfterMs === 20);
   const retried = client.call("demo.echo", { text: "b" }, { retries: 2 });
   await until(() => ws.sent.length === 2);
+  const refusedAt = performance.now();
   ws.reply(null, limited);
   await until(() => ws.sent.length === 3);
+  assert.ok(performance.now() - refusedAt >= 19, "sent again no sooner than retry_after_ms (20)");
   assert.deepEqual(ws.sent[2].params, { text: "b" });
   ws.reply({ text: "b" });
   assert.deepEqual(await retried, { text: "b" });
