@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import ssl
 import time
 import urllib.request
@@ -66,12 +67,15 @@ async def paused_flood_client(url, *, ssl_context=None, cadence=10):
     return client
 
 
-async def drain_until_close(client, timeout=30):
+async def drain_until_close(client, timeout=30, into=None):
+    """Read until the server closes: its close code. ``into`` collects each frame's ``n``."""
     client.ws.transport.resume_reading()
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
-            await asyncio.wait_for(client.ws.recv(), deadline - time.monotonic())
+            text = await asyncio.wait_for(client.ws.recv(), deadline - time.monotonic())
+            if into is not None:
+                into.append(json.loads(text)["n"])
     except websockets.ConnectionClosed as closed:
         return closed.rcvd.code if closed.rcvd else None
     return None
@@ -250,6 +254,14 @@ async def test_a_custom_consumer_gets_the_same_guard(database):
         while "closed GuardedFloodConsumer with 1013" not in server.output() and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
         assert await drain_until_close(slow) == 1013
+        # The guard's way, with the same settings: frames over the threshold dropped, then
+        # the close at CLOSE_AFTER_DROPS (200), the queue bounded meanwhile.
+        line = re.search(
+            r"closed GuardedFloodConsumer with 1013: backpressure \((\d+) bytes queued, (\d+) drops\)", server.output()
+        )
+        assert line is not None, server.output()[-2000:]
+        queued, dropped = int(line[1]), int(line[2])
+        assert dropped == 200 and LIMIT < queued <= LIMIT + FRAME, (queued, dropped)
     finally:
         server.stop()
 

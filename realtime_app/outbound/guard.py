@@ -92,4 +92,10 @@ class GuardedSendMixin:
         if self._realtime_guard is None:
             self._realtime_guard = Guard(self.base_send)  # type: ignore[attr-defined]
         if self._realtime_guard.send(text_data.encode("utf-8")) is CLOSE:
-            logger.warning("closed %s with 1013: backpressure", type(self).__name__)
+            guard = self._realtime_guard
+            logger.warning(
+                "closed %s with 1013: backpressure (%s bytes queued, %s drops)",
+                type(self).__name__,
+                guard.buffered(),
+                guard.state.drops,
+            )
