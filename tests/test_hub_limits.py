@@ -169,10 +169,15 @@ async def test_a_channel_lock_is_not_forgotten_while_a_converge_waits_for_it():
             await asyncio.sleep(0)
             backplanes.GatedBackplane.gate.set()
             await asyncio.gather(leaving, *queued, latecomer)
-            await asyncio.sleep(0.1)
-            assert len(live) == 1  # one ticker for the one subscriber left
+            from tests.test_faults import until
+
+            def settled() -> bool:
+                return not list(hub.reconciler.pending()) and not hub.convergence._lock_users
+
+            await until(settled, 5, "nothing left to carry out")
+            assert len(live) == 1 and hub.reconciler.running() == ["x"]  # one ticker for the one subscriber left
             await hub.unsubscribe(c2, "x")
-            await asyncio.sleep(0.1)
+            await until(settled, 5, "nothing left to carry out")
             assert live == set() and hub.probe()["tickers"] == []
         finally:
             backplanes.GatedBackplane.gate = None
