@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from realtime_app.inbound.admission import Admission, AdmissionLimits, CoalescingQueue
+from tests.support.waiting import eventually
 
 
 class Clock:
@@ -139,7 +140,7 @@ def test_every_merged_caller_stays_in_its_job_and_closed_connections_leave():
 
 async def test_a_publish_flood_from_one_socket_is_bounded_by_its_bucket(hub):
     """Found: one anonymous socket published 2,522 events/s on demo:events."""
-    from tests.test_consumer import Client
+    from tests.support.asgi_client import Client
 
     async with Client() as c:
         batch = [
@@ -164,7 +165,7 @@ async def test_a_publish_flood_from_one_socket_is_bounded_by_its_bucket(hub):
 async def test_connections_share_their_identitys_bucket_a_user_or_an_anonymous_address(hub, django_user_model):
     from asgiref.sync import sync_to_async
 
-    from tests.test_consumer import Client
+    from tests.support.asgi_client import Client
 
     user = await sync_to_async(django_user_model.objects.create_user)("ann", password="p")
 
@@ -188,7 +189,7 @@ async def test_connections_share_their_identitys_bucket_a_user_or_an_anonymous_a
 
 
 async def test_a_refusal_carries_the_methods_snapshot_and_slots_are_released(hub, monkeypatch):
-    from tests.test_consumer import Client
+    from tests.support.asgi_client import Client
 
     monkeypatch.setattr(hub.admission, "clock", lambda: 1000.0)  # no refill: the bound is exact
     async with Client() as c:
@@ -221,22 +222,12 @@ def holding():
     return holding
 
 
-async def until_true(predicate, timeout=5.0):
-    import asyncio
-
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
-
-
 async def test_a_burst_of_60_from_one_user_has_10_in_flight_and_the_rest_refused_at_once(
     hub, holding, django_user_model
 ):
     from asgiref.sync import sync_to_async
 
-    from tests.test_consumer import Client
+    from tests.support.asgi_client import Client
 
     user = await sync_to_async(django_user_model.objects.create_user)("burst", password="p")
     async with Client(user) as c:
@@ -259,7 +250,7 @@ async def test_a_burst_of_60_from_one_user_has_10_in_flight_and_the_rest_refused
 
 
 async def test_the_pool_bounds_what_runs_at_once_and_serves_the_idlest_identity_first(hub, holding):
-    from tests.test_consumer import Client
+    from tests.support.asgi_client import Client
 
     hub.pool.max_running = 3
     clients = [Client() for _ in range(4)]
@@ -269,7 +260,7 @@ async def test_the_pool_bounds_what_runs_at_once_and_serves_the_idlest_identity_
         for n, c in enumerate(clients):
             for k in range(2):
                 await c.call_nowait("test.hold", {"seconds": 0.2, "tag": f"{n}{k}"})
-        await until_true(lambda: hub.pool.running == 3 and hub.pool.waiting == 5)
+        await eventually(lambda: hub.pool.running == 3 and hub.pool.waiting == 5)
         assert hub.probe()["admission"]["queued"] == 5 and hub.probe()["admission"]["running"] == 3
         for c in clients:
             for _ in range(2):
@@ -284,7 +275,7 @@ async def test_the_pool_bounds_what_runs_at_once_and_serves_the_idlest_identity_
 
 
 async def test_answers_leave_in_completion_order_and_pings_never_wait(hub):
-    from tests.test_consumer import Client
+    from tests.support.asgi_client import Client
 
     async with Client() as c:
         slow = await c.call_nowait("test.sleep", {"seconds": 2.0})
@@ -302,7 +293,7 @@ async def test_answers_leave_in_completion_order_and_pings_never_wait(hub):
 
 
 async def test_a_batch_is_answered_once_with_every_answer(hub):
-    from tests.test_consumer import Client
+    from tests.support.asgi_client import Client
 
     async with Client() as c:
         await c.send(
@@ -320,7 +311,7 @@ async def test_a_batch_is_answered_once_with_every_answer(hub):
 
 
 async def test_a_sync_handler_runs_in_a_thread_not_on_the_loop(hub):
-    from tests.test_consumer import Client
+    from tests.support.asgi_client import Client
 
     async with Client() as c:
         result = (await c.call("test.thread"))["result"]
@@ -328,25 +319,25 @@ async def test_a_sync_handler_runs_in_a_thread_not_on_the_loop(hub):
 
 
 async def test_a_closed_connection_frees_its_queued_and_running_slots(hub, holding):
-    from tests.test_consumer import Client
+    from tests.support.asgi_client import Client
 
     hub.pool.max_running = 2
     async with Client() as c:
         for _ in range(8):
             await c.call_nowait("test.hold", {"seconds": 30})
-        await until_true(lambda: hub.pool.running == 2 and hub.pool.waiting == 6)
-    await until_true(lambda: hub.admission.pending == 0 and hub.pool.running == 0)
+        await eventually(lambda: hub.pool.running == 2 and hub.pool.waiting == 6)
+    await eventually(lambda: hub.admission.pending == 0 and hub.pool.running == 0)
     probe = hub.probe()["admission"]
     assert probe["queued"] == 0 and probe["abandoned"] == 6 and holding["now"] == 0
 
 
 async def test_waiting_consumes_merge_up_to_250_shots_and_every_caller_gets_its_answer(hub, holding):
-    from tests.test_consumer import Client
+    from tests.support.asgi_client import Client
 
     hub.pool.max_running = 1
     async with Client() as blocker, Client() as c:
         await blocker.call_nowait("test.hold", {"seconds": 1.0})  # the pool is busy: the rest waits
-        await until_true(lambda: hub.pool.running == 1)
+        await eventually(lambda: hub.pool.running == 1)
         for shots in (100, 100, 50, 100, 7):  # 250 exactly, then a new job: 107
             await c.call_nowait("inventory.consume", {"item": "ammo", "shots": shots})
         await c.call_nowait("inventory.consume", {"item": "ammo", "shots": 0})  # invalid: alone
@@ -366,15 +357,15 @@ async def test_waiting_consumes_merge_up_to_250_shots_and_every_caller_gets_its_
 
 
 async def test_merged_requests_take_no_global_slot_but_count_for_their_identity(hub):
-    from tests.test_consumer import Client
+    from tests.support.asgi_client import Client
 
     hub.pool.max_running = 1
     async with Client() as blocker, Client() as c:
         await blocker.call_nowait("test.hold", {"seconds": 1.0})
-        await until_true(lambda: hub.pool.running == 1)
+        await eventually(lambda: hub.pool.running == 1)
         for _ in range(12):
             await c.call_nowait("inventory.consume", {"item": "ammo", "shots": 1})
-        await until_true(lambda: hub.admission.pending == 2)  # the blocker and one merged job
+        await eventually(lambda: hub.admission.pending == 2)  # the blocker and one merged job
         answers = [await c.recv() for _ in range(12)]
     reasons = [a["error"]["data"]["reason"] for a in answers if "error" in a]
     assert reasons == ["too_many_in_flight", "too_many_in_flight"]  # 10 per identity, merged or not
@@ -384,7 +375,7 @@ async def test_merged_requests_take_no_global_slot_but_count_for_their_identity(
 
 async def test_builtins_are_admitted_with_small_costs(hub, monkeypatch):
     """A subscribe costs 0.25: a full bucket of 18 takes 72, then the rest is refused."""
-    from tests.test_consumer import Client
+    from tests.support.asgi_client import Client
 
     monkeypatch.setattr(hub.admission, "clock", lambda: 1000.0)  # no refill while it runs
     async with Client() as c:
@@ -403,7 +394,7 @@ async def test_builtins_are_admitted_with_small_costs(hub, monkeypatch):
 
 
 async def test_a_connection_that_ignores_its_refusals_is_closed_and_a_burst_is_not(hub):
-    from tests.test_consumer import Client
+    from tests.support.asgi_client import Client
 
     async with Client() as c:  # a burst: 50 refusals, well within the budget of 200
         for _ in range(60):
@@ -446,13 +437,13 @@ async def test_a_merged_job_whose_first_caller_left_still_holds_a_global_slot(hu
     """Found in review: the job ran on, but no call of it counted in ``pending``."""
     from realtime_app.endpoint.methods import methods
     from realtime_app.inbound.workers import Call
-    from tests.test_consumer import Client
+    from tests.support.asgi_client import Client
 
     method = methods()["inventory.consume"]
     hub.pool.max_running = 1
     async with Client() as blocker, Client() as first, Client() as second:
         await blocker.call_nowait("test.hold", {"seconds": 0.5})
-        await until_true(lambda: hub.pool.running == 1)
+        await eventually(lambda: hub.pool.running == 1)
         calls = []
         for owner in (first, second):  # one user's two connections: their shots merge
             merged = hub.pool.would_merge(("k",), 1, 250)
@@ -465,4 +456,4 @@ async def test_a_merged_job_whose_first_caller_left_still_holds_a_global_slot(hu
         assert [c.merged for c in calls] == [False, True] and hub.admission.pending == 2  # blocker + the job
         hub.pool.abandon(first)  # the caller that held the job's global slot leaves
         assert calls[1].merged is False and hub.admission.pending == 2  # the job keeps one
-    await until_true(lambda: hub.admission.pending == 0)
+    await eventually(lambda: hub.admission.pending == 0)

@@ -18,7 +18,7 @@ import websockets
 from realtime_app.hub.fanout import UNREAD_ANSWER_BYTES
 from tests.private_redis import PrivateRedis
 from tests.servers import Server, login, prepare_database, servers
-from tests.test_faults import until
+from tests.support.waiting import eventually
 from tests.wsclient import RPC
 
 pytestmark = pytest.mark.timeout(180)
@@ -155,7 +155,7 @@ async def test_unread_answers_are_bounded_then_closed_with_1013_and_memory_retur
 
         watcher = asyncio.get_running_loop().create_task(watch())
         await asyncio.gather(*(attack(ws) for ws in attackers))
-        await until(lambda: health.instances()[0]["connections"] == 0, 30, "every attacker closed")
+        await eventually(lambda: health.instances()[0]["connections"] == 0, 30, "every attacker closed")
         watching = False
         await watcher
         for ws in attackers:
@@ -169,7 +169,7 @@ async def test_unread_answers_are_bounded_then_closed_with_1013_and_memory_retur
         assert admission["refused"]["unread_responses"] >= 10  # every attacker was cut off
         bound = threshold + UNREAD_ANSWER_BYTES + answer_size
         assert worst <= bound, (worst, bound)
-        await until(lambda: rss(server) < baseline + 40 * 1024 * 1024, 20, "RSS back near its baseline")
+        await eventually(lambda: rss(server) < baseline + 40 * 1024 * 1024, 20, "RSS back near its baseline")
     finally:
         for ws in attackers:  # on a failure: no socket left for a later test's ResourceWarning
             ws.transport.abort()
@@ -208,8 +208,8 @@ async def test_a_closed_connection_frees_its_queued_slots_and_a_raising_handler_
         async with RPC(server.ws) as rpc:
             for i in range(8):
                 await rpc.send({"jsonrpc": "2.0", "method": "demo.sleep", "params": {"ms": 5000}, "id": i})
-            await until(lambda: health.admission()["queued"] == 6, 10, "6 waiting behind 2 running")
-        await until(lambda: health.admission()["pending"] == 0, 10, "every slot freed")
+            await eventually(lambda: health.admission()["queued"] == 6, 10, "6 waiting behind 2 running")
+        await eventually(lambda: health.admission()["pending"] == 0, 10, "every slot freed")
         admission = health.admission()
         assert admission["running"] == admission["queued"] == 0 and admission["abandoned"] == 6
         async with RPC(server.ws) as rpc:

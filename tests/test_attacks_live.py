@@ -24,7 +24,7 @@ import websockets
 
 from tests.private_redis import PrivateRedis
 from tests.servers import ROOT, Server, login, prepare_database
-from tests.test_faults import until
+from tests.support.waiting import eventually
 from tests.wsclient import RPC
 
 pytestmark = pytest.mark.timeout(240)
@@ -119,7 +119,7 @@ async def test_clients_that_leave_mid_batch_leave_no_slot_behind(database):
             admission = probe(server, staff)["admission"]
             return admission["running"] == admission["queued"] == admission["pending"] == 0
 
-        await until(idle, 15, "every slot back once every client is gone")
+        await eventually(idle, 15, "every slot back once every client is gone")
         async with RPC(server.ws) as newcomer:
             started = time.monotonic()
             assert (await newcomer.call("demo.echo", {"text": "hi"}))["result"] == {"text": "hi"}
@@ -155,7 +155,7 @@ async def test_anonymous_sleepers_do_not_lock_a_user_out(database, sockets):
                     pass
 
             await asyncio.gather(*(attacker() for _ in range(sockets)))
-            await until(lambda: probe(server, staff)["admission"]["running"] >= 10, 10, "the sleepers running")
+            await eventually(lambda: probe(server, staff)["admission"]["running"] >= 10, 10, "the sleepers running")
             busy_ping, busy_consume = await user_p99(user)
         print(
             f"{sockets} sockets: ping p99 {idle_ping * 1000:.1f} -> {busy_ping * 1000:.1f} ms, "

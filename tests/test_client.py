@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
 from realtime_app.client import RealtimeClient, bind_adaptive_channel, is_reconnectable_close_code
 from realtime_app.exceptions import RPCError
 from tests.servers import Server
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -19,14 +19,6 @@ def server():
     s = Server({"REDIS_URL": ""}).start()
     yield s
     s.stop()
-
-
-async def until(predicate, timeout=15.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.05)
 
 
 def test_close_code_taxonomy():
@@ -53,13 +45,13 @@ async def test_reconnects_and_resubscribes_after_a_server_restart(server):
     await client.connect()
     try:
         await client.subscribe("demo:clock:100", frames.append)
-        await until(lambda: len(frames) >= 2)
+        await eventually(lambda: len(frames) >= 2)
         server.stop()
-        await until(lambda: client.state == "reconnecting")
+        await eventually(lambda: client.state == "reconnecting")
         restarted = Server({"REDIS_URL": ""}, port=server.port).start()
         try:
             count = len(frames)
-            await until(lambda: len(frames) >= count + 3)
+            await eventually(lambda: len(frames) >= count + 3)
             assert client.state == "open" and "reconnecting" in states
         finally:
             restarted.stop()
@@ -75,13 +67,13 @@ async def test_close_codes_decide_the_reconnect(server, code, reconnects):
     await client.connect()
     try:
         await client.notify("test.close", {"code": code})
-        await until(lambda: closes)
+        await eventually(lambda: closes)
         assert closes[0] == (code, reconnects)
         if reconnects:
-            await until(lambda: client.state == "open")
+            await eventually(lambda: client.state == "open")
             assert await client.call("ping") == "pong"
         else:
-            await until(lambda: client._runner is not None and client._runner.done())  # the loop ended
+            await eventually(lambda: client._runner is not None and client._runner.done())  # the loop ended
             assert client.state == "closed" and len(closes) == 1 and client._runner.exception() is None
     finally:
         await client.close()
@@ -99,19 +91,19 @@ async def test_adaptive_binding_switches_make_before_break(server):
 
     async with RealtimeClient(server.ws) as client:
         bound = await bind_adaptive_channel(client, "demo:clock", 100, handler, ladder=[100, 400], recovery_window=4)
-        await until(lambda: len(received) >= 5)
+        await eventually(lambda: len(received) >= 5)
         assert bound.interval_ms == 100
         slow["on"] = True
-        await until(lambda: bound.interval_ms == 400)
+        await eventually(lambda: bound.interval_ms == 400)
         switched = len(received)
-        await until(lambda: any(ch == "demo:clock:400" for _, ch in received[switched:]))
+        await eventually(lambda: any(ch == "demo:clock:400" for _, ch in received[switched:]))
         # No hole in what the server sent this client: by the frames' own timestamps (the
         # tickers' clocks, not this loop's, which a busy machine delays), no gap reaches
         # two periods of the slower cadence.
         times = sorted(t for t, _ in received)
         assert max(b - a for a, b in zip(times, times[1:], strict=False)) < 2 * 0.4 + 0.1
         slow["on"] = False
-        await until(lambda: bound.interval_ms == 100, timeout=20)
+        await eventually(lambda: bound.interval_ms == 100, timeout=20)
         await bound.close()
 
 
@@ -126,7 +118,7 @@ async def test_refused_subscribes_reach_the_application(server):
     assert pending == {"channel": "atelier:load", "pending": True}  # not an answer of the server
     await client.connect()
     try:
-        await until(lambda: seen)
+        await eventually(lambda: seen)
         assert seen == [("atelier:load", "forbidden_channel")] and mine[0].reason == "forbidden_channel"
         with pytest.raises(RPCError) as info:  # once connected, a refusal is raised
             await client.subscribe("test:staff", lambda _: None)

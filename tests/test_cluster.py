@@ -16,6 +16,7 @@ import redis
 
 from realtime_app.wire.names import group_name
 from tests.servers import ROOT, servers
+from tests.support.waiting import eventually
 from tests.wsclient import RPC
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
@@ -43,15 +44,6 @@ def cluster(redis_url, request):
 
 def events(client, prefix):
     return [tuple(json.loads(e)[:2]) for e in client.lrange(f"{prefix}:test-events", 0, -1)]
-
-
-async def wait_for(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(0.05)
-    return predicate()
 
 
 def instance_pids(client: redis.Redis, prefix: str) -> dict[str, int]:
@@ -105,7 +97,7 @@ async def test_factory_runs_once_in_the_cluster_and_is_cleaned_after_the_last(cl
     await cb.__aexit__(None, None, None)
     await ca.__aexit__(None, None, None)
     lease = f"{prefix}:lease:{group_name(channel)}"
-    assert await wait_for(lambda: client.get(lease) is None)
+    await eventually(lambda: client.get(lease) is None)
     final = events(client, prefix)
     assert final.count(("start", channel)) == final.count(("cleanup", channel)) >= 1
 
@@ -143,9 +135,9 @@ async def test_a_dead_process_leaves_the_cluster_view(cluster, redis_url):
     (a, b), client, prefix, _ = cluster
     async with RPC(a.ws), RPC(b.ws):
         instances = f"{prefix}:instances"
-        assert await wait_for(lambda: len(client.zrangebyscore(instances, time.time() * 1000, "+inf")) == 2)
+        await eventually(lambda: len(client.zrangebyscore(instances, time.time() * 1000, "+inf")) == 2)
         b.kill()
-        assert await wait_for(lambda: len(client.zrangebyscore(instances, time.time() * 1000, "+inf")) == 1, timeout=15)
+        await eventually(lambda: len(client.zrangebyscore(instances, time.time() * 1000, "+inf")) == 1, timeout=15)
 
 
 async def test_publish_from_another_process_reaches_both_servers(cluster):

@@ -23,6 +23,7 @@ import websockets
 from realtime_app.wire.names import group_name
 from tests.private_redis import PrivateRedis
 from tests.servers import ROOT, Server, servers
+from tests.support.waiting import eventually
 from tests.wsclient import RPC
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
@@ -91,16 +92,6 @@ class Reader:
         return any(t > moment and f["channel"] == channel for t, f in self.frames)
 
 
-async def until(predicate, timeout: float, what: str) -> float:
-    """Poll ``predicate`` until it holds; returns the seconds it took, fails after ``timeout``."""
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"{what}: not within {timeout} s")
-        await asyncio.sleep(0.05)
-    return time.monotonic() - start
-
-
 async def batch_call(rpc: RPC, batch: list[dict[str, Any]], timeout: float = 30) -> list[dict[str, Any]]:
     """Send a JSON-RPC batch and return its answer (frames that arrive first are skipped)."""
     await rpc.send(batch)
@@ -133,7 +124,9 @@ async def test_fan_out_survives_redis_going_away_and_coming_back(private_redis, 
     channels_a, channels_b = ["demo:clock:200", "demo:events"], ["demo:clock:200", "demo:clock:300", "demo:events"]
     with servers(2, env_for(private_redis, layer)) as (a, b):
         async with Reader(a.ws, channels_a) as ra, Reader(b.ws, channels_b) as rb:
-            await until(lambda: all(ra.seqs(c) for c in channels_a[:1]) and rb.seqs("demo:clock:300"), 10, "frames")
+            await eventually(
+                lambda: all(ra.seqs(c) for c in channels_a[:1]) and rb.seqs("demo:clock:300"), 10, "frames"
+            )
             before = {c: max(ra.seqs(c) + rb.seqs(c), default=0) for c in ("demo:clock:200", "demo:clock:300")}
             rss_before = [rss(a), rss(b)]
             if fault == "pause":
@@ -147,7 +140,7 @@ async def test_fan_out_survives_redis_going_away_and_coming_back(private_redis, 
             else:
                 private_redis.start()
             back = time.monotonic()
-            took = await until(
+            await eventually(
                 lambda: (
                     all(ra.has_frame_after(c, back) for c in channels_a[:1])
                     and all(rb.has_frame_after(c, back) for c in channels_b[:2])
@@ -155,12 +148,13 @@ async def test_fan_out_survives_redis_going_away_and_coming_back(private_redis, 
                 5,
                 "frames on every subscription after Redis came back",
             )
+            took = time.monotonic() - back
             print(f"{fault}: frames resumed {took:.2f} s after Redis was back")
             # event channels resume too: a publication after the fault reaches both processes
             async with RPC(a.ws) as publisher:
                 answer = await publisher.call("publish", {"channel": "demo:events", "data": {"after": fault}})
                 assert "result" in answer, answer
-            await until(
+            await eventually(
                 lambda: ra.has_frame_after("demo:events", back) and rb.has_frame_after("demo:events", back),
                 5,
                 "an event after the fault",
@@ -180,7 +174,7 @@ async def test_fan_out_survives_redis_going_away_and_coming_back(private_redis, 
                 tickers = [t for p in found for t in p["tickers"]]
                 return len(found) == 2 and sorted(tickers) == ["demo:clock:200", "demo:clock:300"]
 
-            await until(one_ticker_each, 10, "one ticker per channel")
+            await eventually(one_ticker_each, 10, "one ticker per channel")
             assert all(during - start < 30 * 2**20 for start, during in zip(rss_before, rss_during, strict=True))
         for server in (a, b):  # one line when Redis goes, one when it is back, no traceback
             assert len(log_lines(server, "unreachable:")) <= 1, server.output()
@@ -196,10 +190,10 @@ async def test_delivery_continues_past_group_expiry(private_redis):
     env = {**env_for(private_redis), "REALTIME_TEST_GROUP_EXPIRY": "3"}
     with servers(1, env) as (a,):
         async with Reader(a.ws, ["demo:clock:200"]) as reader:
-            await until(lambda: reader.seqs("demo:clock:200"), 10, "first frame")
+            await eventually(lambda: reader.seqs("demo:clock:200"), 10, "first frame")
             await asyncio.sleep(10)  # three expiries
             moment = time.monotonic()
-            await until(lambda: reader.has_frame_after("demo:clock:200", moment), 5, "frames after group_expiry")
+            await eventually(lambda: reader.has_frame_after("demo:clock:200", moment), 5, "frames after group_expiry")
 
 
 async def test_a_quiet_cluster_logs_no_error(private_redis):
@@ -221,7 +215,7 @@ async def test_a_disconnect_during_an_outage_is_cleaned_up(private_redis, fault)
     with servers(1, env_for(private_redis)) as (a,):
         client = private_redis.client()
         reader = await Reader(a.ws, ["demo:clock:200", "demo:clock:300", "demo:events"]).__aenter__()
-        await until(lambda: reader.seqs("demo:clock:300"), 10, "frames")
+        await eventually(lambda: reader.seqs("demo:clock:300"), 10, "frames")
         private_redis.kill() if fault == "kill" else private_redis.pause()
         try:
             await asyncio.wait_for(reader.__aexit__(), 10)
@@ -238,10 +232,10 @@ async def test_a_disconnect_during_an_outage_is_cleaned_up(private_redis, fault)
                 and found[0]["tickers"] == []
             )
 
-        await until(all_gone, 15, "the probe back to zero")
+        await eventually(all_gone, 15, "the probe back to zero")
         for channel in ("demo:clock:200", "demo:clock:300", "demo:events"):
-            await until(lambda c=channel: client.zcard(f"{PREFIX}:asgi:group:{group_name(c)}") == 0, 10, "left")
-            await until(lambda c=channel: not client.exists(f"{PREFIX}:lease:{group_name(c)}"), 10, "released")
+            await eventually(lambda c=channel: client.zcard(f"{PREFIX}:asgi:group:{group_name(c)}") == 0, 10, "left")
+            await eventually(lambda c=channel: not client.exists(f"{PREFIX}:lease:{group_name(c)}"), 10, "released")
 
 
 async def shell_publish(server: Server, channel: str, data_expr: str) -> subprocess.CompletedProcess[str]:
@@ -265,9 +259,9 @@ async def test_an_oversize_publication_is_refused_and_delivery_goes_on(private_r
             assert refused.returncode != 0 and "PublicationTooLarge" in refused.stderr, refused.stderr[-2000:]
             ok = await shell_publish(a, "demo:events", "'small'")
             seq = int(ok.stdout.split()[-1])
-            await until(lambda: seq in reader.seqs("demo:events"), 10, "the next event")
+            await eventually(lambda: seq in reader.seqs("demo:events"), 10, "the next event")
             moment = time.monotonic()
-            await until(lambda: reader.has_frame_after("demo:clock:200", moment), 5, "ticks go on")
+            await eventually(lambda: reader.has_frame_after("demo:clock:200", moment), 5, "ticks go on")
         assert "Traceback" not in a.output()
 
 
@@ -278,13 +272,13 @@ async def test_a_send_the_server_refuses_closes_that_connection_only(private_red
         # test:events: an event channel without a max_bytes of its own (demo:events has 4 KiB)
         async with Reader(a.ws, ["test:events"]) as victim, Reader(a.ws, ["demo:clock:200"]) as bystander:
             assert (await shell_publish(a, "test:events", "'x' * 1_100_000")).returncode == 0
-            await until(lambda: victim.closed is not None, 10, "the victim closed")
+            await eventually(lambda: victim.closed is not None, 10, "the victim closed")
             assert victim.closed == 1011
             moment = time.monotonic()
-            await until(lambda: bystander.has_frame_after("demo:clock:200", moment), 5, "others go on")
+            await eventually(lambda: bystander.has_frame_after("demo:clock:200", moment), 5, "others go on")
             async with Reader(a.ws, ["test:events"]) as fresh:
                 seq = int((await shell_publish(a, "test:events", "'small'")).stdout.split()[-1])
-                await until(lambda: seq in fresh.seqs("test:events"), 10, "events go on")
+                await eventually(lambda: seq in fresh.seqs("test:events"), 10, "events go on")
         assert len(log_lines(a, "a send failed")) == 1, a.output()
         assert "Traceback" not in a.output()
 
@@ -404,7 +398,7 @@ async def test_unencodable_input_is_answered_like_any_bad_input(private_redis):
             refused = await c.recv()  # a lone surrogate is bad input, like any other
             assert refused["error"]["code"] == -32602 and refused["error"]["data"]["reason"] == "invalid_string"
             assert (await c.call("publish", {"channel": "demo:events", "data": 2}))["result"]["seq"] == first + 1
-            await until(lambda: first + 1 in reader.seqs("demo:events"), 5, "the next event")
+            await eventually(lambda: first + 1 in reader.seqs("demo:events"), 5, "the next event")
             assert (await c.call("ping"))["result"] == "pong"
         output = a.output()
         assert "Traceback" not in output
@@ -415,14 +409,14 @@ async def test_seq_keys_expire_when_idle_and_never_go_back_after_data_loss(priva
     with servers(1, env_for(private_redis, SEQ_IDLE_TTL_MS=60000)) as (a,):
         client = private_redis.client()
         async with Reader(a.ws, ["demo:clock:200"]) as reader:
-            await until(lambda: len(reader.seqs("demo:clock:200")) >= 3, 10, "frames")
+            await eventually(lambda: len(reader.seqs("demo:clock:200")) >= 3, 10, "frames")
             ttl = client.pttl(f"{PREFIX}:seq:{group_name('demo:clock:200')}")
             assert 0 < ttl <= 60000
             for key in client.scan_iter(f"{PREFIX}*"):  # the private server loses the cluster's data
                 client.delete(key)
             last = reader.seqs("demo:clock:200")[-1]
             moment = time.monotonic()
-            await until(lambda: reader.has_frame_after("demo:clock:200", moment + 1), 10, "frames after the loss")
+            await eventually(lambda: reader.has_frame_after("demo:clock:200", moment + 1), 10, "frames after the loss")
             seqs = reader.seqs("demo:clock:200")
             assert seqs == sorted(set(seqs)) and seqs[-1] > last
 

@@ -14,7 +14,7 @@ from realtime_app.cluster.memory import MemoryBackplane
 from realtime_app.conf import get_config
 from realtime_app.wire.history import HistoryEntry, HistoryPolicy, HistoryRead, Since, plan_resume
 from realtime_app.wire.protocol import encode, notification_text
-from tests.test_consumer import Client
+from tests.support.asgi_client import Client
 
 POLICY = HistoryPolicy(size=5, ttl_s=60)
 

@@ -21,6 +21,7 @@ from realtime_app.client import RealtimeClient
 from tests.postgres import TcpProxy
 from tests.private_redis import PrivateRedis
 from tests.servers import ROOT, Server, servers
+from tests.support.waiting import eventually
 from tests.wsclient import RPC
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
@@ -68,14 +69,6 @@ async def publish(env: dict[str, str], count: int, rate: float, channel: str = C
     assert done, text
     first, last = done[-1].split()[1:]
     return int(first), int(last)
-
-
-async def until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout} s")
-        await asyncio.sleep(0.05)
 
 
 def drops(env: dict[str, str]) -> int:
@@ -129,18 +122,18 @@ async def test_a_client_away_for_5_s_gets_the_100_events_it_missed_in_order_once
         try:
             async with Collector(f"ws://127.0.0.1:{proxy.port}/realtime/", a.http) as c:
                 await publish(env, 5, 0)
-                await until(lambda: len(c.messages) == 5, 15, "the first 5 events")
+                await eventually(lambda: len(c.messages) == 5, 15, "the first 5 events")
                 proxy.cut()  # away: the connection drops, reconnecting fails
                 away = time.monotonic()
                 await publish(env, 100, 30)
                 await asyncio.sleep(max(0.0, 5 - (time.monotonic() - away)))  # the scenario: 5 s away
                 assert len(c.messages) == 5
                 proxy.restore()
-                await until(lambda: len(c.messages) == 105, 20, "the 100 missed events")
+                await eventually(lambda: len(c.messages) == 105, 20, "the 100 missed events")
                 assert c.items() == list(range(5)) + list(range(100))
                 assert c.recovered == [100] and c.resyncs == []
                 await publish(env, 3, 0)  # then live
-                await until(lambda: len(c.messages) == 108, 15, "live events after the resume")
+                await eventually(lambda: len(c.messages) == 108, 15, "live events after the resume")
                 c.assert_in_order_once()
         finally:
             proxy.cut()
@@ -162,16 +155,16 @@ async def test_events_dropped_or_closed_1013_by_backpressure_are_all_recovered(r
         async with Collector(a.ws, a.http) as c:
             await c.client.subscribe("demo:flood:10", lambda params: None)
             publisher = asyncio.get_running_loop().create_task(publish(env, 100, 15))  # ~6.5 s
-            await until(lambda: len(c.messages) >= 10, 15, "events before the stall")
+            await eventually(lambda: len(c.messages) >= 10, 15, "events before the stall")
             c.client._ws.transport.pause_reading()  # a client that stops reading: TCP fills up
             if policy == "close":
-                await until(lambda: "closed with 1013" in a.output(), 30, "the 1013 close")
+                await eventually(lambda: "closed with 1013" in a.output(), 30, "the 1013 close")
             else:
-                await until(lambda: drops(env) > 0, 30, "frames dropped by the guard")
+                await eventually(lambda: drops(env) > 0, 30, "frames dropped by the guard")
                 await asyncio.sleep(0.6)  # stay stalled while ~9 more events are published (and dropped)
             c.client._ws.transport.resume_reading()
             await publisher
-            await until(lambda: len(c.messages) == 100, 30, "every event")
+            await eventually(lambda: len(c.messages) == 100, 30, "every event")
             assert c.items() == list(range(100))
             c.assert_in_order_once()
             assert c.resyncs == [] and c.recovered, c.recovered
@@ -210,14 +203,14 @@ async def test_a_flushed_redis_starts_a_new_epoch_and_old_positions_are_not_reco
         try:
             async with Collector(a.ws, a.http) as c:
                 await publish(env, 3, 0)
-                await until(lambda: len(c.messages) == 3, 15, "events before the flush")
+                await eventually(lambda: len(c.messages) == 3, 15, "events before the flush")
                 old = c.messages[-1]
                 server.client().flushall()  # the history is gone (and the group membership)
 
                 async def delivered_again() -> bool:
                     await publish(env, 1, 0)
                     with contextlib.suppress(AssertionError):
-                        await until(lambda: c.messages[-1]["epoch"] != old["epoch"], 1.5, "")
+                        await eventually(lambda: c.messages[-1]["epoch"] != old["epoch"], 1.5, "")
                     return c.messages[-1]["epoch"] != old["epoch"]
 
                 deadline = time.monotonic() + 20
@@ -254,7 +247,7 @@ async def test_resuming_again_and_again_under_a_1_khz_publisher_loses_and_duplic
                     cuts += 1
                 first, final = await publisher
                 try:
-                    await until(lambda: len(c.messages) >= 6000, 60, "every publication")
+                    await eventually(lambda: len(c.messages) >= 6000, 60, "every publication")
                 except AssertionError:
                     cur = c.client._cursors.get(CHANNEL)
                     state = cur and (cur.epoch, cur.seq, cur.recovering, len(cur._held))

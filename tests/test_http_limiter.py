@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.servers import Server, login, prepare_database
+from tests.support.waiting import eventually_sync
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -68,14 +69,6 @@ class Health:
             connection.close()
 
 
-def until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout} s")
-        time.sleep(0.02)
-
-
 def seen(pool: dict[str, Any]) -> int:
     """Requests the pool has counted: waiting, admitted (running or done), refused."""
     return int(pool["waiting"] + pool["admitted"] + sum(pool["refused"].values()))
@@ -96,7 +89,7 @@ def burst(server: Server, paths: list[str], health: Health) -> list[tuple[int, d
             thread = threading.Thread(target=one, args=(i,))
             thread.start()
             threads.append(thread)
-            until(lambda i=i: seen(health.pool()) >= base + i + 1, 10, f"request {i} counted")
+            eventually_sync(lambda i=i: seen(health.pool()) >= base + i + 1, 10, f"request {i} counted")
     finally:
         for thread in threads:
             thread.join(60)
@@ -118,7 +111,7 @@ def test_twenty_at_once_run_two_at_a_time_in_arrival_order_and_the_rest_get_503(
         seen = stats(server)
         assert seen["max"] == 2  # never more than two inside the view
         assert seen["order"] == [str(i) for i in range(10)]  # FIFO
-        until(lambda: health.pool()["running"] == health.pool()["waiting"] == 0, 10, "the pool is idle again")
+        eventually_sync(lambda: health.pool()["running"] == health.pool()["waiting"] == 0, 10, "the pool is idle again")
         pool = health.pool()
         assert pool["admitted"] == 10 and pool["refused"]["queue_full"] == 10
         assert pool["wait_ms"]["p99"] >= 4000  # the last served ones waited for four turns
@@ -147,12 +140,12 @@ def test_a_client_that_disconnects_while_waiting_frees_its_place_at_once(databas
         health = Health(server)
         stats(server, reset=True)
         holder.start()
-        until(lambda: health.pool()["running"] == 1, 10, "A runs")
+        eventually_sync(lambda: health.pool()["running"] == 1, 10, "A runs")
         with socket.create_connection(("127.0.0.1", server.port)) as quitter:
             quitter.sendall(b"GET /test/limited/?ms=10&tag=B HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-            until(lambda: health.pool()["waiting"] == 1, 10, "B waits")
+            eventually_sync(lambda: health.pool()["waiting"] == 1, 10, "B waits")
         # gone while waiting
-        until(lambda: health.pool()["waiting"] == 0, 5, "B's place freed")
+        eventually_sync(lambda: health.pool()["waiting"] == 0, 5, "B's place freed")
         assert health.pool()["running"] == 1  # A still runs: B left the queue, not after A
         status, _, _ = get(server, "/test/limited/?ms=10&tag=C")
         holder.join(30)
@@ -180,7 +173,7 @@ def test_a_raising_view_and_a_streaming_view_release_their_slots(database):
             reader.sendall(b"GET /test/limited-stream/?ms=30000 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             assert reader.recv(1024)
             assert health.pool()["running"] == 1
-        until(lambda: health.pool()["running"] == 0, 10, "the abandoned stream's slot released")
+        eventually_sync(lambda: health.pool()["running"] == 0, 10, "the abandoned stream's slot released")
         assert get(server, "/test/limited/?ms=10&tag=next", timeout=10)[0] == 200
     finally:
         server.stop()
@@ -207,7 +200,7 @@ def test_health_and_metrics_are_never_limited(database):
     try:
         health = Health(server)
         holder.start()
-        until(lambda: health.pool()["running"] == 1, 10, "A runs")
+        eventually_sync(lambda: health.pool()["running"] == 1, 10, "A runs")
         assert get(server, "/accounts/login/")[0] == 503  # covered by "/*", and full
         assert health.pool()["running"] == 1  # the health endpoint itself got through
         status, text = health.metrics()  # and so does the metrics endpoint

@@ -12,7 +12,7 @@ from django.test import override_settings
 from realtime_app import PublicationError, PublicationTooLarge
 from realtime_app.cluster.memory import MemoryBackplane
 from realtime_app.conf import get_config
-from tests.test_consumer import Client
+from tests.support.asgi_client import Client
 from tests.testapp import backplanes
 
 
@@ -117,11 +117,11 @@ async def test_a_publication_error_is_answered_as_invalid_params(hub):
 async def test_a_failing_ticker_shows_in_the_probe(hub, channel):
     """Found: a ticker whose factory or tick fails sent nothing while subscribe succeeded,
     and nothing showed it."""
-    from tests.test_faults import until
+    from tests.support.waiting import eventually
 
     async with Client() as c:
         assert "result" in await c.call("subscribe", {"channel": channel})
-        await until(lambda: hub.probe()["failing_tickers"] == [channel], 5, "the failing ticker in the probe")
+        await eventually(lambda: hub.probe()["failing_tickers"] == [channel], 5, "the failing ticker in the probe")
         await c.call("unsubscribe", {"channel": channel})
         assert hub.probe()["failing_tickers"] == []
 
@@ -169,15 +169,15 @@ async def test_a_channel_lock_is_not_forgotten_while_a_converge_waits_for_it():
             await asyncio.sleep(0)
             backplanes.GatedBackplane.gate.set()
             await asyncio.gather(leaving, *queued, latecomer)
-            from tests.test_faults import until
+            from tests.support.waiting import eventually
 
             def settled() -> bool:
                 return not list(hub.reconciler.pending()) and not hub.convergence._lock_users
 
-            await until(settled, 5, "nothing left to carry out")
+            await eventually(settled, 5, "nothing left to carry out")
             assert len(live) == 1 and hub.reconciler.running() == ["x"]  # one ticker for the one subscriber left
             await hub.unsubscribe(c2, "x")
-            await until(settled, 5, "nothing left to carry out")
+            await eventually(settled, 5, "nothing left to carry out")
             assert live == set() and hub.probe()["tickers"] == []
         finally:
             backplanes.GatedBackplane.gate = None
@@ -198,15 +198,15 @@ async def test_a_ticker_stops_publishing_once_its_lease_cannot_be_renewed():
             async with Client() as c:
                 await c.call("subscribe", {"channel": "demo:clock:100"})
                 await c.frames(3)
-                from tests.test_faults import until
+                from tests.support.waiting import eventually
 
                 backplanes.ClusteredMemoryBackplane.renew_fails = True
-                await until(lambda: hub.tickers.stale_ticks > 0, 5, "ticks held back")  # past the lease TTL
+                await eventually(lambda: hub.tickers.stale_ticks > 0, 5, "ticks held back")  # past the lease TTL
                 published = hub.published
                 await asyncio.sleep(0.5)
                 assert hub.published == published  # nothing goes out without a fresh lease
                 backplanes.ClusteredMemoryBackplane.renew_fails = False
-                await until(lambda: hub.published > published, 5, "publishing again once renewed")
+                await eventually(lambda: hub.published > published, 5, "publishing again once renewed")
         finally:
             backplanes.ClusteredMemoryBackplane.renew_fails = False
             await hub.aclose()

@@ -8,12 +8,12 @@ import json
 import re
 import ssl
 import time
-import urllib.request
 
 import pytest
 import websockets
 
-from tests.servers import Server, login, prepare_database
+from tests.servers import Server, prepare_database
+from tests.support.health import Probe
 from tests.wsclient import RPC
 
 pytestmark = pytest.mark.timeout(120)
@@ -40,23 +40,6 @@ def start(database, *, server="daphne", extra_args=None, **settings):
         "REALTIME_NEVER_DROP_RESPONSES": "1" if settings.get("never_drop_responses", True) else "0",
     }
     return Server(env, server=server, extra_args=extra_args).start()
-
-
-class Probe:
-    """Reads the health endpoint as the staff user."""
-
-    def __init__(self, server, scheme="http", context=None):
-        self.base = f"{scheme}://127.0.0.1:{server.port}"
-        self.context = context
-        self.cookie = login(self.base, "admin", "admin", context)
-
-    def read(self, part="totals"):
-        request = urllib.request.Request(self.base + "/realtime/api/health", headers={"Cookie": self.cookie or ""})
-        body = urllib.request.urlopen(request, context=self.context).read()
-        return json.loads(body)[part]
-
-    async def aread(self):
-        return await asyncio.to_thread(self.read)
 
 
 async def paused_flood_client(url, *, ssl_context=None, cadence=10):

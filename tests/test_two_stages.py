@@ -20,22 +20,12 @@ import pytest
 
 from realtime_app.client import RealtimeClient, bind_adaptive_channel
 from tests.servers import Server, prepare_database
-from tests.test_transport_backpressure import Probe
+from tests.support.health import Probe
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.timeout(120)
 
 THRESHOLD = 64 * 1024
-
-
-async def until(predicate, timeout):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.1)
 
 
 async def _drops_over(probe, n):
@@ -65,13 +55,13 @@ async def test_backpressure_and_adaptive_cadence_meet(tmp_path):
         async with RealtimeClient(server.ws, sock=sock, max_queue=2) as client:
             bound = await bind_adaptive_channel(client, "demo:flood", 100, absorb, ladder=[100, 400], recovery_window=8)
             # the hidden buffers (socket, library) fill, then the server drops: memory stays bounded
-            await until(lambda: _drops_over(probe, 5), 20)
+            await eventually(lambda: _drops_over(probe, 5), 20)
             totals = await probe.aread()
             assert bound.interval_ms == 100 and totals["closes"] == 0
             assert totals["max_buffered_amount"] <= THRESHOLD + 33 * 1024
 
             throttle["seconds"] = 0.25  # slower still: the gaps the client measures starve it
-            await until(lambda: asyncio.sleep(0, bound.interval_ms == 400), 15)
+            await eventually(lambda: asyncio.sleep(0, bound.interval_ms == 400), 15)
             slowed_at = time.monotonic()
 
             # the queue drains below the threshold and drops stop growing (probing aside)
@@ -81,16 +71,16 @@ async def test_backpressure_and_adaptive_cadence_meet(tmp_path):
                 second = await probe.aread()
                 return second["drops"] == first["drops"] and second["max_buffered_amount"] < THRESHOLD
 
-            await until(quiet, 15)
+            await eventually(quiet, 15)
             assert (await probe.aread())["closes"] == 0
             assert [d for _, d, _ in bound.changes].count("slower") >= 1
 
             throttle["seconds"] = 0.0
-            await until(lambda: asyncio.sleep(0, bound.interval_ms == 100 and time.monotonic() > slowed_at), 20)
+            await eventually(lambda: asyncio.sleep(0, bound.interval_ms == 100 and time.monotonic() > slowed_at), 20)
             # Two seconds on, it is (back) at 100 ms and was never closed: a scheduling hiccup
             # of the shared machine may step it slower once, and it recovers from that too.
             await asyncio.sleep(2)
-            await until(lambda: asyncio.sleep(0, bound.interval_ms == 100), 20)
+            await eventually(lambda: asyncio.sleep(0, bound.interval_ms == 100), 20)
             totals = await probe.aread()
             assert totals["closes"] == 0 and totals["connections"] >= 1
             await bound.close()

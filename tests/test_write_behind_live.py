@@ -16,7 +16,7 @@ import websockets
 
 from tests.postgres import TcpProxy, with_port
 from tests.servers import Server, login, servers
-from tests.test_faults import until
+from tests.support.waiting import eventually
 from tests.wsclient import RPC
 
 pytestmark = pytest.mark.timeout(180)
@@ -67,7 +67,7 @@ async def test_one_user_on_two_processes_both_land_exactly(postgres):
             got_a, got_b = await asyncio.gather(fire(on_a, 40, 3), fire(on_b, 40, 2))
             total = sum(r["shots"] for r in got_a + got_b)
             assert total == 40 * 3 + 40 * 2
-            await until(lambda: durable_shots(database) == START - total, 20, "both processes' shots durable")
+            await eventually(lambda: durable_shots(database) == START - total, 20, "both processes' shots durable")
             snapshot = (await on_a.call("inventory.snapshot"))["result"]
         # each process flushed its own deltas: the sum is exact, nothing overwritten
         assert durable_shots(database) == START - 200
@@ -91,7 +91,7 @@ async def test_sigterm_during_a_burst_flushes_everything_accepted(postgres):
                     return  # the server went away (a wrong answer fails the test, above all)
 
         task = asyncio.get_running_loop().create_task(burst())
-        await until(lambda: len(accepted) >= 20, 20, "shots accepted")
+        await eventually(lambda: len(accepted) >= 20, 20, "shots accepted")
         assert durable_shots(database) is None  # nothing durable yet
         assert server.process is not None
         server.process.send_signal(signal.SIGTERM)
@@ -147,7 +147,7 @@ async def test_the_database_cut_for_seconds_loses_nothing(postgres):
         cookie = login(server.http, "demo", "demo")
         async with RPC(server.ws, cookie=cookie) as rpc:
             before = await fire(rpc, 10)
-            await until(lambda: durable_shots(database) == START - 10, 15, "the first shots durable")
+            await eventually(lambda: durable_shots(database) == START - 10, 15, "the first shots durable")
             proxy.cut()
             during = await fire(rpc, 15)  # accepted in memory while the database is gone
             assert len(during) == 15
@@ -167,12 +167,12 @@ async def test_the_database_cut_for_seconds_loses_nothing(postgres):
                 )
                 return int(float(line.rsplit(" ", 1)[1]))
 
-            await until(lambda: failures() >= 1, 20, "the flush fails and says so")
+            await eventually(lambda: failures() >= 1, 20, "the flush fails and says so")
             proxy_cut_probe = failures()
             await asyncio.sleep(2)
             proxy.restore()
-            await until(lambda: durable_shots(database) == START - 25, 60, "every shot durable after the outage")
-            await until(lambda: failures() == 0, 30, "the store recovered")
+            await eventually(lambda: durable_shots(database) == START - 25, 60, "every shot durable after the outage")
+            await eventually(lambda: failures() == 0, 30, "the store recovered")
         assert len(before) == 10 and proxy_cut_probe >= 1
         assert "Traceback" not in server.output()
     finally:
@@ -195,10 +195,10 @@ async def test_sigterm_during_a_database_outage_loses_nothing_and_the_next_start
         cookie = login(first.http, "demo", "demo")
         async with RPC(first.ws, cookie=cookie) as rpc:
             before = await fire(rpc, 10)
-            await until(lambda: durable_shots(database) == START - 10, 15, "the first shots durable")
+            await eventually(lambda: durable_shots(database) == START - 10, 15, "the first shots durable")
             proxy.cut()
             during = await fire(rpc, 30)  # acknowledged while the database is gone
-            await until(lambda: "flush of" in first.output(), 20, "the flush failing")
+            await eventually(lambda: "flush of" in first.output(), 20, "the flush failing")
         assert len(before) == 10 and len(during) == 30
         assert first.process is not None
         first.process.send_signal(signal.SIGTERM)
@@ -214,8 +214,8 @@ async def test_sigterm_during_a_database_outage_loses_nothing_and_the_next_start
         second.start()
         async with RPC(second.ws) as rpc:  # a first connection starts the hub, which takes the journal over
             assert (await rpc.call("ping"))["result"] == "pong"
-        await until(lambda: durable_shots(database) == START - 40, 60, "the journaled shots durable")
-        await until(lambda: not list(journal.iterdir()), 20, "the journal file gone once written")
+        await eventually(lambda: durable_shots(database) == START - 40, 60, "the journaled shots durable")
+        await eventually(lambda: not list(journal.iterdir()), 20, "the journal file gone once written")
         assert durable_shots(database) == START - 40  # none applied twice
         assert "Traceback" not in second.output()
     finally:
@@ -265,7 +265,7 @@ async def test_the_admin_screen_shows_an_unsaved_backlog_at_a_glance(postgres):
 
         async with RPC(server.ws, cookie=cookie) as rpc:
             await fire(rpc, 5)
-            await until(lambda: durable_shots(database) == START - 5, 15, "saved")
+            await eventually(lambda: durable_shots(database) == START - 5, 15, "saved")
             assert not backlog(None)
             proxy.cut()
             await fire(rpc, 5)  # accepted; the flushes fail
