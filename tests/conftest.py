@@ -50,3 +50,23 @@ def postgres():
     migrate(database)
     yield server, database
     drop_database(server, name)
+
+
+@pytest.fixture(scope="module")
+def database(tmp_path_factory):
+    """A migrated SQLite database of the demo site (users demo and admin) for the servers
+    of one test module: ``{"DATABASE_URL": ...}`` to merge into their environment."""
+    from tests.servers import prepare_database
+
+    return prepare_database(str(tmp_path_factory.mktemp("db") / "db.sqlite3"))
+
+
+@pytest.fixture
+def private_redis():
+    """A ``redis-server`` of this test's own, on a free port: the one a fault test may
+    kill, pause or flush (never the machine's)."""
+    from tests.private_redis import PrivateRedis
+
+    server = PrivateRedis().start()
+    yield server
+    server.close()

@@ -11,22 +11,16 @@ import statistics
 import time
 from typing import Any
 
-import psutil
 import pytest
 import websockets
 
 from realtime_app.hub.fanout import UNREAD_ANSWER_BYTES
-from tests.private_redis import PrivateRedis
 from tests.servers import Server, login, prepare_database, servers
+from tests.support.processes import rss
 from tests.support.waiting import eventually
 from tests.wsclient import RPC
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture(scope="module")
-def database(tmp_path_factory):
-    return prepare_database(str(tmp_path_factory.mktemp("db") / "db.sqlite3"))
 
 
 def start(database: dict[str, str], **overrides: Any) -> Server:
@@ -54,11 +48,6 @@ class Health:
     def admission(self) -> dict[str, Any]:
         [instance] = self.instances()
         return instance["admission"]
-
-
-def rss(server: Server) -> int:
-    assert server.process is not None
-    return int(psutil.Process(server.process.pid).memory_info().rss)
 
 
 async def test_a_publish_flood_is_bounded_by_the_publishers_bucket(database):
@@ -255,13 +244,6 @@ async def test_a_well_behaved_client_keeps_its_pings_fast_while_others_flood(dat
         assert p99 < 0.25, f"ping p99 {p99 * 1000:.0f} ms while others flood"
     finally:
         server.stop()
-
-
-@pytest.fixture
-def private_redis():
-    server = PrivateRedis().start()
-    yield server
-    server.close()
 
 
 async def test_one_user_on_two_processes_shares_one_bucket_and_falls_back_locally(private_redis, tmp_path):

@@ -23,16 +23,11 @@ import pytest
 import websockets
 
 from tests.private_redis import PrivateRedis
-from tests.servers import ROOT, Server, login, prepare_database
+from tests.servers import ROOT, Server, login
 from tests.support.waiting import eventually
 from tests.wsclient import RPC
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def database(tmp_path_factory):
-    return prepare_database(str(tmp_path_factory.mktemp("db") / "db.sqlite3"))
 
 
 def start(env: dict[str, str], **overrides: Any) -> Server:

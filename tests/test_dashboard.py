@@ -9,14 +9,9 @@ import pytest
 from selenium.webdriver.common.by import By
 
 from tests.browser import chromium, log_in, wait
-from tests.servers import Server, prepare_database
+from tests.servers import Server
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
-
-
-@pytest.fixture(scope="module")
-def database(tmp_path_factory):
-    return prepare_database(str(tmp_path_factory.mktemp("db") / "db.sqlite3"))
 
 
 @pytest.fixture

@@ -30,13 +30,11 @@ CONFIG = ROOT / "docs" / "deploy" / "nginx.conf"
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
+def deployment(tmp_path_factory, redis_url):
     nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
     if nginx is None:
         pytest.fail("nginx is required (scripts/test installs Debian's nginx-light)")
-    url = os.environ.get("REALTIME_TEST_REDIS_URL")
-    if not url:
-        pytest.fail("REALTIME_TEST_REDIS_URL is not set: run the tests with scripts/test (it provides Redis)")
+    url = redis_url  # the conftest fixture: set and answering, or the test fails
     # nginx's workers run as an unprivileged user when the master is root: a directory
     # they can read (pytest's own temporary directories are private)
     root = Path(tempfile.mkdtemp(prefix="realtime-deploy-"))

@@ -16,13 +16,13 @@ import sys
 import time
 from typing import Any
 
-import psutil
 import pytest
 import websockets
 
 from realtime_app.wire.names import group_name
 from tests.private_redis import PrivateRedis
 from tests.servers import ROOT, Server, servers
+from tests.support.processes import rss
 from tests.support.waiting import eventually
 from tests.wsclient import RPC
 
@@ -30,13 +30,6 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
 LEASE_TTL_MS = 1500
 PREFIX = "faults"
-
-
-@pytest.fixture
-def private_redis():
-    server = PrivateRedis().start()
-    yield server
-    server.close()
 
 
 def env_for(redis_server: PrivateRedis, layer: str = "core", **overrides: Any) -> dict[str, str]:
@@ -105,11 +98,6 @@ def probes(client) -> list[dict[str, Any]]:
     now = time.time() * 1000
     ids = client.zrangebyscore(f"{PREFIX}:instances", now, "+inf")
     return [json.loads(raw) for raw in client.mget([f"{PREFIX}:probe:{i}" for i in ids]) if raw] if ids else []
-
-
-def rss(server: Server) -> int:
-    assert server.process is not None
-    return int(psutil.Process(server.process.pid).memory_info().rss)
 
 
 def log_lines(server: Server, needle: str) -> list[str]:

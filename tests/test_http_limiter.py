@@ -12,15 +12,10 @@ from typing import Any
 
 import pytest
 
-from tests.servers import Server, login, prepare_database
+from tests.servers import Server, login
 from tests.support.waiting import eventually_sync
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def database(tmp_path_factory):
-    return prepare_database(str(tmp_path_factory.mktemp("db") / "db.sqlite3"))
 
 
 def start(database: dict[str, str], server: str = "daphne", **pool: Any) -> Server:

@@ -23,10 +23,8 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    url = os.environ.get("REALTIME_TEST_REDIS_URL")
-    if not url:
-        pytest.fail("REALTIME_TEST_REDIS_URL is not set: run the tests with scripts/test (it provides Redis)")
+def cluster(tmp_path_factory, redis_url):
+    url = redis_url  # the conftest fixture: set and answering, or the test fails
     database = prepare_database(str(tmp_path_factory.mktemp("db") / "db.sqlite3"))
     prefix = f"{os.environ['REALTIME_TEST_PREFIX']}-{secrets.token_hex(3)}"
     env = {**database, "REDIS_URL": url, "REALTIME_KEY_PREFIX": prefix, "REALTIME_METRICS_TOKEN": "s3cret"}

@@ -28,11 +28,9 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 
 
 @pytest.fixture
-def cluster(request, tmp_path):
+def cluster(request, tmp_path, redis_url):
     """Two processes; ``request.param`` is REVALIDATE_INTERVAL_MS (0: no periodic check)."""
-    url = os.environ.get("REALTIME_TEST_REDIS_URL")
-    if not url:
-        pytest.fail("REALTIME_TEST_REDIS_URL is not set: run the tests with scripts/test (it provides Redis)")
+    url = redis_url  # the conftest fixture: set and answering, or the test fails
     prefix = f"{os.environ['REALTIME_TEST_PREFIX']}-{secrets.token_hex(3)}"
     env = {
         **prepare_database(str(tmp_path / "db.sqlite3")),

@@ -12,8 +12,9 @@ import time
 import pytest
 import websockets
 
-from tests.servers import Server, prepare_database
+from tests.servers import Server
 from tests.support.health import Probe
+from tests.support.processes import rss
 from tests.wsclient import RPC
 
 pytestmark = pytest.mark.timeout(120)
@@ -21,11 +22,6 @@ pytestmark = pytest.mark.timeout(120)
 MIB = 1024 * 1024
 LIMIT = 1 * MIB
 FRAME = 32 * 1024 + 200  # demo:flood payload plus the envelope
-
-
-@pytest.fixture(scope="module")
-def database(tmp_path_factory):
-    return prepare_database(str(tmp_path_factory.mktemp("db") / "db.sqlite3"))
 
 
 def start(database, *, server="daphne", extra_args=None, **settings):
@@ -92,14 +88,6 @@ async def healthy_frames(url, seconds, ssl_context=None):
         while time.monotonic() < deadline:
             frames += await c.frames(1, timeout=5)
         return frames
-
-
-def rss(server):
-    with open(f"/proc/{server.process.pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 @pytest.mark.parametrize("server_kind", ["daphne", "uvicorn"])
