@@ -412,25 +412,35 @@ async def test_a_connection_that_ignores_its_refusals_is_closed_and_a_burst_is_n
     assert hub.probe()["admission"]["closed_for_refusals"] == 1
 
 
-async def test_a_request_cancelled_while_the_shared_bucket_answers_gives_its_slot_back(hub, monkeypatch):
-    """Found in review: a cancel between the caps and the bucket leaked the slot for good."""
+async def test_a_request_cancelled_while_the_shared_bucket_answers_gives_its_slot_back(private_redis):
+    """Found in review: a cancel between the caps and the bucket leaked the slot for good.
+    The bucket is the cluster's, on a real Redis that stops answering (paused) while a
+    user's request waits for it; the request is cancelled there."""
     import asyncio
 
-    asked = asyncio.Event()
+    from django.test import override_settings
 
-    async def slow_bucket(identity, cost):
-        asked.set()
-        await asyncio.sleep(30)
+    from realtime_app.conf import get_config
+    from realtime_app.hub import get_hub
+    from tests.support.waiting import eventually
 
-    monkeypatch.setattr(hub.backplane, "clustered", True, raising=False)
-    monkeypatch.setattr(hub.gate, "_take_shared", slow_bucket)
-    task = asyncio.get_running_loop().create_task(hub.gate.admit(("user", "7"), 1.0))
-    await asked.wait()
-    assert hub.admission.pending == 1
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert hub.admission.pending == 0 and hub.admission._identities[("user", "7")].pending == 0
+    config = {**get_config(), "BACKPLANE": "redis", "REDIS_URL": private_redis.url, "KEY_PREFIX": "cancel"}
+    with override_settings(REALTIME_APP=config):
+        hub = await get_hub()
+        try:
+            assert hub.backplane is not None and hub.backplane.clustered
+            private_redis.pause()
+            task = asyncio.get_running_loop().create_task(hub.gate.admit(("user", "7"), 1.0))
+            # pending is counted before the bucket is asked: once it shows, the task waits in
+            # the Redis call (its first suspension), which cannot end while Redis is paused
+            await eventually(lambda: hub.admission.pending == 1, 5, "the request between the caps and the bucket")
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert hub.admission.pending == 0 and hub.admission._identities[("user", "7")].pending == 0
+        finally:
+            private_redis.resume()
+            await asyncio.wait_for(hub.aclose(), 20)
 
 
 async def test_a_merged_job_whose_first_caller_left_still_holds_a_global_slot(hub):

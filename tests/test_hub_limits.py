@@ -187,7 +187,6 @@ async def test_a_channel_lock_is_not_forgotten_while_a_converge_waits_for_it():
 async def test_a_ticker_stops_publishing_once_its_lease_cannot_be_renewed():
     """Found in review: a process cut off from Redis kept its ticker publishing while
     another process could take the lease over."""
-    import asyncio
 
     from realtime_app.hub import get_hub
 
@@ -202,13 +201,41 @@ async def test_a_ticker_stops_publishing_once_its_lease_cannot_be_renewed():
 
                 backplanes.ClusteredMemoryBackplane.renew_fails = True
                 await eventually(lambda: hub.tickers.stale_ticks > 0, 5, "ticks held back")  # past the lease TTL
-                published = hub.published
-                await asyncio.sleep(0.5)
+                published, held = hub.published, hub.tickers.stale_ticks
+                await eventually(lambda: hub.tickers.stale_ticks >= held + 3, 5, "three more ticks held back")
                 assert hub.published == published  # nothing goes out without a fresh lease
                 backplanes.ClusteredMemoryBackplane.renew_fails = False
                 await eventually(lambda: hub.published > published, 5, "publishing again once renewed")
         finally:
             backplanes.ClusteredMemoryBackplane.renew_fails = False
+            await hub.aclose()
+
+
+async def test_a_ticker_cut_off_from_a_paused_redis_holds_its_ticks_back_then_goes_on(private_redis):
+    """The same on a real Redis that stops answering (paused: calls hang until their
+    timeout, they do not fail at once): once the lease is older than its TTL the ticks
+    are held back, and they go out again when Redis answers."""
+    from realtime_app.hub import get_hub
+    from tests.support.waiting import eventually
+
+    with settings_with(
+        BACKPLANE="redis", REDIS_URL=private_redis.url, KEY_PREFIX="stale", LEASE_TTL_MS=600, REDIS_TIMEOUT_MS=300
+    ):
+        hub = await get_hub()
+        try:
+            async with Client() as c:
+                await c.call("subscribe", {"channel": "demo:clock:100"})
+                await c.frames(3)
+                private_redis.pause()
+                await eventually(lambda: hub.tickers.stale_ticks > 0, 10, "ticks held back")
+                published, held = hub.published, hub.tickers.stale_ticks
+                await eventually(lambda: hub.tickers.stale_ticks >= held + 3, 10, "three more ticks held back")
+                assert hub.published == published
+                private_redis.resume()
+                await eventually(lambda: hub.published > published, 10, "publishing again once Redis answers")
+                await c.frames(1)  # and the subscriber gets them
+        finally:
+            private_redis.resume()
             await hub.aclose()
 
 
