@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 import time
 from typing import Any
 
 import pytest
 from asgiref.sync import sync_to_async
-from django.db import OperationalError, connection
+from django.db import OperationalError, connection, connections
 
 from project.demo.models import InventoryItem
 from realtime_app.persistence.write_behind import WriteBehindStore
@@ -28,12 +29,21 @@ async def users(django_user_model):
 _made: list[WriteBehindStore[InventoryItem]] = []
 
 
+def test_the_database_is_the_one_asked_for():
+    """These tests run on SQLite here and on PostgreSQL too
+    (tests/test_write_behind_live.py runs this module with ``DATABASE_URL`` on it)."""
+    assert connection.vendor == os.environ.get("REALTIME_TEST_DB_VENDOR", "sqlite")
+
+
 @pytest.fixture(autouse=True)
-def close_stores():
-    """The test database goes away with the test: its stores must not flush at exit."""
+async def close_stores():
+    """The test database goes away with the test: its stores must not flush at exit, and
+    the connection of the thread that ran their SQL is closed (PostgreSQL will not drop a
+    database that a session still uses)."""
     yield
     while _made:
         _made.pop().close()
+    await sync_to_async(connections.close_all)()
 
 
 def make_store(delay_s: float = 0.2, name: str = "test.inventory") -> WriteBehindStore[InventoryItem]:

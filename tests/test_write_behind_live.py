@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
 import signal
+import subprocess
+import sys
 import time
 from typing import Any
 from urllib.parse import urlparse
@@ -15,7 +19,7 @@ import pytest
 import websockets
 
 from tests.postgres import TcpProxy, with_port
-from tests.servers import Server, login, servers
+from tests.servers import ROOT, Server, login, servers
 from tests.support.waiting import eventually
 from tests.wsclient import RPC
 
@@ -323,3 +327,21 @@ async def test_uvicorn_flushes_at_lifespan_shutdown(postgres):
         assert "shutdown: 1 object(s) flushed" in server.output()  # by the lifespan, not at exit
     finally:
         server.stop()
+
+
+def test_the_write_behind_unit_tests_hold_on_postgresql(postgres):
+    """tests/test_write_behind.py (flush marks, lost commits, cancelled writes, integrity
+    errors, statement counts) once more with PostgreSQL as Django's database."""
+    server, _ = postgres
+    name = f"{os.environ['REALTIME_TEST_PREFIX'].replace('-', '_')}_units"
+    env = {k: v for k, v in os.environ.items() if k != "REALTIME_TEST_DB_FILE"}
+    env.update(
+        DATABASE_URL=f"{server.rsplit('/', 1)[0]}/{name}",
+        REALTIME_TEST_DB_VENDOR="postgresql",
+        DJANGO_SETTINGS_MODULE="tests.settings",
+    )
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_write_behind.py"]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-2000:]
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert re.fullmatch(r"=*\s*19 passed in [\d.]+s.*", summary), summary
