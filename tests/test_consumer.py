@@ -10,6 +10,7 @@ from django.test import override_settings
 
 from realtime_app.hub import CONTROL_CHANNEL
 from tests.support.asgi_client import Client
+from tests.support.waiting import eventually
 from tests.testapp import realtime_channels as test_channels
 
 
@@ -46,11 +47,7 @@ async def test_one_ticker_per_cadence_started_at_first_and_cleaned_after_last(hu
         await b.call("unsubscribe", {"channel": "test:counter:200"})
         assert ("cleanup", "test:counter:200") in test_channels.EVENTS
     # c left by disconnecting without unsubscribing
-    for _ in range(50):
-        if ("cleanup", "test:counter:400") in test_channels.EVENTS:
-            break
-        await asyncio.sleep(0.02)
-    assert ("cleanup", "test:counter:400") in test_channels.EVENTS
+    await eventually(lambda: ("cleanup", "test:counter:400") in test_channels.EVENTS, 5, "the cleanup of :400")
     assert hub.subscribers == {} and hub.probe()["tickers"] == [] and list(hub.reconciler.channels) == [CONTROL_CHANNEL]
 
 

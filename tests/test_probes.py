@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from tests.servers import ROOT, login, prepare_database, servers
+from tests.support.waiting import eventually
 from tests.wsclient import RPC
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
@@ -114,14 +115,12 @@ async def test_realtime_probe_command(cluster):
 
     for server in (a, b):  # a process joins the cluster view with its first request
         assert get(server.http + "/accounts/login/")[0] == 200
-    deadline = time.monotonic() + 15
-    while True:
+
+    async def both_listed() -> bool:
         result = await asyncio.to_thread(probe_command, "--json")
-        pids = {p["pid"] for p in json.loads(result.stdout)["instances"]}
-        if pids == {a.process.pid, b.process.pid} or time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.5)
-    assert pids == {a.process.pid, b.process.pid}
+        return {p["pid"] for p in json.loads(result.stdout)["instances"]} == {a.process.pid, b.process.pid}
+
+    await eventually(both_listed, 15, "both processes in realtime_probe --json")
     table = await asyncio.to_thread(probe_command)
     assert table.returncode == 0 and "worst queue" in table.stdout and "rpc run/wait" in table.stdout
     assert "http pools run/wait (503)" in table.stdout and "unsaved (oldest)" in table.stdout
