@@ -45,7 +45,10 @@ from realtime_app.hub.probe import process_probe
 from realtime_app.hub.reconciler import Reconciler
 from realtime_app.hub.replay import Replays
 from realtime_app.hub.tickers import Tickers
+from realtime_app.inbound.admission import Admission
+from realtime_app.inbound.workers import RequestPool
 from realtime_app.persistence.write_behind import start_all as start_stores
+from realtime_app.wire.history import Since
 from realtime_app.wire.protocol import CloseCode, encode
 
 if TYPE_CHECKING:
@@ -95,12 +98,12 @@ class Hub:
         self._closed = False
 
     @property
-    def admission(self) -> Any:
+    def admission(self) -> Admission:
         """The admission books of this process (:class:`~realtime_app.inbound.admission.Admission`)."""
         return self.gate.admission
 
     @property
-    def pool(self) -> Any:
+    def pool(self) -> RequestPool:
         """The pool that runs admitted requests (:class:`~realtime_app.inbound.workers.RequestPool`)."""
         return self.gate.pool
 
@@ -221,7 +224,7 @@ class Hub:
         await self.convergence.converge(channel)
         return True
 
-    async def subscribe_kept(self, conn: Connection, spec: ChannelSpec, since: Any = None) -> dict[str, Any]:
+    async def subscribe_kept(self, conn: Connection, spec: ChannelSpec, since: Since | None = None) -> dict[str, Any]:
         """Subscribe to a channel with history, or resume it (:mod:`~realtime_app.hub.replay`)."""
         return await self.replays.subscribe_kept(conn, spec, since)
 

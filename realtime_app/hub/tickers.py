@@ -32,13 +32,12 @@ logger = logging.getLogger("realtime_app.hub")
 
 #: What :meth:`TickerBook.take` returns when there is no value to publish.
 MISSING: Any = object()
-_MISSING = MISSING
 
 
 @dataclass(slots=True)
 class _Ticker:
     cleanup: Callable[[], Any] | None = None
-    pending: Any = _MISSING  # the latest value not yet handed to the publisher
+    pending: Any = MISSING  # the latest value not yet handed to the publisher
     started: bool = False  # False while its factory runs
 
 
@@ -81,16 +80,16 @@ class TickerBook:
         """The pending value of ``channel`` (:data:`MISSING` when there is none)."""
         ticker = self.tickers.get(channel)
         if ticker is None:
-            return _MISSING
-        data, ticker.pending = ticker.pending, _MISSING
+            return MISSING
+        data, ticker.pending = ticker.pending, MISSING
         return data
 
     def pending(self) -> list[str]:
-        return [name for name, ticker in self.tickers.items() if ticker.pending is not _MISSING]
+        return [name for name, ticker in self.tickers.items() if ticker.pending is not MISSING]
 
     def has_pending(self, channel: str) -> bool:
         ticker = self.tickers.get(channel)
-        return ticker is not None and ticker.pending is not _MISSING
+        return ticker is not None and ticker.pending is not MISSING
 
     def fail(self, channel: str) -> bool:
         """Mark ``channel`` failing; True the first time (log it then, not at every tick)."""
@@ -199,7 +198,7 @@ class Tickers:
             for channel in [c for c in self.book.pending() if c not in self._in_flight]:
                 await slots.acquire()
                 data = self.book.take(channel)
-                if data is _MISSING:
+                if data is MISSING:
                     slots.release()
                     continue
                 self._in_flight.add(channel)

@@ -3,19 +3,19 @@
 The hub produces :class:`ProcessProbe`; ``GET /realtime/probe``, the health channel and
 ``realtime_probe`` carry it as it is; Prometheus (:mod:`~realtime_app.observability.metrics`)
 and the admin screen read it. Each numeric field is annotated with how Prometheus shows
-it (:class:`Gauge` or :class:`Counter`, or :data:`NOT_EXPORTED` with the reason), and
+it (:class:`Gauge` or :class:`Counter`, or :class:`Shown` with the reason), and
 ``tests/test_probe_schema.py`` fails when a field is added in one place only: the hub's
 probe, this schema, the metrics, or the admin screen.
 """
 
 from __future__ import annotations
 
+import functools
 import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, NotRequired, TypedDict
 
 __all__ = [
-    "NOT_EXPORTED",
     "AdmissionProbe",
     "BackplaneProbe",
     "BackpressureProbe",
@@ -25,6 +25,7 @@ __all__ = [
     "HistoryProbe",
     "PoolProbe",
     "ProcessProbe",
+    "Shown",
     "StoreProbe",
     "fields_of",
 ]
@@ -51,9 +52,6 @@ class Shown:
     """A field Prometheus does not carry as such (text, a list, or shown by another metric)."""
 
     why: str
-
-
-NOT_EXPORTED = Shown
 
 
 class BackpressureProbe(TypedDict):
@@ -178,8 +176,10 @@ class ClusterProbe(TypedDict):
     stale: NotRequired[bool]
 
 
+@functools.cache
 def fields_of(schema: type) -> dict[str, tuple[Any, tuple[Any, ...]]]:
-    """A TypedDict's fields: name -> (type without annotations, annotations)."""
+    """A TypedDict's fields: name -> (type without annotations, annotations); read once
+    per schema (every metrics scrape asks), not to be changed."""
     hints = typing.get_type_hints(schema, include_extras=True)
     out: dict[str, tuple[Any, tuple[Any, ...]]] = {}
     for name, hint in hints.items():
