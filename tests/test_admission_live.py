@@ -16,9 +16,10 @@ import websockets
 
 from realtime_app.hub.fanout import UNREAD_ANSWER_BYTES
 from tests.servers import Server, login, prepare_database, servers
+from tests.support.health import Probe
 from tests.support.processes import rss
 from tests.support.waiting import eventually
-from tests.wsclient import RPC
+from tests.wsclient import RPC, close_code
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -26,28 +27,6 @@ pytestmark = pytest.mark.timeout(180)
 def start(database: dict[str, str], **overrides: Any) -> Server:
     env = {**database, "REDIS_URL": "", "REALTIME_TEST_OVERRIDES": json.dumps(overrides)}
     return Server(env).start()
-
-
-class Health:
-    """This process's probe, read from the health endpoint as staff."""
-
-    def __init__(self, server: Server) -> None:
-        import urllib.request
-
-        self.url = server.http + "/realtime/api/health"
-        self.cookie = login(server.http, "admin", "admin")
-        self._request = urllib.request
-
-    def read(self) -> dict[str, Any]:
-        request = self._request.Request(self.url, headers={"Cookie": self.cookie})
-        return json.loads(self._request.urlopen(request, timeout=10).read())
-
-    def instances(self) -> list[dict[str, Any]]:
-        return self.read()["instances"]
-
-    def admission(self) -> dict[str, Any]:
-        [instance] = self.instances()
-        return instance["admission"]
 
 
 async def test_a_publish_flood_is_bounded_by_the_publishers_bucket(database):
@@ -80,10 +59,7 @@ async def test_a_publish_flood_is_bounded_by_the_publishers_bucket(database):
                     message = await reader.recv(timeout=1.0)
                     received += message.get("method") == "message"
             if closed is None:  # still sending: read until the server's close arrives
-                with pytest.raises(websockets.ConnectionClosed) as info:
-                    while True:
-                        await flooder.recv(timeout=10)
-                closed = info.value.rcvd.code if info.value.rcvd else None
+                closed = await flooder.close_code(10)
         assert sent >= 250  # it did flood
         assert 18 <= received <= 18 + 9 * (elapsed + 1.0) + 2  # a full bucket, then 9/s
         assert closed == 1008  # it ignored its refusals
@@ -104,7 +80,7 @@ async def test_unread_answers_are_bounded_then_closed_with_1013_and_memory_retur
     answer_size = len(batch) + 50 * 120  # the batch's answers: as long, plus each result or error
     attackers: list[Any] = []
     try:
-        health = Health(server)
+        health = Probe(server)
         baseline = rss(server)
         for i in range(10):  # ten clients, each its own address (its own bucket)
             sock = socket.socket()
@@ -148,11 +124,7 @@ async def test_unread_answers_are_bounded_then_closed_with_1013_and_memory_retur
         watching = False
         await watcher
         for ws in attackers:
-            ws.transport.resume_reading()
-            with pytest.raises(websockets.ConnectionClosed) as closed:
-                while True:
-                    await asyncio.wait_for(ws.recv(), 10)
-            assert closed.value.rcvd is not None and closed.value.rcvd.code == 1013
+            assert await close_code(ws, 10) == 1013
             await ws.close()
         admission = health.admission()
         assert admission["refused"]["unread_responses"] >= 10  # every attacker was cut off
@@ -193,7 +165,7 @@ async def test_a_burst_of_60_from_one_user_has_10_in_flight_and_refusals_say_why
 async def test_a_closed_connection_frees_its_queued_slots_and_a_raising_handler_its_own(database):
     server = start(database, ADMISSION_MAX_RUNNING=2)
     try:
-        health = Health(server)
+        health = Probe(server)
         async with RPC(server.ws) as rpc:
             for i in range(8):
                 await rpc.send({"jsonrpc": "2.0", "method": "demo.sleep", "params": {"ms": 5000}, "id": i})
@@ -211,38 +183,39 @@ async def test_a_closed_connection_frees_its_queued_slots_and_a_raising_handler_
 
 
 async def test_a_well_behaved_client_keeps_its_pings_fast_while_others_flood(database):
-    """Loosely here (a shared 2-core machine); strictly in bench/admission.py."""
+    """20 abusive clients fill the pool with 5 s sleeps (64 running, the rest waiting): a
+    ping of another client is answered beside that queue, never behind it. Had it queued,
+    it would wait for a running sleep to end (seconds); the bound is a fraction of that,
+    so a loaded machine cannot fail it. The latency itself is measured in bench/admission.py."""
     server = start(database)
+    abusers = [RPC(server.ws, address=f"198.51.100.{i}") for i in range(20)]
     try:
-        stop = asyncio.Event()
-
-        async def abuse(i: int) -> None:
-            async with RPC(server.ws, address=f"198.51.100.{i}") as rpc:  # 20 abusive clients
-                n = 0
-                while not stop.is_set():
-                    batch = [
-                        {"jsonrpc": "2.0", "method": "demo.sleep", "params": {"ms": 200}, "id": n + k}
-                        for k in range(20)
-                    ]
-                    n += 20
-                    await rpc.send(batch)
-                    with_answers = await rpc.recv(10)
-                    assert isinstance(with_answers, list)
-
-        abusers = [asyncio.get_running_loop().create_task(abuse(i)) for i in range(20)]
-        await asyncio.sleep(1.0)
+        health = Probe(server)
+        for rpc in abusers:
+            await rpc.__aenter__()
+        for rpc in abusers:  # 200 sleeps: three rounds of 64 for the pool
+            await rpc.send(
+                [{"jsonrpc": "2.0", "method": "demo.sleep", "params": {"ms": 5000}, "id": k} for k in range(10)]
+            )
+        await eventually(
+            lambda: (a := health.admission())["running"] == 64 and a["queued"] > 0 and a,
+            15,
+            "the pool full, work waiting",
+        )
         latencies = []
-        async with RPC(server.ws, address="192.0.2.1") as polite:  # and a client of its own
-            for _ in range(60):
+        async with RPC(server.ws, address="192.0.2.1") as polite:  # a client of its own
+            for _ in range(20):
                 started = time.perf_counter()
                 assert (await polite.call("ping"))["result"] == "pong"
                 latencies.append(time.perf_counter() - started)
-                await asyncio.sleep(0.05)
-        stop.set()
-        await asyncio.gather(*abusers)
-        p99 = statistics.quantiles(latencies, n=100, method="inclusive")[98]
-        assert p99 < 0.25, f"ping p99 {p99 * 1000:.0f} ms while others flood"
+        after = health.admission()
+        assert after["running"] == 64 and after["queued"] > 0, after  # the pool stayed full throughout
+        median, worst = statistics.median(latencies) * 1000, max(latencies) * 1000
+        print(f"ping under a full pool: median {median:.1f} ms, max {worst:.1f} ms")
+        assert max(latencies) < 2.5, latencies  # half of one sleep: none waited for a slot
     finally:
+        for rpc in abusers:
+            await rpc.__aexit__(None, None, None)
         server.stop()
 
 
@@ -266,7 +239,7 @@ async def test_one_user_on_two_processes_shares_one_bucket_and_falls_back_locall
             async with RPC(a.ws) as anonymous:  # an anonymous connection has its own bucket
                 await anonymous.send(echo)
                 assert all("result" in r for r in await anonymous.recv(10))
-            health = Health(a)
+            health = Probe(a)
             instances = health.instances()
             assert len(instances) == 2 and [p["admission"]["bucket"] for p in instances] == ["shared"] * 2
             private_redis.kill()
@@ -274,6 +247,6 @@ async def test_one_user_on_two_processes_shares_one_bucket_and_falls_back_locall
             assert answer.get("result") == {"text": "still here"} or answer["error"]["data"]["reason"] in (
                 "rate_limited",
             )
-            view = await asyncio.to_thread(health.read)  # the probe answers through the outage
+            view = await asyncio.to_thread(health.document)  # the probe answers through the outage
             assert view["complete"] is False and [p["pid"] for p in view["instances"]] == [a.process.pid]
             assert view["instances"][0]["admission"]["bucket"] == "local (backplane unreachable)"

@@ -16,7 +16,6 @@ import random
 import subprocess
 import sys
 import time
-import urllib.request
 from typing import Any
 
 import pytest
@@ -24,6 +23,7 @@ import websockets
 
 from tests.private_redis import PrivateRedis
 from tests.servers import ROOT, Server, login
+from tests.support.health import Probe
 from tests.support.waiting import eventually
 from tests.wsclient import RPC
 
@@ -33,13 +33,6 @@ pytestmark = pytest.mark.timeout(240)
 def start(env: dict[str, str], **overrides: Any) -> Server:
     base = {"REDIS_URL": "", "REALTIME_TEST_OVERRIDES": json.dumps(overrides)}
     return Server({**base, **env}).start()
-
-
-def probe(server: Server, cookie: str) -> dict[str, Any]:
-    """This process's probe, read from the health endpoint as staff."""
-    request = urllib.request.Request(server.http + "/realtime/api/health", headers={"Cookie": cookie})
-    [instance] = json.loads(urllib.request.urlopen(request, timeout=10).read())["instances"]
-    return instance  # type: ignore[no-any-return]
 
 
 def p99(samples: list[float]) -> float:
@@ -87,7 +80,7 @@ async def test_clients_that_leave_mid_batch_leave_no_slot_behind(database):
     addresses (a trusted proxy forwards them), so the per-address cap does not hide it."""
     server = start(database, TRUSTED_PROXIES=["127.0.0.1"], HANDSHAKES_PER_S=0, MAX_CONNECTIONS_PER_ADDRESS=0)
     try:
-        staff = login(server.http, "admin", "admin")
+        staff = Probe(server)
         rng = random.Random(1)
         deadline = time.monotonic() + 8
 
@@ -111,7 +104,7 @@ async def test_clients_that_leave_mid_batch_leave_no_slot_behind(database):
         assert rounds >= 80  # it did churn
 
         def idle() -> bool:
-            admission = probe(server, staff)["admission"]
+            admission = staff.instance()["admission"]
             return admission["running"] == admission["queued"] == admission["pending"] == 0
 
         await eventually(idle, 15, "every slot back once every client is gone")
@@ -132,7 +125,7 @@ async def test_anonymous_sleepers_do_not_lock_a_user_out(database, sockets):
     server = start(database)
     attackers: list[Any] = []
     try:
-        staff = login(server.http, "admin", "admin")
+        staff = Probe(server)
         cookie = login(server.http, "demo", "demo")
         async with RPC(server.ws, cookie=cookie) as user:
             await timed(user, "inventory.consume", {"item": "ammo", "shots": 1})  # loaded once
@@ -150,7 +143,7 @@ async def test_anonymous_sleepers_do_not_lock_a_user_out(database, sockets):
                     pass
 
             await asyncio.gather(*(attacker() for _ in range(sockets)))
-            await eventually(lambda: probe(server, staff)["admission"]["running"] >= 10, 10, "the sleepers running")
+            await eventually(lambda: staff.instance()["admission"]["running"] >= 10, 10, "the sleepers running")
             busy_ping, busy_consume = await user_p99(user)
         print(
             f"{sockets} sockets: ping p99 {idle_ping * 1000:.1f} -> {busy_ping * 1000:.1f} ms, "
@@ -158,7 +151,7 @@ async def test_anonymous_sleepers_do_not_lock_a_user_out(database, sockets):
         )
         assert within(busy_ping, idle_ping), (idle_ping, busy_ping)
         assert within(busy_consume, idle_consume), (idle_consume, busy_consume)
-        admission = probe(server, staff)["admission"]
+        admission = staff.instance()["admission"]
         assert admission["running"] <= 10  # one address: one identity's cap
     finally:
         for ws in attackers:
@@ -213,7 +206,7 @@ async def test_reconnect_churn_gets_no_fresh_bucket(database):
     8.5 -> 166 ms: each connection was a fresh identity. Now the address is."""
     server = start(database)
     try:
-        staff = login(server.http, "admin", "admin")
+        staff = Probe(server)
         cookie = login(server.http, "demo", "demo")
         async with RPC(server.ws, cookie=cookie) as user:
             idle_ping, idle_consume = await user_p99(user)
@@ -237,7 +230,7 @@ async def test_reconnect_churn_gets_no_fresh_bucket(database):
             workers = asyncio.gather(*(worker() for _ in range(8)))
             busy_ping, busy_consume = await user_p99(user, 20)
             await workers
-        refusals = probe(server, staff)["refused"]["handshakes"]
+        refusals = staff.instance()["refused"]["handshakes"]
         assert refusals > 0 and refused > 0
         assert answered <= 18 + 9 * 6 + 5  # one bucket for the address, whatever the sockets
         assert within(busy_ping, idle_ping), (idle_ping, busy_ping)

@@ -3,8 +3,6 @@ adaptive badge under a slow network, make-before-break, reconnects and close cod
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from selenium.webdriver.common.by import By
 
@@ -96,8 +94,10 @@ def test_close_codes(site, browser, code, reconnects):
     if reconnects:
         wait(browser, 15).until(lambda b: text(b, "#state") == "open")
     else:
-        time.sleep(1.5)  # the first reconnect attempt would come within ~0.5 s
-        assert text(browser, "#state") == "closed"
+        # Stopped for good at the close itself: no reconnect timer was ever set (the one
+        # way a reconnect could still come), and the socket is gone.
+        c = browser.execute_script("const c = window.realtime.client; return [c._stopped, c._timer, c._ws, c.state]")
+        assert c == [True, None, None, "closed"], c
         assert browser.execute_script("return window.closes.length") == 1
 
 
@@ -110,8 +110,12 @@ def test_the_burst_panel_shows_admitted_merged_and_refused_with_the_snapshot_app
             text(b, "#burst-sent") == "60" and int(text(b, "#burst-admitted")) + int(text(b, "#burst-refused")) == 60
         )
     )
-    admitted, refused = int(text(browser, "#burst-admitted")), int(text(browser, "#burst-refused"))
-    assert 1 <= admitted <= 18 / 0.25 and refused >= 60 - 18 / 0.25
+    admitted, merged, refused = (int(text(browser, f"#burst-{k}")) for k in ("admitted", "merged", "refused"))
+    print(f"burst: {admitted} admitted, {merged} merged, {refused} refused")
+    assert 10 <= admitted < 60  # 10 in flight per player; more only as answers come back
+    # One operation at a time per inventory: the shots fired while the first ran waited and
+    # merged into the next; the first ran alone.
+    assert 1 <= merged <= admitted - 1, (admitted, merged)
     assert "too_many_in_flight" in text(browser, "#burst-reasons")  # 10 in flight per identity
     burst = browser.execute_script("return window.realtime.burst")
     assert sum(burst["reasons"].values()) == refused

@@ -5,7 +5,6 @@ nginx, never by daphne."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import secrets
 import shutil
@@ -13,7 +12,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
@@ -22,6 +20,7 @@ import pytest
 import redis
 
 from tests.servers import ROOT, free_port, login, prepare_database, servers, wait_listening
+from tests.support.waiting import eventually
 from tests.wsclient import RPC
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
@@ -121,11 +120,11 @@ async def test_the_websocket_endpoint_through_the_proxy_reaches_both_processes(d
         assert [f["seq"] for f in frames] == list(range(frames[0]["seq"], frames[0]["seq"] + 3))
     async with RPC(ws, cookie=login(base, "admin", "admin")) as staff:
         await staff.subscribe("realtime:socket:500")
-        deadline = time.monotonic() + 15
-        pids: set[int] = set()
-        while pids != {a.process.pid, b.process.pid} and time.monotonic() < deadline:
-            pids = {p["pid"] for p in (await staff.frames(1))[0]["data"]["instances"]}
-        assert pids == {a.process.pid, b.process.pid}
+
+        async def both_seen() -> bool:  # the cluster view, as it streams to a staff socket
+            return {p["pid"] for p in (await staff.frames(1))[0]["data"]["instances"]} == {a.process.pid, b.process.pid}
+
+        await eventually(both_seen, 15, "both processes in the cluster view")
 
 
 async def test_sockets_trickling_headers_are_held_by_nginx_not_daphne(deployment):
@@ -141,8 +140,16 @@ async def test_sockets_trickling_headers_are_held_by_nginx_not_daphne(deployment
         s = socket.create_connection(("127.0.0.1", port))
         s.sendall(b"GET /realtime/ HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the end of the headers
         slow.append(s)
+
+    def accepted_by_nginx() -> int:  # taken off the listen queue by a process: nginx's workers
+        return sum(
+            1
+            for c in psutil.net_connections(kind="tcp")
+            if c.laddr and c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED and c.pid is not None
+        )
+
     try:
-        await asyncio.sleep(1)
+        await eventually(lambda: accepted_by_nginx() >= 200, 15, "nginx accepting the 200 sockets")
         assert daphne_sockets() <= before + 5  # nginx holds them (and cuts them after 10 s)
         async with RPC(base.replace("http", "ws") + "/realtime/") as rpc:  # everyone else is served
             assert (await rpc.call("ping"))["result"] == "pong"

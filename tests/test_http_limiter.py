@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from tests.servers import Server, login
-from tests.support.waiting import eventually_sync
+from tests.servers import Server
+from tests.support.health import Probe
+from tests.support.waiting import eventually, eventually_sync
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,36 +41,12 @@ def stats(server: Server, reset: bool = False) -> dict[str, Any]:
     return json.loads(get(server, "/test/limited-stats/" + ("?reset=1" if reset else ""))[2])
 
 
-class Health:
-    def __init__(self, server: Server) -> None:
-        self.server = server
-        self.cookie = login(server.http, "admin", "admin")
-
-    def metrics(self) -> tuple[int, str]:
-        """``GET /realtime/metrics`` as staff: its status and text."""
-        connection = http.client.HTTPConnection("127.0.0.1", self.server.port, timeout=10)
-        try:
-            connection.request("GET", "/realtime/metrics", headers={"Cookie": self.cookie})
-            response = connection.getresponse()
-            return response.status, response.read().decode()
-        finally:
-            connection.close()
-
-    def pool(self, name: str = "test") -> dict[str, Any]:
-        connection = http.client.HTTPConnection("127.0.0.1", self.server.port, timeout=10)
-        try:
-            connection.request("GET", "/realtime/api/health", headers={"Cookie": self.cookie})
-            return json.loads(connection.getresponse().read())["http_pools"][name]
-        finally:
-            connection.close()
-
-
 def seen(pool: dict[str, Any]) -> int:
     """Requests the pool has counted: waiting, admitted (running or done), refused."""
     return int(pool["waiting"] + pool["admitted"] + sum(pool["refused"].values()))
 
 
-def burst(server: Server, paths: list[str], health: Health) -> list[tuple[int, dict[str, str], bytes]]:
+def burst(server: Server, paths: list[str], health: Probe) -> list[tuple[int, dict[str, str], bytes]]:
     """Start one request per path, each once the pool has counted the one before (a known
     arrival order, whatever the scheduling), all running or waiting at once."""
     results: list[Any] = [None] * len(paths)
@@ -95,7 +72,7 @@ def burst(server: Server, paths: list[str], health: Health) -> list[tuple[int, d
 def test_twenty_at_once_run_two_at_a_time_in_arrival_order_and_the_rest_get_503(database, server_kind):
     server = start(database, server_kind, wait_timeout_ms=20000)
     try:
-        health = Health(server)
+        health = Probe(server)
         stats(server, reset=True)
         answers = burst(server, [f"/test/limited/?ms=1500&tag={i}" for i in range(20)], health)
         statuses = [status for status, _, _ in answers]
@@ -118,7 +95,7 @@ def test_twenty_at_once_run_two_at_a_time_in_arrival_order_and_the_rest_get_503(
 def test_a_request_that_waits_too_long_gets_503_timeout(database):
     server = start(database, max_concurrent=1, wait_timeout_ms=300)
     try:
-        health = Health(server)
+        health = Probe(server)
         first, second = burst(server, ["/test/limited/?ms=1500&tag=long", "/test/limited/?ms=10&tag=late"], health)
         assert first[0] == 200 and second[0] == 503
         assert json.loads(second[2])["reason"] == "timeout" and "retry-after" in second[1]
@@ -132,7 +109,7 @@ def test_a_client_that_disconnects_while_waiting_frees_its_place_at_once(databas
     server = start(database, server_kind, max_concurrent=1)
     holder = threading.Thread(target=get, args=(server, "/test/limited/?ms=3000&tag=A"))
     try:
-        health = Health(server)
+        health = Probe(server)
         stats(server, reset=True)
         holder.start()
         eventually_sync(lambda: health.pool()["running"] == 1, 10, "A runs")
@@ -156,7 +133,7 @@ def test_a_client_that_disconnects_while_waiting_frees_its_place_at_once(databas
 def test_a_raising_view_and_a_streaming_view_release_their_slots(database):
     server = start(database, max_concurrent=1)
     try:
-        health = Health(server)
+        health = Probe(server)
         for _ in range(3):
             assert get(server, "/test/limited-raises/")[0] == 500
         assert health.pool()["running"] == 0
@@ -178,7 +155,7 @@ def test_the_sync_path_under_gunicorn_threads(database):
     server = start(database, "gunicorn", wait_timeout_ms=20000)
     try:
         stats(server, reset=True)
-        health = Health(server)
+        health = Probe(server)
         answers = burst(server, [f"/test/limited-sync/?ms=1500&tag={i}" for i in range(12)], health)
         assert [status for status, _, _ in answers] == [200] * 10 + [503] * 2
         inside = stats(server)
@@ -193,7 +170,7 @@ def test_health_and_metrics_are_never_limited(database):
     server = start(database, max_concurrent=1, max_waiting=0, paths=["/*"])  # everything else is limited
     holder = threading.Thread(target=get, args=(server, "/test/limited/?ms=4000&tag=A"))
     try:
-        health = Health(server)
+        health = Probe(server)
         holder.start()
         eventually_sync(lambda: health.pool()["running"] == 1, 10, "A runs")
         assert get(server, "/accounts/login/")[0] == 503  # covered by "/*", and full
@@ -236,8 +213,7 @@ async def test_a_waiter_whose_time_is_up_when_a_slot_frees_gets_503_not_a_late_s
     pool = ConcurrencyPool("t", PoolSettings(max_concurrent=1, max_waiting=5, wait_timeout_ms=100))
     held = await pool.aacquire()
     waiter = asyncio.get_running_loop().create_task(pool.aacquire())
-    await asyncio.sleep(0)  # it queues
-    assert pool.waiting == 1
+    await eventually(lambda: pool.waiting == 1, 5, "the waiter queued")
     time.sleep(0.15)  # noqa: ASYNC251 -- the loop busy past the waiter's timeout, as on a loaded server
     held.release()  # the slot frees before the waiter's timeout could run
     with pytest.raises(Busy) as refused:

@@ -19,7 +19,6 @@ import urllib.request
 
 import pytest
 import redis
-import websockets
 
 from tests.servers import ROOT, login, prepare_database, servers
 from tests.wsclient import RPC
@@ -55,19 +54,6 @@ def manage(env: dict[str, str], code: str) -> None:
         check=True,
         capture_output=True,
     )
-
-
-async def closed_with(rpc: RPC, timeout: float) -> int:
-    """Read until the server closes the socket; its close code."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            await asyncio.wait_for(rpc.ws.recv(), deadline - time.monotonic())
-        except websockets.ConnectionClosed as closed:
-            return closed.rcvd.code if closed.rcvd else 1006
-        except TimeoutError:
-            break
-    raise AssertionError(f"still open after {timeout} s")
 
 
 async def refused_soon(rpc: RPC, channel: str, timeout: float = 5) -> bool:
@@ -110,8 +96,8 @@ async def test_logout_closes_the_sessions_sockets_on_every_process(cluster):
         for rpc in (on_a, on_b, kept):
             await rpc.subscribe("atelier:load:500")
         assert logout(a.http, cookie) == 302
-        assert await closed_with(on_a, 5) == 4001
-        assert await closed_with(on_b, 5) == 4001
+        assert await on_a.close_code(5) == 4001
+        assert await on_b.close_code(5) == 4001
         assert (await kept.call("ping"))["result"] == "pong"
         assert "result" in await kept.call("subscribe", {"channel": "atelier:load:1000"})
 
@@ -148,6 +134,6 @@ async def test_revoked_rights_end_open_subscriptions_within_the_interval(cluster
             env, f"from django.contrib.auth.models import User; User.objects.filter(username='carol').update({change})"
         )
         # REVALIDATE_INTERVAL_MS is 2 s here: closed within two intervals (and slack for a busy machine)
-        assert await closed_with(on_a, 10) == code
-        assert await closed_with(on_b, 10) == code
+        assert await on_a.close_code(10) == code
+        assert await on_b.close_code(10) == code
         assert (await anonymous.call("ping"))["result"] == "pong"  # nobody else is touched

@@ -17,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from realtime_app.inbound.admission import Admission, AdmissionLimits, Job
 from realtime_app.inbound.slots import PoolCore
 from realtime_app.inbound.workers import Call, RequestPool
+from tests.support.waiting import eventually
 
 
 @dataclass(eq=False)
@@ -56,7 +57,7 @@ class PoolBooks(RuleBasedStateMachine):
             return
         ticket = Ticket(owner, identity, merged, cancellable=not sync)
         self.tickets.append(ticket)
-        self._start(self.core.submit(ticket, key, 1.0, 2.0))
+        self._start(self.core.submit(ticket, key, 1.0, 2.0, serial=key == "k1"))  # k1: one at a time
 
     @precondition(lambda self: self.started)
     @rule(data=st.data())
@@ -98,6 +99,14 @@ class PoolBooks(RuleBasedStateMachine):
         # Every job holds a global slot while it waits or runs.
         for job in [*self.core.queue, *self.core.running]:
             assert any(not t.merged for t in job.items if not t.released) or not job.items
+        # A serial key never runs twice at once...
+        serial = [job.key for job in self.core.running if job.serial]
+        assert len(serial) == len(set(serial))
+        # ...and nothing waits that could run: with room in the pool, every waiting
+        # identity's next job is a serial one whose key runs.
+        if not self.closed and (self.core.max_running == 0 or len(self.core.running) < self.core.max_running):
+            for queue in self.core.queue._queues.values():
+                assert self.core.queue.blocked(queue[0])
 
     def teardown(self) -> None:
         if not hasattr(self, "core"):
@@ -158,8 +167,7 @@ async def test_a_job_cancelled_before_its_first_step_gives_its_slots_back():
         pool.submit(Call(owner, "demo.sleep", {}, ("address", "1.2.3.4"), False))
     assert pool.running == 10 and not started.is_set()  # created, not one step taken
     pool.abandon(owner)  # in the same loop iteration: cancelled before their first step
-    for _ in range(5):
-        await asyncio.sleep(0)
+    await eventually(lambda: pool.running == 0, 5, "the cancelled tasks ended")
     assert not started.is_set()
     assert (pool.running, pool.waiting, admission.pending) == (0, 0, 0)
 

@@ -10,11 +10,11 @@ import ssl
 import time
 
 import pytest
-import websockets
 
 from tests.servers import Server
 from tests.support.health import Probe
 from tests.support.processes import rss
+from tests.support.waiting import eventually
 from tests.wsclient import RPC
 
 pytestmark = pytest.mark.timeout(120)
@@ -46,48 +46,11 @@ async def paused_flood_client(url, *, ssl_context=None, cadence=10):
     return client
 
 
-async def drain_until_close(client, timeout=30, into=None):
-    """Read until the server closes: its close code. ``into`` collects each frame's ``n``."""
-    client.ws.transport.resume_reading()
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            text = await asyncio.wait_for(client.ws.recv(), deadline - time.monotonic())
-            if into is not None:
-                into.append(json.loads(text)["n"])
-    except websockets.ConnectionClosed as closed:
-        return closed.rcvd.code if closed.rcvd else None
-    return None
-
-
-async def watch(probe, seconds, every=0.25):
-    samples = []
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        samples.append(await probe.aread())
-        await asyncio.sleep(every)
-    return samples
-
-
-async def watch_until(probe, predicate, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        totals = await probe.aread()
-        if predicate(totals):
-            return totals
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"probe never satisfied the condition: {totals}")
-
-
-async def healthy_frames(url, seconds, ssl_context=None):
-    """A reading client on demo:clock:100 beside the slow one: it must miss nothing."""
+async def healthy_frames(url, count, ssl_context=None):
+    """A reading client on demo:clock:100 beside the slow one: ``count`` frames, none missed."""
     async with RPC(url, ssl=ssl_context) as c:
         await c.subscribe("demo:clock:100")
-        frames = []
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            frames += await c.frames(1, timeout=5)
-        return frames
+        return await c.frames(count, timeout=30)
 
 
 @pytest.mark.parametrize("server_kind", ["daphne", "uvicorn"])
@@ -97,23 +60,24 @@ async def test_a_client_that_stops_reading_is_bounded_then_closed_with_1013(data
     try:
         probe = Probe(server)
         slow = await paused_flood_client(server.ws)
-        samples, healthy = await asyncio.gather(watch(probe, 1.5), healthy_frames(server.ws, 2.5))
+        healthy = asyncio.get_running_loop().create_task(healthy_frames(server.ws, 20))
+        samples: list = []
+        dropping = await probe.until(lambda t: t["drops"] > 0, 20, "frames dropped", seen=samples)
         rss_start = rss(server)
-        samples += await watch(probe, 1.5)
+        # 250 more frames of 32 KiB dropped: unguarded, they would have queued 8 MB
+        later = await probe.until(lambda t: t["drops"] >= dropping["drops"] + 250, 30, "250 more drops", seen=samples)
         rss_growth = rss(server) - rss_start
         worst = max(s["max_buffered_amount"] for s in samples)
-        assert LIMIT - FRAME <= worst <= LIMIT + FRAME, worst  # the plateau: threshold plus one frame
-        assert samples[-1]["slow_consumers"] == 1 and samples[-1]["closes"] == 0
-        drops = [s["drops"] for s in samples]
-        assert drops[-1] > drops[len(drops) // 2] > 0  # rising
-        assert rss_growth < 4 * MIB  # flat (unguarded: +3.2 MB/s)
-        seqs = [f["seq"] for f in healthy]
+        assert LIMIT - FRAME <= later["max_buffered_amount"] <= worst <= LIMIT + FRAME, (later, worst)  # the plateau
+        assert later["slow_consumers"] == 1 and later["closes"] == 0
+        assert rss_growth < 4 * MIB  # flat
+        seqs = [f["seq"] for f in await healthy]
         assert len(seqs) >= 15 and seqs == list(range(seqs[0], seqs[0] + len(seqs)))
         # the balance reaches 500 after ~5 s of drops at 100 frames/s; then, reading again,
         # the client drains what was queued and receives the 1013 close
-        closed = await watch_until(probe, lambda t: t["closes"] == 1, 15)
+        closed = await probe.until(lambda t: t["closes"] == 1, 20, "the 1013 close")
         assert closed["connections"] == 0 and closed["channels"] == {}  # released at once
-        assert await drain_until_close(slow) == 1013
+        assert await slow.close_code() == 1013
         after = await probe.aread()
         assert after["closes"] == 1 and after["connections"] == 0
         async with RPC(server.ws) as again:  # the process serves on
@@ -129,8 +93,7 @@ async def test_a_passing_spike_decays_without_close(database):
     try:
         probe = Probe(server)
         client = await paused_flood_client(server.ws, cadence=20)
-        samples = await watch(probe, 2.5)
-        assert max(s["max_drop_balance"] for s in samples) > 0
+        await probe.until(lambda t: t["max_drop_balance"] > 0, 20, "frames dropped")
         client.ws.transport.resume_reading()
         received = 0
         deadline = time.monotonic() + 20
@@ -151,9 +114,9 @@ async def test_close_policy_closes_at_the_first_overrun(database):
     try:
         probe = Probe(server)
         client = await paused_flood_client(server.ws)
-        samples = await watch(probe, 3)
-        assert samples[-1]["closes"] == 1 and samples[-1]["drops"] == 0
-        assert await drain_until_close(client) == 1013
+        closed = await probe.until(lambda t: t["closes"] == 1, 20, "the close at the first overrun")
+        assert closed["drops"] == 0
+        assert await client.close_code() == 1013
     finally:
         server.stop()
 
@@ -163,9 +126,8 @@ async def test_zero_disables_the_guard(database):
     try:
         probe = Probe(server)
         client = await paused_flood_client(server.ws)
-        samples = await watch(probe, 3)
-        assert max(s["max_buffered_amount"] for s in samples) > 2 * LIMIT  # grows unbounded
-        assert samples[-1]["drops"] == 0 and samples[-1]["closes"] == 0
+        grown = await probe.until(lambda t: t["max_buffered_amount"] > 2 * LIMIT, 20, "the queue past 2 MiB")
+        assert grown["drops"] == 0 and grown["closes"] == 0  # nothing dropped or closed: unbounded
         await client.__aexit__(None, None, None)
     finally:
         server.stop()
@@ -199,13 +161,14 @@ async def test_the_same_guard_over_tls(database, tmp_path):
         url = f"wss://127.0.0.1:{port}/realtime/"
         probe = Probe(server, scheme="https", context=client_ctx)
         slow = await paused_flood_client(url, ssl_context=client_ctx)
-        samples = await watch(probe, 1.5)
+        samples: list = []
+        await probe.until(lambda t: t["drops"] > 0, 20, "frames dropped", seen=samples)
+        await probe.until(lambda t: t["closes"] == 1, 20, "the 1013 close", seen=samples)
         worst = max(s["max_buffered_amount"] for s in samples)
         assert LIMIT - FRAME <= worst <= LIMIT + FRAME + 64 * 1024, worst  # plus TLS records' overhead
-        await watch_until(probe, lambda t: t["closes"] == 1, 15)
         async with RPC(url, ssl=client_ctx) as c:
             assert (await c.call("ping"))["result"] == "pong"
-        assert await drain_until_close(slow) == 1013
+        assert await slow.close_code() == 1013
     finally:
         server.stop()
 
@@ -221,10 +184,8 @@ async def test_a_custom_consumer_gets_the_same_guard(database):
         await slow.__aenter__()
         await slow.ws.recv()
         slow.ws.transport.pause_reading()
-        deadline = time.monotonic() + 20
-        while "closed GuardedFloodConsumer with 1013" not in server.output() and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
-        assert await drain_until_close(slow) == 1013
+        await eventually(lambda: "closed GuardedFloodConsumer with 1013" in server.output(), 20, "the guard's close")
+        assert await slow.close_code() == 1013
         # The guard's way, with the same settings: frames over the threshold dropped, then
         # the close at CLOSE_AFTER_DROPS (200), the queue bounded meanwhile.
         line = re.search(
@@ -250,12 +211,12 @@ async def test_responses_are_not_dropped_unless_configured(database, never_drop)
         await client.subscribe("demo:flood:10")
         await client.send({"jsonrpc": "2.0", "method": "test.sleep", "params": {"seconds": 3}, "id": "owed"})
         client.ws.transport.pause_reading()  # a client that stops reading: TCP fills up
-        await watch_until(probe, lambda t: t["drops"] > 5, 15)  # over the threshold, dropping
+        await probe.until(lambda t: t["drops"] > 5, 15, "dropping")  # over the threshold, dropping
         await client.send({"jsonrpc": "2.0", "method": "ping", "id": "while-full"})
         before = (await probe.aread())["drops"]
-        await watch_until(probe, lambda t: t["drops"] > before + 20, 15)
+        await probe.until(lambda t: t["drops"] > before + 20, 15, "20 more drops")
         owed_done = lambda: probe.read("instances")[0]["admission"]["completed"] >= 1  # noqa: E731
-        await watch_until(probe, lambda _: owed_done(), 15)  # the owed answer was sent (or dropped)
+        await probe.until(lambda _: owed_done(), 15, "the owed answer")  # the owed answer was sent (or dropped)
         resumed_ms = time.time() * 1000
         client.ws.transport.resume_reading()
         answered = set()

@@ -137,6 +137,7 @@ async def test_kill_9_loses_at_most_the_delay_plus_one_flush(postgres, delay_ms)
         stalest = 0.0  # the oldest the newest durable shot ever was, read as it ran
         seen: list[int] = []  # each durable value as it changed: one per flush
         async with RPC(server.ws, cookie=cookie) as rpc:
+            assert server.process is not None
             deadline = time.monotonic() + 10 * delay_ms / 1000 + 10
             while len(seen) < 4:  # three whole flush cycles after the first flush
                 assert time.monotonic() < deadline, f"flushes seen: {len(seen)}"
@@ -148,7 +149,6 @@ async def test_kill_9_loses_at_most_the_delay_plus_one_flush(postgres, delay_ms)
                     if not seen or seen[-1] != durable:
                         seen.append(durable)
                 await asyncio.sleep(0.02)
-            assert server.process is not None
             server.process.kill()
             killed_at = time.monotonic()
             server.process.wait(10)

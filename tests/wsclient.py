@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import time
 from typing import Any
 
 import websockets
@@ -78,3 +79,22 @@ class RPC:
             if isinstance(message, dict) and message.get("method") == "message":
                 out.append(message["params"])
         return out
+
+    async def close_code(self, timeout: float = 30) -> int:
+        """:func:`close_code` of this connection."""
+        return await close_code(self.ws, timeout)
+
+
+async def close_code(ws: Any, timeout: float = 30) -> int:
+    """Read on (a paused transport resumed) until the server closes the socket: its close
+    code, 1006 when it went without a close frame. Fails if still open after ``timeout``."""
+    ws.transport.resume_reading()
+    deadline = time.monotonic() + timeout
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            await asyncio.wait_for(ws.recv(), left)
+    except websockets.ConnectionClosed as closed:
+        return closed.rcvd.code if closed.rcvd else 1006
+    except TimeoutError:
+        pass
+    raise AssertionError(f"still open after {timeout} s")

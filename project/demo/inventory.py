@@ -2,8 +2,10 @@
 and write-behind persistence.
 
 ``inventory.consume`` is the cheap, frequent kind of call admission is built for (shots
-fired): cost 0.25, and requests of one user for one item that wait together merge into
-one execution of up to 250 shots. A user's inventory is a
+fired): cost 0.25. As on a game server, a player's inventory changes one operation at a
+time, each applied at the world's next step (``STEP_S``): the requests of one user for
+one item that come while one runs wait, and merge into one execution of up to 250 shots
+(``Coalesce(serial=True)``). A user's inventory is a
 :class:`~realtime_app.WriteBehindStore` over :class:`~project.demo.models.InventoryItem`:
 a shot is **accepted** in memory at once and **durable** after the next flush (``shots``
 is a counter: two processes of one user both land). A new user starts with 10,000 shots of
@@ -25,6 +27,7 @@ from .models import InventoryItem
 
 START = {"ammo": 10_000}
 MAX_SHOTS = 250
+STEP_S = 0.05  # the world's step: an inventory operation is applied at the next one
 MAX_SLEEP_MS = 5000
 OUT_OF_STOCK = -32010  # an application error code (-32000..-32099)
 
@@ -114,13 +117,14 @@ def _answer(result: dict[str, Any], params: Any, units: float, requests: int) ->
     "inventory.consume",
     cost=0.25,
     coalesce=realtime_app.Coalesce(
-        key=_key, units=lambda params: params["shots"], merge=_merge, cap=MAX_SHOTS, answer=_answer
+        key=_key, units=lambda params: params["shots"], merge=_merge, cap=MAX_SHOTS, answer=_answer, serial=True
     ),
     snapshot=snapshot,
 )
 async def consume(consumer: Any, params: Any) -> dict[str, Any]:
     """Fire ``shots`` of ``item``: ``{"item", "shots_left", "shots", "merged"}``."""
     item, shots = _consume_params(params)  # merged params too: a job never exceeds the cap
+    await asyncio.sleep(STEP_S)  # applied at the world's next step
     pk = _user_pk(consumer)
     if pk is None:
         inventory = _anonymous(consumer)

@@ -242,7 +242,8 @@ class RealtimeConsumer:
             finally:
                 hub.admission.release(identity)
         call = Call(self, request.method, request.params, identity, merged, method.coalesce, method.is_async)
-        hub.pool.submit(call, key, units, method.coalesce.cap if method.coalesce else 0.0)
+        coalesce = method.coalesce
+        hub.pool.submit(call, key, units, coalesce.cap if coalesce else 0.0, bool(coalesce and coalesce.serial))
         return Pending(request.id, call.future)
 
     async def _refused_again(self, hub: Hub, refusal: Refusal) -> bool:

@@ -278,6 +278,7 @@ class Job(Generic[T]):
     entries: list[tuple[T, float]] = field(default_factory=list)  # (item, its units)
     running: bool = False
     identity: Hashable = None
+    serial: bool = False  # never runs beside another job of its key
 
     @property
     def items(self) -> list[T]:
@@ -301,11 +302,17 @@ class CoalescingQueue(Generic[T]):
     **Coalescing.** Requests with the same ``key`` merge while their job waits, up to
     ``cap`` units; past the cap (or once the job runs) a new job is queued. Each merged
     item stays in the job's ``items`` so that every caller gets its own answer.
+
+    **Serial keys.** A job pushed ``serial`` never runs while another job of its key runs
+    (a player's inventory, one operation at a time): it waits at the head of its
+    identity's queue, gathering the requests that merge into it, until :meth:`ended` is
+    called for the running one.
     """
 
     def __init__(self) -> None:
         self._queues: OrderedDict[Hashable, deque[Job[T]]] = OrderedDict()  # turn order
         self._open: dict[Hashable, Job[T]] = {}  # key -> the waiting job that may grow
+        self._serial_running: set[Hashable] = set()  # keys of the serial jobs running now
 
     def __len__(self) -> int:
         return sum(len(queue) for queue in self._queues.values())
@@ -319,14 +326,20 @@ class CoalescingQueue(Generic[T]):
         return job is not None and job.units + units <= cap
 
     def push(
-        self, item: T, key: Hashable | None = None, units: float = 1.0, cap: float = 0.0, identity: Hashable = None
+        self,
+        item: T,
+        key: Hashable | None = None,
+        units: float = 1.0,
+        cap: float = 0.0,
+        identity: Hashable = None,
+        serial: bool = False,
     ) -> tuple[Job[T], bool]:
         """Queue ``item`` of ``identity``; returns its job and whether it merged into a waiting one."""
         if key is not None and self.can_merge(key, units, cap):
             job = self._open[key]
             job.entries.append((item, units))
             return job, True
-        job = Job(key, [(item, units)], identity=identity)
+        job = Job(key, [(item, units)], identity=identity, serial=serial and key is not None)
         queue = self._queues.get(identity)
         if queue is None:
             queue = self._queues[identity] = deque()
@@ -337,17 +350,18 @@ class CoalescingQueue(Generic[T]):
 
     def pop(self, busy: Callable[[Hashable], int] | None = None) -> Job[T] | None:
         """The next job by turn (see the class), now running: nothing merges into it any more."""
-        if not self._queues:
-            return None
-        chosen: Hashable = next(iter(self._queues))
-        if busy is not None:
-            fewest = None
-            for identity in self._queues:
-                running = busy(identity)
-                if fewest is None or running < fewest:
-                    chosen, fewest = identity, running
-                    if running <= 0:
-                        break
+        chosen: Hashable = None
+        fewest = None
+        for identity, waiting in self._queues.items():
+            if self.blocked(waiting[0]):
+                continue
+            running = busy(identity) if busy is not None else 0
+            if fewest is None or running < fewest:
+                chosen, fewest = identity, running
+                if running <= 0:
+                    break
+        if fewest is None:
+            return None  # nothing waits, or only serial jobs whose key runs
         queue = self._queues[chosen]
         job = queue.popleft()
         if queue:
@@ -357,7 +371,18 @@ class CoalescingQueue(Generic[T]):
         if job.key is not None and self._open.get(job.key) is job:
             del self._open[job.key]
         job.running = True
+        if job.serial:
+            self._serial_running.add(job.key)
         return job
+
+    def blocked(self, job: Job[T]) -> bool:
+        """A serial job whose key runs now: it must wait for :meth:`ended`."""
+        return job.serial and job.key in self._serial_running
+
+    def ended(self, job: Job[T]) -> None:
+        """A job returned by :meth:`pop` has ended: the next job of its key may run."""
+        if job.serial:
+            self._serial_running.discard(job.key)
 
     def remove(self, predicate: Callable[[T], bool]) -> list[T]:
         """Take the waiting items matching ``predicate`` out (their connection closed)."""

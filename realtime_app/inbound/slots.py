@@ -64,11 +64,14 @@ class PoolCore(Generic[C]):
     def would_merge(self, key: Hashable | None, units: float, cap: float) -> bool:
         return self.queue.can_merge(key, units, cap)
 
-    def submit(self, call: C, key: Hashable | None = None, units: float = 1.0, cap: float = 0.0) -> list[Job[C]]:
+    def submit(
+        self, call: C, key: Hashable | None = None, units: float = 1.0, cap: float = 0.0, serial: bool = False
+    ) -> list[Job[C]]:
         """Queue an admitted ``call`` (admitted as ``call.merged``); returns the jobs to
         start now. When the job it was to join started meanwhile (or the other way
-        round), its global slot moves and ``call.merged`` says where it went."""
-        _, merged = self.queue.push(call, key, units, cap, call.identity)
+        round), its global slot moves and ``call.merged`` says where it went. ``serial``:
+        its job never runs beside another job of ``key``."""
+        _, merged = self.queue.push(call, key, units, cap, call.identity, serial)
         if merged != call.merged:
             self.admission.rebook(merged=call.merged)
             call.merged = merged
@@ -93,6 +96,7 @@ class PoolCore(Generic[C]):
         if job not in self.running:
             raise ValueError("finished() for a job that is not running")
         del self.running[job]
+        self.queue.ended(job)
         left = self._busy[job.identity] - 1
         if left:
             self._busy[job.identity] = left

@@ -48,6 +48,8 @@ class Coalesce:
     ``merge(list_of_params)``: the params of the one execution.
     ``answer(result, params, units, requests)``: one caller's result out of the merged
     execution's; by default a dict result gains ``"coalesced": {"requests": n, "units": u}``.
+    ``serial``: one execution per key at a time (a player's inventory, as on a game
+    server) — the requests that come while one runs wait and merge into the next.
     """
 
     key: Callable[[Hashable, Any], Hashable | None]
@@ -55,6 +57,7 @@ class Coalesce:
     merge: Callable[[list[Any]], Any]
     cap: float
     answer: Callable[[Any, Any, float, int], Any] | None = None
+    serial: bool = False
 
     def __post_init__(self) -> None:
         if not self.cap > 0:
@@ -126,10 +129,12 @@ class RequestPool:
     def would_merge(self, key: Hashable | None, units: float, cap: float) -> bool:
         return self.core.would_merge(key, units, cap)
 
-    def submit(self, call: Call, key: Hashable | None = None, units: float = 1.0, cap: float = 0.0) -> bool:
+    def submit(
+        self, call: Call, key: Hashable | None = None, units: float = 1.0, cap: float = 0.0, serial: bool = False
+    ) -> bool:
         """Queue an admitted call; returns whether it merged into a waiting job (its
         ``merged`` is updated when that differs from what it was admitted as)."""
-        self._start(self.core.submit(call, key, units, cap))
+        self._start(self.core.submit(call, key, units, cap, serial))
         return call.merged
 
     def _start(self, jobs: list[Job[Call]]) -> None:
