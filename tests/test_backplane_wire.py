@@ -56,9 +56,7 @@ class Process:
         await self.backplane.stop()
 
     async def until(self, n: int, timeout: float = 10) -> list[Delivery]:
-        async with asyncio.timeout(timeout):
-            while len(self.got) < n:
-                await asyncio.sleep(0.01)
+        await eventually(lambda: len(self.got) >= n, timeout, f"{n} deliveries")
         return self.got
 
 

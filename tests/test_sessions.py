@@ -7,13 +7,11 @@ set ``is_staff=False, is_active=False`` the open socket still received the staff
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import secrets
 import subprocess
 import sys
-import time
 import urllib.parse
 import urllib.request
 
@@ -21,6 +19,7 @@ import pytest
 import redis
 
 from tests.servers import ROOT, login, prepare_database, servers
+from tests.support.waiting import eventually
 from tests.wsclient import RPC
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
@@ -57,15 +56,16 @@ def manage(env: dict[str, str], code: str) -> None:
 
 
 async def refused_soon(rpc: RPC, channel: str, timeout: float = 5) -> bool:
-    """Subscribe until the server refuses (forbidden_channel) or ``timeout`` passes."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """Subscribe until the server refuses (forbidden_channel); fails after ``timeout``."""
+
+    async def refused() -> bool:
         answer = await rpc.call("subscribe", {"channel": channel})
         if answer.get("error", {}).get("data", {}).get("reason") == "forbidden_channel":
             return True
         await rpc.call("unsubscribe", {"channel": channel})
-        await asyncio.sleep(0.2)
-    return False
+        return False
+
+    return await eventually(refused, timeout, f"{channel} refused")
 
 
 def logout(base: str, cookie: str) -> int:
