@@ -30,10 +30,14 @@ class RealtimeAppConfig(AppConfig):
         from realtime_app.channels.policies import reset_rules
         from realtime_app.channels.sessions import on_logout
         from realtime_app.conf import (
+            apply_json_encoder,
             checks,  # noqa: F401  (registers the checks)
             get_config,
             reset_config,
+            setup_checks,  # noqa: F401  (registers the checks of a first afternoon)
         )
+
+        apply_json_encoder()
 
         setting_changed.connect(reset_config, dispatch_uid="realtime_app.reset_config")
         setting_changed.connect(reset_rules, dispatch_uid="realtime_app.reset_rules")

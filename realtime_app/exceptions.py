@@ -26,6 +26,7 @@ __all__ = [
     "ChannelError",
     "ConfigurationError",
     "ForbiddenChannel",
+    "NO_USER_HINT",
     "PublicationError",
     "PublicationTooLarge",
     "REFUSAL_CODES",
@@ -117,11 +118,20 @@ class UnknownChannel(ChannelError):
 class ForbiddenChannel(ChannelError):
     """The channel policy refuses this user this action on this channel."""
 
-    def __init__(self, channel: str, action: str = "subscribe") -> None:
+    def __init__(self, channel: str, action: str = "subscribe", hint: str | None = None) -> None:
         from realtime_app.wire.protocol import FORBIDDEN_CHANNEL
 
         super().__init__(FORBIDDEN_CHANNEL, f"Forbidden: may not {action} this channel", "forbidden_channel", channel)
         self.action = action
+        if hint is not None:  # why, when the server can tell (a connection without a user)
+            self.data["hint"] = hint
+
+
+#: The ``hint`` of a refusal on a connection that has no user at all (docs/checks.md, W041).
+NO_USER_HINT = (
+    "this connection has no user: the WebSocket application is not wrapped in "
+    "channels.auth.AuthMiddlewareStack (or another middleware that sets scope['user'])"
+)
 
 
 #: JSON-RPC codes of "not now" answers (docs/admission.md): nothing ran.

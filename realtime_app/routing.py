@@ -11,6 +11,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from django.apps import apps
+from django.core.exceptions import ImproperlyConfigured
 from django.urls import path, re_path
 
 from realtime_app.endpoint.consumer import RealtimeConsumer
@@ -34,6 +36,19 @@ class WebSocketNotFound:
             logger.info("no WebSocket route for %s", safe(scope.get("path", "")))
             await send({"type": "websocket.close"})  # before accept: the server answers 403
 
+
+def _installed() -> None:
+    """Routing the endpoint of an app that is not installed answers every method
+    ``unknown_method`` and every channel ``unknown_channel`` (nothing registered them):
+    say so at start-up instead."""
+    if apps.ready and not apps.is_installed("realtime_app"):
+        raise ImproperlyConfigured(
+            'realtime_app.routing is used but "realtime_app" is not in INSTALLED_APPS: add it, so that its '
+            "channels, methods and checks are registered (README, Quick start)."
+        )
+
+
+_installed()
 
 websocket_urlpatterns = [path("realtime/", RealtimeConsumer.as_asgi())]
 not_found_urlpatterns = [re_path(r"", WebSocketNotFound())]

@@ -168,6 +168,7 @@ def _requirement(spec: Any, where: str) -> Requirement:
 
 def compile_rules(raw: Iterable[Any]) -> list[Rule]:
     """Validate and compile the rules of the settings; raises ``ValueError`` naming the rule."""
+    _a_list(raw)
     rules = []
     for index, spec in enumerate(raw):
         where = f"POLICIES[{index}]"
@@ -253,13 +254,27 @@ def evaluate(req: Requirement, user: Any, channel: str, action: Action) -> bool:
     return True
 
 
+def _a_list(raw: Any) -> None:
+    if isinstance(raw, dict):
+        raise ValueError(
+            'POLICIES: expected a list of rules, e.g. [{"pattern": "chat:", "authenticated": True}], got a dict'
+        )
+    if isinstance(raw, (str, bytes)) or not isinstance(raw, Iterable):
+        raise ValueError(f"POLICIES: expected a list of rules, got {raw!r}")
+
+
+def configured_rules(config: dict[str, Any]) -> list[Rule]:
+    """The rules of the settings, compiled: the user's ``POLICIES``, then the built-in ones."""
+    _a_list(config["POLICIES"])
+    return compile_rules([*config["POLICIES"], *config["BUILTIN_POLICIES"]])
+
+
 @cache
 def active_rules() -> list[Rule]:
     """The compiled rules of the settings: the user's, then the built-in ones."""
     from realtime_app.conf import get_config
 
-    config = get_config()
-    return compile_rules([*config["POLICIES"], *config["BUILTIN_POLICIES"]])
+    return configured_rules(get_config())
 
 
 async def allowed(user: Any, name: str, base: str | None, action: Action) -> bool:

@@ -109,6 +109,11 @@ class Registry:
     def add_family(self, base: str, factory: Factory, *, default: int, min: int, max: int) -> Family:
         """Register a cadenced family; ``default``, ``min``, ``max`` in milliseconds."""
         self._check_free(base)
+        for key, value in (("default", default), ("min", min), ("max", max)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigurationError(
+                    f"family {base!r}: {key} must be an int of milliseconds (e.g. {key}=1000), got {value!r}"
+                )
         if not 0 < min <= default <= max:
             raise ConfigurationError(
                 f"family {base!r}: need 0 < min <= default <= max, got min={min} default={default} max={max}"

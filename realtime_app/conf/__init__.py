@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-__all__ = ["DEFAULTS", "get_config", "reset_config"]
+__all__ = ["DEFAULTS", "apply_json_encoder", "get_config", "reset_config"]
 
 DEFAULTS: dict[str, Any] = {
     # Channel access rules (see docs/configuration.md). The most specific rule wins; a rule
@@ -118,6 +118,9 @@ DEFAULTS: dict[str, Any] = {
     "NEVER_DROP_RESPONSES": True,
     # Who may read /realtime/metrics besides staff: a bearer token, or None.
     "METRICS_TOKEN": None,
+    # The json.JSONEncoder subclass (dotted path) that writes results and publications: the
+    # one Django's JsonResponse uses by default (Decimal, datetime, UUID, Promise).
+    "JSON_ENCODER": "django.core.serializers.json.DjangoJSONEncoder",
 }
 
 
@@ -137,3 +140,23 @@ def reset_config(*, setting: str, **kwargs: Any) -> None:
     modules that derive something from it connect receivers of their own)."""
     if setting in ("REALTIME_APP", "CHANNEL_LAYERS"):
         get_config.cache_clear()
+    if setting == "REALTIME_APP":
+        apply_json_encoder()
+
+
+def apply_json_encoder() -> None:
+    """Give the wire format the ``JSON_ENCODER`` class (at startup and when the settings
+    change); a path that does not import to one is reported by check E009 and ignored."""
+    import json
+
+    from django.utils.module_loading import import_string
+
+    from realtime_app.wire.protocol import use_encoder
+
+    value = get_config()["JSON_ENCODER"]
+    try:
+        cls = import_string(value) if isinstance(value, str) else value
+    except ImportError:
+        return
+    if isinstance(cls, type) and issubclass(cls, json.JSONEncoder):
+        use_encoder(cls)

@@ -12,7 +12,7 @@ from typing import Any
 
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
-from realtime_app.channels.policies import Rule, compile_rules, matching_rule
+from realtime_app.channels.policies import Rule, configured_rules, matching_rule
 from realtime_app.channels.registry import Family, registry
 from realtime_app.conf import DEFAULTS, get_config
 
@@ -122,6 +122,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                 id="realtime_app.E006",
             )
         )
+    messages += _check_json_encoder(config["JSON_ENCODER"])
     if config["BACKPRESSURE_POLICY"] not in ("drop", "close"):
         messages.append(
             Error(
@@ -131,6 +132,29 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             )
         )
     return messages
+
+
+def _check_json_encoder(value: Any) -> list[CheckMessage]:
+    """E009: JSON_ENCODER must name a json.JSONEncoder subclass."""
+    import json
+
+    from django.utils.module_loading import import_string
+
+    try:
+        cls = import_string(value) if isinstance(value, str) else value
+    except ImportError as exc:
+        cls, why = None, f" ({exc})"
+    else:
+        why = ""
+    if isinstance(cls, type) and issubclass(cls, json.JSONEncoder):
+        return []
+    return [
+        Error(
+            f"REALTIME_APP['JSON_ENCODER'] must be the dotted path of a json.JSONEncoder subclass, got {value!r}{why}.",
+            hint="The default, 'django.core.serializers.json.DjangoJSONEncoder', is the one JsonResponse uses.",
+            id="realtime_app.E009",
+        )
+    ]
 
 
 def _check_trusted_proxies(value: Any) -> list[CheckMessage]:
@@ -232,7 +256,7 @@ def check_policies(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     state channel."""
     config = get_config()
     try:
-        rules = compile_rules([*config["POLICIES"], *config["BUILTIN_POLICIES"]])
+        rules = configured_rules(config)
     except (ValueError, ImportError, TypeError) as exc:
         return [
             Error(

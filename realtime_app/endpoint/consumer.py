@@ -22,9 +22,10 @@ from realtime_app.channels.registry import ChannelSpec, registry
 from realtime_app.channels.sessions import current_user, needs_user
 from realtime_app.conf import get_config
 from realtime_app.endpoint.addresses import client_address, trusted_networks
-from realtime_app.endpoint.methods import BUILTIN_COSTS, Method, method_costs, methods, rpc_method
+from realtime_app.endpoint.methods import BUILTIN_COSTS, Method, encodable, method_costs, methods, rpc_method
 from realtime_app.endpoint.replies import Pending, Reply
 from realtime_app.exceptions import (
+    NO_USER_HINT,
     BackplaneUnavailable,
     ForbiddenChannel,
     PublicationError,
@@ -339,6 +340,10 @@ class RealtimeConsumer:
         except Exception:
             logger.exception("method %s failed", safe(request.method))
             return protocol.error_response(request.id, protocol.INTERNAL_ERROR, "Internal error", "internal_error")
+        if not encodable(request.method, result):
+            return protocol.error_response(
+                request.id, protocol.INTERNAL_ERROR, "Internal error", "result_not_serializable"
+            )
         return protocol.result_response(request.id, result)
 
     async def dispatch(self, method: str, params: Any) -> Any:
@@ -417,7 +422,7 @@ class RealtimeConsumer:
         family = registry.family_of(spec.name)
         user = await self._current_user() if needs_user(spec.name, action) else self.user
         if not await allowed(user, spec.name, family.base if family else None, action):
-            raise ForbiddenChannel(spec.name, action)
+            raise ForbiddenChannel(spec.name, action, None if "user" in self.scope else NO_USER_HINT)
 
     async def _bounded(self, hub: Any, spec: ChannelSpec, config: dict[str, Any]) -> ChannelSpec:
         """Keep what clients can start bounded: past ``MAX_CADENCES_PER_FAMILY`` the nearest

@@ -4,13 +4,20 @@ with the cost admission charges for it (docs/admission.md)."""
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from realtime_app.inbound.workers import Coalesce
+from django.core.exceptions import ImproperlyConfigured
 
-__all__ = ["BUILTIN_COSTS", "Method", "method_costs", "methods", "rpc_method"]
+from realtime_app.inbound.workers import Coalesce
+from realtime_app.observability.logsafe import safe
+from realtime_app.wire import protocol
+
+__all__ = ["BUILTIN_COSTS", "Method", "encodable", "method_costs", "methods", "rpc_method"]
+
+logger = logging.getLogger("realtime_app.consumers")
 
 #: ``handler(consumer, params)`` and ``snapshot(consumer)``, sync or async.
 Handler = Callable[[Any, Any], Awaitable[Any] | Any]
@@ -62,6 +69,14 @@ def rpc_method(
     execution. Raise :class:`~realtime_app.exceptions.RPCError` to answer an error; any
     other exception answers -32603 and is logged.
     """
+    if callable(name):  # a bare @rpc_method
+        fn = getattr(name, "__name__", "handler")
+        raise TypeError(
+            f"rpc_method needs the method's name: write @realtime_app.rpc_method({fn!r}) "
+            f"(or a dotted name such as 'inventory.{fn}') above def {fn}(consumer, params)."
+        )
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"rpc_method's name must be a non-empty string such as 'inventory.consume', got {name!r}")
     if name in BUILTIN_COSTS or name.startswith("rpc."):
         raise ValueError(f"method name {name!r} is reserved")
     if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost < float("inf"):
@@ -70,8 +85,43 @@ def rpc_method(
         raise ValueError(f"method {name!r}: coalesce must be a realtime_app.Coalesce")
 
     def register(handler: Handler) -> Handler:
+        existing = _methods.get(name)
+        if existing is not None and _where(existing.handler) != _where(handler):
+            raise ImproperlyConfigured(
+                f"JSON-RPC method {name!r} is registered twice: by {_where(existing.handler)} and by "
+                f"{_where(handler)}. Give one of them another name."
+            )
         is_async = inspect.iscoroutinefunction(handler)
         _methods[name] = Method(handler, float(cost), snapshot, coalesce, is_async)
         return handler
 
     return register
+
+
+def _where(handler: Any) -> str:
+    """``module.qualname`` of a handler: the same function imported again (a module
+    reloaded, a test re-importing it) registers again without complaint."""
+    return f"{getattr(handler, '__module__', '?')}.{getattr(handler, '__qualname__', repr(handler))}"
+
+
+_unencodable_logged: set[str] = set()
+
+
+def encodable(method: str, result: Any) -> bool:
+    """Whether a method's result can be written with the ``JSON_ENCODER``: when it cannot,
+    the caller answers -32603 ``result_not_serializable`` at once (never silence), and the
+    method's first such result is logged as an error (its later ones at debug level)."""
+    try:
+        protocol.encode(result)
+    except (TypeError, ValueError) as exc:
+        level = logging.DEBUG if method in _unencodable_logged else logging.ERROR
+        _unencodable_logged.add(method)
+        logger.log(
+            level,
+            "method %s returned a result JSON cannot carry (%s); answered -32603 result_not_serializable. "
+            "Return JSON types, or name an encoder that knows it in REALTIME_APP['JSON_ENCODER'].",
+            safe(method),
+            exc,
+        )
+        return False
+    return True

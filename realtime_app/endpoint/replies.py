@@ -67,5 +67,21 @@ class Reply:
         if not self.sealed or self.pending:
             return
         responses = [entry for entry in self.entries if entry is not None]
-        if responses:
-            self.send(protocol.encode(responses if self.batch else responses[0]))
+        if not responses:
+            return
+        try:
+            text = protocol.encode(responses if self.batch else responses[0])
+        except (TypeError, ValueError):  # a merged caller's answer() made one: answer it all the same
+            responses = [_encodable(response) for response in responses]
+            text = protocol.encode(responses if self.batch else responses[0])
+        self.send(text)
+
+
+def _encodable(response: Response) -> Response:
+    try:
+        protocol.encode(response)
+    except (TypeError, ValueError):
+        return protocol.error_response(
+            response.get("id"), protocol.INTERNAL_ERROR, "Internal error", "result_not_serializable"
+        )
+    return response

@@ -34,6 +34,7 @@ __all__ = [
     "Request",
     "Response",
     "encode",
+    "use_encoder",
     "error_response",
     "notification_head",
     "notification_tail",
@@ -242,20 +243,32 @@ def parse_frame(text: str, max_batch: int = 50) -> Frame:
     return frame
 
 
+_encoder: type[json.JSONEncoder] = json.JSONEncoder
+
+
+def use_encoder(cls: type[json.JSONEncoder]) -> None:
+    """The encoder class :func:`encode` uses for what JSON does not know (the app sets its
+    ``JSON_ENCODER`` setting here: Django's ``DjangoJSONEncoder`` by default, so that the
+    ``Decimal``, ``datetime`` and ``UUID`` values models hand out are answered as
+    ``JsonResponse`` would write them)."""
+    global _encoder
+    _encoder = cls
+
+
 def encode(message: Any) -> str:
     """Serialise an outbound message compactly (one encoder for every frame we send).
 
     The text is always encodable as UTF-8: a lone surrogate (``"\\ud800"`` is valid JSON
     and Python keeps it) is written as its ``\\u`` escape instead of breaking the send.
     Raises ``ValueError`` for what JSON cannot carry (``inf``, ``nan``) and ``TypeError``
-    for what it does not know.
+    for what the encoder does not know.
     """
-    text = json.dumps(message, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    text = json.dumps(message, separators=(",", ":"), ensure_ascii=False, allow_nan=False, cls=_encoder)
     if not text.isascii():
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
-            text = json.dumps(message, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+            text = json.dumps(message, separators=(",", ":"), ensure_ascii=True, allow_nan=False, cls=_encoder)
     return text
 
 

@@ -130,3 +130,45 @@ def on_thread(consumer: Any, params: Any) -> dict[str, Any]:
     except RuntimeError:
         on_loop = False
     return {"on_loop": on_loop, "thread": threading.current_thread().name}
+
+
+@realtime_app.rpc_method("test.model_values")
+def model_values(consumer: Any, params: Any) -> dict[str, Any]:
+    """What a model hands out: a Decimal, an aware datetime, a UUID (a sync handler)."""
+    import datetime
+    import decimal
+    import uuid
+
+    return {
+        "price": decimal.Decimal("19.90"),
+        "at": datetime.datetime(2026, 12, 1, 12, 0, tzinfo=datetime.UTC),
+        "id": uuid.UUID("12345678-1234-5678-1234-567812345678"),
+    }
+
+
+@realtime_app.rpc_method("test.unencodable")
+async def unencodable(consumer: Any, params: Any) -> Any:
+    """A result no JSON encoder knows (async), or one JSON cannot carry (``nan``)."""
+    return float("nan") if isinstance(params, dict) and params.get("nan") else {"obj": object()}
+
+
+@realtime_app.rpc_method("test.unencodable_sync")
+def unencodable_sync(consumer: Any, params: Any) -> Any:
+    return {"set": {1, 2}}
+
+
+@realtime_app.rpc_method(
+    "test.merge_unencodable",
+    coalesce=realtime_app.Coalesce(
+        key=lambda identity, params: identity,
+        units=lambda params: 1,
+        merge=lambda all_params: all_params,
+        cap=100,
+        answer=lambda result, params, units, requests: {"obj": object()} if requests > 1 else result,
+        serial=True,
+    ),
+)
+async def merge_unencodable(consumer: Any, params: Any) -> str:
+    """Merged callers get an answer their ``answer()`` cannot encode."""
+    await asyncio.sleep(0.05)
+    return "ok"
