@@ -78,6 +78,34 @@ async def test_one_user_on_two_processes_both_land_exactly(postgres):
         assert snapshot["durable"]["ammo"] <= START - 120  # a read back its own and maybe b's
 
 
+async def test_a_process_that_writes_nothing_sees_the_others_counters_within_the_delay_plus_a_flush(postgres):
+    """Found: on two processes, b reported 97 for more than 30 s while the table held 130;
+    a flush of b that wrote nothing did not read the counter back, only a shot of its own
+    did. Now each process reads the counters it holds back every delay."""
+    _, database = postgres
+    reset(database)
+    delay_ms = 500
+    with servers(2, env_for(database, delay_ms)) as (a, b):
+        cookie = login(a.http, "demo", "demo")
+        async with RPC(a.ws, cookie=cookie) as on_a, RPC(b.ws, cookie=cookie) as on_b:
+            await fire(on_b, 1)  # b holds the inventory from now on
+            await eventually(lambda: durable_shots(database) == START - 1, 20, "b's shot durable")
+            await fire(on_a, 30)  # and b fires nothing more
+            await eventually(lambda: durable_shots(database) == START - 31, 20, "a's shots durable")
+            durable_at = time.monotonic()
+
+            async def b_sees_the_table() -> bool:
+                answer = await on_b.call("inventory.snapshot")
+                if answer.get("result", {}).get("items", {}).get("ammo") == START - 31:
+                    return True
+                await asyncio.sleep(0.2)  # within b's bucket: a snapshot costs 0.25
+                return False
+
+            await eventually(b_sees_the_table, 10 * delay_ms / 1000 + 10, "b's view of the counter")
+            print(f"b caught up {time.monotonic() - durable_at:.2f} s after a's shots were durable")
+            assert (await on_b.call("inventory.snapshot"))["result"]["durable"]["ammo"] == START - 31
+
+
 async def test_sigterm_during_a_burst_flushes_everything_accepted(postgres):
     _, database = postgres
     reset(database)

@@ -99,6 +99,16 @@ def residual(now: dict[str, Any], doubt: dict[str, Any] | None) -> dict[str, Any
     return {**now, "deltas": deltas, "changed": changed, "replace": False, "in_db": True}
 
 
+def refresh(entry: Entry, row: dict[str, Any], counters: frozenset[str]) -> None:
+    """Counters as the database holds them now (other processes' deltas included), plus
+    this process's deltas not written yet; read while no flush of ``entry`` ran."""
+    if entry.state is None or entry.replace or entry.in_doubt or not entry.in_db:
+        return
+    entry.durable = {**(entry.durable or entry.state), **{name: row[name] for name in counters}}
+    for name in counters:
+        entry.state[name] = row[name] + entry.deltas.get(name, 0)
+
+
 def settle(entry: Entry, snap: dict[str, Any], row: dict[str, Any] | None, counters: frozenset[str]) -> bool:
     """A batch that held ``snap`` of ``entry`` is durable: take off what it wrote, keep
     what changed meanwhile, take the counters as the database holds them (``row``: other

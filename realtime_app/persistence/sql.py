@@ -4,6 +4,7 @@ transaction each under the batch's token (runs in a worker thread; docs/write-be
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
@@ -119,6 +120,15 @@ class Table(Generic[M]):
         for key in keys:
             where |= self._where(key)
         return where
+
+    async def run(self, method: Callable[..., Any], *args: Any, inline: bool = False) -> Any:
+        """``method(*args)`` in Django's worker thread — or right here when the process is
+        ending and no thread may be started any more."""
+        if inline:
+            return method(*args)
+        from channels.db import database_sync_to_async
+
+        return await database_sync_to_async(method)(*args)
 
     def read_counters(self, keys: list[Key]) -> dict[Key, dict[str, Any]]:
         if not self.counters or not keys:

@@ -38,7 +38,7 @@ from django.db import DatabaseError, DataError, IntegrityError, InterfaceError, 
 from realtime_app.observability.logsafe import safe
 from realtime_app.observability.schema import StoreProbe
 from realtime_app.persistence import lifecycle
-from realtime_app.persistence.entries import Accepted, Batch, Entry, Key, evictable, settle, snapshot
+from realtime_app.persistence.entries import Accepted, Batch, Entry, Key, evictable, refresh, settle, snapshot
 from realtime_app.persistence.handover import Handover
 from realtime_app.persistence.lifecycle import (
     flush_all,
@@ -113,6 +113,7 @@ class WriteBehindStore(Generic[M]):
         self.max_objects = max_objects  # objects kept in memory; the least recently used clean ones go
         self.handover = Handover(self.name)  # the journals taken over, and what this one hands over
         self._journal_checked = False
+        self._refreshed_at = time.monotonic()  # counters read back without a write of ours
         self.evicted = 0
         # the probe
         self.flushed_rows = 0
@@ -331,6 +332,8 @@ class WriteBehindStore(Generic[M]):
                 continue
             when = max(entry.dirty_since + delay, entry.not_before)
             due = when if due is None else min(due, when)
+        if self.counters and self.entries:  # and the others' deltas, read back
+            due = min(due or float("inf"), self._refreshed_at + delay)
         return due
 
     async def flush(self, *, everything: bool = False) -> int:
@@ -348,6 +351,8 @@ class WriteBehindStore(Generic[M]):
                 and not entry.in_doubt
                 and (everything or (entry.dirty_since + delay <= now and entry.not_before <= now))
             ]
+            if not everything and self.counters and now >= self._refreshed_at + delay:
+                await self._refresh_counters()
             if not due and not written and not failed:
                 self.handover.settle(self._in_doubt)
                 return 0
@@ -388,7 +393,8 @@ class WriteBehindStore(Generic[M]):
         for _, entry, _ in batch:
             entry.in_doubt = True
         try:
-            current = await self._with_retries(partial(self._batch_writer(), batch, token))
+            write = partial(self.table.run, self.table.write_batch, batch, token, inline=self._inline)
+            current = await self._with_retries(write)
         except Permanent as exc:  # rolled back: split until the objects at fault stand alone
             for _, entry, _ in batch:
                 entry.in_doubt = False
@@ -452,32 +458,27 @@ class WriteBehindStore(Generic[M]):
         entry.error = message
         entry.not_before = time.monotonic() + MAX_BACKOFF_S
 
-    def _batch_writer(self) -> Callable[[Batch, str], Any]:
-        """How a batch reaches the database: in Django's worker thread — or right here
-        when the process is ending and no thread may be started any more."""
-        if self._inline:
-
-            async def inline(batch: Batch, token: str) -> Any:
-                return self.table.write_batch(batch, token)
-
-            return inline
-        from channels.db import database_sync_to_async
-
-        writer: Callable[[Batch, str], Any] = database_sync_to_async(self.table.write_batch)
-        return writer
+    async def _refresh_counters(self) -> None:
+        """Every delay the counters held are read back (pages of 500): a process that writes
+        nothing still sees the others' deltas within the delay plus one flush."""
+        self._refreshed_at = time.monotonic()
+        keys = [key for key, entry in self.entries.items() if entry.in_db and not entry.in_doubt]
+        for page in (keys[i : i + 500] for i in range(0, len(keys), 500)):
+            try:  # an outage is reported by the writes; this waits for its next turn
+                rows = await self.table.run(self.table.read_counters, page)
+            except DatabaseError as exc:
+                return logger.debug("store %s: counters not read back: %s", self.name, safe(exc, 200))
+            for key, row in rows.items():
+                if (entry := self.entries.get(key)) is not None:
+                    refresh(entry, row, self.counters)
 
     def _failed_transiently(self, batch: list[tuple[Key, Entry, dict[str, Any]]], exc: BaseException) -> None:
         self.consecutive_failures += 1
         backoff = min(MAX_BACKOFF_S, 0.5 * 2 ** min(self.consecutive_failures, 10))
         backoff *= 0.5 + random.random() / 2  # jitter: processes do not come back in step
         if self.consecutive_failures == 1:
-            logger.warning(
-                "store %s: flush of %d object(s) failed, kept, next attempt in %.1f s: %s",
-                self.name,
-                len(batch),
-                backoff,
-                safe(exc, 200),
-            )
+            message = "store %s: flush of %d object(s) failed, kept, next attempt in %.1f s: %s"
+            logger.warning(message, self.name, len(batch), backoff, safe(exc, 200))
         for _, entry, _ in batch:
             entry.not_before = time.monotonic() + backoff
 
