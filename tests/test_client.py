@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
+import inspect
+import json
+import logging
+from pathlib import Path
 
 import pytest
 
@@ -204,3 +209,64 @@ async def test_a_connection_cut_during_the_handshake_is_retried_not_fatal(server
     finally:
         await client.close()
         proxy.close()
+
+
+def test_the_python_client_has_every_capability_of_the_browser_one():
+    """One list (tests/vectors/client_capabilities.json) for both clients; the browser half
+    is tests/js/capabilities.test.mjs."""
+    from realtime_app.client.adaptive_channel import AdaptiveChannel
+
+    listed = json.loads((Path(__file__).parent / "vectors" / "client_capabilities.json").read_text())
+    missing = []
+    for entry in listed["module"]:
+        module, name = entry["python"].split(":")
+        if not hasattr(importlib.import_module(module), name):
+            missing.append(entry["python"])
+    client = RealtimeClient("ws://127.0.0.1:1/realtime/")
+    for entry in listed["methods"]:
+        method = getattr(client, entry["python"], None)
+        if not callable(method):
+            missing.append(f"RealtimeClient.{entry['python']}()")
+        elif "argument" in entry and entry["argument"]["python"] not in inspect.signature(method).parameters:
+            missing.append(f"RealtimeClient.{entry['python']}({entry['argument']['python']})")
+    missing += [f"RealtimeClient.{e['python']}" for e in listed["attributes"] if not hasattr(client, e["python"])]
+    for entry in listed["options"]:
+        method, option = entry["python"].split(":")
+        if option not in inspect.signature(getattr(client, method)).parameters:
+            missing.append(f"RealtimeClient.{method}({option}=)")
+    for entry in listed["events"]:
+        owner, _, name = entry["python"].rpartition(".")
+        holder = inspect.getsource(AdaptiveChannel.__init__) if owner else None
+        if (holder is not None and f"self.{name}" not in holder) or (
+            holder is None and not isinstance(getattr(client, name, None), list)
+        ):
+            missing.append(entry["python"])
+    assert missing == []
+
+
+async def test_reconnect_drops_the_connection_and_opens_a_new_one_after_the_delay(server):
+    frames: list[dict] = []
+    closes: list[tuple] = []
+    client = RealtimeClient(server.ws)
+    client.on_close.append(lambda code, reason, again: closes.append((code, again)))
+    await client.connect()
+    try:
+        await client.subscribe("demo:clock:100", frames.append)
+        await eventually(lambda: len(frames) >= 2)
+        await client.reconnect(300)
+        await eventually(lambda: closes, 10, "the blip's close")
+        [(code, again)] = closes
+        assert again and not is_reconnectable_close_code(code)  # a clean close, and a reconnect all the same
+        count = len(frames)
+        await eventually(lambda: client.state == "open" and len(frames) >= count + 3, 10, "open again, resubscribed")
+        assert client.attempt == 0
+    finally:
+        await client.close()
+
+
+async def test_a_refusal_the_application_caught_is_not_logged(server, caplog):
+    caplog.set_level(logging.DEBUG, logger="realtime_app")
+    async with RealtimeClient(server.ws) as client:
+        with pytest.raises(RPCError):
+            await client.subscribe("atelier:load", lambda params: None)  # anonymous: forbidden
+    assert [r.getMessage() for r in caplog.records if "refused" in r.getMessage()] == []

@@ -104,12 +104,15 @@ class RealtimeClient:
         #: ``on_recovered(channel, replayed)`` when a resume filled a gap.
         self.on_resync: list[Callable[[str, dict[str, Any]], None]] = []
         self.on_recovered: list[Callable[[str, int], None]] = []
+        #: Called with the server's answer of every accepted subscribe, renewals included.
+        self.on_subscribed: list[Callable[[dict[str, Any]], None]] = []
         self._cursors: dict[str, EventCursor] = {}  # canonical channel -> place in its history
         self._on_answer: dict[int, Callable[[Any], Awaitable[None]]] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._runner: asyncio.Task[None] | None = None
         self._open = asyncio.Event()
         self._stopped = True
+        self._blip_ms: float | None = None  # set by reconnect(): the delay before the new connection
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -132,15 +135,23 @@ class RealtimeClient:
             self._runner = asyncio.get_running_loop().create_task(self._run(), name="realtime-client")
         await asyncio.wait_for(self._open.wait(), timeout)
 
-    async def close(self) -> None:
-        """Close for good: no reconnect."""
+    async def close(self, code: int = 1000) -> None:
+        """Close for good (with ``code``): no reconnect."""
         self._stopped = True
         for task in list(self._background):
             task.cancel()
         if self._ws is not None:
-            await self._ws.close()
+            await self._ws.close(code)
         await cancel_and_wait(self._runner)
         self._set_state("closed")
+
+    async def reconnect(self, delay_ms: float = 0) -> None:
+        """Drop the connection now and open a new one after ``delay_ms``, as after a network
+        blip (demos and tests): subscriptions are renewed, channels with history resume."""
+        if self._ws is None:
+            return
+        self._blip_ms = delay_ms
+        await self._ws.close(3000, "reconnect")
 
     async def wait_open(self, timeout: float = 30.0) -> None:
         await asyncio.wait_for(self._open.wait(), timeout)
@@ -187,7 +198,8 @@ class RealtimeClient:
                         future.set_exception(ConnectionError(f"connection closed ({code})"))
                 self._pending.clear()
             self.last_close = (code, reason)
-            again = not self._stopped and is_reconnectable_close_code(code)
+            blip, self._blip_ms = self._blip_ms, None
+            again = not self._stopped and (is_reconnectable_close_code(code) or blip is not None)
             for callback in self.on_close:
                 callback(code, reason, again)
             if not again:
@@ -197,12 +209,12 @@ class RealtimeClient:
             cap = min(self.backoff_max, self.backoff_initial * 2**self.attempt)
             self.attempt += 1
             self._set_state("reconnecting")
-            await asyncio.sleep(cap / 2 + random.random() * cap / 2)
+            await asyncio.sleep(blip / 1000 if blip is not None else cap / 2 + random.random() * cap / 2)
 
     async def _resubscribe(self) -> None:
         for name in list(self._handlers):
             with contextlib.suppress(Exception):  # reported by _subscribe_remote
-                await self._subscribe_remote(name)
+                await self._subscribe_remote(name, renewal=True)
 
     # -- messages --------------------------------------------------------------------
 
@@ -359,7 +371,7 @@ class RealtimeClient:
             request["params"] = params
         await self._ws.send(json.dumps(request))
 
-    async def _subscribe_remote(self, name: str) -> dict[str, Any]:
+    async def _subscribe_remote(self, name: str, renewal: bool = False) -> dict[str, Any]:
         canonical = self._canonical.get(name, name)
         params: dict[str, Any] = {"channel": name}
         cursor = self._cursors.get(canonical)
@@ -380,9 +392,10 @@ class RealtimeClient:
                 raise
         except RPCError as error:
             if name in self._handlers:
-                logger.warning("subscribe %s refused: %s", name, error)
                 callbacks: list[Callable[[Exception], None]] = list(self._on_error.get(name, []))
                 callbacks += [partial(f, name) for f in self.on_subscribe_error]
+                if renewal and not callbacks:  # nobody else hears of it: the application awaited none
+                    logger.warning("subscribe %s refused: %s", name, error)
                 for callback in callbacks:
                     try:
                         callback(error)
@@ -390,6 +403,11 @@ class RealtimeClient:
                         logger.exception("error callback of %s failed", name)
             raise
         self._canonical[name] = result["channel"]
+        for subscribed in list(self.on_subscribed):
+            try:
+                subscribed(result)
+            except Exception:
+                logger.exception("subscribed callback of %s failed", name)
         return result
 
     async def subscribe(
@@ -400,7 +418,7 @@ class RealtimeClient:
         Returns the server's answer; raises :class:`RPCError` when it refuses (the handler
         is not kept). Before :meth:`connect` the subscription is made when the connection
         opens: a refusal then, or of a renewal after a reconnect, calls ``on_error(error)``
-        and every ``on_subscribe_error(channel, error)``, and is logged.
+        and every ``on_subscribe_error(channel, error)`` — logged only when there are none.
         """
         first = channel not in self._handlers
         self._handlers.setdefault(channel, []).append(handler)
