@@ -163,3 +163,25 @@ def test_the_events_missed_while_offline_are_recovered_once_in_order(site, brows
     ]
     seqs = [int(item.split(" ", 1)[0][1:]) for item in reversed(items)]
     assert seqs == list(range(seqs[0], seqs[0] + 13))
+
+
+def test_the_screenshots_script_takes_the_pages_as_they_are(tmp_path):
+    """README.md and docs/ show what scripts/screenshots.py takes from the running demo."""
+    import struct
+    import subprocess
+    import sys
+
+    from tests.servers import ROOT
+
+    result = subprocess.run(
+        [sys.executable, "scripts/screenshots.py", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    for name in ("dashboard.png", "admin-cluster.png"):
+        header = (tmp_path / name).read_bytes()[:24]
+        width, height = struct.unpack(">II", header[16:24])
+        assert header.startswith(b"\x89PNG") and width == 1280 and height >= 600, (name, width, height)

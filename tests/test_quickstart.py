@@ -212,3 +212,22 @@ def test_the_quick_start_snippets_are_what_this_test_runs():
         "myapp/templates/myapp/index.html",
     ]
     assert sys.version_info >= (3, 11)
+
+
+def test_the_demo_scripts_help_is_printed_at_once_without_installing(tmp_path):
+    """Found: ``scripts/demo --help`` ran the whole install (59 s on a fresh clone) before
+    printing a usage that ended in a stray shell line."""
+    import shutil
+    import subprocess
+
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    for name in ("demo", "_env.sh"):
+        shutil.copy2(ROOT / "scripts" / name, scripts / name)
+    shutil.copy2(ROOT / "requirements.txt", tmp_path / "requirements.txt")
+    result = subprocess.run(
+        [str(scripts / "demo"), "--help"], capture_output=True, text=True, timeout=20, env={"PATH": "/usr/bin:/bin"}
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: scripts/demo") and "source" not in result.stdout
+    assert not (tmp_path / ".venv").exists()  # nothing installed to print it
