@@ -270,3 +270,18 @@ async def test_a_refusal_the_application_caught_is_not_logged(server, caplog):
         with pytest.raises(RPCError):
             await client.subscribe("atelier:load", lambda params: None)  # anonymous: forbidden
     assert [r.getMessage() for r in caplog.records if "refused" in r.getMessage()] == []
+
+
+async def test_a_client_without_origin_is_refused_and_the_documented_origin_is_let_in(server):
+    """docs/protocol.md, "The handshake: Origin": what a non-browser client must send."""
+    import websockets
+
+    with pytest.raises(websockets.InvalidStatus) as refused:
+        async with websockets.connect(server.ws, open_timeout=10):
+            pass
+    assert refused.value.response.status_code == 403
+    async with websockets.connect(server.ws, origin=server.http, open_timeout=10) as ws:  # the site's own origin
+        await ws.send(json.dumps({"jsonrpc": "2.0", "method": "ping", "id": 1}))
+        assert json.loads(await asyncio.wait_for(ws.recv(), 10))["result"] == "pong"
+    async with RealtimeClient(server.ws) as client:  # the Python client sends it by default
+        assert client.origin == server.http and await client.call("ping") == "pong"
