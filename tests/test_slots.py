@@ -70,7 +70,8 @@ class PoolBooks(RuleBasedStateMachine):
 
     @rule(owner=st.sampled_from("abc"))
     def connection_closes(self, owner: str) -> None:
-        removed, cancel = self.core.abandon(owner)
+        removed, cancel, start = self.core.abandon(owner)
+        self._start(start)
         assert all(t.owner == owner and t.released for t in removed)
         for job in cancel:  # cancelled: ends later through task_ends, never twice
             assert job in self.started

@@ -106,17 +106,18 @@ class PoolCore(Generic[C]):
             self._release(call)
         return self._take()
 
-    def abandon(self, owner: Any) -> tuple[list[C], list[Job[C]]]:
+    def abandon(self, owner: Any) -> tuple[list[C], list[Job[C]], list[Job[C]]]:
         """``owner``'s connection closed: its waiting calls leave and are released; returns
-        them and the running jobs to cancel (async jobs only ``owner`` waited for — a sync
-        one runs to its end in its thread and is released then)."""
+        them, the running jobs to cancel (async jobs only ``owner`` waited for — a sync
+        one runs to its end in its thread and is released then), and the jobs to start now
+        (a job that waited behind a serial one of ``owner`` that left)."""
         removed = self.queue.remove(lambda call: call.owner is owner)
         for call in removed:
             self._release(call)
         self._keep_global_slots()
         self.abandoned += len(removed)
         cancel = [job for job in self.running if all(call.owner is owner and call.cancellable for call in job.items)]
-        return removed, cancel
+        return removed, cancel, self._take()
 
     def close(self) -> tuple[list[C], list[Job[C]]]:
         """The process stops: every waiting call is released; returns them and every

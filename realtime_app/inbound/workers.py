@@ -195,7 +195,8 @@ class RequestPool:
         """``owner``'s connection closed: its waiting calls leave the queue and give their
         slots back; a running async job that only it waited for is cancelled (a sync one
         runs to its end in its thread — it cannot be interrupted — and frees its slot then)."""
-        removed, cancel = self.core.abandon(owner)
+        removed, cancel, start = self.core.abandon(owner)
+        self._start(start)
         for call in removed:
             call.future.cancel()
         for job in cancel:
