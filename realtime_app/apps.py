@@ -36,6 +36,7 @@ class RealtimeAppConfig(AppConfig):
             reset_config,
             setup_checks,  # noqa: F401  (registers the checks of a first afternoon)
         )
+        from realtime_app.endpoint import operator  # noqa: F401  (its control message)
 
         apply_json_encoder()
 

@@ -9,4 +9,5 @@ app_name = "realtime_app"
 urlpatterns = [
     path("api/health", views.health, name="health"),
     path("metrics", views.metrics, name="metrics"),
+    path("api/connections/close", views.close_connection, name="close-connection"),
 ]

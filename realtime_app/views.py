@@ -1,17 +1,19 @@
-"""HTTP probes: the cluster health JSON and Prometheus metrics (staff, or a metrics token)."""
+"""HTTP probes: the cluster health JSON and Prometheus metrics (staff, or a metrics token);
+and the one operator action, closing a connection (staff)."""
 
 from __future__ import annotations
 
 import hmac
+import json
 
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, JsonResponse
 
 from realtime_app.conf import get_config
 from realtime_app.middleware import pools_probe
 from realtime_app.observability.probes import cluster_probe
 from realtime_app.persistence.write_behind import stores_probe
 
-__all__ = ["health", "metrics"]
+__all__ = ["close_connection", "health", "metrics"]
 
 
 async def _refusal(request: HttpRequest, *, allow_token: bool = False) -> HttpResponse | None:
@@ -61,3 +63,29 @@ async def metrics(request: HttpRequest) -> HttpResponse:
     from realtime_app.observability.metrics import render
 
     return HttpResponse(render(await _probe(request)), content_type=CONTENT_TYPE_LATEST)
+
+
+async def close_connection(request: HttpRequest) -> HttpResponse:
+    """``POST /realtime/api/connections/close`` with ``{"instance": str, "connection": int}``
+    (staff, with Django's CSRF token): the process holding it closes it with 4010."""
+    if request.method != "POST":
+        return HttpResponseNotAllowed(["POST"])
+    refusal = await _refusal(request)
+    if refusal is not None:
+        return refusal
+    try:
+        body = json.loads(request.body)
+        instance, connection = body["instance"], body["connection"]
+        if not isinstance(instance, str) or isinstance(connection, bool) or not isinstance(connection, int):
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        return JsonResponse({"error": 'expected {"instance": str, "connection": int}'}, status=400)
+    from realtime_app.endpoint.operator import close_connection as close
+    from realtime_app.exceptions import BackplaneUnavailable
+
+    user = await request.auser()
+    try:
+        await close(instance, connection, user.get_username())
+    except BackplaneUnavailable:
+        return JsonResponse({"error": "the cluster cannot be told now (backplane unavailable)"}, status=503)
+    return JsonResponse({"sent": True, "instance": instance, "connection": connection}, status=202)

@@ -53,8 +53,11 @@ def admin(browser, base: str, out: Path) -> Path:
     browser.delete_all_cookies()
     log_in(browser, base, "admin", "admin")
     browser.get(base + "/admin/realtime_app/realtimecluster/")
-    print("admin: waiting for the cluster screen to fill…", flush=True)
-    wait(browser, 20).until(lambda b: b.find_elements(By.CSS_SELECTOR, "[data-instance], #instances tbody tr"))
+    print("admin: waiting for the charts to take a few probes (about 20 s)…", flush=True)
+    wait(browser, 20).until(lambda b: b.find_elements(By.CSS_SELECTOR, "#rc-cards [data-instance]"))
+    wait(browser, 60).until(
+        lambda b: int(b.find_element(By.CSS_SELECTOR, "[data-chart=frames_out]").get_attribute("data-points") or 0) >= 8
+    )
     path = out / "admin-cluster.png"
     full_page(browser, path)
     return path

@@ -31,6 +31,8 @@ def blocks(schema: type, path: str = "") -> dict[str, type]:
             out.update(blocks(kind, f"{path}.{name}"))
         elif get_origin(kind) is dict and is_block(typing.get_args(kind)[1]):
             out.update(blocks(typing.get_args(kind)[1], f"{path}.{name}[]"))
+        elif get_origin(kind) is list and is_block(typing.get_args(kind)[0]):
+            out.update(blocks(typing.get_args(kind)[0], f"{path}.{name}[]"))
     return out
 
 
@@ -51,11 +53,19 @@ def check_against(value: dict[str, Any], schema: type, path: str = "probe") -> N
         elif get_origin(kind) is dict and is_block(typing.get_args(kind)[1]):
             for key, item in value[name].items():
                 check_against(item, typing.get_args(kind)[1], f"{path}.{name}[{key}]")
+        elif get_origin(kind) is list and is_block(typing.get_args(kind)[0]):
+            for index, item in enumerate(value[name]):
+                check_against(item, typing.get_args(kind)[0], f"{path}.{name}[{index}]")
 
 
 async def test_the_hub_produces_exactly_the_schema(hub) -> None:
-    probe = hub.probe()
+    from tests.support.asgi_client import Client
+
+    async with Client() as c:  # a connection, so that top_connections has one to check
+        await c.call("subscribe", {"channel": "demo:clock"})
+        probe = hub.probe()
     assert probe["http_pools"], "the test settings declare HTTP pools: each is checked"
+    assert probe["top_connections"], "a connection is listed: its fields are checked"
     check_against(dict(probe), ProcessProbe)
 
 

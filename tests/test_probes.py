@@ -131,44 +131,111 @@ async def test_realtime_probe_command(cluster):
 
 
 @pytest.mark.browser
-def test_admin_cluster_screen_is_live(cluster, tmp_path):
+async def test_the_operations_screen_at_1280_by_800(cluster):
+    """The admin's Realtime cluster screen with two processes and traffic: no sideways
+    scroll, a card per process, charts that move, the drill-down to this test's own
+    connection, and closing it from the page (4010, logged with who did it)."""
     from selenium.webdriver.common.by import By
 
     from tests.browser import chromium, log_in, wait
 
     (a, b), _ = cluster
     assert get(b.http + "/accounts/login/")[0] == 200  # b joins the cluster view with its first request
-    browser = chromium()
+    browser = await asyncio.to_thread(chromium)
+    stop = asyncio.Event()
+
+    async def traffic() -> None:
+        """Publications, calls, a user's shots (write-behind), resumes of a history and
+        requests to an HTTP pool, on both processes, until the test ends."""
+        shooter = login(a.http, "demo", "demo")
+        async with (
+            RPC(a.ws, address="192.0.2.10") as publisher,
+            RPC(b.ws, address="192.0.2.11") as reader,
+            RPC(a.ws, cookie=shooter) as player,
+        ):
+            position = await reader.subscribe("demo:events")
+            n = 0
+            while not stop.is_set():
+                n += 1
+                await publisher.call("publish", {"channel": "demo:events", "data": {"n": n}})
+                await reader.call("demo.echo", {"text": "x"})
+                await player.call("inventory.consume", {"item": "ammo", "shots": 1})
+                if n % 5 == 0:  # a client back from a blip: it resumes where it was
+                    async with RPC(b.ws, address=f"192.0.2.{20 + n % 50}") as back:
+                        since = {"seq": position["seq"], "epoch": position["epoch"]}
+                        await back.call("subscribe", {"channel": "demo:events", "since": since})
+                    await asyncio.to_thread(get, f"{a.http}/demo/heavy/")
+                await asyncio.sleep(0.3)
+
+    async def on_page(script, *args):
+        return await asyncio.to_thread(browser.execute_script, script, *args)
+
+    async def until(condition, seconds=30):
+        return await asyncio.to_thread(wait(browser, seconds).until, condition)
+
+    # per chart, the heights its lines and areas take: a chart that moves takes several
+    heights = (
+        "return [...document.querySelectorAll('[data-chart]')].map(f => [f.dataset.chart, [...new Set("
+        "[...f.querySelectorAll('polyline, polygon:not(.clipped)')].flatMap(s => s.getAttribute('points')"
+        ".trim().split(/\\s+/).filter(Boolean).map(p => p.split(',')[1])))]])"
+    )
+    flow = asyncio.get_running_loop().create_task(traffic())
     try:
-        log_in(browser, a.http, "admin", "admin")
-        browser.get(f"{a.http}/admin/")
-        links = wait(browser).until(lambda b: b.find_elements(By.LINK_TEXT, "Realtime cluster"))
-        links[0].click()
+        async with RPC(b.ws, cookie=login(b.http, "demo", "demo")) as mine:
+            await mine.subscribe("demo:clock:250")
+            await asyncio.to_thread(log_in, browser, a.http, "admin", "admin")
+            await asyncio.to_thread(browser.set_window_size, 1280, 800)
+            await asyncio.to_thread(browser.get, f"{a.http}/admin/realtime_app/realtimecluster/")
+            await until(lambda br: len(br.find_elements(By.CSS_SELECTOR, "#rc-cards [data-instance]")) == 2)
+            width = await on_page("return [document.documentElement.scrollWidth, document.documentElement.clientWidth]")
+            assert width[0] <= width[1], width  # no horizontal scroll at 1280 x 800
+            assert len(await on_page(heights)) >= 6
 
-        def rows(_):
-            found = browser.find_elements(By.CSS_SELECTOR, "#rc-rows tr[data-instance]")
-            return found if len(found) == 2 else False
+            def moved(_):
+                changed = [name for name, ys in browser.execute_script(heights) if len(ys) >= 2]
+                return changed if len(changed) >= 6 else False
 
-        found = wait(browser).until(rows)
-        marker = browser.execute_script("window.__noReload = true; return 1")
-        assert marker == 1
-        text_before = {r.get_attribute("data-instance"): r.text for r in found}
-        assert all(str(pid) in " ".join(text_before.values()) for pid in (a.process.pid, b.process.pid))
-        updated = browser.find_element(By.ID, "rc-updated").text
-        wait(browser).until(lambda _: browser.find_element(By.ID, "rc-updated").text != updated)
-        # uptimes move on: the numbers change without a reload
-        wait(browser).until(
-            lambda _: {r.get_attribute("data-instance"): r.text for r in rows(None) or []} != text_before
-        )
-        assert browser.execute_script("return window.__noReload === true")
-        assert len(browser.find_elements(By.CSS_SELECTOR, "#rc-chart polyline")) == 2
-        heads = [
-            th.get_attribute("textContent")
-            for th in browser.find_elements(By.XPATH, "//tbody[@id='rc-rows']/../thead//th")
-        ]
-        assert "requests running / waiting" in heads and "refused" in heads and "user buckets" in heads
-        assert "HTTP pools" in heads and "unsaved (write-behind)" in heads
-        wait(browser).until(lambda _: (found := rows(None)) and all("shared" in r.text for r in found))
-        browser.save_screenshot(str(tmp_path / "admin-cluster.png"))
+            changed = await until(moved, 60)
+            print("charts that moved:", sorted(changed))
+            cards = await asyncio.to_thread(browser.find_elements, By.CSS_SELECTOR, "#rc-cards [data-instance]")
+            [card_b] = [card for card in cards if f"pid {b.process.pid}" in card.text]
+            await asyncio.to_thread(card_b.click)
+            row_xpath = "//table[@data-connections]//tr[td[contains(., 'demo:clock:250')]]"
+            rows = await until(lambda br: br.find_elements(By.XPATH, row_xpath))
+            assert "demo" in rows[0].text  # the user, with its channel
+            button = rows[0].find_element(By.CSS_SELECTOR, "button[data-close]")
+            await asyncio.to_thread(button.click)
+            await asyncio.to_thread(lambda: browser.switch_to.alert.accept())
+            assert await mine.close_code(15) == 4010
+        await eventually(lambda: "closed with 4010 by staff user admin" in b.output(), 10, "the close logged")
     finally:
-        browser.quit()
+        stop.set()
+        await flow
+        await asyncio.to_thread(browser.quit)
+
+
+async def test_the_operations_screen_gives_a_non_staff_user_nothing(cluster):
+    (a, _b), _ = cluster
+    cookie = login(a.http, "demo", "demo")
+    status, page = get(f"{a.http}/admin/realtime_app/realtimecluster/", cookie)
+    assert "Realtime cluster" not in page or status != 200  # the admin's login page instead
+    assert get(f"{a.http}/realtime/api/health", cookie)[0] == 403
+    async with RPC(a.ws, cookie=cookie) as rpc:
+        refused = await rpc.call("subscribe", {"channel": "realtime:socket:2000"})
+        assert refused["error"]["data"]["reason"] == "forbidden_channel"
+    request = urllib.request.Request(
+        f"{a.http}/realtime/api/connections/close",
+        data=json.dumps({"instance": "x", "connection": 1}).encode(),
+        headers={"Cookie": cookie, "Content-Type": "application/json"},
+        method="POST",
+    )
+
+    def post() -> int:
+        try:
+            with urllib.request.urlopen(request) as response:
+                return response.status
+        except urllib.error.HTTPError as error:
+            error.close()
+            return error.code
+
+    assert await asyncio.to_thread(post) == 403  # CSRF or staff: a non-staff user cannot close

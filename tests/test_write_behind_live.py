@@ -319,8 +319,8 @@ async def test_the_admin_screen_shows_an_unsaved_backlog_at_a_glance(postgres):
         await asyncio.to_thread(log_in, browser, server.http, "admin", "admin")
         await asyncio.to_thread(browser.get, f"{server.http}/admin/realtime_app/realtimecluster/")
 
-        def backlog(_: Any) -> Any:
-            return browser.find_elements(By.CSS_SELECTOR, "#rc-rows td.rc-backlog")
+        def backlog(_: Any) -> Any:  # the process's card: degraded, saying why
+            return browser.find_elements(By.CSS_SELECTOR, "#rc-cards [data-state=degraded] .why")
 
         async with RPC(server.ws, cookie=cookie) as rpc:
             await fire(rpc, 5)
@@ -328,7 +328,9 @@ async def test_the_admin_screen_shows_an_unsaved_backlog_at_a_glance(postgres):
             assert not backlog(None)
             proxy.cut()
             await fire(rpc, 5)  # accepted; the flushes fail
-            await asyncio.to_thread(wait(browser, 30).until, lambda b: any("unsaved" in td.text for td in backlog(b)))
+            await asyncio.to_thread(
+                wait(browser, 30).until, lambda b: any("demo.inventory" in e.text for e in backlog(b))
+            )
             proxy.restore()
             await asyncio.to_thread(wait(browser, 60).until, lambda b: not backlog(b))
         assert durable_shots(database) == START - 10

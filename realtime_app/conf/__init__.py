@@ -104,6 +104,9 @@ DEFAULTS: dict[str, Any] = {
     "WRITE_BEHIND_JOURNAL_DIR": None,
     # Channels listed by name in a process's probe (the busiest); the rest are counted.
     "PROBE_TOP_CHANNELS": 50,
+    # Connections listed in a process's probe: the most bytes queued and the most drops, this
+    # many of each (the admin screen's drill-down); 0 lists none.
+    "PROBE_TOP_CONNECTIONS": 10,
     # Lifetime of a published process probe, milliseconds; it is republished every third.
     "PROBE_TTL_MS": 6000,
     # Transport backpressure (docs/backpressure.md): bytes (0 disables), "drop" | "close", balance.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ class Connection:
     unread_bytes: int = 0  # answers written over the threshold since the queue was last under it
     #: Per channel with history: the (epoch, seq) last sent, below which nothing is sent again.
     positions: dict[str, tuple[str, int]] = field(default_factory=dict)
+    opened_at: float = field(default_factory=time.monotonic)
     guard: Guard = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

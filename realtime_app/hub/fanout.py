@@ -53,6 +53,8 @@ class Fanout:
         self.buffers: dict[str, dict[Connection, list[Held]]] = {}
         self.drops = 0  # frames refused by the guard, cumulative
         self.closes = 0  # connections closed with 1013 by the guard
+        self.frames_out = 0  # channel frames handed to guards (dropped ones included), cumulative
+        self.channel_frames: dict[str, int] = {}  # publications fanned out here, per channel
         self.send_failures = 0  # connections closed because a send raised
         self.unread_refused = 0  # requests not run: their connection does not read its answers
 
@@ -63,6 +65,7 @@ class Fanout:
         subs = self.subscribers.get(channel)
         if not subs:
             return
+        self.channel_frames[channel] = self.channel_frames.get(channel, 0) + 1
         payload = text.encode("utf-8")  # once per publication, not per subscriber
         frame = text_frame(payload)  # the same bytes on every subscriber's socket
         if epoch:
@@ -74,6 +77,7 @@ class Fanout:
                 else:
                     self.push_kept(conn, channel, seq, epoch, payload, frame)
             return
+        self.frames_out += len(subs)
         for conn in tuple(subs):
             try:
                 decision = conn.guard.send(payload, frame=frame)
@@ -85,6 +89,7 @@ class Fanout:
 
     def push(self, conn: Connection, payload: bytes, frame: bytes | None = None) -> None:
         """One frame of a channel to one connection, guarded (as :meth:`fanout` does)."""
+        self.frames_out += 1
         try:
             decision = conn.guard.send(payload, frame=frame if frame is not None else text_frame(payload))
         except Exception as exc:

@@ -1,13 +1,17 @@
 """This process's probe (:class:`~realtime_app.observability.schema.ProcessProbe`),
-read from the hub's rooms without deciding anything. Its size is bounded: the busiest
-``PROBE_TOP_CHANNELS`` channels by name, the others counted."""
+read from the hub's rooms without deciding anything. Its size is bounded whatever the
+number of connections: the busiest ``PROBE_TOP_CHANNELS`` channels by name, the others
+counted; the ``PROBE_TOP_CONNECTIONS`` connections with the most bytes queued and the most
+drops, the others counted."""
 
 from __future__ import annotations
 
+import heapq
 import os
+import resource
 import socket
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 from realtime_app.cluster.base import Backplane
 from realtime_app.conf import get_config
@@ -19,7 +23,7 @@ from realtime_app.hub.reconciler import Reconciler
 from realtime_app.hub.replay import Replays
 from realtime_app.hub.tickers import Tickers
 from realtime_app.middleware import pools_probe
-from realtime_app.observability.schema import HistoryProbe, ProcessProbe
+from realtime_app.observability.schema import ConnectionProbe, HistoryProbe, ProcessProbe
 from realtime_app.persistence.write_behind import stores_probe
 
 __all__ = ["process_probe"]
@@ -55,16 +59,66 @@ def history_probe(hub: Probed, top: int) -> HistoryProbe:
     }
 
 
+def rss_bytes() -> int:
+    """Resident memory now (Linux ``/proc``; elsewhere the peak, which is what there is)."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def connection_probe(hub: Probed, conn: Connection, now: float) -> ConnectionProbe:
+    user = conn.scope.get("user")
+    name = user.get_username() if user is not None and getattr(user, "is_authenticated", False) else None
+    client = conn.scope.get("client")
+    identity = conn.identity
+    address = identity[1] if identity is not None and identity[0] == "address" else None
+    return {
+        "id": conn.id,
+        "user": name,
+        "address": address or (str(client[0]) if client else None),
+        "channels": sorted(conn.subscriptions)[:20],
+        "channel_count": len(conn.subscriptions),
+        "queued_bytes": conn.guard.buffered(),
+        "drops": conn.guard.state.drops,
+        "in_flight": hub.gate.admission.in_flight(identity) if identity is not None else 0,
+        "age_s": round(now - conn.opened_at, 1),
+    }
+
+
+def top_connections(hub: Probed, top: int) -> list[ConnectionProbe]:
+    """The ``top`` connections with the most bytes queued, then those with the most drops
+    (each once): one pass each over the connections, whatever their number."""
+    if not top:
+        return []
+    queued = heapq.nlargest(top, hub.connections, key=lambda c: (c.guard.buffered(), -c.id))
+    dropping = heapq.nlargest(top, (c for c in hub.connections if c.guard.state.drops), key=_drops)
+    now = time.monotonic()
+    return [connection_probe(hub, conn, now) for conn in dict.fromkeys([*queued, *dropping])]
+
+
+def _drops(conn: Connection) -> Any:
+    return (conn.guard.state.drops, -conn.id)
+
+
 def process_probe(hub: Probed) -> ProcessProbe:
-    top = get_config()["PROBE_TOP_CHANNELS"]
+    config = get_config()
+    top = config["PROBE_TOP_CHANNELS"]
     busiest = sorted(hub.subscribers.items(), key=lambda item: (-len(item[1]), item[0]))[:top]
     backplane = hub.backplane
     running = hub.reconciler.running()
+    frames = hub.fanout.channel_frames
+    for gone in [name for name in frames if name not in hub.subscribers]:
+        del frames[gone]  # counted while the channel has subscribers here
+    times = os.times()
     return {
         "instance": hub.instance_id,
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "uptime_s": round(time.time() - hub.started_at, 3),
+        "rss_bytes": rss_bytes(),
+        "cpu_seconds": round(times.user + times.system, 3),
         "connections": len(hub.connections),
         "subscriptions": sum(len(s) for s in hub.subscribers.values()),
         "channels": {name: len(subs) for name, subs in busiest},
@@ -73,6 +127,9 @@ def process_probe(hub: Probed) -> ProcessProbe:
         "ticker_count": len(running),
         "failing_tickers": sorted(hub.tickers.book.failing)[:top],
         "published": hub.published,
+        "frames_out": hub.fanout.frames_out,
+        "channel_frames": {name: frames.get(name, 0) for name, _ in busiest},
+        "top_connections": top_connections(hub, config["PROBE_TOP_CONNECTIONS"]),
         "refused": {**hub.refused, **hub.gate.refused},
         "admission": hub.gate.probe(hub.fanout.unread_refused),
         "history": history_probe(hub, top),

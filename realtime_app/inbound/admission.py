@@ -236,6 +236,11 @@ class Admission:
             del self._identities[identity]
         return len(stale)
 
+    def in_flight(self, identity: Hashable) -> int:
+        """Requests of ``identity`` admitted and not yet answered (its cap counts these)."""
+        state = self._identities.get(identity)
+        return state.pending if state is not None else 0
+
     @property
     def identities(self) -> int:
         """Identities tracked now."""

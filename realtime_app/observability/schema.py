@@ -20,6 +20,7 @@ __all__ = [
     "BackplaneProbe",
     "BackpressureProbe",
     "ClusterProbe",
+    "ConnectionProbe",
     "Counter",
     "Gauge",
     "HistoryProbe",
@@ -133,6 +134,21 @@ class StoreProbe(TypedDict):
     replayed: Annotated[int, Counter("Journaled objects written again", "realtime_write_behind_replayed")]
 
 
+class ConnectionProbe(TypedDict):
+    """One connection among the process's top ones by queued bytes and by drops
+    (``top_connections``): what the admin screen's drill-down shows."""
+
+    id: int  # the process's connection id (with the process's ``instance``: the cluster's)
+    user: str | None  # the username, None when anonymous
+    address: str | None  # the client's address (the forwarded one behind a trusted proxy)
+    channels: list[str]  # its subscriptions by canonical name (a cadence is in the name), at most 20
+    channel_count: int
+    queued_bytes: int
+    drops: int  # frames the guard dropped for it
+    in_flight: int  # requests of its identity admitted and not answered yet
+    age_s: float
+
+
 class ProcessProbe(TypedDict):
     """One process: ``GET /realtime/probe``'s ``instances[]``, a health-channel frame's."""
 
@@ -140,6 +156,8 @@ class ProcessProbe(TypedDict):
     host: Annotated[str, Shown("the host label")]
     pid: Annotated[int, Shown("the pid label")]
     uptime_s: Annotated[float, Gauge("Seconds since the process started", "realtime_uptime_s")]
+    rss_bytes: Annotated[int, Gauge("Resident memory of the process", "realtime_process_resident_memory_bytes")]
+    cpu_seconds: Annotated[float, Counter("CPU time of the process, user and system", "realtime_process_cpu_seconds")]
     connections: Annotated[int, Gauge("Open WebSocket connections", "realtime_connections")]
     subscriptions: Annotated[int, Gauge("Channel subscriptions of local connections", "realtime_subscriptions")]
     channels: Annotated[dict[str, int], Shown("subscribers of the busiest channels; see channel_count")]
@@ -150,6 +168,9 @@ class ProcessProbe(TypedDict):
         list[str], Gauge("Tickers whose factory, tick or publication fails now", "realtime_failing_tickers")
     ]
     published: Annotated[int, Counter("Publications sent by this process", "realtime_published")]
+    frames_out: Annotated[int, Counter("Channel frames handed to this process's connections", "realtime_frames_out")]
+    channel_frames: Annotated[dict[str, int], Shown("publications fanned out, per busiest channel")]
+    top_connections: Annotated[list[ConnectionProbe], Shown("the drill-down: top connections by queue and drops")]
     refused: Annotated[dict[str, int], Shown("realtime_refused{limit}")]
     admission: AdmissionProbe
     history: HistoryProbe

@@ -76,6 +76,7 @@ class CloseCode(enum.IntEnum):
     TRY_AGAIN_LATER = 1013
     SESSION_ENDED = 4001  # the socket's session logged out, expired, or its user was deactivated
     RIGHTS_REVOKED = 4003  # a subscription of the socket is no longer allowed (demotion)
+    CLOSED_BY_OPERATOR = 4010  # staff closed it from the admin's Realtime cluster screen
 
 
 RequestId: TypeAlias = str | int | float | None
