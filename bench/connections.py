@@ -187,6 +187,27 @@ async def memory_phase(kind: str, n: int, env: dict[str, str]) -> dict[str, Any]
     return {"kind": kind, "connections": n, "rss_warm": base, "rss_full": full, "bytes_per_connection": per}
 
 
+async def probe_cost(pid: int, port: int, env: dict[str, str], idle_cpu: float, reads: int = 20) -> tuple[int, float]:
+    """The process's probe at this many connections: its size as it publishes it (the
+    Redis key the cluster view reads), and the server's CPU per probe produced, read as
+    ``/realtime/metrics`` (the probe, the cluster's, and the Prometheus text), less what
+    the process spends idle meanwhile."""
+    import urllib.request
+
+    r = redis.Redis.from_url(env["REDIS_URL"])
+    keys = list(r.scan_iter(match=f"{env['REALTIME_KEY_PREFIX']}:probe:*"))
+    size = max((int(r.strlen(key)) for key in keys), default=0)
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/realtime/metrics",
+        headers={"Authorization": f"Bearer {env['REALTIME_METRICS_TOKEN']}"},
+    )
+    cpu0, t0 = cpu_seconds(pid), time.monotonic()
+    for _ in range(reads):
+        await asyncio.to_thread(lambda: urllib.request.urlopen(request, timeout=30).read())
+    spent = cpu_seconds(pid) - cpu0 - idle_cpu * (time.monotonic() - t0)
+    return size, 1000 * max(0.0, spent) / reads
+
+
 async def hold_phase(n: int, ping_interval: int, env: dict[str, str]) -> dict[str, Any]:
     """One daphne process, ``n`` subscribed connections, heartbeats on; idle CPU, then
     the fan-out latency of ten publications."""
@@ -235,6 +256,7 @@ async def hold_phase(n: int, ping_interval: int, env: dict[str, str]) -> dict[st
         await asyncio.sleep(idle_s)
         idle_cpu = (cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
         open_after_idle = sum(1 for ws in sockets if ws.state is websockets.protocol.State.OPEN)
+        probe_bytes, probe_cpu_ms = await probe_cost(pid, port, env, idle_cpu)
         recording.set()
         publications = PUBLICATIONS
         for i in range(publications):
@@ -261,6 +283,8 @@ async def hold_phase(n: int, ping_interval: int, env: dict[str, str]) -> dict[st
         "p50_ms": percentile(latencies, 50),
         "p99_ms": percentile(latencies, 99),
         "max_ms": max(latencies, default=float("nan")),
+        "probe_bytes": probe_bytes,
+        "probe_cpu_ms": probe_cpu_ms,
         "probe_frames": len(probed),
         "probe_p50_ms": percentile(probed, 50),
         "probe_p99_ms": percentile(probed, 99),
@@ -308,7 +332,12 @@ async def main() -> None:
     if max([*args.sizes, args.hold]) + 200 > hard:
         sys.exit(f"the file-descriptor limit is {hard}: ask for fewer connections")
     prefix = f"bench-{secrets.token_hex(3)}"
-    env = {"REDIS_URL": url, "REALTIME_KEY_PREFIX": prefix, "DJANGO_SETTINGS_MODULE": "bench.settings"}
+    env = {
+        "REDIS_URL": url,
+        "REALTIME_KEY_PREFIX": prefix,
+        "DJANGO_SETTINGS_MODULE": "bench.settings",
+        "REALTIME_METRICS_TOKEN": secrets.token_hex(8),
+    }
     os.environ.update(env)
     import django
 
@@ -369,7 +398,8 @@ def report(memory: list[dict[str, Any]], breakdown: dict[str, float], hold: dict
             f"fan-out over every connection (read by this process) p50 {hold['p50_ms']:.0f} ms, "
             f"p99 {hold['p99_ms']:.0f} ms, max {hold['max_ms']:.0f} ms; to the {PROBES} connections of a "
             f"process of their own: p50 {hold['probe_p50_ms']:.0f} ms, "
-            f"p99 {hold['probe_p99_ms']:.0f} ms ({hold['probe_frames']} frames)"
+            f"p99 {hold['probe_p99_ms']:.0f} ms ({hold['probe_frames']} frames); its probe "
+            f"{hold['probe_bytes'] / 1024:.1f} KiB, {hold['probe_cpu_ms']:.1f} ms of CPU per probe read"
         )
 
 
