@@ -71,6 +71,7 @@ function card(entry, gone) {
   h.title = p.instance;
   const dl = document.createElement("dl");
   const bp = p.backpressure || {};
+  term(dl, "instance", p.instance);
   term(dl, "uptime", `${Math.round(p.uptime_s)} s`);
   term(dl, "memory (RSS)", formatBytes(p.rss_bytes || 0));
   term(dl, "CPU", entry.cpu === undefined ? "–" : `${entry.cpu.toFixed(0)} %`);
@@ -79,6 +80,7 @@ function card(entry, gone) {
   term(dl, "tickers", p.ticker_count);
   term(dl, "queued", formatBytes(bp.total_buffered_amount || 0));
   term(dl, "backplane", p.backplane && p.backplane.up === false ? "down" : "up");
+  term(dl, "failing tickers", (p.failing_tickers || []).length || "none");
   div.append(h, dl);
   if (why.length) {
     const p2 = document.createElement("p");
