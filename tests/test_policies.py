@@ -130,3 +130,27 @@ def test_a_bracket_expression_is_not_literal_text_when_ranking_rules():
     )
     assert rules[0].literal_length() == 1  # only the ":"
     assert not may(rules, ANON, "realtime:socket:5000", "realtime:socket")
+
+
+def test_a_rule_chooses_its_channels_backpressure_and_event_channels_are_never_conflated():
+    from django.core.checks import run_checks
+    from django.test import override_settings
+
+    from realtime_app.channels.policies import frame_policy
+
+    rules = [
+        {"pattern": "demo:", "backpressure": "drop"},
+        {"pattern": "demo:clock", "backpressure": "conflate"},
+        {"pattern": "demo:events", "backpressure": "conflate"},
+        {"pattern": "atelier:", "authenticated": True},  # sets none: the global policy
+    ]
+    with override_settings(REALTIME_APP={"POLICIES": rules}):
+        assert frame_policy("demo:clock:250") == "conflate"  # a cadence of the family
+        assert frame_policy("demo:events") is None  # an event channel: never conflated
+        assert frame_policy("demo:flood:100") == "drop"
+        assert frame_policy("atelier:load") is None
+        [warning] = [m for m in run_checks() if m.id == "realtime_app.W014"]
+        assert "demo:events" in warning.msg
+    with override_settings(REALTIME_APP={"POLICIES": [{"pattern": "demo:", "backpressure": "later"}]}):
+        [error] = [m for m in run_checks() if m.id == "realtime_app.E010"]
+        assert "'backpressure' must be one of ['drop', 'close', 'conflate']" in error.msg

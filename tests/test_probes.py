@@ -65,6 +65,8 @@ def test_health_and_metrics_are_for_staff(cluster):
         "slow_consumers",
         "drops",
         "closes",
+        "conflated",
+        "holding",
     }
     assert {"pending", "queued", "running", "admitted", "coalesced", "refused", "identities", "bucket"} <= set(
         instance["admission"]

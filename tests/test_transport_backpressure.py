@@ -4,6 +4,7 @@ that stop reading, the probe read over HTTP, 1013 received by the client."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import ssl
@@ -34,6 +35,7 @@ def start(database, *, server="daphne", extra_args=None, **settings):
         "REALTIME_CLOSE_AFTER_DROPS": str(settings.get("close_after_drops", 1000)),
         "REALTIME_SLOW_CONSUMER_BYTES": str(LIMIT // 2),
         "REALTIME_NEVER_DROP_RESPONSES": "1" if settings.get("never_drop_responses", True) else "0",
+        "REALTIME_TEST_OVERRIDES": json.dumps(settings.get("overrides", {})),
     }
     return Server(env, server=server, extra_args=extra_args).start()
 
@@ -229,4 +231,60 @@ async def test_responses_are_not_dropped_unless_configured(database, never_drop)
         assert answered == ({"owed", "while-full"} if never_drop else set())
         await client.__aexit__(None, None, None)
     finally:
+        server.stop()
+
+
+async def test_a_conflated_state_channel_converges_to_its_latest_value_where_drop_stays_behind(database):
+    """A client that stops reading during bursts on three channels: the conflated state
+    channel holds its newest frame and delivers it as soon as the socket drains; the
+    dropped state channel and the event channel (never conflated, whatever its rule says)
+    keep the value of the last frame that fit."""
+    conflated, dropped, events = "test:state-conflated", "test:state-dropped", "test:events"
+    rules = [{"pattern": conflated, "backpressure": "conflate"}, {"pattern": events, "backpressure": "conflate"}]
+    server = start(database, close_after_drops=100_000, overrides={"POLICIES": rules})
+    slow = RPC(server.ws)
+    try:
+        probe = Probe(server)
+        await slow.__aenter__()
+        for channel in (conflated, dropped, events):
+            await slow.subscribe(channel)
+        slow.ws.transport.pause_reading()
+        burst = {"channels": [conflated, dropped, events], "count": 150, "size": 16 * 1024}
+        samples: list = []
+        async with RPC(server.ws) as publisher:
+            call = asyncio.get_running_loop().create_task(publisher.call("test.publish_burst", burst, timeout=60))
+            # the queue, sampled through the burst until the guard has held and dropped
+            await probe.until(
+                lambda t: call.done() and t["drops"] and t["conflated"], 60, "held, dropped", seen=samples
+            )
+            assert (await call)["result"] == 450
+        one_frame = 16 * 1024 + 300
+        assert max(s["max_buffered_amount"] for s in samples) <= LIMIT + one_frame  # held frames are not queued
+        held = (await probe.aread("instances"))[0]
+        assert held["backpressure"]["holding"] == 1
+        [mine] = [c for c in held["top_connections"] if conflated in c["channels"]]
+        assert mine["conflated"] == held["backpressure"]["conflated"] > 0  # counted per connection and in total
+        last: dict[str, int] = {}
+        seqs: dict[str, list[int]] = {}
+
+        async def read_until_latest() -> bool:
+            message = await slow.recv(10)
+            if message.get("method") == "message":
+                params = message["params"]
+                last[params["channel"]] = params["data"]["n"]
+                seqs.setdefault(params["channel"], []).append(params["seq"])
+            return last.get(conflated) == 149
+
+        slow.ws.transport.resume_reading()
+        await eventually(read_until_latest, 20, "the conflated channel's latest value")
+        with contextlib.suppress(TimeoutError):  # and whatever else was queued
+            while True:
+                message = await slow.recv(1.0)
+                if message.get("method") == "message":
+                    last[message["params"]["channel"]] = message["params"]["data"]["n"]
+        assert last[dropped] < 149 and last[events] < 149, last  # dropped ones stay behind for good
+        gaps = [b - a for a, b in zip(seqs[conflated], seqs[conflated][1:], strict=False)]
+        assert max(gaps) > 1  # the seq jump shows what was conflated
+    finally:
+        await slow.ws.close()
         server.stop()

@@ -37,6 +37,8 @@ __all__ = [
     "Requirement",
     "Rule",
     "active_rules",
+    "backpressure_policy",
+    "frame_policy",
     "reset_rules",
     "allowed",
     "compile_rules",
@@ -48,7 +50,8 @@ __all__ = [
 Action: TypeAlias = Literal["subscribe", "publish"]
 
 REQUIREMENT_KEYS = frozenset({"authenticated", "staff", "superuser", "permission", "check"})
-RULE_KEYS = REQUIREMENT_KEYS | {"pattern", "subscribe", "publish", "override_family"}
+RULE_KEYS = REQUIREMENT_KEYS | {"pattern", "subscribe", "publish", "override_family", "backpressure"}
+BACKPRESSURE_CHOICES = ("drop", "close", "conflate")
 _GLOB_CHARS = frozenset("*?[")
 _BRACKETS = re.compile(r"\[!?\]?[^\]]*\]")  # one fnmatch bracket expression
 
@@ -111,6 +114,7 @@ class Rule:
     publish: Requirement
     index: int  # position in settings, for messages
     override_family: bool = False  # may open cadences wider than the family's own rule
+    backpressure: str | None = None  # "drop" | "close" | "conflate" for the channels it matches
 
     @property
     def is_glob(self) -> bool:
@@ -181,6 +185,11 @@ def compile_rules(raw: Iterable[Any]) -> list[Rule]:
         override = spec.get("override_family", False)
         if not isinstance(override, bool):
             raise ValueError(f"{where}: 'override_family' must be a bool, got {override!r}")
+        backpressure = spec.get("backpressure")
+        if backpressure is not None and backpressure not in BACKPRESSURE_CHOICES:
+            raise ValueError(
+                f"{where}: 'backpressure' must be one of {list(BACKPRESSURE_CHOICES)}, got {backpressure!r}"
+            )
         unknown = set(spec) - RULE_KEYS
         if unknown:
             raise ValueError(f"{where}: unknown keys {sorted(unknown)}; expected some of {sorted(RULE_KEYS)}")
@@ -188,7 +197,7 @@ def compile_rules(raw: Iterable[Any]) -> list[Rule]:
         base = _requirement(top, where)
         subscribe = _requirement(spec["subscribe"], f"{where}.subscribe") if "subscribe" in spec else base
         publish = _requirement(spec["publish"], f"{where}.publish") if "publish" in spec else Requirement(allowed=False)
-        rules.append(Rule(pattern, subscribe, publish, index, override))
+        rules.append(Rule(pattern, subscribe, publish, index, override, backpressure))
     return rules
 
 
@@ -287,7 +296,45 @@ async def allowed(user: Any, name: str, base: str | None, action: Action) -> boo
     return evaluate(req, user, name, action)
 
 
+def backpressure_policy(name: str, base: str | None = None) -> str | None:
+    """The ``"backpressure"`` of the most specific rule that sets one for channel ``name``
+    (or its family ``base``); None: the global ``BACKPRESSURE_POLICY``. Read per frame:
+    answered from a cache per channel, emptied when the settings change."""
+    try:
+        return _policies[name]
+    except KeyError:
+        pass
+    rule = matching_rule([r for r in active_rules() if r.backpressure is not None], name, base)
+    if len(_policies) >= 10_000:  # channels come and go: bounded all the same
+        _policies.clear()
+    policy = _policies[name] = rule.backpressure if rule is not None else None
+    return policy
+
+
+_policies: dict[str, str | None] = {}
+
+
+def frame_policy(name: str) -> str | None:
+    """What a frame of channel ``name`` does over the threshold, when not the global
+    policy: ``"conflate"`` for a state channel whose rule says so (an event channel is
+    never conflated: every message counts, and channels with history resume instead),
+    ``"drop"`` or ``"close"``."""
+    from realtime_app.channels.registry import registry
+
+    family = registry.family_of(name)
+    policy = backpressure_policy(name, family.base if family is not None else None)
+    if policy == "conflate" and family is None:
+        try:
+            kind = registry.resolve(name).kind
+        except Exception:  # not a registered channel (any more): the global policy
+            return None
+        if kind != "state":
+            return None
+    return policy
+
+
 def reset_rules(*, setting: str, **kwargs: Any) -> None:
     """``setting_changed`` receiver: compile the rules again when ``REALTIME_APP`` changes."""
     if setting == "REALTIME_APP":
         active_rules.cache_clear()
+        _policies.clear()

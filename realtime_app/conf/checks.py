@@ -330,6 +330,18 @@ def check_policies(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                         id="realtime_app.W013",
                     )
                 )
+        if rule.backpressure == "conflate":
+            events = sorted(n for n, s in registry.exact.items() if s.kind == "event" and rule.matches(n))
+            if events:
+                messages.append(
+                    Warning(
+                        f"POLICIES[{rule.index}] conflates {rule.pattern!r}, which matches event channels "
+                        f"({', '.join(events[:5])}): they are never conflated (every message counts; a channel "
+                        "with history resumes instead).",
+                        hint="Conflate state channels: narrow the pattern, or drop the key for event channels.",
+                        id="realtime_app.W014",
+                    )
+                )
     return messages
 
 

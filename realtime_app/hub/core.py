@@ -179,6 +179,8 @@ class Hub:
         """Remove one local subscription; True when it was the channel's last."""
         conn.subscriptions.discard(channel)
         conn.positions.pop(channel, None)
+        if conn.guard.held:  # a conflated frame of a channel it left: never sent
+            conn.guard.held.frames.pop(channel, None)
         subs = self.subscribers.get(channel)
         if subs is None:
             return False
@@ -362,6 +364,22 @@ def _process_start() -> float:
     except Exception:
         return time.time()
 
+
+#: How often the conflated frames held back are offered to the connections that hold them.
+DRAIN_INTERVAL_S = 0.05
+
+
+async def drain_held(hub: Hub) -> None:
+    """Write each conflated channel's newest frame once its connection's queue drains:
+    a slow client converges to the latest state within this interval of its socket
+    draining (there is no portable "drained" event across daphne and uvicorn)."""
+    while True:
+        await asyncio.sleep(DRAIN_INTERVAL_S)
+        if hub.fanout.holding:
+            hub.fanout.drain_held()
+
+
+BACKGROUND_LOOPS["realtime-drain-held"] = drain_held
 
 _hubs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Hub] = weakref.WeakKeyDictionary()
 

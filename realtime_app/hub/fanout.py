@@ -13,10 +13,11 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from realtime_app.channels.policies import frame_policy
 from realtime_app.conf import get_config
 from realtime_app.hub.connections import Connection
 from realtime_app.observability.logsafe import safe
-from realtime_app.outbound.backpressure import CLOSE, DROP, SEND, Decision, decide_send
+from realtime_app.outbound.backpressure import CLOSE, DROP, HOLD, SEND, Decision, decide_send
 from realtime_app.outbound.guard import BACKPRESSURE_REASON
 from realtime_app.outbound.transports import text_frame
 from realtime_app.wire.history import already_sent
@@ -55,6 +56,8 @@ class Fanout:
         self.closes = 0  # connections closed with 1013 by the guard
         self.frames_out = 0  # channel frames handed to guards (dropped ones included), cumulative
         self.channel_frames: dict[str, int] = {}  # publications fanned out here, per channel
+        self.conflated = 0  # frames of conflated channels replaced by a newer one, never sent
+        self.holding: set[Connection] = set()  # connections with conflated frames held back
         self.send_failures = 0  # connections closed because a send raised
         self.unread_refused = 0  # requests not run: their connection does not read its answers
 
@@ -78,14 +81,47 @@ class Fanout:
                     self.push_kept(conn, channel, seq, epoch, payload, frame)
             return
         self.frames_out += len(subs)
+        policy = frame_policy(channel)
+        if policy == "conflate":
+            self._conflate(channel, subs, payload, frame)
+            return
         for conn in tuple(subs):
             try:
-                decision = conn.guard.send(payload, frame=frame)
+                decision = conn.guard.send(payload, frame=frame, policy=policy)
             except Exception as exc:
                 self._send_failed(conn, exc)
                 continue
             if decision is not SEND:
                 self._account(conn, decision)
+
+    def _conflate(self, channel: str, subs: set[Connection], payload: bytes, frame: bytes) -> None:
+        """A frame of a conflated state channel: written, or held as the channel's newest
+        for each connection over its threshold (:meth:`drain_held` writes it later)."""
+        for conn in tuple(subs):
+            guard = conn.guard
+            before = guard.conflated
+            try:
+                decision = guard.send_conflated(channel, payload, frame)
+            except Exception as exc:
+                self._send_failed(conn, exc)
+                continue
+            if decision is HOLD:
+                self.holding.add(conn)
+                self.conflated += guard.conflated - before
+
+    def drain_held(self) -> int:
+        """Write the held frames of every connection whose queue drained; returns how many."""
+        written = 0
+        for conn in tuple(self.holding):
+            guard = conn.guard
+            if not conn.closed:
+                try:
+                    written += guard.flush_held()
+                except Exception as exc:
+                    self._send_failed(conn, exc)
+            if conn.closed or not guard.held:
+                self.holding.discard(conn)
+        return written
 
     def push(self, conn: Connection, payload: bytes, frame: bytes | None = None) -> None:
         """One frame of a channel to one connection, guarded (as :meth:`fanout` does)."""
@@ -195,4 +231,6 @@ class Fanout:
             "slow_consumers": slow_count,
             "drops": self.drops,
             "closes": self.closes,
+            "conflated": self.conflated,
+            "holding": len(self.holding),
         }

@@ -82,6 +82,7 @@ def connection_probe(hub: Probed, conn: Connection, now: float) -> ConnectionPro
         "channel_count": len(conn.subscriptions),
         "queued_bytes": conn.guard.buffered(),
         "drops": conn.guard.state.drops,
+        "conflated": conn.guard.conflated,
         "in_flight": hub.gate.admission.in_flight(identity) if identity is not None else 0,
         "age_s": round(now - conn.opened_at, 1),
     }

@@ -62,6 +62,8 @@ class BackpressureProbe(TypedDict):
     slow_consumers: Annotated[int, Gauge("Connections at or above SLOW_CONSUMER_BYTES queued")]
     drops: Annotated[int, Counter("Frames dropped by transport backpressure")]
     closes: Annotated[int, Counter("Connections closed with 1013 by transport backpressure")]
+    conflated: Annotated[int, Counter("Frames of conflated channels replaced by a newer one before they were sent")]
+    holding: Annotated[int, Gauge("Connections holding conflated frames until their queue drains")]
 
 
 class AdmissionProbe(TypedDict):
@@ -145,6 +147,7 @@ class ConnectionProbe(TypedDict):
     channel_count: int
     queued_bytes: int
     drops: int  # frames the guard dropped for it
+    conflated: int  # frames of conflated channels replaced by a newer one before they were sent
     in_flight: int  # requests of its identity admitted and not answered yet
     age_s: float
 

@@ -9,7 +9,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["BackpressureConfig", "Decision", "DropState", "decide_send"]
+__all__ = ["POLICIES", "BackpressureConfig", "Decision", "DropState", "decide_send"]
+
+#: What a channel's frames do over the threshold (``POLICIES`` rule key ``"backpressure"``);
+#: the global ``BACKPRESSURE_POLICY`` is one of the first two.
+POLICIES = ("drop", "close", "conflate")
 
 
 class Decision(enum.Enum):
@@ -18,11 +22,13 @@ class Decision(enum.Enum):
     SEND = "send"
     DROP = "drop"
     CLOSE = "close"
+    HOLD = "hold"  # conflated: kept as its channel's newest frame, written once the queue drains
 
 
 SEND = Decision.SEND
 DROP = Decision.DROP
 CLOSE = Decision.CLOSE
+HOLD = Decision.HOLD
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,11 +8,23 @@ consumer the same protection.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
 
-from realtime_app.outbound.backpressure import CLOSE, DROP, SEND, BackpressureConfig, Decision, DropState, decide_send
+from realtime_app.outbound.backpressure import (
+    CLOSE,
+    DROP,
+    HOLD,
+    SEND,
+    BackpressureConfig,
+    Decision,
+    DropState,
+    decide_send,
+)
+from realtime_app.outbound.conflation import Held
 from realtime_app.outbound.transports import Transport, transport_for
 from realtime_app.wire.protocol import CloseCode
 
@@ -34,24 +46,30 @@ def backpressure_config() -> BackpressureConfig:
 class Guard:
     """One connection's guard. Nominal path: one read of the queued bytes, no allocation."""
 
-    __slots__ = ("closed", "config", "drain_s", "measure", "never_drop_responses", "state", "transport")
+    __slots__ = ("closed", "config", "drain_s", "held", "measure", "never_drop_responses", "state", "transport")
 
-    def __init__(self, send: Callable[..., Any], config: BackpressureConfig | None = None) -> None:
+    def __init__(
+        self, send: Callable[..., Any], config: BackpressureConfig | None = None, transport: Transport | None = None
+    ) -> None:
         from realtime_app.conf import get_config
 
         settings = get_config()
         self.config = config or backpressure_config()
-        self.transport: Transport = transport_for(send, require_measurable=self.config.max_backpressure > 0)
+        measure = self.config.max_backpressure > 0
+        self.transport: Transport = transport or transport_for(send, require_measurable=measure)
         self.state = DropState()
         self.drain_s = settings["CLOSE_DRAIN_MS"] / 1000
         self.never_drop_responses = settings["NEVER_DROP_RESPONSES"]
         self.closed = False
         self.measure = self.config.max_backpressure > 0  # a disabled guard reads nothing
+        self.held: Held | None = None  # conflated frames waiting for the queue to drain
 
     def buffered(self) -> int:
         return self.transport.buffered()
 
-    def send(self, payload: bytes, *, response: bool = False, frame: bytes | None = None) -> Decision:
+    def send(
+        self, payload: bytes, *, response: bool = False, frame: bytes | None = None, policy: str | None = None
+    ) -> Decision:
         """Send one text message (UTF-8 ``payload``) unless the guard refuses it.
 
         Returns the decision; on CLOSE the connection has been closed with 1013. A JSON-RPC
@@ -59,21 +77,59 @@ class Guard:
         it is written even above the threshold, but still adds to the drop balance, so a
         client that asks without ever reading is closed all the same. ``frame`` is the
         payload as a WebSocket frame, built once for every subscriber of a publication.
+        ``policy``: the channel's own ``"drop"`` or ``"close"`` (``POLICIES``), when not the global.
         """
         if self.closed:
             return DROP
-        decision = decide_send(self.transport.buffered() if self.measure else 0, self.config, self.state)
+        config = self.config if policy is None or policy == self.config.policy else _with_policy(self.config, policy)
+        decision = decide_send(self.transport.buffered() if self.measure else 0, config, self.state)
         if decision is SEND or (decision is DROP and response and self.never_drop_responses):
             self.transport.write(payload, frame)
         elif decision is CLOSE:
             self.close(CloseCode.TRY_AGAIN_LATER, BACKPRESSURE_REASON)
         return decision
 
+    def send_conflated(self, channel: str, payload: bytes, frame: bytes | None = None) -> Decision:
+        """Send a frame of a conflated channel: written (SEND) while the queue is under the
+        threshold and nothing is held, else held as ``channel``'s newest frame (HOLD),
+        replacing the one held before. Never dropped, never a reason to close: what is
+        held is one frame per channel."""
+        if self.closed:
+            return DROP
+        if not self.held and (not self.measure or self.transport.buffered() <= self.config.max_backpressure):
+            self.transport.write(payload, frame)
+            return SEND
+        if self.held is None:
+            self.held = Held()
+        self.held.put(channel, payload, frame)
+        self.flush_held()  # behind what was held before it: order across channels kept
+        return HOLD
+
+    def flush_held(self) -> int:
+        """Write held frames, oldest first, while the queue is under the threshold; returns
+        how many were written."""
+        held = self.held
+        written = 0
+        while held and not self.closed and self.transport.buffered() <= self.config.max_backpressure:
+            _, payload, frame = held.take()
+            self.transport.write(payload, frame)
+            written += 1
+        return written
+
+    @property
+    def conflated(self) -> int:
+        return self.held.conflated if self.held is not None else 0
+
     def close(self, code: int, reason: str) -> None:
         """Close with ``code``; queued frames get ``CLOSE_DRAIN_MS`` to reach the client."""
         if not self.closed:
             self.closed = True
             self.transport.close(code, reason, self.drain_s)
+
+
+@functools.cache
+def _with_policy(config: BackpressureConfig, policy: str) -> BackpressureConfig:
+    return dataclasses.replace(config, policy=policy)
 
 
 class GuardedSendMixin:

@@ -172,3 +172,28 @@ async def merge_unencodable(consumer: Any, params: Any) -> str:
     """Merged callers get an answer their ``answer()`` cannot encode."""
     await asyncio.sleep(0.05)
     return "ok"
+
+
+@realtime_app.state_channel("test:state-conflated")
+def state_conflated(channel: ChannelSpec, publish: Any) -> None:
+    """Published by ``test.publish_burst`` (its ``POLICIES`` rule conflates it in the test)."""
+    return None
+
+
+@realtime_app.state_channel("test:state-dropped")
+def state_dropped(channel: ChannelSpec, publish: Any) -> None:
+    return None
+
+
+@realtime_app.rpc_method("test.publish_burst")
+async def publish_burst(consumer: Any, params: Any) -> int:
+    """``count`` publications of ``size`` bytes on each of ``channels``, interleaved:
+    ``{"n": i, "pad": ...}``; returns how many were published."""
+    pad = "x" * int(params["size"])
+    published = 0
+    for i in range(int(params["count"])):
+        for channel in params["channels"]:
+            await realtime_app.apublish(channel, {"n": i, "pad": pad})
+            published += 1
+        await asyncio.sleep(0)
+    return published
