@@ -23,7 +23,7 @@ class RealtimeClusterAdmin(admin.ModelAdmin):
     charts = [
         ("frames_out", "Frames out per second, per process"),
         ("queued_bytes", "Bytes queued for clients, per process"),
-        ("drops_closes", "Frames dropped and 1013 closes, per second"),
+        ("drops_closes", "Frames dropped, conflated, and 1013 closes, per second"),
         ("admission", "Admission decisions per second (stacked)"),
         ("http_pools", "HTTP pools: requests running, waiting, and 503 per second"),
         ("http_wait", "HTTP pools: wait p99 (ms)"),

@@ -136,7 +136,7 @@ function drill() {
     cell(tr, c.user || c.address || "anonymous");
     cell(tr, c.channels.join(" ") + (c.channel_count > c.channels.length ? ` (+${c.channel_count - c.channels.length})` : ""), "channels");
     cell(tr, formatBytes(c.queued_bytes), "num");
-    cell(tr, c.drops, "num");
+    cell(tr, c.conflated ? `${c.drops} (+${c.conflated} conflated)` : c.drops, "num");
     cell(tr, c.in_flight, "num");
     cell(tr, `${Math.round(c.age_s)} s`, "num");
     const td = cell(tr, "");
@@ -196,7 +196,7 @@ function renderAll() {
 function record(probe) {
   const t = probe.generated_at;
   const live = new Set(probe.instances.map((p) => p.instance));
-  const cluster = { drops: 0, closes: 0, admitted: 0, merged: 0, recovered: 0, failed: 0, replayed: 0, gaps: 0 };
+  const cluster = { drops: 0, closes: 0, conflated: 0, admitted: 0, merged: 0, recovered: 0, failed: 0, replayed: 0, gaps: 0 };
   const refusedBy = {};
   const http = { running: 0, waiting: 0, "503/s": 0 };
   const waits = {};
@@ -217,6 +217,7 @@ function record(probe) {
         (name) => [name, r((x) => (x.channel_frames || {})[name] ?? NaN)]).filter(([, v]) => v !== undefined && !Number.isNaN(v)));
       cluster.drops += next.drops || 0;
       cluster.closes += r((x) => x.backpressure.closes) || 0;
+      cluster.conflated += r((x) => x.backpressure.conflated || 0) || 0;
       cluster.admitted += r((x) => x.admission.admitted - x.admission.coalesced) || 0;
       cluster.merged += r((x) => x.admission.coalesced) || 0;
       for (const reason of Object.keys(p.admission.refused || {})) {
@@ -253,7 +254,7 @@ function record(probe) {
     if (t - entry.at > GONE_KEEP_MS) seen.delete(instance);
   }
   if (anyRate) {
-    charts.drops.add(t, { drops: cluster.drops, "1013 closes": cluster.closes });
+    charts.drops.add(t, { drops: cluster.drops, conflated: cluster.conflated, "1013 closes": cluster.closes });
     charts.admission.add(t, { admitted: cluster.admitted, merged: cluster.merged, ...refusedBy });
     charts.resumes.add(t, { recovered: cluster.recovered, failed: cluster.failed, replayed: cluster.replayed, gaps: cluster.gaps });
   }
