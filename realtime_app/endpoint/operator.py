@@ -12,7 +12,7 @@ import contextlib
 import logging
 from typing import Any
 
-from realtime_app.hub.core import CONTROL_HANDLERS, Hub, get_hub
+from realtime_app.hub.core import CONTROL_HANDLERS, Hub
 from realtime_app.observability.logsafe import safe
 from realtime_app.wire.protocol import CloseCode
 
@@ -25,9 +25,12 @@ REASON = "closed by an operator"
 
 async def close_connection(instance: str, connection: int, by: str) -> None:
     """Ask the cluster to close connection ``connection`` of process ``instance`` (staff
-    user ``by`` asked); raises ``BackplaneUnavailable`` when the cluster cannot be told."""
-    hub = await get_hub()
-    await hub.control({"kind": "close_connection", "instance": instance, "connection": connection, "by": by})
+    user ``by`` asked); raises ``BackplaneUnavailable`` when the cluster cannot be told.
+    Through the hub of this process when it serves WebSockets, else straight through
+    the backplane (a WSGI process): never a hub started for one request."""
+    from realtime_app.hub.publishing import acontrol
+
+    await acontrol({"kind": "close_connection", "instance": instance, "connection": connection, "by": by})
 
 
 def _on_close_message(hub: Hub, message: dict[str, Any]) -> None:

@@ -213,12 +213,13 @@ class Fanout:
             )
             self.forget(conn)
 
-    def probe(self) -> BackpressureProbe:
-        """Queued bytes per connection, read now from the transports (no decision taken)."""
+    def probe(self, queued_now: dict[Connection, int] | None = None) -> BackpressureProbe:
+        """Queued bytes per connection, read now from the transports (no decision taken),
+        or as the caller read them (``queued_now``: one read per connection per probe)."""
         slow = get_config()["SLOW_CONSUMER_BYTES"]
         worst = total = slow_count = balance = 0
         for conn in self.connections:
-            queued = conn.guard.buffered()
+            queued = queued_now[conn] if queued_now is not None else conn.guard.buffered()
             total += queued
             worst = max(worst, queued)
             balance = max(balance, conn.guard.state.balance)

@@ -68,7 +68,7 @@ def rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def connection_probe(hub: Probed, conn: Connection, now: float) -> ConnectionProbe:
+def connection_probe(hub: Probed, conn: Connection, now: float, queued: int) -> ConnectionProbe:
     user = conn.scope.get("user")
     name = user.get_username() if user is not None and getattr(user, "is_authenticated", False) else None
     client = conn.scope.get("client")
@@ -80,7 +80,7 @@ def connection_probe(hub: Probed, conn: Connection, now: float) -> ConnectionPro
         "address": address or (str(client[0]) if client else None),
         "channels": sorted(conn.subscriptions)[:20],
         "channel_count": len(conn.subscriptions),
-        "queued_bytes": conn.guard.buffered(),
+        "queued_bytes": queued,
         "drops": conn.guard.state.drops,
         "conflated": conn.guard.conflated,
         "in_flight": hub.gate.admission.in_flight(identity) if identity is not None else 0,
@@ -88,15 +88,15 @@ def connection_probe(hub: Probed, conn: Connection, now: float) -> ConnectionPro
     }
 
 
-def top_connections(hub: Probed, top: int) -> list[ConnectionProbe]:
-    """The ``top`` connections with the most bytes queued, then those with the most drops
-    (each once): one pass each over the connections, whatever their number."""
+def top_connections(hub: Probed, top: int, queued: dict[Connection, int]) -> list[ConnectionProbe]:
+    """The ``top`` connections with the most bytes queued (as read once for this probe),
+    then those with the most drops (each once): one pass each over the connections."""
     if not top:
         return []
-    queued = heapq.nlargest(top, hub.connections, key=lambda c: (c.guard.buffered(), -c.id))
-    dropping = heapq.nlargest(top, (c for c in hub.connections if c.guard.state.drops), key=_drops)
+    most = heapq.nlargest(top, queued, key=lambda c: (queued[c], -c.id))
+    dropping = heapq.nlargest(top, (c for c in queued if c.guard.state.drops), key=_drops)
     now = time.monotonic()
-    return [connection_probe(hub, conn, now) for conn in dict.fromkeys([*queued, *dropping])]
+    return [connection_probe(hub, conn, now, queued[conn]) for conn in dict.fromkeys([*most, *dropping])]
 
 
 def _drops(conn: Connection) -> Any:
@@ -113,6 +113,7 @@ def process_probe(hub: Probed) -> ProcessProbe:
     for gone in [name for name in frames if name not in hub.subscribers]:
         del frames[gone]  # counted while the channel has subscribers here
     times = os.times()
+    queued = {conn: conn.guard.buffered() for conn in hub.connections}  # one read each per probe
     return {
         "instance": hub.instance_id,
         "host": socket.gethostname(),
@@ -130,7 +131,7 @@ def process_probe(hub: Probed) -> ProcessProbe:
         "published": hub.published,
         "frames_out": hub.fanout.frames_out,
         "channel_frames": {name: frames.get(name, 0) for name, _ in busiest},
-        "top_connections": top_connections(hub, config["PROBE_TOP_CONNECTIONS"]),
+        "top_connections": top_connections(hub, config["PROBE_TOP_CONNECTIONS"], queued),
         "refused": {**hub.refused, **hub.gate.refused},
         "admission": hub.gate.probe(hub.fanout.unread_refused),
         "history": history_probe(hub, top),
@@ -140,7 +141,7 @@ def process_probe(hub: Probed) -> ProcessProbe:
             "up": not (backplane is not None and backplane.outage.down),
             "outages": backplane.outage.outages if backplane is not None else 0,
         },
-        "backpressure": hub.fanout.probe(),
+        "backpressure": hub.fanout.probe(queued),
         "http_pools": pools_probe(),  # type: ignore[typeddict-item]
         "write_behind": stores_probe(),
     }

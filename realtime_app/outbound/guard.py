@@ -81,6 +81,8 @@ class Guard:
         """
         if self.closed:
             return DROP
+        if self.held:  # conflated frames wait for no newer frame of another channel
+            self.flush_held()
         config = self.config if policy is None or policy == self.config.policy else _with_policy(self.config, policy)
         decision = decide_send(self.transport.buffered() if self.measure else 0, config, self.state)
         if decision is SEND or (decision is DROP and response and self.never_drop_responses):

@@ -3,12 +3,13 @@ transaction each under the batch's token (runs in a worker thread; docs/write-be
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
-from django.db import IntegrityError, InterfaceError, OperationalError, models, transaction
+from django.db import DatabaseError, DataError, IntegrityError, InterfaceError, OperationalError, models, transaction
 from django.db.models import Case, F, Q, Value, When
 from django.utils import timezone
 
@@ -169,3 +170,19 @@ def transient(exc: BaseException) -> bool:
     cause = exc.__cause__
     code = getattr(cause, "pgcode", None) or getattr(getattr(cause, "diag", None), "sqlstate", None)
     return code in TRANSIENT_PGCODES
+
+
+async def with_retries(attempt: Callable[[], Any], retries: int, retried: Callable[[], None]) -> Any:
+    """``await attempt()``, again up to ``retries`` times after a transient error (with a
+    short exponential pause; ``retried()`` counts each); a refusal for good raises
+    :class:`Permanent`."""
+    for n in range(retries + 1):
+        try:
+            return await attempt()
+        except (IntegrityError, DataError) as exc:
+            raise Permanent(exc) from exc
+        except (OperationalError, InterfaceError, DatabaseError) as exc:
+            if not transient(exc) or n == retries:
+                raise
+            retried()
+            await asyncio.sleep(0.05 * (2**n))

@@ -33,7 +33,7 @@ from collections.abc import Callable, Hashable, Iterable
 from functools import partial
 from typing import Any, Generic, TypeVar
 
-from django.db import DatabaseError, DataError, IntegrityError, InterfaceError, OperationalError, models
+from django.db import DatabaseError, InterfaceError, models
 
 from realtime_app.observability.logsafe import safe
 from realtime_app.observability.schema import StoreProbe
@@ -48,7 +48,7 @@ from realtime_app.persistence.lifecycle import (
     stores,
     stores_probe,
 )
-from realtime_app.persistence.sql import Permanent, Table, transient
+from realtime_app.persistence.sql import Permanent, Table, with_retries
 
 __all__ = ["Accepted", "WriteBehindStore", "flush_all", "install_shutdown_flush", "start_all", "stores", "stores_probe"]
 
@@ -327,13 +327,15 @@ class WriteBehindStore(Generic[M]):
     def _next_due(self) -> float | None:
         due: float | None = None
         delay = self.delay_s
+        readable = False  # an object whose counters can be read back
         for entry in self.entries.values():
+            readable = readable or (entry.in_db and not entry.in_doubt)
             if entry.dirty_since is None:
                 continue
             when = max(entry.dirty_since + delay, entry.not_before)
             due = when if due is None else min(due, when)
-        if self.counters and self.entries:  # and the others' deltas, read back
-            due = min(due or float("inf"), self._refreshed_at + delay)
+        if self.counters and readable:  # and the others' deltas, read back (never more than once a second)
+            due = min(due or float("inf"), self._refreshed_at + max(delay, 1.0))
         return due
 
     async def flush(self, *, everything: bool = False) -> int:
@@ -351,15 +353,18 @@ class WriteBehindStore(Generic[M]):
                 and not entry.in_doubt
                 and (everything or (entry.dirty_since + delay <= now and entry.not_before <= now))
             ]
-            if not everything and self.counters and now >= self._refreshed_at + delay:
-                await self._refresh_counters()
+            refresh = not everything and self.counters and now >= self._refreshed_at + max(delay, 1.0)
             if not due and not written and not failed:
                 self.handover.settle(self._in_doubt)
+                if refresh:
+                    await self._refresh_counters()
                 return 0
             snapshots = [(key, entry, snapshot(entry)) for key, entry in due]
             more, more_failed = await self._write(snapshots)
             written, failed = written + more, failed + more_failed
             self.handover.settle(self._in_doubt)
+            if refresh:  # after the writes: what is due is not held up by the reads
+                await self._refresh_counters()
             duration = time.monotonic() - started
             self.flushes += 1
             self.last_flush = {
@@ -394,7 +399,7 @@ class WriteBehindStore(Generic[M]):
             entry.in_doubt = True
         try:
             write = partial(self.table.run, self.table.write_batch, batch, token, inline=self._inline)
-            current = await self._with_retries(write)
+            current = await with_retries(write, RETRIES, self._retried)
         except Permanent as exc:  # rolled back: split until the objects at fault stand alone
             for _, entry, _ in batch:
                 entry.in_doubt = False
@@ -436,17 +441,8 @@ class WriteBehindStore(Generic[M]):
             failed += bad
         return written, failed
 
-    async def _with_retries(self, attempt: Callable[[], Any]) -> Any:
-        for n in range(RETRIES + 1):
-            try:
-                return await attempt()
-            except (IntegrityError, DataError) as exc:
-                raise Permanent(exc) from exc
-            except (OperationalError, InterfaceError, DatabaseError) as exc:
-                if not transient(exc) or n == RETRIES:
-                    raise
-                self.retries += 1
-                await asyncio.sleep(0.05 * (2**n))
+    def _retried(self) -> None:
+        self.retries += 1
 
     def _cannot_save(self, item: tuple[Key, Entry, dict[str, Any]], exc: Permanent) -> None:
         """The database refuses this object for good: keep it, report it, try it rarely."""
@@ -459,18 +455,19 @@ class WriteBehindStore(Generic[M]):
         entry.not_before = time.monotonic() + MAX_BACKOFF_S
 
     async def _refresh_counters(self) -> None:
-        """Every delay the counters held are read back (pages of 500): a process that writes
-        nothing still sees the others' deltas within the delay plus one flush."""
+        """Every delay (a second at least) the counters held are read back, in pages of 500:
+        a process that writes nothing still sees the others' deltas within the delay plus
+        one flush. An entry evicted and loaded again meanwhile is left as loaded."""
         self._refreshed_at = time.monotonic()
-        keys = [key for key, entry in self.entries.items() if entry.in_db and not entry.in_doubt]
-        for page in (keys[i : i + 500] for i in range(0, len(keys), 500)):
+        held = [(key, entry) for key, entry in self.entries.items() if entry.in_db and not entry.in_doubt]
+        for page in (dict(held[i : i + 500]) for i in range(0, len(held), 500)):
             try:  # an outage is reported by the writes; this waits for its next turn
-                rows = await self.table.run(self.table.read_counters, page)
-            except DatabaseError as exc:
+                rows = await self.table.run(self.table.read_counters, list(page))
+            except (DatabaseError, InterfaceError) as exc:
                 return logger.debug("store %s: counters not read back: %s", self.name, safe(exc, 200))
             for key, row in rows.items():
-                if (entry := self.entries.get(key)) is not None:
-                    refresh(entry, row, self.counters)
+                if self.entries.get(key) is page.get(key):
+                    refresh(page[key], row, self.counters)
 
     def _failed_transiently(self, batch: list[tuple[Key, Entry, dict[str, Any]]], exc: BaseException) -> None:
         self.consecutive_failures += 1

@@ -165,21 +165,25 @@ function drill() {
   }
 }
 
-function csrfToken() {
-  const match = document.cookie.match(/(?:^|; )csrftoken=([^;]+)/);
-  return match ? decodeURIComponent(match[1]) : "";
-}
+// The page's own CSRF token (from the template: works with CSRF_COOKIE_HTTPONLY and
+// CSRF_USE_SESSIONS, where the cookie cannot be read).
+const csrfToken = () => root.dataset.csrf || "";
 
 async function closeConnection(instance, c, button) {
   if (!window.confirm(`Close connection ${c.id} (${c.user || c.address || "anonymous"})? Its client will not reconnect.`)) return;
   button.disabled = true;
-  const response = await fetch(root.dataset.closeUrl, {
-    method: "POST",
-    headers: { "Content-Type": "application/json", "X-CSRFToken": csrfToken() },
-    body: JSON.stringify({ instance, connection: c.id }),
-    credentials: "same-origin",
-  });
-  button.textContent = response.ok ? "closing…" : `failed (${response.status})`;
+  try {
+    const response = await fetch(root.dataset.closeUrl, {
+      method: "POST",
+      headers: { "Content-Type": "application/json", "X-CSRFToken": csrfToken() },
+      body: JSON.stringify({ instance, connection: c.id }),
+      credentials: "same-origin",
+    });
+    button.textContent = response.ok ? "closing…" : `failed (${response.status})`;
+  } catch (error) {
+    button.textContent = "failed (network)";
+    button.disabled = false;
+  }
 }
 
 function renderAll() {
@@ -212,7 +216,8 @@ function record(probe) {
       const r = (read) => rate(p, before, read);
       next.frames = r((x) => x.frames_out);
       next.drops = r((x) => x.backpressure.drops);
-      next.cpu = (r((x) => x.cpu_seconds) ?? 0) * 100;
+      const cpu = r((x) => x.cpu_seconds);
+      next.cpu = cpu === undefined ? undefined : cpu * 100; // a process without the field: no point
       next.channelRates = Object.fromEntries(Object.keys(p.channel_frames || {}).map(
         (name) => [name, r((x) => (x.channel_frames || {})[name] ?? NaN)]).filter(([, v]) => v !== undefined && !Number.isNaN(v)));
       cluster.drops += next.drops || 0;
