@@ -140,6 +140,7 @@ class RealtimeConsumer:
             return
         await send({"type": "websocket.accept"})
         self.connection = conn
+        conn.address = client_address(scope, trusted_networks(tuple(get_config()["TRUSTED_PROXIES"])))
         identity = self.admission_identity()
         if not hub.gate.handshake(identity):  # logged by the hub, once while it lasts
             conn.closed = True

@@ -71,13 +71,11 @@ def rss_bytes() -> int:
 def connection_probe(hub: Probed, conn: Connection, now: float, queued: int) -> ConnectionProbe:
     user = conn.scope.get("user")
     name = user.get_username() if user is not None and getattr(user, "is_authenticated", False) else None
-    client = conn.scope.get("client")
     identity = conn.identity
-    address = identity[1] if identity is not None and identity[0] == "address" else None
     return {
         "id": conn.id,
         "user": name,
-        "address": address or (str(client[0]) if client else None),
+        "address": conn.address,
         "channels": sorted(conn.subscriptions)[:20],
         "channel_count": len(conn.subscriptions),
         "queued_bytes": queued,
