@@ -26,6 +26,7 @@ from websockets.typing import Origin
 
 from realtime_app.cancellation import cancel_and_wait
 from realtime_app.client.cursor import Action, EventCursor
+from realtime_app.client.deltas import DeltaBases, DeltaError
 from realtime_app.exceptions import Refused, RPCError, error_from_response
 from realtime_app.inbound.admission import retry_delay_ms
 
@@ -113,6 +114,8 @@ class RealtimeClient:
         self._open = asyncio.Event()
         self._stopped = True
         self._blip_ms: float | None = None  # set by reconnect(): the delay before the new connection
+        self._delta_wanted: set[str] = set()  # requested names subscribed with deltas
+        self._deltas = DeltaBases()  # canonical channels with deltas granted, and their bases
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -193,6 +196,7 @@ class RealtimeClient:
                 self._on_answer.clear()
                 for cursor in self._cursors.values():
                     cursor.closed()
+                self._deltas.reset()  # a new connection starts with full frames
                 for future in self._pending.values():
                     if not future.done():
                         future.set_exception(ConnectionError(f"connection closed ({code})"))
@@ -243,6 +247,15 @@ class RealtimeClient:
 
     async def _deliver(self, params: dict[str, Any]) -> None:
         channel = params.get("channel")
+        if "delta" in params and isinstance(channel, str) and channel in self._deltas:
+            try:
+                params = self._deltas.rebuild(channel, params)
+            except DeltaError as exc:  # never applied to another base: a full frame instead
+                logger.warning("%s: a delta frame that does not apply (%s): subscribing again", channel, exc)
+                for name, canonical in list(self._canonical.items()):
+                    if canonical == channel:
+                        self._spawn(self._subscribe_remote(name))
+                return
         if "epoch" in params and isinstance(channel, str):  # a channel with history: in order, once
             cursor = self._cursors.get(channel)
             if cursor is not None:  # else a frame still in flight after unsubscribe
@@ -374,6 +387,8 @@ class RealtimeClient:
     async def _subscribe_remote(self, name: str, renewal: bool = False) -> dict[str, Any]:
         canonical = self._canonical.get(name, name)
         params: dict[str, Any] = {"channel": name}
+        if name in self._delta_wanted:
+            params["delta"] = "fossil"
         cursor = self._cursors.get(canonical)
         if cursor is None:  # dropped again by the answer unless the channel keeps a history
             cursor = self._cursors[canonical] = EventCursor()
@@ -403,6 +418,8 @@ class RealtimeClient:
                         logger.exception("error callback of %s failed", name)
             raise
         self._canonical[name] = result["channel"]
+        if result.get("delta") == "fossil":
+            self._deltas.granted(result["channel"])
         for subscribed in list(self.on_subscribed):
             try:
                 subscribed(result)
@@ -411,7 +428,12 @@ class RealtimeClient:
         return result
 
     async def subscribe(
-        self, channel: str, handler: Handler, *, on_error: Callable[[Exception], None] | None = None
+        self,
+        channel: str,
+        handler: Handler,
+        *,
+        on_error: Callable[[Exception], None] | None = None,
+        delta: str | None = None,
     ) -> dict[str, Any]:
         """Subscribe ``handler(params)`` (sync or async) to ``channel``; kept across reconnects.
 
@@ -421,6 +443,10 @@ class RealtimeClient:
         and every ``on_subscribe_error(channel, error)`` — logged only when there are none.
         """
         first = channel not in self._handlers
+        if delta is not None:
+            if delta != "fossil":
+                raise ValueError(f'delta must be "fossil", got {delta!r}')
+            self._delta_wanted.add(channel)
         self._handlers.setdefault(channel, []).append(handler)
         if on_error is not None:
             self._on_error.setdefault(channel, []).append(on_error)
@@ -451,7 +477,10 @@ class RealtimeClient:
             return
         del self._handlers[channel]
         self._on_error.pop(channel, None)
+        self._delta_wanted.discard(channel)
         canonical = self._canonical.pop(channel, channel)
+        if canonical not in self._canonical.values():
+            self._deltas.forget(canonical)
         if canonical not in self._canonical.values():
             self._cursors.pop(canonical, None)
         if canonical not in self._canonical.values() and self._ws is not None:

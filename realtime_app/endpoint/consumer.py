@@ -38,6 +38,7 @@ from realtime_app.inbound.workers import Call, Coalesce
 from realtime_app.observability.logsafe import safe
 from realtime_app.outbound.transports import UnsupportedServer
 from realtime_app.wire import protocol
+from realtime_app.wire.deltas import FOSSIL
 from realtime_app.wire.history import Since
 from realtime_app.wire.protocol import CloseCode, Request, Response
 from realtime_app.wire.rate import nearest_cadence, rate_channel
@@ -396,14 +397,20 @@ class RealtimeConsumer:
                 protocol.TOO_MANY_SUBSCRIPTIONS, "Too many subscriptions", "too_many_subscriptions", limit=limit
             )
         since = self._since_param(params)
+        delta = params.get("delta") if isinstance(params, dict) else None
+        if delta is not None and delta != FOSSIL:
+            raise _invalid(f'Invalid params: "delta" must be "{FOSSIL}"', "invalid_delta")
         hub = await get_hub()
         if spec.name not in hub.subscribers:
             spec = await self._bounded(hub, spec, config)
         answer: dict[str, Any] = {"channel": spec.name, "kind": spec.kind, "interval_ms": spec.interval_ms}
-        if spec.history is not None:
+        if spec.history is not None:  # resumes replay whole frames: deltas are not granted here
             answer.update(await hub.subscribe_kept(self.connection, spec, since))
             return answer
         await hub.subscribe(self.connection, spec)
+        if delta is not None:  # granted: a full frame first (also on a subscribe again)
+            hub.fanout.want_deltas(self.connection, spec.name)
+            answer["delta"] = FOSSIL
         if since is not None:  # nothing kept to resume from: the application resyncs
             answer.update(recovered=False, reason="no_history")
         return answer

@@ -30,6 +30,8 @@ class Connection:
     #: Per channel with history: the (epoch, seq) last sent, below which nothing is sent again.
     positions: dict[str, tuple[str, int]] = field(default_factory=dict)
     opened_at: float = field(default_factory=time.monotonic)
+    #: Delta subscriptions: channel -> the ``seq`` of the last frame it was sent there (-1: none yet).
+    deltas: dict[str, int] = field(default_factory=dict)
     guard: Guard = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

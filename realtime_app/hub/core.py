@@ -181,6 +181,8 @@ class Hub:
         conn.positions.pop(channel, None)
         if conn.guard.held:  # a conflated frame of a channel it left: never sent
             conn.guard.held.frames.pop(channel, None)
+        if channel in conn.deltas:
+            self.fanout.forget_deltas(conn, channel)
         subs = self.subscribers.get(channel)
         if subs is None:
             return False

@@ -20,6 +20,7 @@ from realtime_app.observability.logsafe import safe
 from realtime_app.outbound.backpressure import CLOSE, DROP, HOLD, SEND, Decision, decide_send
 from realtime_app.outbound.guard import BACKPRESSURE_REASON
 from realtime_app.outbound.transports import text_frame
+from realtime_app.wire.deltas import ChannelDeltas
 from realtime_app.wire.history import already_sent
 from realtime_app.wire.protocol import CloseCode
 
@@ -57,6 +58,8 @@ class Fanout:
         self.frames_out = 0  # channel frames handed to guards (dropped ones included), cumulative
         self.channel_frames: dict[str, int] = {}  # publications fanned out here, per channel
         self.conflated = 0  # frames of conflated channels replaced by a newer one, never sent
+        self.delta_subs: dict[str, set[Connection]] = {}  # channel -> its delta subscribers here
+        self.deltas = ChannelDeltas()
         self.holding: set[Connection] = set()  # connections with conflated frames held back
         self.send_failures = 0  # connections closed because a send raised
         self.unread_refused = 0  # requests not run: their connection does not read its answers
@@ -82,8 +85,15 @@ class Fanout:
             return
         self.frames_out += len(subs)
         policy = frame_policy(channel)
-        if policy == "conflate":
-            self._conflate(channel, subs, payload, frame)
+        if policy == "conflate":  # a held frame may replace another: full frames only
+            full = None
+            if self.delta_subs.get(channel):
+                data = self.deltas.frames(channel, text, seq).full.encode("utf-8")
+                full = (data, text_frame(data))
+            self._conflate(channel, subs, payload, frame, full)
+            return
+        if self.delta_subs.get(channel):
+            self._with_deltas(channel, subs, text, seq, payload, frame, policy)
             return
         for conn in tuple(subs):
             try:
@@ -94,14 +104,65 @@ class Fanout:
             if decision is not SEND:
                 self._account(conn, decision)
 
-    def _conflate(self, channel: str, subs: set[Connection], payload: bytes, frame: bytes) -> None:
+    def _with_deltas(
+        self, channel: str, subs: set[Connection], text: str, seq: int, payload: bytes, frame: bytes, policy: str | None
+    ) -> None:
+        """A publication of a channel with delta subscribers: the frames built once (the
+        plain one, the full text, the delta), each connection given the one it can use."""
+        built = self.deltas.frames(channel, text, seq)
+        variants: dict[str, tuple[bytes, bytes]] = {}
+
+        def encoded(kind: str, variant: str) -> tuple[bytes, bytes]:
+            if kind not in variants:
+                data = variant.encode("utf-8")
+                variants[kind] = (data, text_frame(data))
+            return variants[kind]
+
+        for conn in tuple(subs):
+            last = conn.deltas.get(channel)
+            if last is None:
+                body, raw = payload, frame
+            elif built.delta is not None and last == built.base_seq:
+                body, raw = encoded("delta", built.delta)
+            else:
+                body, raw = encoded("full", built.full)
+            try:
+                decision = conn.guard.send(body, frame=raw, policy=policy)
+            except Exception as exc:
+                self._send_failed(conn, exc)
+                continue
+            if last is not None:
+                conn.deltas[channel] = seq if decision is SEND else -1  # missed: a full frame next
+            if decision is not SEND:
+                self._account(conn, decision)
+
+    def want_deltas(self, conn: Connection, channel: str) -> None:
+        """``conn`` subscribed to ``channel`` with deltas: a full frame first."""
+        conn.deltas[channel] = -1
+        self.delta_subs.setdefault(channel, set()).add(conn)
+
+    def forget_deltas(self, conn: Connection, channel: str) -> None:
+        """``conn`` left ``channel`` (or closed)."""
+        conn.deltas.pop(channel, None)
+        subs = self.delta_subs.get(channel)
+        if subs is not None:
+            subs.discard(conn)
+            if not subs:
+                del self.delta_subs[channel]
+                self.deltas.forget(channel)
+
+    def _conflate(
+        self, channel: str, subs: set[Connection], payload: bytes, frame: bytes, full: tuple[bytes, bytes] | None
+    ) -> None:
         """A frame of a conflated state channel: written, or held as the channel's newest
-        for each connection over its threshold (:meth:`drain_held` writes it later)."""
+        for each connection over its threshold (:meth:`drain_held` writes it later). A
+        delta subscriber gets the full text (``full``): what is held may replace another."""
         for conn in tuple(subs):
             guard = conn.guard
             before = guard.conflated
+            body, raw = full if full is not None and channel in conn.deltas else (payload, frame)
             try:
-                decision = guard.send_conflated(channel, payload, frame)
+                decision = guard.send_conflated(channel, body, raw)
             except Exception as exc:
                 self._send_failed(conn, exc)
                 continue

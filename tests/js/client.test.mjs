@@ -167,3 +167,32 @@ test("a channel with history whose gap cannot be filled dispatches resync", asyn
   assert.deepEqual(resyncs, [{ channel: "demo:events", epoch: "e2", seq: 7, reason: "epoch_changed" }]);
   client.close();
 });
+
+test("a delta subscription rebuilds each publication, and subscribes again when a delta does not apply", async () => {
+  const { createDelta } = await import("../../realtime_app/static/realtime_app/vendor/fossil-delta.js");
+  FakeSocket.instances = [];
+  const client = new RealtimeClient({ url: "ws://x/realtime/", WebSocket: FakeSocket });
+  const got = [];
+  client.connect();
+  const socket = FakeSocket.instances[0];
+  socket.open();
+  const answer = client.subscribe("dash", (params) => got.push(params), { delta: "fossil" });
+  assert.deepEqual(socket.sent.at(-1).params, { channel: "dash", delta: "fossil" });
+  socket.reply({ channel: "dash", kind: "state", interval_ms: null, delta: "fossil" });
+  await answer;
+  const states = [{ a: 1, label: "état ✓" }, { a: 2, label: "état ✓" }, { a: 3, label: "état ✓✓" }];
+  const texts = states.map((s) => JSON.stringify(s));
+  const frame = (seq, data, delta) => socket.onmessage({ data: JSON.stringify(
+    { jsonrpc: "2.0", method: "message", params: { channel: "dash", data, delta, seq, ts: 0 } }) });
+  const latin1 = (bytes) => String.fromCharCode(...bytes);
+  frame(1, texts[0], false);
+  for (const i of [1, 2]) frame(i + 1, latin1(createDelta(new TextEncoder().encode(texts[i - 1]), new TextEncoder().encode(texts[i]))), true);
+  assert.deepEqual(got.map((p) => p.data), states);
+  const before = socket.sent.length;
+  const other = new TextEncoder().encode(JSON.stringify({ a: 9, label: "ETAT !!", pad: "x".repeat(40) }));
+  frame(4, latin1(createDelta(other, new TextEncoder().encode(JSON.stringify({ a: 9, label: "ETAT !!", pad: "y" })))), true);
+  assert.equal(got.length, 3); // never applied
+  assert.deepEqual(socket.sent.at(-1).params, { channel: "dash", delta: "fossil" }); // subscribed again
+  assert.equal(socket.sent.length, before + 1);
+  client.close();
+});

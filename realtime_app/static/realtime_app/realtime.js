@@ -1,7 +1,12 @@
 // realtime_app browser client: JSON-RPC 2.0 over WebSocket, subscriptions with automatic
 // resubscription, capped jittered reconnect, and adaptive cadence (AIMD) bound by
-// make-before-break. ES module, no build step, no dependency.
+// make-before-break; delta subscriptions. ES module, no build step; one vendored module,
+// the Fossil delta codec (vendor/fossil-delta.js, BSD).
 // The Python twin is realtime_app/client/adaptive.py; both pass tests/vectors/adaptive.json.
+import { applyDelta } from "./vendor/fossil-delta.js";
+
+const UTF8 = new TextEncoder();
+const UTF8_STRICT = new TextDecoder("utf-8", { fatal: true });
 
 /** Close codes after which the client reconnects (with backoff). 1008 and 4xxx are fatal. */
 export const RECONNECT_CODES = Object.freeze([1001, 1005, 1006, 1011, 1012, 1013]);
@@ -328,6 +333,8 @@ export class RealtimeClient extends EventTarget {
     this._stopped = true;
     this._timer = null;
     this._blipMs = undefined; // set by reconnect(): the delay before the new connection
+    this._deltaWanted = new Set(); // requested names subscribed with deltas
+    this._bases = new Map(); // canonical name -> the last data's JSON bytes (null until a full frame)
   }
 
   _setState(state) {
@@ -371,6 +378,7 @@ export class RealtimeClient extends EventTarget {
   _onClose(code, reason) {
     this._ws = null;
     for (const cursor of this._cursors.values()) cursor.closed();
+    for (const channel of this._bases.keys()) this._bases.set(channel, null); // full frames again
     for (const [id, call] of this._pending) {
       clearTimeout(call.timer);
       call.reject(new Error(`connection closed (${code})`));
@@ -404,12 +412,47 @@ export class RealtimeClient extends EventTarget {
   }
 
   _deliver(params) {
+    if ("delta" in params && this._bases.has(params.channel)) {
+      params = this._rebuild(params);
+      if (!params) return;
+    }
     if (typeof params.epoch === "string") { // a channel with history: in order, once
       const cursor = this._cursors.get(params.channel); // none: a frame in flight after unsubscribe
       if (cursor) this._act(params.channel, cursor.message(params));
       return;
     }
     this._handOver(params);
+  }
+
+  /**
+   * A frame of a delta subscription made whole: `data` parsed from the full text, or from
+   * the delta applied to the last one. A delta without its base, or for another one (the
+   * checksum says so), is never applied: the channel is subscribed again, which brings a
+   * full frame.
+   */
+  _rebuild(params) {
+    const channel = params.channel;
+    try {
+      if (typeof params.data !== "string") throw new Error("data is not a string");
+      let bytes;
+      if (params.delta) {
+        const base = this._bases.get(channel);
+        if (!base) throw new Error("a delta without its base");
+        bytes = new Uint8Array(applyDelta(base, Uint8Array.from(params.data, (c) => c.charCodeAt(0))));
+      } else {
+        bytes = UTF8.encode(params.data);
+      }
+      const data = JSON.parse(UTF8_STRICT.decode(bytes));
+      this._bases.set(channel, bytes);
+      return { ...params, data };
+    } catch (error) {
+      console.warn(`${channel}: a delta frame that does not apply (${error.message}): subscribing again`);
+      this._bases.set(channel, null);
+      for (const [name, canonical] of this._canonical) {
+        if (canonical === channel) this._subscribeRemote(name).catch(() => {}); // reported there
+      }
+      return null;
+    }
   }
 
   _act(channel, actions) {
@@ -518,6 +561,7 @@ export class RealtimeClient extends EventTarget {
     if (!this._cursors.has(canonical)) this._cursors.set(canonical, new EventCursor()); // dropped unless kept
     const cursor = this._cursors.get(canonical);
     const params = { channel: name };
+    if (this._deltaWanted.has(name)) params.delta = "fossil";
     const since = cursor.since();
     if (since) params.since = since; // a resume: the server replays what was missed
     cursor.resuming(); // what arrives before the answer waits for the position it gives
@@ -537,6 +581,7 @@ export class RealtimeClient extends EventTarget {
       throw error;
     }
     this._canonical.set(name, result.channel);
+    if (result.delta === "fossil") this._bases.set(result.channel, null); // a full frame comes first
     this._answers.set(name, result);
     for (const waiter of this._waiters.get(name) || []) waiter.resolve(result);
     this._waiters.delete(name);
@@ -551,9 +596,15 @@ export class RealtimeClient extends EventTarget {
    * (forbidden, unknown channel...). A refusal of a later re-subscription (after a
    * reconnect) calls `options.onError(error)` and dispatches "subscribeerror".
    * @param {string} channel @param {(params: object) => void} handler
-   * @param {{onError?: (error: Error) => void}} [options]
+   * `options.delta: "fossil"` asks for deltas (docs/protocol.md): the handler gets whole
+   * `data` all the same, rebuilt from the last one.
+   * @param {{onError?: (error: Error) => void, delta?: "fossil"}} [options]
    */
   subscribe(channel, handler, options = {}) {
+    if (options.delta !== undefined) {
+      if (options.delta !== "fossil") throw new RangeError(`delta must be "fossil", got ${options.delta}`);
+      this._deltaWanted.add(channel);
+    }
     let handlers = this._handlers.get(channel);
     const first = !handlers;
     if (first) { handlers = new Set(); this._handlers.set(channel, handlers); }
@@ -584,8 +635,9 @@ export class RealtimeClient extends EventTarget {
     this._waiters.delete(channel);
     const canonical = this._canonical.get(channel) || channel;
     this._canonical.delete(channel);
+    this._deltaWanted.delete(channel);
     const stillUsed = [...this._canonical.values()].includes(canonical);
-    if (!stillUsed) this._cursors.delete(canonical);
+    if (!stillUsed) { this._cursors.delete(canonical); this._bases.delete(canonical); }
     if (!stillUsed && this._ws && this._ws.readyState === 1) {
       await this.call("unsubscribe", { channel }).catch(() => {});
     }

@@ -1,0 +1,96 @@
+"""Delta subscriptions in process (the endpoint, the hub's fan-out, the in-memory
+backplane): the frames a delta subscriber gets rebuild every publication exactly, a full
+frame comes first and after anything it missed, and other subscribers are untouched."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from realtime_app.wire.deltas import FULL_EVERY, ChannelDeltas, split_notification
+from realtime_app.wire.fossil import DeltaError, apply_delta
+from realtime_app.wire.protocol import notification_text
+from tests.support.asgi_client import Client
+
+
+class Rebuilder:
+    """What a client does with a delta subscription's frames: its base, per channel."""
+
+    def __init__(self) -> None:
+        self.base: bytes | None = None
+        self.kinds: list[bool] = []
+
+    def take(self, params: dict) -> object:
+        self.kinds.append(params["delta"])
+        if params["delta"]:
+            if self.base is None:
+                raise DeltaError("no base")
+            self.base = apply_delta(self.base, params["data"].encode("latin-1"))
+        else:
+            self.base = params["data"].encode("utf-8")
+        return json.loads(self.base)
+
+
+def digest(data: object) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def test_the_frames_of_one_publication_are_built_once_and_rebuild_it():
+    deltas = ChannelDeltas()
+    rebuilt = Rebuilder()
+    state = {"fields": {f"f{i}": {"value": i, "label": f"sensor {i} ✓"} for i in range(40)}}
+    for seq in range(1, 2 * FULL_EVERY + 3):
+        state["fields"][f"f{seq % 40}"]["value"] += 1
+        text = notification_text("dash:board", json.dumps(state), seq, 1_700_000_000_000 + seq)
+        frames = deltas.frames("dash:board", text, seq)
+        use = frames.delta if frames.delta is not None and frames.base_seq == seq - 1 else frames.full
+        params = json.loads(use)["params"]
+        assert (params["seq"], params["channel"]) == (seq, "dash:board")
+        assert rebuilt.take(params) == state
+        if frames.delta is not None:
+            assert len(frames.delta) < len(frames.full) / 5  # a few fields changed: a small delta
+    assert rebuilt.kinds.count(False) == 3  # the first, and every FULL_EVERY-th
+    assert split_notification("dash:board", text)[0] == json.dumps(state)
+
+
+async def test_a_delta_subscriber_rebuilds_every_publication_a_plain_one_gets(hub):
+    async with Client() as plain, Client() as delta:
+        await plain.call("subscribe", {"channel": "demo:clock:100"})
+        answer = await delta.call("subscribe", {"channel": "demo:clock:100", "delta": "fossil"})
+        assert answer["result"]["delta"] == "fossil"
+        expected = {f["seq"]: digest(f["data"]) for f in await plain.frames(12, "demo:clock:100", timeout=5)}
+        rebuilt = Rebuilder()
+        got = {}
+        for f in await delta.frames(12, "demo:clock:100", timeout=5):
+            got[f["seq"]] = digest(rebuilt.take(f))
+        common = set(expected) & set(got)
+        assert len(common) >= 5 and all(expected[s] == got[s] for s in common)
+        assert rebuilt.kinds[0] is False and True in rebuilt.kinds  # a full frame, then deltas
+        [conn] = [c for c in hub.connections if "demo:clock:100" in c.deltas]
+        conn.deltas["demo:clock:100"] = -1  # what a dropped (or held) frame leaves
+        [after_a_miss] = await delta.frames(1, "demo:clock:100", timeout=5)
+        assert after_a_miss["delta"] is False  # a full frame, never a delta against what it missed
+        again = await delta.call("subscribe", {"channel": "demo:clock:100", "delta": "fossil"})
+        assert again["result"]["delta"] == "fossil"
+        [first] = await delta.frames(1, "demo:clock:100", timeout=5)
+        assert first["delta"] is False  # subscribing again: a full frame, whatever it had
+
+
+@pytest.mark.parametrize(
+    ("params", "reason"),
+    [
+        ({"channel": "demo:clock", "delta": "zstd"}, "invalid_delta"),
+        ({"channel": "demo:clock", "delta": 1}, "invalid_delta"),
+    ],
+)
+async def test_an_unknown_delta_is_refused(hub, params, reason):
+    async with Client() as c:
+        assert (await c.call("subscribe", params))["error"]["data"]["reason"] == reason
+
+
+async def test_a_channel_with_history_does_not_grant_deltas(hub):
+    async with Client() as c:
+        answer = (await c.call("subscribe", {"channel": "demo:events", "delta": "fossil"}))["result"]
+    assert "delta" not in answer and "epoch" in answer
