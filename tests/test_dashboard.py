@@ -185,3 +185,34 @@ def test_the_screenshots_script_takes_the_pages_as_they_are(tmp_path):
         header = (tmp_path / name).read_bytes()[:24]
         width, height = struct.unpack(">II", header[16:24])
         assert header.startswith(b"\x89PNG") and width == 1280 and height >= 600, (name, width, height)
+
+
+def test_a_delta_subscription_in_chromium_rebuilds_what_a_plain_one_gets(site, browser):
+    """The browser module with deltas on a live daphne: the data its handler gets is, seq
+    by seq, what a plain subscription of the same page gets, across a reconnect."""
+    browser.get(site.http + "/")
+    wait(browser, 15).until(lambda b: text(b, "#state") == "open")
+    browser.execute_script(
+        """
+        window.deltaTest = {plain: {}, delta: {}, kinds: []};
+        import("/static/realtime_app/realtime.js").then((m) => {
+          const plain = new m.RealtimeClient(), withDeltas = new m.RealtimeClient();
+          plain.subscribe("demo:clock:100", (p) => { window.deltaTest.plain[p.seq] = JSON.stringify(p.data); });
+          withDeltas.subscribe("demo:clock:100", (p) => {
+            window.deltaTest.delta[p.seq] = JSON.stringify(p.data);
+            window.deltaTest.kinds.push(p.delta);
+          }, {delta: "fossil"});
+          plain.connect(); withDeltas.connect();
+          window.deltaTest.withDeltas = withDeltas;
+        });
+        """
+    )
+    count = "return Object.keys(window.deltaTest.delta).length"
+    wait(browser, 15).until(lambda b: b.execute_script(count) >= 10)
+    browser.execute_script("window.deltaTest.withDeltas.reconnect(200)")
+    wait(browser, 15).until(lambda b: b.execute_script(count) >= 25)
+    result = browser.execute_script("return window.deltaTest")
+    common = set(result["plain"]) & set(result["delta"])
+    assert len(common) >= 20 and all(result["plain"][s] == result["delta"][s] for s in common)
+    kinds = result["kinds"]
+    assert kinds.count(False) >= 2 and kinds.count(True) >= 15  # full after the reconnect, deltas otherwise
