@@ -247,7 +247,9 @@ class RealtimeClient:
 
     async def _deliver(self, params: dict[str, Any]) -> None:
         channel = params.get("channel")
-        if "delta" in params and isinstance(channel, str) and channel in self._deltas:
+        if "delta" in params and isinstance(channel, str):  # only delta subscriptions carry it
+            if channel not in self._deltas:  # its first frame came before the subscribe's answer
+                self._deltas.granted(channel)
             try:
                 params = self._deltas.rebuild(channel, params)
             except DeltaError as exc:  # never applied to another base: a full frame instead

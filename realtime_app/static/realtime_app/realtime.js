@@ -412,7 +412,8 @@ export class RealtimeClient extends EventTarget {
   }
 
   _deliver(params) {
-    if ("delta" in params && this._bases.has(params.channel)) {
+    if ("delta" in params) { // only delta subscriptions carry it (maybe before the subscribe's answer)
+      if (!this._bases.has(params.channel)) this._bases.set(params.channel, null);
       params = this._rebuild(params);
       if (!params) return;
     }
