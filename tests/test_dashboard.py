@@ -208,9 +208,9 @@ def test_a_delta_subscription_in_chromium_rebuilds_what_a_plain_one_gets(site, b
         """
     )
     count = "return Object.keys(window.deltaTest.delta).length"
-    wait(browser, 15).until(lambda b: b.execute_script(count) >= 10)
+    wait(browser, 30).until(lambda b: b.execute_script(count) >= 10)
     browser.execute_script("window.deltaTest.withDeltas.reconnect(200)")
-    wait(browser, 15).until(lambda b: b.execute_script(count) >= 25)
+    wait(browser, 30).until(lambda b: b.execute_script(count) >= 25)
     result = browser.execute_script("return window.deltaTest")
     common = set(result["plain"]) & set(result["delta"])
     assert len(common) >= 20 and all(result["plain"][s] == result["delta"][s] for s in common)
