@@ -94,3 +94,21 @@ async def test_a_channel_with_history_does_not_grant_deltas(hub):
     async with Client() as c:
         answer = (await c.call("subscribe", {"channel": "demo:events", "delta": "fossil"}))["result"]
     assert "delta" not in answer and "epoch" in answer
+
+
+async def test_a_conflated_channel_gives_its_delta_subscribers_full_frames(hub, settings):
+    """What a connection holds may replace another frame: on a conflated channel a delta
+    subscriber gets the full text every time, and rebuilds it all the same."""
+    settings.REALTIME_APP = {
+        **settings.REALTIME_APP,
+        "POLICIES": [{"pattern": "demo:clock", "backpressure": "conflate"}],
+    }
+    async with Client() as plain, Client() as delta:
+        await plain.call("subscribe", {"channel": "demo:clock:100"})
+        await delta.call("subscribe", {"channel": "demo:clock:100", "delta": "fossil"})
+        expected = {f["seq"]: digest(f["data"]) for f in await plain.frames(6, "demo:clock:100", timeout=5)}
+        rebuilt = Rebuilder()
+        got = {f["seq"]: digest(rebuilt.take(f)) for f in await delta.frames(6, "demo:clock:100", timeout=5)}
+    assert rebuilt.kinds == [False] * 6
+    common = set(got) & set(expected)
+    assert common and all(got[s] == expected[s] for s in common)
