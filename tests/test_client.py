@@ -299,6 +299,7 @@ async def test_a_delta_subscription_rebuilds_every_publication_across_a_reconnec
     def digest(data):
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
+    channel = "test:state-dropped"  # 2 KB, one field changing per publication
     got: dict[int, str] = {}
     kinds: list[bool] = []
 
@@ -306,21 +307,24 @@ async def test_a_delta_subscription_rebuilds_every_publication_across_a_reconnec
         got[params["seq"]] = digest(params["data"])
         kinds.append(params["delta"])
 
-    async with RPC(server.ws) as plain, RealtimeClient(server.ws) as client:
-        await plain.subscribe("demo:clock:100")
-        answer = await client.subscribe("demo:clock:100", take, delta="fossil")
+    async def publish(rpc, count):
+        answer = await rpc.call("test.publish_burst", {"channels": [channel], "count": count, "size": 2000})
+        assert answer["result"] == count
+
+    async with RPC(server.ws) as plain, RPC(server.ws) as publisher, RealtimeClient(server.ws) as client:
+        await plain.subscribe(channel)
+        answer = await client.subscribe(channel, take, delta="fossil")
         assert answer["delta"] == "fossil"
-        await eventually(lambda: len(got) >= 5, 10, "frames before the reconnect")
+        await publish(publisher, 10)
+        await eventually(lambda: len(got) >= 10, 10, "frames before the reconnect")
         await client.reconnect(100)
-        count = len(got)
-        await eventually(lambda: len(got) >= count + 5, 15, "frames after the reconnect")
-        expected: dict[int, str] = {}
-        while not expected or max(expected) < max(got):  # the plain subscriber's, over the same span
-            [frame] = await plain.frames(1)
-            expected[frame["seq"]] = digest(frame["data"])
-    common = set(got) & set(expected)
-    assert len(common) >= len(got) - 3 and all(got[s] == expected[s] for s in common)  # (the blip's frames aside)
-    assert kinds.count(False) >= 2 and True in kinds  # a full frame first, and again after the reconnect
+        await eventually(lambda: client.state == "open" and client.attempt == 0, 15, "open again")
+        await eventually(lambda: channel in client._deltas, 10, "subscribed again")
+        await publish(publisher, 10)
+        await eventually(lambda: len(got) >= 20, 15, "frames after the reconnect")
+        expected = {f["seq"]: digest(f["data"]) for f in await plain.frames(20)}
+    assert got == expected  # every publication, exactly
+    assert kinds.count(False) == 2 and kinds.count(True) == 18  # a full frame first, and after the reconnect
 
 
 @pytest.mark.timeout(180)

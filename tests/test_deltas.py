@@ -56,25 +56,29 @@ def test_the_frames_of_one_publication_are_built_once_and_rebuild_it():
 
 
 async def test_a_delta_subscriber_rebuilds_every_publication_a_plain_one_gets(hub):
-    async with Client() as plain, Client() as delta:
-        await plain.call("subscribe", {"channel": "demo:clock:100"})
-        answer = await delta.call("subscribe", {"channel": "demo:clock:100", "delta": "fossil"})
+    channel = "test:state-dropped"  # a state channel the test publishes: 2 KB, one field changing
+    burst = {"channels": [channel], "count": 12, "size": 2000}
+    async with Client() as plain, Client() as delta, Client() as publisher:
+        await plain.call("subscribe", {"channel": channel})
+        answer = await delta.call("subscribe", {"channel": channel, "delta": "fossil"})
         assert answer["result"]["delta"] == "fossil"
-        expected = {f["seq"]: digest(f["data"]) for f in await plain.frames(12, "demo:clock:100", timeout=5)}
+        assert (await publisher.call("test.publish_burst", burst))["result"] == 12
+        expected = {f["seq"]: digest(f["data"]) for f in await plain.frames(12, channel, timeout=5)}
         rebuilt = Rebuilder()
-        got = {}
-        for f in await delta.frames(12, "demo:clock:100", timeout=5):
-            got[f["seq"]] = digest(rebuilt.take(f))
-        common = set(expected) & set(got)
-        assert len(common) >= 5 and all(expected[s] == got[s] for s in common)
-        assert rebuilt.kinds[0] is False and True in rebuilt.kinds  # a full frame, then deltas
-        [conn] = [c for c in hub.connections if "demo:clock:100" in c.deltas]
-        conn.deltas["demo:clock:100"] = -1  # what a dropped (or held) frame leaves
-        [after_a_miss] = await delta.frames(1, "demo:clock:100", timeout=5)
+        deltas = await delta.frames(12, channel, timeout=5)
+        got = {f["seq"]: digest(rebuilt.take(f)) for f in deltas}
+        assert got == expected  # every publication, exactly
+        assert rebuilt.kinds[0] is False and rebuilt.kinds[1:] == [True] * 11  # a full frame, then deltas
+        assert all(len(json.dumps(f)) < 300 for f in deltas[1:])  # a few bytes instead of 2 KB
+        [conn] = [c for c in hub.connections if channel in c.deltas]
+        conn.deltas[channel] = -1  # what a dropped (or held) frame leaves
+        await publisher.call("test.publish_burst", {**burst, "count": 1})
+        [after_a_miss] = await delta.frames(1, channel, timeout=5)
         assert after_a_miss["delta"] is False  # a full frame, never a delta against what it missed
-        again = await delta.call("subscribe", {"channel": "demo:clock:100", "delta": "fossil"})
+        again = await delta.call("subscribe", {"channel": channel, "delta": "fossil"})
         assert again["result"]["delta"] == "fossil"
-        [first] = await delta.frames(1, "demo:clock:100", timeout=5)
+        await publisher.call("test.publish_burst", {**burst, "count": 1})
+        [first] = await delta.frames(1, channel, timeout=5)
         assert first["delta"] is False  # subscribing again: a full frame, whatever it had
 
 
@@ -112,3 +116,29 @@ async def test_a_conflated_channel_gives_its_delta_subscribers_full_frames(hub, 
     assert rebuilt.kinds == [False] * 6
     common = set(got) & set(expected)
     assert common and all(got[s] == expected[s] for s in common)
+
+
+def test_large_random_or_costly_publications_are_sent_whole():
+    import os
+
+    from realtime_app.wire.deltas import MAX_DELTA_BYTES
+
+    deltas = ChannelDeltas()
+    big = json.dumps({"blob": "x" * (MAX_DELTA_BYTES + 10)})
+    random_text = [json.dumps({"blob": os.urandom(600).hex()}) for _ in range(2)]
+    for seq, data in enumerate([big, big + " ", *random_text], start=1):
+        frames = deltas.frames("c", notification_text("c", data, seq, 0), seq)
+        assert frames.delta is None  # over the size cap, or a delta no smaller than half
+
+
+async def test_a_connection_gone_before_its_grant_keeps_nothing(hub):
+    from realtime_app.hub.connections import Connection
+
+    class Sink:
+        async def __call__(self, message):
+            return None
+
+    conn = Connection.__new__(Connection)  # never sent to: only the grant's books are read
+    conn.closed, conn.subscriptions, conn.deltas = True, {"demo:clock"}, {}
+    assert hub.fanout.want_deltas(conn, "demo:clock") is False
+    assert "demo:clock" not in hub.fanout.delta_subs and conn.deltas == {}

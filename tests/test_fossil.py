@@ -68,3 +68,25 @@ def test_any_target_round_trips_from_any_base(base, edit, seed):
     if seed % 5 == 0:
         target = bytearray(edit)
     assert apply_delta(base, create_delta(base, bytes(target))) == bytes(target)
+
+
+def test_a_search_past_its_budget_gives_up_instead_of_spinning():
+    """A base of one 16-byte block repeated and a target of a permutation of it: every
+    target byte would try 250 candidate blocks (minutes of Python on a megabyte)."""
+    import time
+
+    from realtime_app.wire.fossil import TooCostly
+
+    block = bytes(range(65, 81))
+    base, target = block * 1024, bytes(reversed(block)) * 256
+    started = time.process_time()
+    with pytest.raises(TooCostly):
+        create_delta(base, target)
+    assert time.process_time() - started < 5  # bounded by the budget, not by the input's shape
+
+
+def test_a_delta_cannot_make_apply_build_a_huge_target_or_read_endless_numbers():
+    with pytest.raises(DeltaError, match="over"):
+        apply_delta(b"", b"zzzzzz\n1:a0;")  # a 2^36-byte target announced
+    with pytest.raises(DeltaError, match="8 digits"):
+        apply_delta(b"", b"5\n" + b"1" * 50_000 + b":hello0;")

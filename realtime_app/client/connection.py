@@ -248,14 +248,17 @@ class RealtimeClient:
     async def _deliver(self, params: dict[str, Any]) -> None:
         channel = params.get("channel")
         if "delta" in params and isinstance(channel, str):  # only delta subscriptions carry it
-            if channel not in self._deltas:  # its first frame came before the subscribe's answer
+            if channel not in self._deltas:  # its first frame, before the subscribe's answer?
+                if channel not in self._delta_wanted and channel not in self._canonical.values():
+                    return  # still in flight after an unsubscribe
                 self._deltas.granted(channel)
             try:
                 params = self._deltas.rebuild(channel, params)
             except DeltaError as exc:  # never applied to another base: a full frame instead
-                logger.warning("%s: a delta frame that does not apply (%s): subscribing again", channel, exc)
-                for name, canonical in list(self._canonical.items()):
-                    if canonical == channel:
+                if self._deltas.resync(channel):
+                    logger.warning("%s: a delta frame that does not apply (%s): subscribing again", channel, exc)
+                    names = [n for n, c in self._canonical.items() if c == channel] or [channel]
+                    for name in names:
                         self._spawn(self._subscribe_remote(name))
                 return
         if "epoch" in params and isinstance(channel, str):  # a channel with history: in order, once
@@ -313,6 +316,8 @@ class RealtimeClient:
         unless the channel was left (and maybe subscribed again) since it was sent."""
 
         async def apply(result: Any) -> None:
+            if isinstance(result, dict) and result.get("delta") == "fossil":
+                self._deltas.granted(result["channel"])  # in order with the frames around it
             if not isinstance(result, dict) or self._cursors.get(channel) is not cursor:
                 return
             if "epoch" in result:
@@ -389,7 +394,7 @@ class RealtimeClient:
     async def _subscribe_remote(self, name: str, renewal: bool = False) -> dict[str, Any]:
         canonical = self._canonical.get(name, name)
         params: dict[str, Any] = {"channel": name}
-        if name in self._delta_wanted:
+        if name in self._delta_wanted or canonical in self._deltas:
             params["delta"] = "fossil"
         cursor = self._cursors.get(canonical)
         if cursor is None:  # dropped again by the answer unless the channel keeps a history
@@ -420,8 +425,6 @@ class RealtimeClient:
                         logger.exception("error callback of %s failed", name)
             raise
         self._canonical[name] = result["channel"]
-        if result.get("delta") == "fossil":
-            self._deltas.granted(result["channel"])
         for subscribed in list(self.on_subscribed):
             try:
                 subscribed(result)

@@ -18,19 +18,31 @@ class DeltaBases:
 
     def __init__(self) -> None:
         self.bases: dict[str, bytes | None] = {}
+        self.resyncing: set[str] = set()  # channels subscribed again for a full frame
 
     def __contains__(self, channel: object) -> bool:
         return channel in self.bases
 
     def granted(self, channel: str) -> None:
-        self.bases[channel] = None  # a full frame comes first
+        """Deltas granted: a full frame comes first (one that came already stays the base)."""
+        self.bases.setdefault(channel, None)
+
+    def resync(self, channel: str) -> bool:
+        """True the first time after a frame that did not apply: subscribe again once, and
+        drop what comes meanwhile quietly until a full frame."""
+        if channel in self.resyncing:
+            return False
+        self.resyncing.add(channel)
+        return True
 
     def reset(self) -> None:
         """A new connection: every channel starts again from a full frame."""
         self.bases = dict.fromkeys(self.bases)
+        self.resyncing.clear()
 
     def forget(self, channel: str) -> None:
         self.bases.pop(channel, None)
+        self.resyncing.discard(channel)
 
     def rebuild(self, channel: str, params: dict[str, Any]) -> dict[str, Any]:
         """``params`` with ``data`` parsed from the full text, or from the delta applied to
@@ -51,4 +63,6 @@ class DeltaBases:
             self.bases[channel] = None
             raise exc if isinstance(exc, DeltaError) else DeltaError(str(exc)) from exc
         self.bases[channel] = text
+        if not params.get("delta"):
+            self.resyncing.discard(channel)
         return {**params, "data": value}

@@ -408,9 +408,8 @@ class RealtimeConsumer:
             answer.update(await hub.subscribe_kept(self.connection, spec, since))
             return answer
         await hub.subscribe(self.connection, spec)
-        if delta is not None:  # granted: a full frame first (also on a subscribe again)
-            hub.fanout.want_deltas(self.connection, spec.name)
-            answer["delta"] = FOSSIL
+        if delta is not None and hub.fanout.want_deltas(self.connection, spec.name):
+            answer["delta"] = FOSSIL  # granted: a full frame first (also on a subscribe again)
         if since is not None:  # nothing kept to resume from: the application resyncs
             answer.update(recovered=False, reason="no_history")
         return answer

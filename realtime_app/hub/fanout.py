@@ -88,7 +88,7 @@ class Fanout:
         if policy == "conflate":  # a held frame may replace another: full frames only
             full = None
             if self.delta_subs.get(channel):
-                data = self.deltas.frames(channel, text, seq).full.encode("utf-8")
+                data = self.deltas.full_only(channel, text).encode("utf-8")
                 full = (data, text_frame(data))
             self._conflate(channel, subs, payload, frame, full)
             return
@@ -136,10 +136,14 @@ class Fanout:
             if decision is not SEND:
                 self._account(conn, decision)
 
-    def want_deltas(self, conn: Connection, channel: str) -> None:
-        """``conn`` subscribed to ``channel`` with deltas: a full frame first."""
+    def want_deltas(self, conn: Connection, channel: str) -> bool:
+        """``conn`` subscribed to ``channel`` with deltas: a full frame first. False (not
+        granted) when it closed or left meanwhile: nothing is kept for it."""
+        if conn.closed or channel not in conn.subscriptions:
+            return False
         conn.deltas[channel] = -1
         self.delta_subs.setdefault(channel, set()).add(conn)
+        return True
 
     def forget_deltas(self, conn: Connection, channel: str) -> None:
         """``conn`` left ``channel`` (or closed)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from realtime_app.wire.fossil import create_delta
+from realtime_app.wire.fossil import TooCostly, create_delta
 from realtime_app.wire.protocol import encode, notification_head
 
 __all__ = ["FOSSIL", "FULL_EVERY", "ChannelDeltas", "DeltaFrames", "split_notification"]
@@ -24,6 +24,8 @@ FOSSIL = "fossil"
 #: A full frame for every subscriber this often (a client that lost its base by a bug of
 #: its own comes back without asking).
 FULL_EVERY = 100
+#: Publications larger than this are sent whole: the delta search is a cost per byte.
+MAX_DELTA_BYTES = 64 * 1024
 
 
 def split_notification(channel: str, text: str) -> tuple[str, str]:
@@ -53,16 +55,30 @@ class ChannelDeltas:
         self.last: dict[str, tuple[int, bytes]] = {}
 
     def frames(self, channel: str, text: str, seq: int) -> DeltaFrames:
+        """The full text and, when worth it, the delta from the last publication: never for
+        the first, every ``FULL_EVERY``-th, a publication over ``MAX_DELTA_BYTES``, a
+        search past its budget, or a delta not under half the data."""
         data_json, tail = split_notification(channel, text)
         data = data_json.encode("utf-8")
         head = notification_head(channel, "")
         full = f'{head}{encode(data_json)},"delta":false{tail}'
         previous = self.last.get(channel)
         self.last[channel] = (seq, data)
-        if previous is None or seq % FULL_EVERY == 0 or previous[0] >= seq:
+        if previous is None or seq % FULL_EVERY == 0 or previous[0] >= seq or len(data) > MAX_DELTA_BYTES:
             return DeltaFrames(full, None, -1)
-        delta = create_delta(previous[1], data).decode("latin-1")
-        return DeltaFrames(full, f'{head}{encode(delta)},"delta":true{tail}', previous[0])
+        try:
+            delta = create_delta(previous[1], data)
+        except TooCostly:
+            return DeltaFrames(full, None, -1)
+        if len(delta) * 2 > len(data):  # random content: no gain
+            return DeltaFrames(full, None, -1)
+        return DeltaFrames(full, f'{head}{encode(delta.decode("latin-1"))},"delta":true{tail}', previous[0])
+
+    @staticmethod
+    def full_only(channel: str, text: str) -> str:
+        """The full text frame alone (a conflated channel: no delta is built)."""
+        data_json, tail = split_notification(channel, text)
+        return f'{notification_head(channel, "")}{encode(data_json)},"delta":false{tail}'
 
     def forget(self, channel: str) -> None:
         self.last.pop(channel, None)

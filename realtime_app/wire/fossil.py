@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import struct
 
-__all__ = ["DeltaError", "apply_delta", "create_delta", "output_size"]
+__all__ = ["DeltaError", "TooCostly", "apply_delta", "create_delta", "output_size"]
 
 NHASH = 16  # the rolling hash's window
 #: Blocks of the base tried per position of the target (Fossil's own bound: repetitive
@@ -31,6 +31,20 @@ VALUES = {c: i for i, c in enumerate(DIGITS)}
 
 class DeltaError(ValueError):
     """A delta that does not apply to this base: malformed, or made from another base."""
+
+
+class TooCostly(Exception):
+    """The search went past its work budget (hostile or repetitive input): send it whole."""
+
+
+#: Candidate checks and bytes compared per byte of target before the search gives up: a
+#: few per byte in the usual case; a crafted input would make Fossil's search try 250 per
+#: byte, which on a megabyte is minutes of Python.
+WORK_PER_BYTE = 8
+#: Digits in one number of a delta: 8 base-64 digits reach 2^48, past any real size.
+MAX_DIGITS = 8
+#: The largest target ``apply_delta`` builds unless told otherwise.
+MAX_OUTPUT = 16 * 1024 * 1024
 
 
 def _put_int(value: int, out: bytearray) -> None:
@@ -85,8 +99,10 @@ def _forward(src: bytes, x: int, out: bytes, y: int) -> int:
     return matched
 
 
-def create_delta(base: bytes, target: bytes) -> bytes:
-    """The delta that makes ``target`` out of ``base``."""
+def create_delta(base: bytes, target: bytes, work_per_byte: int = WORK_PER_BYTE) -> bytes:
+    """The delta that makes ``target`` out of ``base``; :class:`TooCostly` when the search
+    needs more than ``work_per_byte`` candidate checks (and bytes compared) per target byte."""
+    budget = work_per_byte * len(target) + 4096
     out = bytearray()
     _put_int(len(target), out)
     out += b"\n"
@@ -119,6 +135,9 @@ def create_delta(base: bytes, target: bytes) -> bytes:
                 back = 0
                 while back + 1 < source and back + 1 <= i and base[source - back - 1] == target[start + i - back - 1]:
                     back += 1
+                budget -= 1 + back + forward // 64
+                if budget < 0:
+                    raise TooCostly(f"more than {work_per_byte} steps per byte of a {len_out}-byte target")
                 count = forward + back
                 cost = _digit_count(i - back) + _digit_count(count) + _digit_count(source - back) + 3
                 if count >= cost and count > best_count:  # shorter than the bytes it stands for
@@ -158,7 +177,10 @@ def _literal(target: bytes, at: int, n: int, out: bytearray) -> None:
 def _get_int(delta: bytes, at: int) -> tuple[int, int]:
     """The base-64 number at ``delta[at]`` and the index past it."""
     value = 0
+    start = at
     while at < len(delta) and (digit := VALUES.get(delta[at])) is not None:
+        if at - start >= MAX_DIGITS:
+            raise DeltaError("a number of more than 8 digits")
         value = (value << 6) + digit
         at += 1
     return value, at
@@ -172,9 +194,12 @@ def output_size(delta: bytes) -> int:
     return size
 
 
-def apply_delta(base: bytes, delta: bytes) -> bytes:
-    """The target ``delta`` makes out of ``base``; :class:`DeltaError` when it does not apply."""
+def apply_delta(base: bytes, delta: bytes, max_output: int = MAX_OUTPUT) -> bytes:
+    """The target ``delta`` makes out of ``base``; :class:`DeltaError` when it does not apply
+    (or would make more than ``max_output`` bytes)."""
     limit = output_size(delta)
+    if limit > max_output:
+        raise DeltaError(f"a target of {limit} bytes, over {max_output}")
     at = delta.index(b"\n") + 1
     out = bytearray()
     while at < len(delta):

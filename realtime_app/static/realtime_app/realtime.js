@@ -335,6 +335,7 @@ export class RealtimeClient extends EventTarget {
     this._blipMs = undefined; // set by reconnect(): the delay before the new connection
     this._deltaWanted = new Set(); // requested names subscribed with deltas
     this._bases = new Map(); // canonical name -> the last data's JSON bytes (null until a full frame)
+    this._resyncing = new Set(); // canonical names subscribed again for a full frame
   }
 
   _setState(state) {
@@ -379,6 +380,7 @@ export class RealtimeClient extends EventTarget {
     this._ws = null;
     for (const cursor of this._cursors.values()) cursor.closed();
     for (const channel of this._bases.keys()) this._bases.set(channel, null); // full frames again
+    this._resyncing.clear();
     for (const [id, call] of this._pending) {
       clearTimeout(call.timer);
       call.reject(new Error(`connection closed (${code})`));
@@ -413,7 +415,11 @@ export class RealtimeClient extends EventTarget {
 
   _deliver(params) {
     if ("delta" in params) { // only delta subscriptions carry it (maybe before the subscribe's answer)
-      if (!this._bases.has(params.channel)) this._bases.set(params.channel, null);
+      if (!this._bases.has(params.channel)) {
+        const ours = this._deltaWanted.has(params.channel) || [...this._canonical.values()].includes(params.channel);
+        if (!ours) return; // still in flight after an unsubscribe
+        this._bases.set(params.channel, null);
+      }
       params = this._rebuild(params);
       if (!params) return;
     }
@@ -445,13 +451,15 @@ export class RealtimeClient extends EventTarget {
       }
       const data = JSON.parse(UTF8_STRICT.decode(bytes));
       this._bases.set(channel, bytes);
+      if (!params.delta) this._resyncing.delete(channel);
       return { ...params, data };
     } catch (error) {
-      console.warn(`${channel}: a delta frame that does not apply (${error.message}): subscribing again`);
       this._bases.set(channel, null);
-      for (const [name, canonical] of this._canonical) {
-        if (canonical === channel) this._subscribeRemote(name).catch(() => {}); // reported there
-      }
+      if (this._resyncing.has(channel)) return null; // subscribed again already: waiting for a full frame
+      this._resyncing.add(channel);
+      console.warn(`${channel}: a delta frame that does not apply (${error.message}): subscribing again`);
+      const names = [...this._canonical].filter(([, canonical]) => canonical === channel).map(([name]) => name);
+      for (const name of names.length ? names : [channel]) this._subscribeRemote(name).catch(() => {}); // reported there
       return null;
     }
   }
@@ -562,7 +570,7 @@ export class RealtimeClient extends EventTarget {
     if (!this._cursors.has(canonical)) this._cursors.set(canonical, new EventCursor()); // dropped unless kept
     const cursor = this._cursors.get(canonical);
     const params = { channel: name };
-    if (this._deltaWanted.has(name)) params.delta = "fossil";
+    if (this._deltaWanted.has(name) || this._bases.has(canonical)) params.delta = "fossil";
     const since = cursor.since();
     if (since) params.since = since; // a resume: the server replays what was missed
     cursor.resuming(); // what arrives before the answer waits for the position it gives
@@ -582,7 +590,7 @@ export class RealtimeClient extends EventTarget {
       throw error;
     }
     this._canonical.set(name, result.channel);
-    if (result.delta === "fossil") this._bases.set(result.channel, null); // a full frame comes first
+    if (result.delta === "fossil" && !this._bases.has(result.channel)) this._bases.set(result.channel, null); // a full frame first
     this._answers.set(name, result);
     for (const waiter of this._waiters.get(name) || []) waiter.resolve(result);
     this._waiters.delete(name);
@@ -638,7 +646,7 @@ export class RealtimeClient extends EventTarget {
     this._canonical.delete(channel);
     this._deltaWanted.delete(channel);
     const stillUsed = [...this._canonical.values()].includes(canonical);
-    if (!stillUsed) { this._cursors.delete(canonical); this._bases.delete(canonical); }
+    if (!stillUsed) { this._cursors.delete(canonical); this._bases.delete(canonical); this._resyncing.delete(canonical); }
     if (!stillUsed && this._ws && this._ws.readyState === 1) {
       await this.call("unsubscribe", { channel }).catch(() => {});
     }
