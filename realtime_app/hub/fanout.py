@@ -126,15 +126,9 @@ class Fanout:
                 body, raw = encoded("delta", built.delta)
             else:
                 body, raw = encoded("full", built.full)
-            try:
-                decision = conn.guard.send(body, frame=raw, policy=policy)
-            except Exception as exc:
-                self._send_failed(conn, exc)
-                continue
-            if last is not None:
+            decision = self._guarded(conn, body, raw, policy)
+            if decision is not None and last is not None:
                 conn.deltas[channel] = seq if decision is SEND else -1  # missed: a full frame next
-            if decision is not SEND:
-                self._account(conn, decision)
 
     def want_deltas(self, conn: Connection, channel: str) -> bool:
         """``conn`` subscribed to ``channel`` with deltas: a full frame first. False (not
@@ -191,13 +185,20 @@ class Fanout:
     def push(self, conn: Connection, payload: bytes, frame: bytes | None = None) -> None:
         """One frame of a channel to one connection, guarded (as :meth:`fanout` does)."""
         self.frames_out += 1
+        self._guarded(conn, payload, frame if frame is not None else text_frame(payload))
+
+    def _guarded(self, conn: Connection, payload: bytes, frame: bytes, policy: str | None = None) -> Decision | None:
+        """One channel frame through ``conn``'s guard, what it decided accounted for; None
+        when the send raised (that connection is closed). :meth:`fanout`'s plain loop
+        does the same inline: the one place per subscriber per publication."""
         try:
-            decision = conn.guard.send(payload, frame=frame if frame is not None else text_frame(payload))
+            decision = conn.guard.send(payload, frame=frame, policy=policy)
         except Exception as exc:
             self._send_failed(conn, exc)
-            return
+            return None
         if decision is not SEND:
             self._account(conn, decision)
+        return decision
 
     def push_kept(
         self, conn: Connection, channel: str, seq: int, epoch: str, payload: bytes, frame: bytes | None = None
