@@ -346,10 +346,14 @@ async def test_a_slow_delta_subscriber_rebuilds_every_frame_it_gets_across_drops
     got: dict[int, str] = {}
     kinds: list[bool] = []
 
+    slowing = asyncio.Event()
+    slowing.set()
+
     async def slow(params):
         got[params["seq"]] = hashlib.sha256(params["data"]["blob"].encode()).hexdigest()
         kinds.append(params["delta"])
-        await asyncio.sleep(0.5)  # slower than the channel's frames come, even on a loaded machine
+        if slowing.is_set():
+            await asyncio.sleep(0.5)  # slower than the channel's frames come, even on a loaded machine
 
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the server's queue fills
@@ -372,11 +376,14 @@ async def test_a_slow_delta_subscriber_rebuilds_every_frame_it_gets_across_drops
                 gaps = [i for i, (a, b) in enumerate(zip(seqs, seqs[1:], strict=False)) if b - a > 1]
                 return bool(gaps) and len(seqs) - gaps[0] > 5
 
-            await eventually(dropped_then_more, 60, "frames dropped for the slow handler, then more")
-            await eventually(lambda: expected and max(expected) >= max(got), 20, "the reference caught up")
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reader
+            try:
+                await eventually(dropped_then_more, 60, "frames dropped for the slow handler, then more")
+                await eventually(lambda: expected and max(expected) >= max(got), 20, "the reference caught up")
+            finally:
+                slowing.clear()  # read at full speed again: the close is not stuck behind a full queue
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reader
         seqs = sorted(got)
         common = [s for s in seqs if s in expected]
         assert max(b - a for a, b in zip(seqs, seqs[1:], strict=False)) > 1  # frames were dropped for it
