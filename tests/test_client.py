@@ -327,14 +327,64 @@ async def test_a_delta_subscription_rebuilds_every_publication_across_a_reconnec
     assert kinds.count(False) == 2 and kinds.count(True) == 18  # a full frame first, and after the reconnect
 
 
-@pytest.mark.timeout(180)
-async def test_a_slow_delta_subscriber_rebuilds_every_frame_it_gets_across_drops():
-    """A handler slower than the channel: the server drops frames for it, and the frame
-    after a drop is full; every frame the handler gets is exactly the publication."""
+async def test_a_delta_subscription_of_a_channel_with_history_rebuilds_every_publication_across_a_resume(server):
+    """Deltas on a channel with history: what was published while the client was away comes
+    back whole by the resume, then deltas go on; every publication is rebuilt exactly."""
     import hashlib
 
     from tests.wsclient import RPC
 
+    def digest(data):
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+    channel = "test:big-history"
+    got: dict[int, str] = {}
+    kinds: dict[int, bool] = {}
+    recovered: list[int] = []
+
+    def take(params):
+        got[params["seq"]] = digest(params["data"])
+        kinds[params["seq"]] = params["delta"]
+
+    async def publish(rpc, count):
+        answer = await rpc.call("test.publish_burst", {"channels": [channel], "count": count, "size": 2000})
+        assert answer["result"] == count
+
+    async with RPC(server.ws) as plain, RPC(server.ws) as publisher, RealtimeClient(server.ws) as client:
+        client.on_recovered.append(lambda _channel, replayed: recovered.append(replayed))
+        await plain.subscribe(channel)
+        answer = await client.subscribe(channel, take, delta="fossil")
+        assert answer["delta"] == "fossil"
+        await publish(publisher, 10)
+        await eventually(lambda: len(got) >= 10, 10, "frames before the reconnect")
+        await client.reconnect(3000)
+        await publish(publisher, 10)  # while it is away
+        await eventually(lambda: recovered, 20, "the resume")
+        await publish(publisher, 10)
+        await eventually(lambda: len(got) >= 30, 15, "frames after the resume")
+        expected = {f["seq"]: digest(f["data"]) for f in await plain.frames(30)}
+    assert got == expected  # every publication, exactly
+    seqs = sorted(got)
+    assert sum(recovered) >= 10  # the ten published while it was away came by the resume
+    assert not any(kinds[s] for s in seqs[10:20])  # replayed whole
+    assert kinds[seqs[0]] is False and all(kinds[s] for s in seqs[1:10])  # a full frame, then deltas
+    assert sum(kinds[s] for s in seqs[20:]) >= 8  # deltas again after the resume
+
+
+@pytest.mark.timeout(180)
+async def test_a_slow_delta_subscriber_rebuilds_every_frame_it_gets_across_drops():
+    """A handler slower than its connection's frames: the server drops frames for it, the
+    frame after a drop is full, deltas go on once it reads again; every frame the handler
+    gets is exactly the publication."""
+    import hashlib
+
+    from tests.wsclient import RPC
+
+    def digest(data):
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+    channel = "test:drift"  # 2 KiB of state, 200 characters new in each, 10 a second
+    flood = "demo:flood:10"  # 32 KiB of random text 100 times a second on the same connection
     server = Server(
         {
             "REDIS_URL": "",
@@ -344,51 +394,55 @@ async def test_a_slow_delta_subscriber_rebuilds_every_frame_it_gets_across_drops
         }
     ).start()
     got: dict[int, str] = {}
-    kinds: list[bool] = []
+    kinds: dict[int, bool] = {}
 
     slowing = asyncio.Event()
     slowing.set()
 
     async def slow(params):
-        got[params["seq"]] = hashlib.sha256(params["data"]["blob"].encode()).hexdigest()
-        kinds.append(params["delta"])
+        if params["channel"] == channel:
+            got[params["seq"]] = digest(params["data"])
+            kinds[params["seq"]] = params["delta"]
         if slowing.is_set():
-            await asyncio.sleep(0.5)  # slower than the channel's frames come, even on a loaded machine
+            await asyncio.sleep(0.05)  # 20 frames a second: the flood comes at 100
+
+    def gaps() -> list[int]:  # the first seq after each run of frames the server dropped
+        seqs = sorted(got)
+        return [b for a, b in zip(seqs, seqs[1:], strict=False) if b - a > 1]
 
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the server's queue fills
     sock.connect(("127.0.0.1", server.port))
     try:
         async with RPC(server.ws) as plain, RealtimeClient(server.ws, sock=sock, max_queue=1) as client:
-            await plain.subscribe("demo:flood:10")
+            await plain.subscribe(channel)
             expected: dict[int, str] = {}
 
             async def read_plain() -> None:  # the reference, read as fast as it comes: nothing dropped
                 while True:
                     [frame] = await plain.frames(1, timeout=30)
-                    expected[frame["seq"]] = hashlib.sha256(frame["data"]["blob"].encode()).hexdigest()
+                    expected[frame["seq"]] = digest(frame["data"])
 
             reader = asyncio.get_running_loop().create_task(read_plain())
-            await client.subscribe("demo:flood:10", slow, delta="fossil")
-
-            def dropped_then_more() -> bool:  # a gap in what it got, and frames after it
-                seqs = sorted(got)
-                gaps = [i for i, (a, b) in enumerate(zip(seqs, seqs[1:], strict=False)) if b - a > 1]
-                return bool(gaps) and len(seqs) - gaps[0] > 5
-
+            await client.subscribe(channel, slow, delta="fossil")
+            await client.subscribe(flood, slow)
             try:
-                await eventually(dropped_then_more, 60, "frames dropped for the slow handler, then more")
+                await eventually(lambda: gaps(), 60, "frames dropped for the slow handler")
+                slowing.clear()  # reading at full speed again
+                await client.unsubscribe(flood)
+                await eventually(lambda: len([s for s in got if s > gaps()[-1]]) >= 5, 30, "deltas again")
                 await eventually(lambda: expected and max(expected) >= max(got), 20, "the reference caught up")
             finally:
-                slowing.clear()  # read at full speed again: the close is not stuck behind a full queue
+                slowing.clear()  # the close is not stuck behind a full queue
                 reader.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await reader
         seqs = sorted(got)
         common = [s for s in seqs if s in expected]
-        assert max(b - a for a, b in zip(seqs, seqs[1:], strict=False)) > 1  # frames were dropped for it
         # (the reference reads fast, but on a loaded machine the guard may drop for it too)
         assert len(common) >= len(seqs) // 2 and all(got[s] == expected[s] for s in common)
-        assert kinds.count(False) >= 2  # a full frame after each drop
+        full = {s for s in seqs if not kinds[s]}
+        assert set(gaps()) <= full  # a full frame after each drop
+        assert any(kinds[s] for s in seqs if s > gaps()[-1])  # then deltas again
     finally:
         server.stop()

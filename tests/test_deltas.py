@@ -94,10 +94,36 @@ async def test_an_unknown_delta_is_refused(hub, params, reason):
         assert (await c.call("subscribe", params))["error"]["data"]["reason"] == reason
 
 
-async def test_a_channel_with_history_does_not_grant_deltas(hub):
-    async with Client() as c:
-        answer = (await c.call("subscribe", {"channel": "demo:events", "delta": "fossil"}))["result"]
-    assert "delta" not in answer and "epoch" in answer
+async def test_a_delta_subscriber_of_a_channel_with_history_rebuilds_every_publication_across_a_resume(hub):
+    """A resume replays full frames (whatever base the process keeps, the client's is the
+    last frame it got); the first live frame after it is full, then deltas go on."""
+    channel = "test:big-history"
+    burst = {"channels": [channel], "count": 6, "size": 2000}
+    rebuilt = Rebuilder()
+    async with Client() as plain, Client() as delta, Client() as publisher:
+        await plain.call("subscribe", {"channel": channel})
+        answer = (await delta.call("subscribe", {"channel": channel, "delta": "fossil"}))["result"]
+        assert answer["delta"] == "fossil" and "epoch" in answer
+        await publisher.call("test.publish_burst", burst)
+        before = await delta.frames(6, channel, timeout=5)
+        got = {f["seq"]: digest(rebuilt.take(f)) for f in before}
+        assert rebuilt.kinds == [False] + [True] * 5
+        await delta.call("unsubscribe", {"channel": channel})
+        await publisher.call("test.publish_burst", burst)  # missed: the resume brings them
+        since = {"epoch": before[-1]["epoch"], "seq": before[-1]["seq"]}
+        asked = await delta.call_nowait("subscribe", {"channel": channel, "since": since, "delta": "fossil"})
+        after = []
+        while (message := await delta.recv(5)).get("id") != asked:  # the replay comes before the answer
+            after.append(message["params"])
+        resumed = message["result"]
+        assert (resumed["recovered"], resumed["replayed"], resumed["delta"]) == (True, 6, "fossil")
+        await publisher.call("test.publish_burst", burst)  # live again
+        after += await delta.frames(6, channel, timeout=5)
+        got |= {f["seq"]: digest(rebuilt.take(f)) for f in after}
+        expected = {f["seq"]: digest(f["data"]) for f in await plain.frames(18, channel, timeout=5)}
+    assert got == expected  # every publication, exactly, in order
+    assert [f["seq"] for f in before + after] == sorted(expected)
+    assert rebuilt.kinds[6:] == [False] * 6 + [False] + [True] * 5  # replayed whole, one full, then deltas
 
 
 async def test_a_conflated_channel_gives_its_delta_subscribers_full_frames(hub, settings):

@@ -298,9 +298,12 @@ class RealtimeClient:
             if self._ws is not ws or self._cursors.get(channel) is not cursor:
                 return
             try:
+                params: dict[str, Any] = {"channel": channel, "since": cursor.since()}
+                if channel in self._deltas:
+                    params["delta"] = "fossil"  # the replay comes whole; deltas go on after it
                 await self._call_once(
                     "subscribe",
-                    {"channel": channel, "since": cursor.since()},
+                    params,
                     max(self.call_timeout, RESUME_TIMEOUT),  # the replay comes first, at the pace we read
                     self._answered(channel, cursor),
                 )

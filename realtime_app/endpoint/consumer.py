@@ -404,8 +404,8 @@ class RealtimeConsumer:
         if spec.name not in hub.subscribers:
             spec = await self._bounded(hub, spec, config)
         answer: dict[str, Any] = {"channel": spec.name, "kind": spec.kind, "interval_ms": spec.interval_ms}
-        if spec.history is not None:  # resumes replay whole frames: deltas are not granted here
-            answer.update(await hub.subscribe_kept(self.connection, spec, since))
+        if spec.history is not None:  # a resume replays full frames, then deltas go on
+            answer.update(await hub.subscribe_kept(self.connection, spec, since, deltas=delta is not None))
             return answer
         await hub.subscribe(self.connection, spec)
         if delta is not None and hub.fanout.want_deltas(self.connection, spec.name):

@@ -228,9 +228,11 @@ class Hub:
         await self.convergence.converge(channel)
         return True
 
-    async def subscribe_kept(self, conn: Connection, spec: ChannelSpec, since: Since | None = None) -> dict[str, Any]:
+    async def subscribe_kept(
+        self, conn: Connection, spec: ChannelSpec, since: Since | None = None, deltas: bool = False
+    ) -> dict[str, Any]:
         """Subscribe to a channel with history, or resume it (:mod:`~realtime_app.hub.replay`)."""
-        return await self.replays.subscribe_kept(conn, spec, since)
+        return await self.replays.subscribe_kept(conn, spec, since, deltas)
 
     def undo_subscribe(self, conn: Connection, channel: str) -> None:
         """Take back a subscription that could not be completed."""

@@ -20,7 +20,7 @@ from realtime_app.observability.logsafe import safe
 from realtime_app.outbound.backpressure import CLOSE, DROP, HOLD, SEND, Decision, decide_send
 from realtime_app.outbound.guard import BACKPRESSURE_REASON
 from realtime_app.outbound.transports import text_frame
-from realtime_app.wire.deltas import ChannelDeltas
+from realtime_app.wire.deltas import ChannelDeltas, DeltaFrames
 from realtime_app.wire.history import already_sent
 from realtime_app.wire.protocol import CloseCode
 
@@ -76,10 +76,18 @@ class Fanout:
         frame = text_frame(payload)  # the same bytes on every subscriber's socket
         if epoch:
             replays = self.buffers.get(channel, {})
+            built = self.deltas.frames(channel, text, seq) if self.delta_subs.get(channel) else None
+            variants: dict[str, tuple[bytes, bytes]] = {}
             for conn in tuple(subs):
                 buffer = replays.get(conn)
                 if buffer is not None:
                     buffer.append((seq, epoch, payload))
+                elif built is not None and channel in conn.deltas:
+                    if already_sent(conn.positions.get(channel), epoch, seq):
+                        continue
+                    conn.positions[channel] = (epoch, seq)
+                    self.frames_out += 1
+                    self._send_delta(conn, channel, seq, built, variants, None)
                 else:
                     self.push_kept(conn, channel, seq, epoch, payload, frame)
             return
@@ -111,24 +119,35 @@ class Fanout:
         plain one, the full text, the delta), each connection given the one it can use."""
         built = self.deltas.frames(channel, text, seq)
         variants: dict[str, tuple[bytes, bytes]] = {}
-
-        def encoded(kind: str, variant: str) -> tuple[bytes, bytes]:
-            if kind not in variants:
-                data = variant.encode("utf-8")
-                variants[kind] = (data, text_frame(data))
-            return variants[kind]
-
         for conn in tuple(subs):
-            last = conn.deltas.get(channel)
-            if last is None:
-                body, raw = payload, frame
-            elif built.delta is not None and last == built.base_seq:
-                body, raw = encoded("delta", built.delta)
+            if channel in conn.deltas:
+                self._send_delta(conn, channel, seq, built, variants, policy)
             else:
-                body, raw = encoded("full", built.full)
-            decision = self._guarded(conn, body, raw, policy)
-            if decision is not None and last is not None:
-                conn.deltas[channel] = seq if decision is SEND else -1  # missed: a full frame next
+                self._guarded(conn, payload, frame, policy)
+
+    def _send_delta(
+        self,
+        conn: Connection,
+        channel: str,
+        seq: int,
+        built: DeltaFrames,
+        variants: dict[str, tuple[bytes, bytes]],
+        policy: str | None,
+    ) -> None:
+        """One publication to one delta subscriber: the delta when it received the base,
+        else the full text; each variant encoded once per publication (``variants``)."""
+        kind, text = (
+            ("delta", built.delta)
+            if built.delta is not None and conn.deltas[channel] == built.base_seq
+            else ("full", built.full)
+        )
+        if kind not in variants:
+            data = text.encode("utf-8")
+            variants[kind] = (data, text_frame(data))
+        body, raw = variants[kind]
+        decision = self._guarded(conn, body, raw, policy)
+        if decision is not None:
+            conn.deltas[channel] = seq if decision is SEND else -1  # missed: a full frame next
 
     def want_deltas(self, conn: Connection, channel: str) -> bool:
         """``conn`` subscribed to ``channel`` with deltas: a full frame first. False (not
@@ -182,8 +201,14 @@ class Fanout:
                 self.holding.discard(conn)
         return written
 
-    def push(self, conn: Connection, payload: bytes, frame: bytes | None = None) -> None:
-        """One frame of a channel to one connection, guarded (as :meth:`fanout` does)."""
+    def push(self, conn: Connection, payload: bytes, frame: bytes | None = None, channel: str = "") -> None:
+        """One frame of ``channel`` to one connection, guarded (as :meth:`fanout` does); to
+        a delta subscriber as its full text (a replayed or held-back frame: the next live
+        one is full too, whatever base the process kept)."""
+        if channel in conn.deltas:
+            conn.deltas[channel] = -1
+            payload = self.deltas.full_only(channel, payload.decode("utf-8")).encode("utf-8")
+            frame = None
         self.frames_out += 1
         self._guarded(conn, payload, frame if frame is not None else text_frame(payload))
 
@@ -207,7 +232,7 @@ class Fanout:
         if already_sent(conn.positions.get(channel), epoch, seq):
             return
         conn.positions[channel] = (epoch, seq)
-        self.push(conn, payload, frame)
+        self.push(conn, payload, frame, channel)
 
     def send_to(self, conn: Connection, text: str, *, response: bool = False) -> Decision:
         """Send one frame to one connection through its guard (RPC responses, errors)."""

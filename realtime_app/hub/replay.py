@@ -22,6 +22,7 @@ from realtime_app.hub.connections import Connection
 from realtime_app.hub.fanout import Fanout, Held
 from realtime_app.hub.ordering import Ordering
 from realtime_app.inbound.admission import Admission
+from realtime_app.wire.deltas import FOSSIL
 from realtime_app.wire.history import PAGE, HistoryEntry, Since, follows, plan_resume
 from realtime_app.wire.protocol import OVERLOADED
 
@@ -77,10 +78,13 @@ class Replays:
         self.resuming = 0  # resumes replaying now (MAX_CONCURRENT_RESUMES)
         self.replayed = 0  # publications sent again from a history
 
-    async def subscribe_kept(self, conn: Connection, spec: ChannelSpec, since: Since | None = None) -> dict[str, Any]:
+    async def subscribe_kept(
+        self, conn: Connection, spec: ChannelSpec, since: Since | None = None, deltas: bool = False
+    ) -> dict[str, Any]:
         """Subscribe ``conn`` to a channel with history — or resume it, with ``since``.
         Returns the channel's position ``{"epoch", "seq"}`` and, with ``since``,
-        ``recovered`` and ``replayed``, or ``reason`` when the gap was not filled."""
+        ``recovered`` and ``replayed``, or ``reason`` when the gap was not filled;
+        ``delta`` when ``deltas`` were asked for and granted (replayed frames go whole)."""
         if since is not None:
             limit = get_config()["MAX_CONCURRENT_RESUMES"]
             if limit and self.resuming >= limit:
@@ -90,12 +94,14 @@ class Replays:
                 )
             self.resuming += 1
         try:
-            return await self._subscribe_kept(conn, spec, since)
+            return await self._subscribe_kept(conn, spec, since, deltas)
         finally:
             if since is not None:
                 self.resuming -= 1
 
-    async def _subscribe_kept(self, conn: Connection, spec: ChannelSpec, since: Since | None) -> dict[str, Any]:
+    async def _subscribe_kept(
+        self, conn: Connection, spec: ChannelSpec, since: Since | None, deltas: bool
+    ) -> dict[str, Any]:
         hub = self.hub
         policy, backplane = spec.history, hub.backplane
         assert policy is not None and backplane is not None
@@ -105,6 +111,7 @@ class Replays:
         added = False
         try:
             added = await hub.subscribe(conn, spec)
+            granted = deltas and self.fanout.want_deltas(conn, channel)  # before any frame
             read = await backplane.history(channel, policy, since, hub.last_seq.get(channel, 0))
             if channel in hub.subscribers:
                 self.ordering.read(channel, read.epoch, read.top)
@@ -112,6 +119,8 @@ class Replays:
             if at is None or at[0] != read.epoch or at[1] < read.top:
                 conn.positions[channel] = (read.epoch, read.top)  # the replay brings it there
             answer: dict[str, Any] = {"epoch": read.epoch, "seq": read.top}
+            if granted:
+                answer["delta"] = FOSSIL
             if since is None:
                 return answer
             plan = plan_resume(since, read, policy, now_ms())
@@ -182,7 +191,7 @@ class Replays:
                         await asyncio.sleep(REPLAY_POLL_S)  # the transports signal no drain
                 if conn.closed or channel not in conn.subscriptions:
                     return sent, "closed"
-                self.fanout.push(conn, payload)
+                self.fanout.push(conn, payload, channel=channel)
                 sent += 1
                 self.replayed += 1
             after = entries[-1].seq

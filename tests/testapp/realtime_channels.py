@@ -70,6 +70,17 @@ def broken(channel: ChannelSpec, publish: Any) -> None:
     raise RuntimeError("this factory always fails")
 
 
+_drift = {"n": 0}
+
+
+@realtime_app.ticker("test:drift", default=100, min=10, max=60000)
+def drift(channel: ChannelSpec) -> dict[str, Any]:
+    """A state worth deltas: 2 KiB that stay, 200 random characters and a counter new in
+    each frame (a delta of about 250 bytes beside a 2.3 KiB full frame)."""
+    _drift["n"] += 1
+    return {"n": _drift["n"], "fixed": "abcdefgh" * 256, "fresh": os.urandom(100).hex()}
+
+
 realtime_app.event_channel("test:events")
 realtime_app.event_channel("test:short-history", history_size=5, history_ttl_s=60)
 realtime_app.event_channel("test:big-history", history_size=1000, history_ttl_s=300)
@@ -188,12 +199,15 @@ def state_dropped(channel: ChannelSpec, publish: Any) -> None:
 @realtime_app.rpc_method("test.publish_burst")
 async def publish_burst(consumer: Any, params: Any) -> int:
     """``count`` publications of ``size`` bytes on each of ``channels``, interleaved:
-    ``{"n": i, "pad": ...}``; returns how many were published."""
+    ``{"n": i, "pad": ...}``, with ``"fresh"``: that many random hex characters more, new
+    in each publication (a delta of that size); returns how many were published."""
     pad = "x" * int(params["size"])
+    fresh = int(params.get("fresh", 0))
     published = 0
     for i in range(int(params["count"])):
         for channel in params["channels"]:
-            await realtime_app.apublish(channel, {"n": i, "pad": pad})
+            data = {"n": i, "pad": pad, **({"fresh": os.urandom(fresh // 2).hex()} if fresh else {})}
+            await realtime_app.apublish(channel, data)
             published += 1
         await asyncio.sleep(0)
     return published

@@ -499,7 +499,9 @@ export class RealtimeClient extends EventTarget {
       if (!cursor || !cursor.recovering || this._ws !== ws || !ws || ws.readyState !== 1) return;
       if (this._cursors.get(channel) !== cursor) return;
       try {
-        const result = await this._callOnce("subscribe", { channel, since: cursor.since() }, { timeoutMs: Math.max(this.callTimeoutMs, RESUME_TIMEOUT_MS) });
+        const params = { channel, since: cursor.since() };
+        if (this._bases.has(channel)) params.delta = "fossil"; // the replay comes whole; deltas go on after it
+        const result = await this._callOnce("subscribe", params, { timeoutMs: Math.max(this.callTimeoutMs, RESUME_TIMEOUT_MS) });
         this._applyAnswer(channel, result, cursor);
         return;
       } catch (err) {
