@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import re
+import socket
 import ssl
 import time
 
@@ -287,4 +288,65 @@ async def test_a_conflated_state_channel_converges_to_its_latest_value_where_dro
         assert max(gaps) > 1  # the seq jump shows what was conflated
     finally:
         await slow.ws.close()
+        server.stop()
+
+
+async def test_a_reader_that_wakes_every_2_5_s_holds_the_latest_value_of_a_conflated_10_hz_channel(database):
+    """A 10 Hz state channel and a reader that reads once every 2.5 s (a background tab, a
+    phone between syncs), with ``conflate`` and with ``drop`` side by side: after each read,
+    once the server has drained its queue, the conflated reader holds the value published
+    last; the dropped one holds the last frame that fitted when its queue filled, several
+    publications old, until a later one happens to fit. Each queue stays within the
+    threshold plus one frame."""
+    conflated, dropped = "test:state-conflated", "test:state-dropped"
+    limit, size = 64 * 1024, 16 * 1024
+    rules = [{"pattern": conflated, "backpressure": "conflate"}]
+    server = start(database, max_backpressure=limit, close_after_drops=100_000, overrides={"POLICIES": rules})
+    readers: dict[str, RPC] = {}
+
+    async def read_awake(reader: RPC, latest: int) -> int:
+        """Read what is there, and what the server writes as its queue drains, until the
+        latest value or a quiet second (twenty of the hub's drains); the value held."""
+        value = -1
+        reader.ws.transport.resume_reading()
+        with contextlib.suppress(TimeoutError):
+            while value != latest:
+                message = await reader.recv(1.0)
+                if message.get("method") == "message":
+                    value = message["params"]["data"]["n"]
+        reader.ws.transport.pause_reading()
+        return value
+
+    try:
+        probe = Probe(server)
+        for channel in (conflated, dropped):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # what the guard cannot see: small
+            sock.connect(("127.0.0.1", server.port))
+            readers[channel] = RPC(server.ws, sock=sock)
+            await readers[channel].__aenter__()
+            await readers[channel].subscribe(channel)
+            readers[channel].ws.transport.pause_reading()
+        held: dict[str, list[tuple[int, int]]] = {conflated: [], dropped: []}  # (latest, held) per read
+        queued: list[int] = []
+        n = 0
+        async with RPC(server.ws) as publisher:
+            for _read in range(4):
+                for _ in range(25):  # 10 Hz for 2.5 s while the readers sleep
+                    burst = {"channels": [conflated, dropped], "count": 1, "size": size, "start": n}
+                    assert (await publisher.call("test.publish_burst", burst))["result"] == 2
+                    n += 1
+                    await asyncio.sleep(0.1)
+                queued.append((await probe.aread("totals"))["max_buffered_amount"])
+                for channel, reader in readers.items():
+                    held[channel].append((n - 1, await read_awake(reader, n - 1)))
+        assert all(value == latest for latest, value in held[conflated]), held  # the latest, every time
+        assert all(value < latest - 5 for latest, value in held[dropped]), held  # several publications old
+        assert max(queued) <= limit + size + 300, queued
+        assert (await probe.aread("totals"))["conflated"] > 0
+    finally:
+        for reader in readers.values():
+            with contextlib.suppress(Exception):
+                reader.ws.transport.resume_reading()
+                await reader.ws.close()
         server.stop()

@@ -22,10 +22,13 @@ class RPC:
         origin: str | None = None,
         ssl: Any = None,
         address: str | None = None,
+        sock: Any = None,
     ) -> None:
         """``address``: the client's address as a trusted proxy forwards it (the test
-        settings trust 127.0.0.1): a client of its own, not one of 127.0.0.1's sockets."""
+        settings trust 127.0.0.1): a client of its own, not one of 127.0.0.1's sockets.
+        ``sock``: a connected socket to use (a small receive buffer, say)."""
         self.url = url
+        self.sock = sock
         self.ssl = ssl
         self.headers = {"Cookie": cookie} if cookie else {}
         if address is not None:
@@ -43,6 +46,7 @@ class RPC:
             max_size=None,
             open_timeout=10,
             **({"ssl": self.ssl} if self.ssl is not None else {}),
+            **({"sock": self.sock} if self.sock is not None else {}),
         )
         return self
 

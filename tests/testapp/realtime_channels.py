@@ -199,12 +199,14 @@ def state_dropped(channel: ChannelSpec, publish: Any) -> None:
 @realtime_app.rpc_method("test.publish_burst")
 async def publish_burst(consumer: Any, params: Any) -> int:
     """``count`` publications of ``size`` bytes on each of ``channels``, interleaved:
-    ``{"n": i, "pad": ...}``, with ``"fresh"``: that many random hex characters more, new
-    in each publication (a delta of that size); returns how many were published."""
+    ``{"n": i, "pad": ...}`` (``i`` from ``"start"``, 0), with ``"fresh"``: that many random
+    hex characters more, new in each publication (a delta of that size); returns how many
+    were published."""
     pad = "x" * int(params["size"])
     fresh = int(params.get("fresh", 0))
+    start = int(params.get("start", 0))
     published = 0
-    for i in range(int(params["count"])):
+    for i in range(start, start + int(params["count"])):
         for channel in params["channels"]:
             data = {"n": i, "pad": pad, **({"fresh": os.urandom(fresh // 2).hex()} if fresh else {})}
             await realtime_app.apublish(channel, data)
