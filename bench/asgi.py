@@ -22,6 +22,48 @@ if "bench:big-history" not in registry.exact:  # 1,000 events of any size kept: 
 
     event_channel("bench:big-history", history_size=1000, history_ttl_s=600)
 
+if "bench:dash" not in registry.families:  # bench/bandwidth.py's feeds
+    import random
+    from typing import Any
+
+    from realtime_app import state_channel, ticker
+
+    _dash_rng = random.Random(1)
+    _dash = {f"field_{i}": {"value": round(i * 1.5, 2), "label": f"sensor {i}", "ok": True} for i in range(40)}
+
+    @ticker("bench:dash", default=100, min=10, max=60000)
+    def dash(channel: object) -> dict:
+        """A 2.3 KiB dashboard state, three of its forty fields changed per publication."""
+        for k in _dash_rng.sample(range(40), 3):
+            _dash[f"field_{k}"]["value"] = round(_dash[f"field_{k}"]["value"] + _dash_rng.uniform(-1, 1), 2)
+        return _dash
+
+    _state = {"n": 0}
+
+    def _big_state(channel: object) -> dict:
+        """16 KiB of state and a counter: a slow reader's queue fills in a second."""
+        _state["n"] += 1
+        return {"n": _state["n"], "pad": "x" * 16384}
+
+    ticker("bench:conflated", default=100, min=10, max=60000)(_big_state)  # its POLICIES rule: conflate
+    ticker("bench:dropped", default=100, min=10, max=60000)(_big_state)
+
+    def _bursts(channel: object, publish: Any) -> Any:
+        """The same state at 10 Hz for 1.5 s of every 3.1 s: figures that change in spells."""
+        import asyncio
+
+        async def run() -> None:
+            while True:
+                for _ in range(15):
+                    publish(_big_state(channel))
+                    await asyncio.sleep(0.1)
+                await asyncio.sleep(1.6)
+
+        return asyncio.get_running_loop().create_task(run()).cancel
+
+    state_channel("bench:burst-conflated")(_bursts)
+    state_channel("bench:burst-dropped")(_bursts)
+
 if os.environ.get("BENCH_DAPHNE_WRITE"):  # bench/fanout.py --daphne-write
     from realtime_app.outbound.daphne import DaphneTransport
 
