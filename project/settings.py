@@ -1,4 +1,5 @@
-"""Settings of the demo site. Environment: REDIS_URL, REALTIME_CHANNEL_LAYER (``pubsub`` for
+"""Settings of the demo site. Environment: REDIS_URL (several, comma-separated: the
+backplane's shards, docs/capacity.md), REALTIME_CHANNEL_LAYER (``pubsub`` for
 channels-redis' pub/sub layer), DATABASE_URL, REALTIME_DEMO_FLOOD."""
 
 from __future__ import annotations
@@ -79,13 +80,14 @@ def _database(url: str | None) -> dict[str, object]:
 DATABASES = {"default": _database(os.environ.get("DATABASE_URL"))}
 
 REDIS_URL = os.environ.get("REDIS_URL")
+REDIS_HOSTS = [url.strip() for url in (REDIS_URL or "").split(",") if url.strip()]  # each a shard
 REALTIME_KEY_PREFIX = os.environ.get("REALTIME_KEY_PREFIX", "realtime")
 if REDIS_URL and os.environ.get("REALTIME_CHANNEL_LAYER") == "pubsub":
     # channels-redis' other layer: the backplane carries the cluster on either.
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL], "prefix": f"{REALTIME_KEY_PREFIX}:asgi"},
+            "CONFIG": {"hosts": REDIS_HOSTS, "prefix": f"{REALTIME_KEY_PREFIX}:asgi"},
         }
     }
 elif REDIS_URL:
@@ -93,7 +95,7 @@ elif REDIS_URL:
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
             "CONFIG": {
-                "hosts": [REDIS_URL],
+                "hosts": REDIS_HOSTS,
                 "prefix": f"{REALTIME_KEY_PREFIX}:asgi",
                 # Application consumers' channels (not the backplane's, which has its own
                 # pub/sub): a channel over capacity drops what is sent to it, silently.

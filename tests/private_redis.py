@@ -32,7 +32,8 @@ def redis_binary() -> str:
 class PrivateRedis:
     """One redis-server process of this test, on 127.0.0.1:port, empty at each start."""
 
-    def __init__(self) -> None:
+    def __init__(self, *extra: str) -> None:
+        self.extra = list(extra)  # more redis-server arguments (``--cluster-enabled yes``)
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="redis-")
         self.process: subprocess.Popen[bytes] | None = None
@@ -45,7 +46,7 @@ class PrivateRedis:
         return redis.Redis.from_url(self.url, decode_responses=True, socket_timeout=5)
 
     def start(self) -> PrivateRedis:
-        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *self.extra]
         self.process = subprocess.Popen(
             [redis_binary(), *args, "--dir", self.dir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )

@@ -111,6 +111,26 @@ def test_the_redis_backplane_without_the_redis_layer_is_an_error():
     assert ids(check_settings()) == ["realtime_app.E005"]
 
 
+@pytest.mark.parametrize("shards", [[], "redis://a:6379/0", [1, 2], [{"no": "address"}]])
+def test_redis_shards_that_are_no_hosts_are_an_error(settings, shards):
+    settings.REALTIME_APP = {"REDIS_SHARDS": shards}
+    [message] = check_settings()
+    assert message.id == "realtime_app.E011" and "REDIS_SHARDS" in message.msg
+
+
+def test_several_redis_servers_make_a_sharded_backplane(settings):
+    from realtime_app.cluster.factory import backplane_class
+    from realtime_app.cluster.redis import RedisBackplane
+    from realtime_app.cluster.shards import ShardedBackplane
+
+    settings.REALTIME_APP = {"REDIS_SHARDS": ["redis://127.0.0.1:1/0", "redis://:secret@127.0.0.1:2/3"]}
+    assert check_settings() == [] and backplane_class() is ShardedBackplane
+    backplane = ShardedBackplane(config={**settings.REALTIME_APP, "KEY_PREFIX": "x"})
+    assert [s["address"] for s in backplane.shards_probe()] == ["127.0.0.1:1/0", "127.0.0.1:2/3"]  # no password
+    settings.REALTIME_APP = {"REDIS_SHARDS": ["redis://127.0.0.1:1/0"]}
+    assert backplane_class() is RedisBackplane  # one server: no router
+
+
 @override_settings(REALTIME_APP={"BACKPLANE": "realtime_app.conf.get_config"})
 def test_a_backplane_path_that_is_not_a_backplane_is_an_error():
     assert ids(check_settings()) == ["realtime_app.E003"]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from realtime_app.observability.logsafe import Outage
-from realtime_app.observability.schema import ProcessProbe
+from realtime_app.observability.schema import ProcessProbe, ShardProbe
 from realtime_app.wire.history import PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, Since
 
 __all__ = ["Backplane", "Delivery", "Deliver", "now_ms"]
@@ -143,6 +143,10 @@ class Backplane:
     async def cluster_probes(self) -> list[ProcessProbe]:
         """The probes of every live process."""
         raise NotImplementedError
+
+    def shards_probe(self) -> list[ShardProbe]:
+        """Each server the backplane uses, up or down (none for one process in memory)."""
+        return []
 
     async def take_tokens(self, identity: str, cost: float, capacity: float, refill_per_s: float) -> int | None:
         """Take ``cost`` tokens of a bucket shared by the cluster, atomically: ``None`` when

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from realtime_app.cluster.base import Backplane
 
-__all__ = ["backplane_class", "make_backplane"]
+__all__ = ["backplane_class", "make_backplane", "redis_backplane_class"]
 
 
 def backplane_class() -> type[Backplane]:
@@ -24,17 +24,15 @@ def backplane_class() -> type[Backplane]:
 
         return MemoryBackplane
     if choice == "redis":
-        from realtime_app.cluster.redis import RedisBackplane
-
-        return RedisBackplane
+        return redis_backplane_class()
     if choice == "auto":
         from django.core.exceptions import ImproperlyConfigured
 
-        from realtime_app.cluster.redis import RedisBackplane, layer_kind
+        from realtime_app.cluster.redis import layer_kind
 
         kind = layer_kind()
-        if kind == "redis":
-            return RedisBackplane
+        if kind == "redis" or get_config()["REDIS_SHARDS"]:
+            return redis_backplane_class()
         if kind == "other":  # never a silent fallback to one process (check E008)
             raise ImproperlyConfigured(
                 "realtime_app: the default channel layer is neither channels-redis' nor the in-memory one; "
@@ -45,6 +43,18 @@ def backplane_class() -> type[Backplane]:
         return MemoryBackplane
     cls: type[Backplane] = import_string(choice)
     return cls
+
+
+def redis_backplane_class() -> type[Backplane]:
+    """One Redis server, or several: a sharded backplane (:mod:`realtime_app.cluster.shards`)."""
+    from realtime_app.cluster.redis import RedisBackplane, shard_hosts
+    from realtime_app.conf import get_config
+
+    if len(shard_hosts(get_config())) > 1:
+        from realtime_app.cluster.shards import ShardedBackplane
+
+        return ShardedBackplane
+    return RedisBackplane
 
 
 def make_backplane(instance_id: str = "headless") -> Backplane:

@@ -39,12 +39,20 @@ from realtime_app.cancellation import cancel_and_wait
 from realtime_app.cluster import redis_scripts as scripts
 from realtime_app.cluster.base import Backplane, Deliver, Delivery, now_ms
 from realtime_app.inbound.admission import retry_after_ms
-from realtime_app.observability.schema import ProcessProbe
+from realtime_app.observability.schema import ProcessProbe, ShardProbe
 from realtime_app.wire.history import PAGE, PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, Since, epoch_suffix
 from realtime_app.wire.names import group_name
 from realtime_app.wire.protocol import notification_head
 
-__all__ = ["REDIS_LAYERS", "RedisBackplane", "layer_hosts", "layer_kind", "uses_channels_redis"]
+__all__ = [
+    "REDIS_LAYERS",
+    "ClusterModeRefused",
+    "RedisBackplane",
+    "layer_hosts",
+    "layer_kind",
+    "shard_hosts",
+    "uses_channels_redis",
+]
 
 logger = logging.getLogger("realtime_app.backplane")
 
@@ -87,8 +95,41 @@ def layer_hosts() -> list[dict[str, Any]]:
     return list(decode_hosts(hosts)) if hosts else []
 
 
+class ClusterModeRefused(RedisError):
+    """The server is a Redis Cluster node: not used (an outage until it is configured away)."""
+
+
+def shard_hosts(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Redis servers of the backplane, in channels-redis' host shape: ``REDIS_SHARDS``
+    (URLs or host dicts, Sentinel ones included), else ``REDIS_URL``, else every host of
+    the default channels-redis layer; more than one shards the channels
+    (:mod:`realtime_app.cluster.shards`)."""
+    from channels_redis.utils import decode_hosts
+
+    if config.get("REDIS_SHARDS"):
+        return list(decode_hosts(config["REDIS_SHARDS"]))
+    if config.get("REDIS_URL"):
+        return [{"address": config["REDIS_URL"]}]
+    return layer_hosts()
+
+
+def host_label(host: dict[str, Any]) -> str:
+    """Where a host is, for logs and the probe: ``host:port/db`` or the Sentinel service
+    name, never a password."""
+    from urllib.parse import urlsplit
+
+    if host.get("master_name"):
+        return f"sentinel:{host['master_name']}"
+    address = host.get("address")
+    if isinstance(address, str):
+        parts = urlsplit(address)
+        return f"{parts.hostname}:{parts.port or 6379}{parts.path or '/0'}"
+    return f"{host.get('host', '?')}:{host.get('port', 6379)}"
+
+
 class RedisBackplane(Backplane):
-    """A cluster of processes sharing one Redis: its keys, and its pub/sub."""
+    """A cluster of processes sharing one Redis (or one shard of several): its keys, and
+    its pub/sub."""
 
     clustered = True
     errors: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
@@ -109,7 +150,9 @@ class RedisBackplane(Backplane):
         self.lease_ttl_ms: int = settings["LEASE_TTL_MS"]
         self.seq_ttl_ms: int = settings["SEQ_IDLE_TTL_MS"]
         self.reassert_ms: int = settings["REASSERT_INTERVAL_MS"]
-        self.redis = redis if redis is not None else _client(settings, layer_hosts() if hosts is None else hosts)
+        host = (hosts or shard_hosts(settings) or [{}])[0]
+        self.address = host_label(host)
+        self.redis = redis if redis is not None else _client(settings, host)
         self._owns_pool = redis is None  # a pool made here is closed by stop()
         self._renew = self.redis.register_script(scripts.RENEW)
         self._release = self.redis.register_script(scripts.RELEASE)
@@ -196,6 +239,12 @@ class RedisBackplane(Backplane):
         """False when the sentinel key vanished (restart, flush, eviction; and every
         ``REASSERT_INTERVAL_MS``) or Redis' ``run_id`` changed (a restart that restored a
         snapshot brings the sentinel back, not what happened since)."""
+        if self._run_id is None and int((await self.redis.info("cluster")).get("cluster_enabled", 0)):
+            raise ClusterModeRefused(
+                f"{self.address} is a Redis Cluster node: the backplane does not use Redis Cluster; "
+                "list the servers in REALTIME_APP['REDIS_SHARDS'] (each a plain Redis or a Sentinel "
+                "service) and each channel lives on one of them (docs/capacity.md)"
+            )
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(f"{self.prefix}:alive:{self.instance_id}", 1, nx=True, px=self.reassert_ms)
             pipe.info("server")
@@ -330,6 +379,10 @@ class RedisBackplane(Backplane):
             pipe.zrem(f"{self.prefix}:instances", self.instance_id)
             await pipe.execute()
 
+    async def drop_alive(self) -> None:
+        """Withdraw this process's sentinel key (a shard other than the home one)."""
+        await self.redis.delete(f"{self.prefix}:alive:{self.instance_id}")
+
     async def cluster_probes(self) -> list[ProcessProbe]:
         ids = await self.redis.zrangebyscore(f"{self.prefix}:instances", now_ms(), "+inf")
         if not ids:
@@ -337,6 +390,9 @@ class RedisBackplane(Backplane):
         names = [i.decode() if isinstance(i, bytes) else i for i in ids]
         raw = await self.redis.mget([f"{self.prefix}:probe:{n}" for n in names])
         return [json.loads(r) for r in raw if r]
+
+    def shards_probe(self) -> list[ShardProbe]:
+        return [{"index": 0, "address": self.address, "up": not self.outage.down, "outages": self.outage.outages}]
 
     # -- admission ----------------------------------------------------------------------
 
@@ -376,16 +432,16 @@ def _delivery(channel: str, data: bytes) -> Delivery:
     raise ValueError(f"unknown backplane message kind {kind!r}")
 
 
-def _client(settings: dict[str, Any], hosts: list[dict[str, Any]]) -> Any:
+def _client(settings: dict[str, Any], host: dict[str, Any]) -> Any:
     """A redis.asyncio client with a *blocking* pool (a burst waits for a connection
-    instead of failing) on ``REDIS_URL`` or the channel layer's first host."""
-    url = settings["REDIS_URL"] or (dict(hosts[0]).get("address") if hosts else None)
+    instead of failing) on one host (``REDIS_MAX_CONNECTIONS`` per host)."""
+    url = host.get("address") if isinstance(host.get("address"), str) else None
     if not url:
-        if not hosts:
-            raise ValueError("the Redis backplane needs REDIS_URL or a channels-redis layer with hosts")
+        if not host:
+            raise ValueError("the Redis backplane needs REDIS_SHARDS, REDIS_URL or a channels-redis layer with hosts")
         from channels_redis.utils import create_pool  # a sentinel or keyword host
 
-        return aioredis.Redis(connection_pool=create_pool(hosts[0]))
+        return aioredis.Redis(connection_pool=create_pool(host))
     timeout_s = settings["REDIS_TIMEOUT_MS"] / 1000
     pool = aioredis.BlockingConnectionPool.from_url(
         url,

@@ -30,20 +30,23 @@ DEFAULTS: dict[str, Any] = {
     # Backplane: "auto" = Redis when the default channel layer is channels-redis, else
     # in-process. Or a dotted path to a Backplane class.
     "BACKPLANE": "auto",
-    # Redis URL of the backplane; None = taken from the channel layer's first host.
+    # Redis URL of the backplane (one server); None = the channel layer's hosts.
     "REDIS_URL": None,
+    # The backplane's Redis servers, each channel on one (URLs or channels-redis host dicts,
+    # Sentinel ones included; docs/capacity.md). None = REDIS_URL, else the layer's hosts.
+    "REDIS_SHARDS": None,
     # Prefix of every Redis key the backplane writes (leases, sequences, probes).
     "KEY_PREFIX": "realtime",
     # Lifetime of a ticker lease, milliseconds: the failover time when a process dies. The
     # maintenance beat (renew, compete, retry) runs every third of it.
     "LEASE_TTL_MS": 3000,
     # Every this many ms (and whenever Redis lost its state) each process joins all its
-    # groups again and reseeds its sequences; capped at a third of the layer's group_expiry.
+    # groups again and reseeds its sequences.
     "REASSERT_INTERVAL_MS": 60000,
     # A channel's seq key expires after this many ms without publications or subscribers.
     "SEQ_IDLE_TTL_MS": 3600000,
-    # Redis connections the backplane uses at most (its own pool, and at once from the
-    # layer's); a burst beyond it waits for a free one rather than failing.
+    # Redis connections the backplane uses at most, per Redis server (its own pool, and at
+    # once from the layer's); a burst beyond it waits for a free one rather than failing.
     "REDIS_MAX_CONNECTIONS": 50,
     # Socket, connect and pool-wait timeout of the backplane's Redis client, ms.
     "REDIS_TIMEOUT_MS": 5000,

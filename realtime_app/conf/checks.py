@@ -15,6 +15,7 @@ from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from realtime_app.channels.policies import Rule, configured_rules, matching_rule
 from realtime_app.channels.registry import Family, registry
 from realtime_app.conf import DEFAULTS, get_config
+from realtime_app.conf.backplane_checks import check_backplane, check_shards
 
 __all__ = ["check_layer", "check_policies", "check_server_versions", "check_settings"]
 
@@ -111,7 +112,8 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                 id="realtime_app.E002",
             )
         )
-    messages += _check_backplane(config["BACKPLANE"])
+    messages += check_backplane(config["BACKPLANE"])
+    messages += check_shards(config["REDIS_SHARDS"])
     capacity, refill = config["ADMISSION_BUCKET_CAPACITY"], config["ADMISSION_REFILL_PER_S"]
     numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in (capacity, refill))
     if not numbers or (capacity and not refill):
@@ -179,44 +181,6 @@ def _check_trusted_proxies(value: Any) -> list[CheckMessage]:
             id="realtime_app.E007",
         )
     ]
-
-
-def _check_backplane(backplane: Any) -> list[CheckMessage]:
-    """E003 a backplane that is not one; E005 the Redis backplane without a Redis to use."""
-    from django.utils.module_loading import import_string
-
-    from realtime_app.cluster.base import Backplane
-
-    if backplane in ("auto", "memory"):
-        return []
-    if backplane == "redis":
-        from realtime_app.cluster.redis import uses_channels_redis
-
-        if uses_channels_redis() or get_config()["REDIS_URL"]:
-            return []
-        return [
-            Error(
-                "REALTIME_APP['BACKPLANE'] is 'redis' but neither REDIS_URL nor a channels-redis layer says "
-                "where Redis is.",
-                hint="Set REDIS_URL, or configure CHANNEL_LAYERS with channels_redis.core.RedisChannelLayer or "
-                "channels_redis.pubsub.RedisPubSubChannelLayer.",
-                id="realtime_app.E005",
-            )
-        ]
-    try:
-        cls = import_string(backplane) if isinstance(backplane, str) else None
-    except ImportError:
-        cls = None
-    if not (isinstance(cls, type) and issubclass(cls, Backplane)):
-        return [
-            Error(
-                f"REALTIME_APP['BACKPLANE'] is {backplane!r}: "
-                "not 'auto', 'memory', 'redis' or the dotted path of a Backplane subclass.",
-                hint="See docs/configuration.md.",
-                id="realtime_app.E003",
-            )
-        ]
-    return []
 
 
 def _cadences_matched(rule: Rule, fam: Family) -> Iterator[str]:

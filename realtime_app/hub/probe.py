@@ -23,7 +23,7 @@ from realtime_app.hub.reconciler import Reconciler
 from realtime_app.hub.replay import Replays
 from realtime_app.hub.tickers import Tickers
 from realtime_app.middleware import pools_probe
-from realtime_app.observability.schema import ConnectionProbe, HistoryProbe, ProcessProbe
+from realtime_app.observability.schema import BackplaneProbe, ConnectionProbe, HistoryProbe, ProcessProbe
 from realtime_app.persistence.write_behind import stores_probe
 
 __all__ = ["process_probe"]
@@ -135,11 +135,15 @@ def process_probe(hub: Probed) -> ProcessProbe:
         "history": history_probe(hub, top),
         "send_failures": hub.fanout.send_failures,
         "stale_ticks": hub.tickers.stale_ticks,
-        "backplane": {
-            "up": not (backplane is not None and backplane.outage.down),
-            "outages": backplane.outage.outages if backplane is not None else 0,
-        },
+        "backplane": backplane_probe(backplane),
         "backpressure": hub.fanout.probe(queued),
         "http_pools": pools_probe(),  # type: ignore[typeddict-item]
         "write_behind": stores_probe(),
     }
+
+
+def backplane_probe(backplane: Backplane | None) -> BackplaneProbe:
+    """Up (every Redis server answers), outages, and each server's own (none in memory)."""
+    if backplane is None:
+        return {"up": True, "outages": 0, "shards": []}
+    return {"up": not backplane.outage.down, "outages": backplane.outage.outages, "shards": backplane.shards_probe()}

@@ -92,9 +92,19 @@ class HistoryProbe(TypedDict):
     gaps: Annotated[int, Counter("Publications with history that never reached this process")]
 
 
+class ShardProbe(TypedDict):
+    """One Redis server of a sharded backplane (``backplane.shards``)."""
+
+    index: int
+    address: str  # host:port/db, or the Sentinel service name: never a password
+    up: bool
+    outages: int
+
+
 class BackplaneProbe(TypedDict):
-    up: Annotated[bool, Gauge("1 while the backplane answers", "realtime_backplane_up")]
+    up: Annotated[bool, Gauge("1 while the backplane answers (every shard)", "realtime_backplane_up")]
     outages: Annotated[int, Counter("Times the backplane stopped answering", "realtime_backplane_outages")]
+    shards: Annotated[list[ShardProbe], Shown("per Redis server: up, outages (docs/capacity.md)")]
 
 
 class PoolWait(TypedDict):

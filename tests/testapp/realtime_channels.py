@@ -25,7 +25,7 @@ def record(kind: str, channel: str) -> None:
         import redis
 
         prefix = os.environ.get("REALTIME_KEY_PREFIX", "realtime")
-        client = redis.Redis.from_url(url)
+        client = redis.Redis.from_url(url.split(",")[0])  # the first, when there are shards
         client.rpush(f"{prefix}:test-events", json.dumps([kind, channel, os.getpid()]))
         client.close()
 
@@ -84,6 +84,8 @@ def drift(channel: ChannelSpec) -> dict[str, Any]:
 realtime_app.event_channel("test:events")
 realtime_app.event_channel("test:short-history", history_size=5, history_ttl_s=60)
 realtime_app.event_channel("test:big-history", history_size=1000, history_ttl_s=300)
+for _n in range(24):  # channels with history that land on every shard of a sharded backplane
+    realtime_app.event_channel(f"test:kept-{_n}", history_size=100, history_ttl_s=300)
 
 
 @realtime_app.rpc_method("test.echo")
