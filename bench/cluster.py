@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import websockets
 
 from bench.capacity import Costs, Load, commands_per_s, process_cpu
-from bench.common import as_new_client, cpu_seconds, daphne, free_port, processes, progress
+from bench.common import as_new_client, cpu_seconds, daphne, free_port, processes, progress, rss_bytes
 from realtime_app.cluster.shards import shard_of
 from realtime_app.wire.names import group_name
 from tests.private_redis import PrivateRedis
@@ -48,6 +48,7 @@ def redis_stats(server: PrivateRedis) -> dict[str, float]:
     commands = sum(int(v["calls"]) for v in client.info("commandstats").values())
     stats, cpu = client.info("stats"), client.info("cpu")
     return {
+        "memory": int(client.info("memory")["used_memory"]),
         "commands": commands,
         "out_bytes": int(stats["total_net_output_bytes"]),
         "cpu": float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]),
@@ -103,6 +104,8 @@ async def phase(shard_count: int, args: argparse.Namespace) -> dict[str, Any]:
             i0, started = [cpu_seconds(p.pid) for p in procs], time.monotonic()
             await asyncio.sleep(args.idle_seconds)
             idle = [(cpu_seconds(p.pid) - c) / (time.monotonic() - started) for p, c in zip(procs, i0, strict=True)]
+            rss_idle = [rss_bytes(p.pid) for p in procs]
+            redis_idle = [redis_stats(s)["memory"] for s in shards]
             subscribers: list[list[Subscriber]] = []
             for i, port in enumerate(ports):
                 mine = [Subscriber(f"ws://127.0.0.1:{port}/realtime/", channels) for _ in range(1 + i % 3)]
@@ -126,6 +129,7 @@ async def phase(shard_count: int, args: argparse.Namespace) -> dict[str, Any]:
             window = time.monotonic() - t0
             r1 = [redis_stats(s) for s in shards]
             c1 = [cpu_seconds(p.pid) for p in procs]
+            rss_busy = [rss_bytes(p.pid) for p in procs]
             f1 = [sum(s.frames for s in mine) for mine in subscribers]
             seq1 = dict(everyone[0].seq)
             holders: dict[str, int] = {}
@@ -142,6 +146,7 @@ async def phase(shard_count: int, args: argparse.Namespace) -> dict[str, Any]:
         for server in shards:
             server.close()
     rates = {c: (seq1[c] - seq0[c]) / window for c in channels}
+    redis_growth = sum(r["memory"] for r in r1) - sum(redis_idle)
     publications = sum(rates.values())
     load = Load(processes=args.processes, shards=shard_count, rates=rates)
     predicted = commands_per_s(load)
@@ -173,6 +178,12 @@ async def phase(shard_count: int, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "shards": shard_count,
         "publications_per_s": publications,
+        # memory per channel: a process's growth once subscribed (its few clients included)
+        # and Redis' (keys, pub/sub subscriptions of every process), over the channels
+        "process_kib_per_channel": statistics.mean(b - a for a, b in zip(rss_idle, rss_busy, strict=True))
+        / len(channels)
+        / 1024,
+        "redis_kib_per_channel": redis_growth / len(channels) / 1024,
         "shard_rows": shard_rows,
         "process_rows": process_rows,
     }
