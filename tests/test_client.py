@@ -289,6 +289,22 @@ async def test_a_client_without_origin_is_refused_and_the_documented_origin_is_l
         assert client.origin == server.http and await client.call("ping") == "pong"
 
 
+async def test_unsubscribing_a_cadence_the_server_moved_leaves_the_one_it_subscribed():
+    """Past the cadence cap the server subscribes the nearest running cadence: leaving
+    must leave that one (the client used to name the one it asked for, and the server,
+    finding no such subscription, kept the other until the connection closed)."""
+    server = Server({"REDIS_URL": "", "REALTIME_TEST_OVERRIDES": json.dumps({"MAX_CADENCES_PER_FAMILY": 1})}).start()
+    try:
+        async with RealtimeClient(server.ws) as first, RealtimeClient(server.ws) as second:
+            await first.subscribe("demo:clock:300", lambda params: None)
+            moved = await second.subscribe("demo:clock:700", lambda params: None)
+            assert moved["channel"] == "demo:clock:300"  # the nearest running cadence
+            answer = await second.unsubscribe("demo:clock:700")
+            assert answer == {"channel": "demo:clock:300", "unsubscribed": True}
+    finally:
+        server.stop()
+
+
 async def test_a_delta_subscription_rebuilds_every_publication_across_a_reconnect(server):
     """The Python client applies deltas (docs/protocol.md, "Deltas"): what its handler gets
     equals what a plain subscriber gets, seq by seq, before and after a reconnect."""

@@ -472,17 +472,18 @@ class RealtimeClient:
                 self._on_error.pop(channel, None)
             raise
 
-    async def unsubscribe(self, channel: str, handler: Handler | None = None) -> None:
-        """Remove ``handler`` (or all) from ``channel``; the last one out unsubscribes."""
+    async def unsubscribe(self, channel: str, handler: Handler | None = None) -> dict[str, Any] | None:
+        """Remove ``handler`` (or all) from ``channel``; the last one out unsubscribes the
+        channel the server subscribed, and returns its answer."""
         handlers = self._handlers.get(channel)
         if handlers is None:
-            return
+            return None
         if handler is not None and handler in handlers:
             handlers.remove(handler)
         elif handler is None:
             handlers.clear()
         if handlers:
-            return
+            return None
         del self._handlers[channel]
         self._on_error.pop(channel, None)
         self._delta_wanted.discard(channel)
@@ -492,5 +493,6 @@ class RealtimeClient:
         if canonical not in self._canonical.values():
             self._cursors.pop(canonical, None)
         if canonical not in self._canonical.values() and self._ws is not None:
-            with contextlib.suppress(Exception):
-                await self.call("unsubscribe", {"channel": channel})
+            with contextlib.suppress(Exception):  # the channel the server subscribed (a nearer cadence, say)
+                return await self.call("unsubscribe", {"channel": canonical})  # type: ignore[no-any-return]
+        return None

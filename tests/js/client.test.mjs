@@ -196,3 +196,21 @@ test("a delta subscription rebuilds each publication, and subscribes again when 
   assert.equal(socket.sent.length, before + 1);
   client.close();
 });
+
+test("unsubscribing a cadence the server moved leaves the channel the server subscribed", async () => {
+  FakeSocket.instances = [];
+  const client = new RealtimeClient({ url: "ws://x/realtime/", WebSocket: FakeSocket });
+  client.connect();
+  const socket = FakeSocket.instances[0];
+  socket.open();
+  const handler = () => {};
+  const answer = client.subscribe("demo:clock:700", handler);
+  socket.reply({ channel: "demo:clock:300", kind: "state", interval_ms: 300 }); // past the cadence cap
+  assert.equal((await answer).channel, "demo:clock:300");
+  const leaving = client.unsubscribe("demo:clock:700", handler);
+  await until(() => socket.sent.at(-1).method === "unsubscribe");
+  assert.deepEqual(socket.sent.at(-1).params, { channel: "demo:clock:300" });
+  socket.reply({ channel: "demo:clock:300", unsubscribed: true });
+  await leaving;
+  client.close();
+});

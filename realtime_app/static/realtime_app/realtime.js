@@ -649,8 +649,8 @@ export class RealtimeClient extends EventTarget {
     this._deltaWanted.delete(channel);
     const stillUsed = [...this._canonical.values()].includes(canonical);
     if (!stillUsed) { this._cursors.delete(canonical); this._bases.delete(canonical); this._resyncing.delete(canonical); }
-    if (!stillUsed && this._ws && this._ws.readyState === 1) {
-      await this.call("unsubscribe", { channel }).catch(() => {});
+    if (!stillUsed && this._ws && this._ws.readyState === 1) { // the channel the server subscribed (a nearer cadence, say)
+      await this.call("unsubscribe", { channel: canonical }).catch(() => {});
     }
   }
 }
