@@ -102,7 +102,15 @@ async def phase(shard_count: int, args: argparse.Namespace) -> dict[str, Any]:
                 sub.task = asyncio.create_task(sub.run())
             await asyncio.sleep(3)
             i0, started = [cpu_seconds(p.pid) for p in procs], time.monotonic()
+            q0 = [redis_stats(s) for s in shards]
             await asyncio.sleep(args.idle_seconds)
+            q1 = [redis_stats(s) for s in shards]
+            idle_redis = {  # what an idle process costs Redis, per second (all shards)
+                kind: sum(b[kind] - a[kind] for a, b in zip(q0, q1, strict=True))
+                / (time.monotonic() - started)
+                / len(procs)
+                for kind in ("commands", "out_bytes")
+            }
             idle = [(cpu_seconds(p.pid) - c) / (time.monotonic() - started) for p, c in zip(procs, i0, strict=True)]
             rss_idle = [rss_bytes(p.pid) for p in procs]
             redis_idle = [redis_stats(s)["memory"] for s in shards]
@@ -180,6 +188,8 @@ async def phase(shard_count: int, args: argparse.Namespace) -> dict[str, Any]:
         "publications_per_s": publications,
         # memory per channel: a process's growth once subscribed (its few clients included)
         # and Redis' (keys, pub/sub subscriptions of every process), over the channels
+        "idle_redis_commands_per_process_s": idle_redis["commands"],
+        "idle_redis_bytes_per_process_s": idle_redis["out_bytes"],
         "process_kib_per_channel": statistics.mean(b - a for a, b in zip(rss_idle, rss_busy, strict=True))
         / len(channels)
         / 1024,
@@ -273,6 +283,15 @@ def main() -> None:
     print(
         "idle CPU per process (a connection, no subscription): "
         + ", ".join(f"{v:.1%} on {k} shard(s)" for k, v in idle.items())
+    )
+    for r in results:
+        print(
+            f"an idle process costs Redis, on {r['shards']} shard(s): {r['idle_redis_commands_per_process_s']:.1f} "
+            f"commands/s, {r['idle_redis_bytes_per_process_s']:.0f} B/s out"
+        )
+    print(
+        f"memory per channel: {base['process_kib_per_channel']:.1f} KiB in each process with subscribers, "
+        f"{base['redis_kib_per_channel']:.1f} KiB in Redis"
     )
     for result in (r for r in results if r is not base):
         print(f"CPU per process on {result['shards']} shards, measured and predicted:")

@@ -56,7 +56,9 @@ class PrivateRedis:
                 if redis.Redis.from_url(self.url, socket_connect_timeout=0.5).ping():
                     return self
             except redis.RedisError:
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or self.process.poll() is not None:
+                    self.process.kill()  # nothing left behind for another test to trip on
+                    self.process.wait(10)
                     raise RuntimeError(f"redis-server did not start on port {self.port}") from None
                 time.sleep(0.05)
 

@@ -20,7 +20,7 @@ import pytest
 from realtime_app.cluster.shards import shard_of
 from realtime_app.wire.names import group_name
 from tests.private_redis import PrivateRedis
-from tests.servers import ROOT, servers
+from tests.servers import ROOT, free_port, servers
 from tests.support.waiting import eventually
 from tests.wsclient import RPC
 
@@ -42,12 +42,28 @@ def test_a_channel_lives_where_channels_redis_would_put_it():
         assert set(shard_of(n, shards) for n in names) == set(range(shards))  # every shard gets some
 
 
+def cluster_bus_free(port: int) -> bool:
+    import socket
+
+    if port + 10000 > 65535:
+        return False
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            return False
+    return True
+
+
 async def test_a_redis_cluster_node_is_refused_with_a_clear_message(tmp_path):
     """Redis Cluster is not used (a channel's keys are on one plain server, or Sentinel
     service, of REDIS_SHARDS): a node in cluster mode is an outage that says so."""
     from realtime_app.cluster.redis import ClusterModeRefused, RedisBackplane
 
-    node = PrivateRedis("--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / "nodes.conf")).start()
+    node = PrivateRedis("--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / "nodes.conf"))
+    while not cluster_bus_free(node.port):  # a node also listens on its port + 10000
+        node.port = free_port()
+    node.start()
     backplane = RedisBackplane(config={"REDIS_URL": node.url, "KEY_PREFIX": PREFIX})
     try:
         with pytest.raises(ClusterModeRefused, match="Redis Cluster node.*REDIS_SHARDS"):
@@ -144,8 +160,12 @@ async def publish_from_a_command(env: dict[str, str], channel: str, data: dict[s
     return int(stdout.decode().strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize(("killed", "layer"), [(2, "core"), (0, "pubsub")])
-async def test_channels_spread_over_three_shards_and_losing_one_stops_only_its_channels(shards, killed, layer):
+@pytest.mark.parametrize(
+    ("killed", "layer", "fault"), [(2, "core", "kill"), (0, "pubsub", "kill"), (1, "core", "pause")]
+)
+async def test_channels_spread_over_three_shards_and_losing_one_stops_only_its_channels(shards, killed, layer, fault):
+    """``kill``: the server is gone (connections refused) and comes back empty; ``pause``:
+    it hangs (SIGSTOP: calls time out) and comes back with its data."""
     env = env_for(shards, layer)
     clients = [s.client() for s in shards]
     with servers(2, env) as (a, b):
@@ -179,11 +199,11 @@ async def test_channels_spread_over_three_shards_and_losing_one_stops_only_its_c
             # one shard lost: its channels stop, the others' go on
             lost_clock, lost_kept = CLOCKS[killed], KEPT[killed]
             old_epoch = ra.positions[lost_kept]["epoch"]
-            shards[killed].kill()
+            getattr(shards[killed], fault)()
             down = time.monotonic()
             others = [c for i, c in enumerate(CLOCKS) if i != killed]
-            await eventually(
-                lambda: all(ra.after(c, down + 3) and rb.after(c, down + 3) for c in others),
+            await eventually(  # past several lease TTLs: their leases are renewed meanwhile
+                lambda: all(ra.after(c, down + 6) and rb.after(c, down + 6) for c in others),
                 20,
                 "the other shards' channels going on",
             )
@@ -192,18 +212,119 @@ async def test_channels_spread_over_three_shards_and_losing_one_stops_only_its_c
             seq = await publish_from_a_command(env, healthy_kept, {"during": True})
             await eventually(lambda: seq in ra.seqs(healthy_kept) and seq in rb.seqs(healthy_kept), 10, "published")
 
-            shards[killed].start()  # back, empty
+            if fault == "kill":
+                shards[killed].start()  # back, empty
+            else:
+                shards[killed].resume()  # back, with its data
             back = time.monotonic()
             await eventually(
                 lambda: ra.after(lost_clock, back) and rb.after(lost_clock, back), 20, "its channels by themselves"
             )
             seq = await publish_from_a_command(env, lost_kept, {"after": True})
             await eventually(lambda: seq in ra.seqs(lost_kept) and seq in rb.seqs(lost_kept), 10, "kept again")
-            async with RPC(a.ws) as resuming:  # the epoch says what was lost
+            async with RPC(a.ws) as resuming:  # the epoch says what was lost, if anything
                 since = {"epoch": old_epoch, "seq": 1}
                 answer = (await resuming.call("subscribe", {"channel": lost_kept, "since": since}))["result"]
-                assert answer["recovered"] is False and answer["epoch"] != old_epoch
+                if fault == "kill":
+                    assert answer["recovered"] is False and answer["epoch"] != old_epoch
+                else:
+                    assert answer["recovered"] is True and answer["epoch"] == old_epoch
             if killed != 0:  # the home shard's probes say which shard was down
                 probes = [json.loads(p) for p in clients[0].mget(clients[0].keys(f"{PREFIX}:probe:*"))]
                 assert all(p["backplane"]["shards"][killed]["outages"] >= 1 for p in probes)
                 assert all(len(p["backplane"]["shards"]) == SHARDS for p in probes)
+
+
+async def test_a_shard_down_at_start_is_started_by_a_later_check_and_nothing_is_left_open():
+    """The process starts on the shards that answer; the other one starts at the first
+    check after it comes back; until then its channels' calls are refused at once."""
+    from realtime_app.cluster.shards import ShardedBackplane, ShardUnavailable
+
+    servers = [PrivateRedis().start(), PrivateRedis().start()]
+    servers[1].kill()
+    channel = next(f"room:{i}" for i in range(100) if shard_of(f"room:{i}", 2) == 1)
+    config = {"REDIS_SHARDS": [s.url for s in servers], "KEY_PREFIX": PREFIX, "LEASE_TTL_MS": 1500}
+    backplane = ShardedBackplane(instance_id="start-test", config=config)
+    delivered = []
+
+    async def deliver(delivery):
+        delivered.append(delivery)
+
+    def receivers() -> int:
+        return sum(1 for t in asyncio.all_tasks() if t.get_name() == "realtime-receive" and not t.done())
+
+    try:
+        await backplane.start(deliver)  # one shard of two: started
+        assert receivers() == 1 and backplane.outage.down
+        await backplane.check()  # the first: the answering shard's state is new
+        assert await backplane.check() is True  # the answering shard is intact; the other is down
+        started = time.monotonic()
+        with pytest.raises(ShardUnavailable):
+            await backplane.publish(channel, "{}")
+        assert time.monotonic() - started < 0.5  # refused at once, not after a timeout
+        servers[1].start()
+        assert await backplane.check() is False  # back: the hub re-asserts
+        assert receivers() == 2
+        await backplane.join([channel])
+        seq = await backplane.publish(channel, '{"n":1}')
+        await eventually(lambda: any(d.seq == seq for d in delivered), 5, "the frame through the late shard")
+    finally:
+        await backplane.stop()
+        for server in servers:
+            server.close()
+    assert receivers() == 0
+
+
+async def test_a_sentinel_service_is_a_shard(tmp_path):
+    """A shard given as a Sentinel service (channels-redis' host dict): the backplane finds
+    the master through its sentinel, with the backplane's own bounds on every connection."""
+    import subprocess
+
+    from realtime_app.cluster.shards import ShardedBackplane
+    from tests.private_redis import redis_binary
+
+    master, other = PrivateRedis().start(), PrivateRedis().start()
+    port = free_port()
+    conf = tmp_path / "sentinel.conf"
+    conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\nsentinel monitor svc 127.0.0.1 {master.port} 1\n")
+    sentinel = await asyncio.create_subprocess_exec(
+        redis_binary(), str(conf), "--sentinel", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    host = {"sentinels": [("127.0.0.1", port)], "master_name": "svc"}
+    config = {"REDIS_SHARDS": [other.url, host], "KEY_PREFIX": PREFIX, "REDIS_TIMEOUT_MS": 700}
+    backplane = ShardedBackplane(instance_id="sentinel-test", config=config)
+    channel = next(f"room:{i}" for i in range(100) if shard_of(f"room:{i}", 2) == 1)
+    try:
+
+        async def up() -> bool:
+            try:
+                return await backplane.shards[1].check() in (True, False)
+            except backplane.errors:
+                return False
+
+        await eventually(up, 15, "the sentinel answering")
+        kwargs = backplane.shards[1].redis.connection_pool.connection_kwargs
+        assert kwargs["socket_timeout"] == 0.7
+        seq = await backplane.publish(channel, "{}")
+        assert master.client().get(f"{PREFIX}:seq:{group_name(channel)}") == str(seq)  # on the master
+        assert backplane.shards_probe()[1]["address"] == "sentinel:svc"
+    finally:
+        await backplane.stop()
+        sentinel.terminate()
+        await asyncio.wait_for(sentinel.wait(), 10)
+        master.close()
+        other.close()
+
+
+def test_every_shape_of_host_gets_the_backplanes_bounds():
+    """A host as a URL, as host and port (channels-redis' ``(host, port)``): the pool waits
+    for a connection at most ``REDIS_TIMEOUT_MS`` and holds ``REDIS_MAX_CONNECTIONS``."""
+    from redis.asyncio import BlockingConnectionPool
+
+    from realtime_app.cluster.redis import RedisBackplane
+
+    config = {"REDIS_TIMEOUT_MS": 700, "REDIS_MAX_CONNECTIONS": 7}
+    for host in ({"address": "redis://127.0.0.1:1/0"}, {"host": "127.0.0.1", "port": 1}):
+        pool = RedisBackplane(config=config, hosts=[host]).redis.connection_pool
+        assert isinstance(pool, BlockingConnectionPool) and pool.max_connections == 7 and pool.timeout == 0.7
+        assert pool.connection_kwargs["socket_timeout"] == 0.7

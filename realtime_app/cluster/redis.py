@@ -186,8 +186,14 @@ class RedisBackplane(Backplane):
     async def start(self, deliver: Deliver) -> None:
         # One pub/sub connection, subscribed first to a channel of this process's own so
         # that it exists (and reconnects) before any channel is joined.
-        self._pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-        await self._pubsub.subscribe(self.own_channel)
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(self.own_channel)
+        except BaseException:  # unreachable, or cancelled: nothing left open
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()
+            raise
+        self._pubsub = pubsub
         self._receiver = asyncio.get_running_loop().create_task(self._receive(deliver), name="realtime-receive")
 
     async def stop(self) -> None:
@@ -198,6 +204,11 @@ class RedisBackplane(Backplane):
             with contextlib.suppress(*self.errors):
                 await pubsub.aclose()
         await self.redis.aclose(close_connection_pool=self._owns_pool or None)
+        manager = getattr(self.redis.connection_pool, "sentinel_manager", None)
+        if manager is not None and self._owns_pool:  # a Sentinel service: its sentinels' connections too
+            for sentinel in manager.sentinels:
+                with contextlib.suppress(*self.errors):
+                    await sentinel.aclose()
 
     async def _receive(self, deliver: Deliver) -> None:
         pubsub = self._pubsub
@@ -433,21 +444,29 @@ def _delivery(channel: str, data: bytes) -> Delivery:
 
 
 def _client(settings: dict[str, Any], host: dict[str, Any]) -> Any:
-    """A redis.asyncio client with a *blocking* pool (a burst waits for a connection
-    instead of failing) on one host (``REDIS_MAX_CONNECTIONS`` per host)."""
-    url = host.get("address") if isinstance(host.get("address"), str) else None
-    if not url:
-        if not host:
-            raise ValueError("the Redis backplane needs REDIS_SHARDS, REDIS_URL or a channels-redis layer with hosts")
-        from channels_redis.utils import create_pool  # a sentinel or keyword host
-
-        return aioredis.Redis(connection_pool=create_pool(host))
+    """A redis.asyncio client on one host, whatever its shape (URL, host and port, a
+    Sentinel service), with the backplane's bounds: at most ``REDIS_MAX_CONNECTIONS``
+    (a burst waits for one rather than failing, but with Sentinel), and
+    ``REDIS_TIMEOUT_MS`` on every connect, read and wait, so that a server that stops
+    answering fails its calls instead of holding them."""
     timeout_s = settings["REDIS_TIMEOUT_MS"] / 1000
-    pool = aioredis.BlockingConnectionPool.from_url(
-        url,
-        max_connections=settings["REDIS_MAX_CONNECTIONS"],
-        timeout=timeout_s,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-    )
+    bounds = {
+        "max_connections": settings["REDIS_MAX_CONNECTIONS"],
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+    }
+    url = host.get("address") if isinstance(host.get("address"), str) else None
+    if url:
+        pool = aioredis.BlockingConnectionPool.from_url(url, timeout=timeout_s, **bounds)
+    elif host.get("master_name"):
+        from channels_redis.utils import create_pool  # the service's master, found by its sentinels
+
+        sentinel_kwargs = host.get("sentinel_kwargs") or {
+            k: timeout_s for k in ("socket_timeout", "socket_connect_timeout")
+        }
+        pool = create_pool({**bounds, **host, "sentinel_kwargs": sentinel_kwargs})
+    elif host.get("host"):
+        pool = aioredis.BlockingConnectionPool(timeout=timeout_s, **{**bounds, **host})
+    else:
+        raise ValueError("the Redis backplane needs REDIS_SHARDS, REDIS_URL or a channels-redis layer with hosts")
     return aioredis.Redis(connection_pool=pool)

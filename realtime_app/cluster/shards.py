@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import binascii
+import contextlib
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
+from realtime_app.channels.registry import RESERVED
 from realtime_app.cluster.base import Backplane, Deliver
 from realtime_app.cluster.redis import RedisBackplane, shard_hosts
 from realtime_app.observability.logsafe import Outage
@@ -34,7 +36,7 @@ from realtime_app.observability.schema import ProcessProbe, ShardProbe
 from realtime_app.wire.history import PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, Since
 from realtime_app.wire.names import group_name
 
-__all__ = ["ShardedBackplane", "ShardsOutage", "shard_of"]
+__all__ = ["ShardUnavailable", "ShardedBackplane", "ShardsOutage", "shard_of"]
 
 logger = logging.getLogger("realtime_app.backplane")
 
@@ -81,8 +83,20 @@ class ShardsOutage(Outage):
         return back
 
 
+class ShardUnavailable(ConnectionError):
+    """A call to a shard whose last check failed: refused at once, not after a timeout."""
+
+
 class ShardedBackplane(Backplane):
-    """One :class:`RedisBackplane` per shard, each channel routed to its own."""
+    """One :class:`RedisBackplane` per shard, each channel routed to its own.
+
+    One shard never holds the others up. Each beat checks every shard at once, each within
+    a bound below the beat; a shard that fails its check (or any call) is *stalled* until
+    a check answers again, and the maintenance calls of its channels (join, renew,
+    acquire, release, reseed) fail at once meanwhile instead of waiting out a timeout, so
+    the beat goes on renewing the healthy shards' leases. A shard that cannot be reached
+    when the process starts is started by a later check.
+    """
 
     clustered = True
     errors = RedisBackplane.errors
@@ -95,26 +109,57 @@ class ShardedBackplane(Backplane):
         hosts: list[dict[str, Any]] | None = None,
     ) -> None:
         super().__init__(instance_id=instance_id, config=config)
-        hosts = shard_hosts(config or {}) if hosts is None else hosts
+        from realtime_app.conf import DEFAULTS
+
+        settings = {**DEFAULTS, **(config or {})}
+        hosts = shard_hosts(settings) if hosts is None else hosts
         self.shards = [RedisBackplane(instance_id=instance_id, config=config, hosts=[host]) for host in hosts]
         for index, shard in enumerate(self.shards):
             shard.outage.what = f"backplane shard {index} ({shard.address})"
             shard.histories = self.histories  # one view: a channel lives on one shard
         self.outage = ShardsOutage(self.shards)
         self.home = self.shards[0]
+        #: A maintenance call's bound: within the beat's own bound on its check (the beat is
+        #: a third of the lease TTL; hub.convergence.beat), so that a shard that hangs costs
+        #: the beat no more than that.
+        beat_s = max(settings["LEASE_TTL_MS"] / 3000, 0.5)
+        self.beat_call_s = min(settings["REDIS_TIMEOUT_MS"] / 1000, beat_s * 0.8)
+        self.stalled: set[RedisBackplane] = set()  # failed since their last good check
+        self._unstarted: set[RedisBackplane] = set()
+        self._deliver: Deliver | None = None
 
     def shard(self, channel: str) -> RedisBackplane:
+        """The shard of ``channel``; the hub's own control channel lives on the home shard."""
+        if channel == RESERVED:
+            return self.home
         return self.shards[shard_of(channel, len(self.shards))]
 
-    async def _on(self, shard: RedisBackplane, call: Awaitable[T]) -> T:
-        """``call`` on ``shard``, its outage told how it went."""
+    async def _on(self, shard: RedisBackplane, call: Awaitable[T], bound: float | None = None) -> T:
+        """``call`` on ``shard`` (within ``bound`` seconds), its outage told how it went."""
         try:
-            result = await call
+            result = await (asyncio.wait_for(call, bound) if bound else call)
         except shard.errors as exc:
             shard.outage.failed(exc)
+            self.stalled.add(shard)
             raise
         shard.outage.succeeded()
         return result
+
+    def _refuse_if_stalled(self, shard: RedisBackplane, call: Coroutine[Any, Any, Any]) -> None:
+        if shard in self.stalled or shard in self._unstarted:
+            call.close()
+            raise ShardUnavailable(f"backplane shard {self.shards.index(shard)} ({shard.address}) is not answering")
+
+    async def _call(self, shard: RedisBackplane, call: Coroutine[Any, Any, T]) -> T:
+        """A call on the way of a request or a publication: refused at once on a stalled
+        shard (the caller hears that the backplane is unavailable), else as Redis answers."""
+        self._refuse_if_stalled(shard, call)
+        return await self._on(shard, call)
+
+    async def _beat_call(self, shard: RedisBackplane, call: Coroutine[Any, Any, T]) -> T:
+        """A maintenance call: refused at once on a stalled shard, else bounded."""
+        self._refuse_if_stalled(shard, call)
+        return await self._on(shard, call, self.beat_call_s)
 
     def _by_shard(self, channels: list[str]) -> dict[RedisBackplane, list[str]]:
         split: dict[RedisBackplane, list[str]] = {}
@@ -122,11 +167,12 @@ class ShardedBackplane(Backplane):
             split.setdefault(self.shard(channel), []).append(channel)
         return split
 
-    async def _each(self, work: dict[RedisBackplane, Awaitable[Any]]) -> None:
+    async def _each(self, work: dict[RedisBackplane, Coroutine[Any, Any, Any]]) -> None:
         """Every shard's part at once; the first failure raised once all have ended (the
         healthy shards' parts are done)."""
-        calls = (self._on(shard, part) for shard, part in work.items())
-        results = await asyncio.gather(*calls, return_exceptions=True)
+        results = await asyncio.gather(
+            *(self._beat_call(shard, part) for shard, part in work.items()), return_exceptions=True
+        )
         for result in results:
             if isinstance(result, BaseException):
                 raise result
@@ -134,26 +180,48 @@ class ShardedBackplane(Backplane):
     # -- lifecycle ----------------------------------------------------------------
 
     async def start(self, deliver: Deliver) -> None:
-        for shard in self.shards:
-            await shard.start(deliver)
+        """Start every shard that answers; the others start at a later check. Raises only
+        when none does."""
+        self._deliver = deliver
+        self._unstarted = set(self.shards)
+        starts = (self._on(shard, self._start(shard), self.beat_call_s) for shard in self.shards)
+        results = await asyncio.gather(*starts, return_exceptions=True)
+        if all(isinstance(r, BaseException) for r in results):
+            await self.stop()
+            raise next(r for r in results if isinstance(r, BaseException))
+
+    async def _start(self, shard: RedisBackplane) -> None:
+        assert self._deliver is not None
+        await shard.start(self._deliver)
+        self._unstarted.discard(shard)
 
     async def stop(self) -> None:
-        for shard in self.shards:
-            await shard.stop()
+        await asyncio.gather(*(shard.stop() for shard in self.shards), return_exceptions=True)
 
     async def check(self) -> bool:
-        """Each shard's check at once: False when any lost what it kept for this process
-        (the hub re-asserts; what the others keep is asserted again, harmlessly). A shard
-        that does not answer is down on its own; this raises only when none answers."""
-        results = await asyncio.gather(
-            *(self._on(shard, shard.check()) for shard in self.shards), return_exceptions=True
-        )
-        answered = [r for r in results if not isinstance(r, BaseException)]
-        if not answered:
-            raise next(r for r in results if isinstance(r, BaseException))
+        """Each shard's check at once, each within its bound: False when any lost what it
+        kept for this process, or came back (the hub re-asserts; what the others keep is
+        asserted again, harmlessly). A shard that does not answer is stalled on its own;
+        this raises only when none answers."""
+
+        async def work(shard: RedisBackplane) -> bool:
+            if shard in self._unstarted:
+                await self._start(shard)
+            return await shard.check()
+
+        async def one(shard: RedisBackplane) -> bool:
+            intact = await self._on(shard, work(shard), self.beat_call_s)
+            back = shard in self.stalled
+            self.stalled.discard(shard)
+            return intact and not back
+
+        results = await asyncio.gather(*(one(shard) for shard in self.shards), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException) and not isinstance(result, self.errors):
                 raise result  # a bug, not an outage
+        answered = [r for r in results if not isinstance(r, BaseException)]
+        if not answered:
+            raise next(r for r in results if isinstance(r, BaseException))
         return all(answered)
 
     # -- channels: on their shard ---------------------------------------------------
@@ -163,55 +231,62 @@ class ShardedBackplane(Backplane):
 
     async def leave(self, channel: str) -> None:
         shard = self.shard(channel)
-        await self._on(shard, shard.leave(channel))
+        await self._beat_call(shard, shard.leave(channel))
 
     async def publish(self, channel: str, data_json: str, floor: int = 0, history: HistoryPolicy | None = None) -> int:
         shard = self.shard(channel)
-        return await self._on(shard, shard.publish(channel, data_json, floor, history))
+        return await self._call(shard, shard.publish(channel, data_json, floor, history))
 
     async def history(
         self, channel: str, policy: HistoryPolicy, since: Since | None = None, floor: int = 0
     ) -> HistoryRead:
         shard = self.shard(channel)
-        return await self._on(shard, shard.history(channel, policy, since, floor))
+        return await self._call(shard, shard.history(channel, policy, since, floor))
 
     async def history_page(
         self, channel: str, after: int, count: int, max_bytes: int = PAGE_BYTES
     ) -> list[HistoryEntry]:
         shard = self.shard(channel)
-        return await self._on(shard, shard.history_page(channel, after, count, max_bytes))
+        return await self._call(shard, shard.history_page(channel, after, count, max_bytes))
 
     async def reseed(self, floors: dict[str, int]) -> None:
-        parts = self._by_shard(list(floors))
-        await self._each({shard: shard.reseed({c: floors[c] for c in part}) for shard, part in parts.items()})
+        """Each answering shard's channels; a stalled shard's wait for its return (the
+        re-assert that follows it reseeds them), so that the beat goes on for the others."""
+        parts = {s: part for s, part in self._by_shard(list(floors)).items() if s not in self.stalled}
+        with contextlib.suppress(*self.errors):  # counted as that shard's failure
+            await self._each({shard: shard.reseed({c: floors[c] for c in part}) for shard, part in parts.items()})
 
     async def acquire(self, channel: str) -> bool:
         shard = self.shard(channel)
-        return await self._on(shard, shard.acquire(channel))
+        return await self._beat_call(shard, shard.acquire(channel))
 
     async def renew(self, channel: str) -> bool:
         shard = self.shard(channel)
-        return await self._on(shard, shard.renew(channel))
+        return await self._beat_call(shard, shard.renew(channel))
 
     async def release(self, channel: str) -> None:
         shard = self.shard(channel)
-        await self._on(shard, shard.release(channel))
+        await self._beat_call(shard, shard.release(channel))
 
     # -- the cluster's own state: on the home shard ------------------------------------
 
     async def put_probe(self, probe: ProcessProbe, ttl_ms: int) -> None:
-        await self._on(self.home, self.home.put_probe(probe, ttl_ms))
+        await self._beat_call(self.home, self.home.put_probe(probe, ttl_ms))
 
     async def drop_probe(self) -> None:
-        await self._on(self.home, self.home.drop_probe())
-        for shard in self.shards[1:]:  # each shard's own sentinel key
-            await self._on(shard, shard.drop_alive())
+        """The probe from the home shard, the sentinel key from every shard, at once."""
+        calls = [self._on(self.home, self.home.drop_probe(), self.beat_call_s)]
+        calls += [self._on(shard, shard.drop_alive(), self.beat_call_s) for shard in self.shards[1:]]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
 
     async def cluster_probes(self) -> list[ProcessProbe]:
-        return await self._on(self.home, self.home.cluster_probes())
+        return await self._call(self.home, self.home.cluster_probes())
 
     async def take_tokens(self, identity: str, cost: float, capacity: float, refill_per_s: float) -> int | None:
-        return await self._on(self.home, self.home.take_tokens(identity, cost, capacity, refill_per_s))
+        return await self._call(self.home, self.home.take_tokens(identity, cost, capacity, refill_per_s))
 
     def shards_probe(self) -> list[ShardProbe]:
         """Per shard: its address, up or down, its outages (the probe's ``backplane.shards``)."""

@@ -120,7 +120,12 @@ class Hub:
             self.thread_id = threading.get_ident()
             start_stores()  # journals left by ended processes are written first
             self.backplane = self.gate.backplane = make_backplane(self.instance_id)
-            await self.backplane.start(self._deliver)
+            try:
+                await self.backplane.start(self._deliver)
+            except BaseException:  # not started: what it opened is closed (the next start makes a new one)
+                with contextlib.suppress(Exception):
+                    await self.backplane.stop()
+                raise
             self.reconciler.subscribed(CONTROL_CHANNEL, ticker=False)  # wanted as long as the hub runs
             await self.convergence.converge(CONTROL_CHANNEL)
             loops = [
