@@ -42,7 +42,12 @@ function rate(now, before, read) {
 
 function degradedWhy(p) {
   const why = [];
-  if (p.backplane && p.backplane.up === false) why.push("backplane down");
+  if (p.backplane && p.backplane.up === false) {
+    const down = (p.backplane.shards || []).filter((shard) => !shard.up);
+    why.push(down.length && p.backplane.shards.length > 1
+      ? `backplane ${down.map((shard) => `shard ${shard.index} (${shard.address})`).join(", ")} down`
+      : "backplane down");
+  }
   if ((p.failing_tickers || []).length) why.push(`failing tickers: ${p.failing_tickers.join(", ")}`);
   for (const [name, store] of Object.entries(p.write_behind || {})) {
     if (store.consecutive_failures > 0) why.push(`${name}: ${store.consecutive_failures} failed flushes`);
