@@ -43,7 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import as_new_client, cpu_seconds, free_port, processes, progress, rss_bytes
+from bench.common import as_new_client, cpu_seconds, free_port, processes, progress, rss_bytes, uvicorn
 from realtime_app.wire.deltas import ChannelDeltas
 from realtime_app.wire.fossil import apply_delta
 from realtime_app.wire.protocol import notification_text
@@ -90,27 +90,6 @@ def codec(args: argparse.Namespace) -> dict[str, Any]:
     print(f"  server, once per publication: the delta {build_us:.0f} us (CPU)")
     print(f"  client, per delta frame: apply {1e6 * statistics.median(apply_cost):.0f} us (median)")
     return {"plain_bytes": per_update_plain, "delta_bytes": per_update_delta, "build_us": build_us}
-
-
-def uvicorn(port: int, deflate: bool) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "uvicorn",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--ws",
-        "websockets-sansio",
-        "--ws-per-message-deflate",
-        str(deflate).lower(),
-        "--lifespan",
-        "off",
-        "--log-level",
-        "warning",
-        "bench.asgi:application",
-    ]
 
 
 def written_bytes(pid: int) -> int:

@@ -75,6 +75,29 @@ def processes(
                 proc.kill()
 
 
+def uvicorn(port: int, deflate: bool = False) -> list[str]:
+    """A uvicorn process of the bench site, with the WebSocket implementation the guard
+    supports (``websockets-sansio``); ``deflate``: permessage-deflate offered."""
+    return [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--ws",
+        "websockets-sansio",
+        "--ws-per-message-deflate",
+        str(deflate).lower(),
+        "--lifespan",
+        "off",
+        "--log-level",
+        "warning",
+        "bench.asgi:application",
+    ]
+
+
 def daphne(port: int, app: str = "bench.asgi:application") -> list[str]:
     return [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), app]
 

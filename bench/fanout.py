@@ -49,28 +49,8 @@ from bench.common import (
     percentile,
     processes,
     progress,
+    uvicorn,
 )
-
-
-def uvicorn(port: int) -> list[str]:
-    """A uvicorn process of the bench site, with the WebSocket implementation the guard
-    supports (``websockets-sansio``)."""
-    return [
-        sys.executable,
-        "-m",
-        "uvicorn",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--ws",
-        "websockets-sansio",
-        "--lifespan",
-        "off",
-        "--log-level",
-        "warning",
-        "bench.asgi:application",
-    ]
 
 
 def redis_commands(r: redis.Redis) -> int:

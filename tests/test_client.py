@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import importlib
 import inspect
 import json
@@ -26,6 +27,11 @@ def server():
     s = Server({"REDIS_URL": ""}).start()
     yield s
     s.stop()
+
+
+def digest(data):
+    """One publication's data, whatever the order of its keys: a short comparable value."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
 def test_close_code_taxonomy():
@@ -308,12 +314,7 @@ async def test_unsubscribing_a_cadence_the_server_moved_leaves_the_one_it_subscr
 async def test_a_delta_subscription_rebuilds_every_publication_across_a_reconnect(server):
     """The Python client applies deltas (docs/protocol.md, "Deltas"): what its handler gets
     equals what a plain subscriber gets, seq by seq, before and after a reconnect."""
-    import hashlib
-
     from tests.wsclient import RPC
-
-    def digest(data):
-        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     channel = "test:state-dropped"  # 2 KB, one field changing per publication
     got: dict[int, str] = {}
@@ -346,12 +347,7 @@ async def test_a_delta_subscription_rebuilds_every_publication_across_a_reconnec
 async def test_a_delta_subscription_of_a_channel_with_history_rebuilds_every_publication_across_a_resume(server):
     """Deltas on a channel with history: what was published while the client was away comes
     back whole by the resume, then deltas go on; every publication is rebuilt exactly."""
-    import hashlib
-
     from tests.wsclient import RPC
-
-    def digest(data):
-        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     channel = "test:big-history"
     got: dict[int, str] = {}
@@ -392,12 +388,7 @@ async def test_a_slow_delta_subscriber_rebuilds_every_frame_it_gets_across_drops
     """A handler slower than its connection's frames: the server drops frames for it, the
     frame after a drop is full, deltas go on once it reads again; every frame the handler
     gets is exactly the publication."""
-    import hashlib
-
     from tests.wsclient import RPC
-
-    def digest(data):
-        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     channel = "test:drift"  # 2 KiB of state, 200 characters new in each, 10 a second
     flood = "demo:flood:10"  # 32 KiB of random text 100 times a second on the same connection

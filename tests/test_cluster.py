@@ -8,14 +8,14 @@ import asyncio
 import json
 import os
 import secrets
-import sys
 import time
 
 import pytest
 import redis
 
 from realtime_app.wire.names import group_name
-from tests.servers import ROOT, servers
+from tests.servers import servers
+from tests.support.cluster import publish_from_a_command
 from tests.support.waiting import eventually
 from tests.wsclient import RPC
 
@@ -145,20 +145,7 @@ async def test_publish_from_another_process_reaches_both_servers(cluster):
     async with RPC(a.ws) as ca, RPC(b.ws) as cb:
         await ca.subscribe("demo:events")
         await cb.subscribe("demo:events")
-        code = "from realtime_app import publish; print(publish('demo:events', {'from': 'shell'}))"
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "manage.py",
-            "shell",
-            "-c",
-            code,
-            cwd=ROOT,
-            env={**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", **env},
-            stdout=asyncio.subprocess.PIPE,
-        )
-        stdout, _ = await process.communicate()
-        assert process.returncode == 0
-        seq = int(stdout.decode().strip().splitlines()[-1])
+        seq = await publish_from_a_command(env, "demo:events", {"from": "shell"})
         fa, fb = await asyncio.gather(ca.frames(1), cb.frames(1))
         assert fa == fb and fa[0]["seq"] == seq and fa[0]["data"] == {"from": "shell"}
 

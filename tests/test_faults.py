@@ -8,7 +8,6 @@ fails on the code before its fix (docs/reliability.md tables them).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import subprocess
@@ -22,6 +21,7 @@ import websockets
 from realtime_app.wire.names import group_name
 from tests.private_redis import PrivateRedis
 from tests.servers import ROOT, Server, servers
+from tests.support.cluster import Reader
 from tests.support.processes import rss
 from tests.support.waiting import eventually
 from tests.wsclient import RPC
@@ -41,48 +41,6 @@ def env_for(redis_server: PrivateRedis, layer: str = "core", **overrides: Any) -
         "REALTIME_TEST_OVERRIDES": json.dumps(overrides),
     }
     return env
-
-
-class Reader:
-    """A subscribed client whose frames are collected in the background, with when."""
-
-    def __init__(self, url: str, channels: list[str], address: str | None = None) -> None:
-        self.rpc = RPC(url, address=address)
-        self.channels = channels
-        self.frames: list[tuple[float, dict[str, Any]]] = []
-        self.closed: int | None = None
-        self._task: asyncio.Task[None] | None = None
-
-    async def __aenter__(self) -> Reader:
-        await self.rpc.__aenter__()
-        for channel in self.channels:
-            await self.rpc.subscribe(channel)
-        self._task = asyncio.get_running_loop().create_task(self._read())
-        return self
-
-    async def _read(self) -> None:
-        try:
-            async for raw in self.rpc.ws:
-                message = json.loads(raw)
-                if message.get("method") == "message":
-                    self.frames.append((time.monotonic(), message["params"]))
-        except websockets.ConnectionClosed as exc:
-            self.closed = exc.rcvd.code if exc.rcvd else 1006
-        else:
-            self.closed = self.rpc.ws.close_code
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        await self.rpc.__aexit__()
-
-    def seqs(self, channel: str) -> list[int]:
-        return [f["seq"] for _, f in self.frames if f["channel"] == channel]
-
-    def has_frame_after(self, channel: str, moment: float) -> bool:
-        return any(t > moment and f["channel"] == channel for t, f in self.frames)
 
 
 async def batch_call(rpc: RPC, batch: list[dict[str, Any]], timeout: float = 30) -> list[dict[str, Any]]:

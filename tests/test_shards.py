@@ -8,19 +8,16 @@ hash picks; the cluster's own state on the first, the home shard).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import sys
 import time
-from typing import Any
 
 import pytest
 
 from realtime_app.cluster.shards import shard_of
 from realtime_app.wire.names import group_name
 from tests.private_redis import PrivateRedis
-from tests.servers import ROOT, free_port, servers
+from tests.servers import free_port, servers
+from tests.support.cluster import Reader, publish_from_a_command
 from tests.support.waiting import eventually
 from tests.wsclient import RPC
 
@@ -104,62 +101,6 @@ def env_for(shards: list[PrivateRedis], layer: str) -> dict[str, str]:
     }
 
 
-class Reader:
-    """A client of one process subscribed to channels, its frames collected with when."""
-
-    def __init__(self, url: str, channels: list[str]) -> None:
-        self.rpc = RPC(url)
-        self.channels = channels
-        self.frames: list[tuple[float, dict[str, Any]]] = []
-        self.positions: dict[str, dict[str, Any]] = {}
-        self._task: asyncio.Task[None] | None = None
-
-    async def __aenter__(self) -> Reader:
-        await self.rpc.__aenter__()
-        for channel in self.channels:
-            self.positions[channel] = await self.rpc.subscribe(channel)
-        self._task = asyncio.get_running_loop().create_task(self._read())
-        return self
-
-    async def _read(self) -> None:
-        with contextlib.suppress(Exception):
-            async for raw in self.rpc.ws:
-                message = json.loads(raw)
-                if message.get("method") == "message":
-                    self.frames.append((time.monotonic(), message["params"]))
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        await self.rpc.__aexit__()
-
-    def seqs(self, channel: str) -> list[int]:
-        return [f["seq"] for _, f in self.frames if f["channel"] == channel]
-
-    def after(self, channel: str, moment: float) -> bool:
-        return any(t > moment and f["channel"] == channel for t, f in self.frames)
-
-
-async def publish_from_a_command(env: dict[str, str], channel: str, data: dict[str, Any]) -> int:
-    """``manage.py shell -c`` publishing one message, as an operator's script would."""
-    code = f"from realtime_app import publish; print(publish({channel!r}, {data!r}))"
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "manage.py",
-        "shell",
-        "-c",
-        code,
-        cwd=ROOT,
-        env={**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", **env},
-        stdout=asyncio.subprocess.PIPE,
-    )
-    stdout, _ = await process.communicate()
-    assert process.returncode == 0
-    return int(stdout.decode().strip().splitlines()[-1])
-
-
 @pytest.mark.parametrize(
     ("killed", "layer", "fault"), [(2, "core", "kill"), (0, "pubsub", "kill"), (1, "core", "pause")]
 )
@@ -203,11 +144,11 @@ async def test_channels_spread_over_three_shards_and_losing_one_stops_only_its_c
             down = time.monotonic()
             others = [c for i, c in enumerate(CLOCKS) if i != killed]
             await eventually(  # past several lease TTLs: their leases are renewed meanwhile
-                lambda: all(ra.after(c, down + 6) and rb.after(c, down + 6) for c in others),
+                lambda: all(ra.has_frame_after(c, down + 6) and rb.has_frame_after(c, down + 6) for c in others),
                 20,
                 "the other shards' channels going on",
             )
-            assert not ra.after(lost_clock, down + 1) and not rb.after(lost_clock, down + 1)
+            assert not ra.has_frame_after(lost_clock, down + 1) and not rb.has_frame_after(lost_clock, down + 1)
             healthy_kept = KEPT[(killed + 1) % SHARDS]
             seq = await publish_from_a_command(env, healthy_kept, {"during": True})
             await eventually(lambda: seq in ra.seqs(healthy_kept) and seq in rb.seqs(healthy_kept), 10, "published")
@@ -218,7 +159,9 @@ async def test_channels_spread_over_three_shards_and_losing_one_stops_only_its_c
                 shards[killed].resume()  # back, with its data
             back = time.monotonic()
             await eventually(
-                lambda: ra.after(lost_clock, back) and rb.after(lost_clock, back), 20, "its channels by themselves"
+                lambda: ra.has_frame_after(lost_clock, back) and rb.has_frame_after(lost_clock, back),
+                20,
+                "its channels by themselves",
             )
             seq = await publish_from_a_command(env, lost_kept, {"after": True})
             await eventually(lambda: seq in ra.seqs(lost_kept) and seq in rb.seqs(lost_kept), 10, "kept again")
