@@ -111,7 +111,17 @@ def test_the_redis_backplane_without_the_redis_layer_is_an_error():
     assert ids(check_settings()) == ["realtime_app.E005"]
 
 
-@pytest.mark.parametrize("shards", [[], "redis://a:6379/0", [1, 2], [{"no": "address"}]])
+@pytest.mark.parametrize(
+    "shards",
+    [
+        [],
+        "redis://a:6379/0",
+        [1, 2],
+        [{"no": "address"}],
+        ["redis://a:6379/0", "http://b:6379/0"],
+        ["redis://a:6379/0", "redis://a:6379/0"],
+    ],
+)
 def test_redis_shards_that_are_no_hosts_are_an_error(settings, shards):
     settings.REALTIME_APP = {"REDIS_SHARDS": shards}
     [message] = check_settings()

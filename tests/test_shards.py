@@ -271,3 +271,14 @@ def test_every_shape_of_host_gets_the_backplanes_bounds():
         pool = RedisBackplane(config=config, hosts=[host]).redis.connection_pool
         assert isinstance(pool, BlockingConnectionPool) and pool.max_connections == 7 and pool.timeout == 0.7
         assert pool.connection_kwargs["socket_timeout"] == 0.7
+
+
+def test_realtime_probe_names_the_shards_that_are_down():
+    from realtime_app.management.commands.realtime_probe import table
+
+    shards = [{"index": 0, "address": "a:6379/0", "up": True, "outages": 0}]
+    shards.append({"index": 1, "address": "b:6379/0", "up": False, "outages": 1})
+    text = table({"instances": [{"instance": "p1", "backplane": {"up": False, "outages": 1, "shards": shards}}]})
+    assert "down: shard 1" in text
+    shards[1]["up"] = True
+    assert "down" not in table({"instances": [{"instance": "p1", "backplane": {"up": True, "shards": shards}}]})

@@ -21,17 +21,24 @@ def check_shards(value: Any) -> list[CheckMessage]:
 
     def is_host(entry: Any) -> bool:
         if isinstance(entry, str):
-            return bool(entry)
+            return entry.startswith(("redis://", "rediss://", "unix://"))
         if isinstance(entry, (list, tuple)):
             return len(entry) == 2
         return isinstance(entry, dict) and any(k in entry for k in ("address", "host", "master_name"))
 
-    if isinstance(value, (list, tuple)) and value and all(is_host(entry) for entry in value):
-        return []
+    problem = "must be a non-empty list of Redis URLs (redis://, rediss://, unix://), (host, port) pairs or "
+    problem += "channels-redis host dicts"
+    if isinstance(value, (list, tuple)) and value:
+        bad = [entry for entry in value if not is_host(entry)]
+        if bad:
+            problem += f"; not a host: {bad[0]!r}"
+        elif len({repr(entry) for entry in value}) < len(value):
+            problem = "lists a server twice (each channel would be on one of two names for the same server)"
+        else:
+            return []
     return [
         Error(
-            "REALTIME_APP['REDIS_SHARDS'] must be a non-empty list of Redis URLs, (host, port) pairs or "
-            f"channels-redis host dicts, got {value!r}.",
+            f"REALTIME_APP['REDIS_SHARDS'] {problem}, got {value!r}.",
             hint='e.g. ["redis://10.0.0.1:6379/0", "redis://10.0.0.2:6379/0"] (docs/capacity.md).',
             id="realtime_app.E011",
         )

@@ -22,6 +22,7 @@ COLUMNS: list[tuple[str, Callable[[dict[str, Any]], Any]]] = [
     ("subs", lambda p: p.get("subscriptions", 0)),
     ("tickers", lambda p: p.get("ticker_count", len(p.get("tickers", [])))),
     ("failing", lambda p: len(p.get("failing_tickers", []))),
+    ("backplane", lambda p: _backplane(p.get("backplane", {}))),
     ("worst queue", lambda p: _bytes(p.get("backpressure", {}).get("max_buffered_amount", 0))),
     ("total queued", lambda p: _bytes(p.get("backpressure", {}).get("total_buffered_amount", 0))),
     ("slow", lambda p: p.get("backpressure", {}).get("slow_consumers", 0)),
@@ -35,6 +36,14 @@ COLUMNS: list[tuple[str, Callable[[dict[str, Any]], Any]]] = [
     ("unsaved (oldest)", lambda p: _unsaved(p.get("write_behind", {}))),
     ("resumes ok/lost (replayed)", lambda p: _resumes(p.get("history", {}))),
 ]
+
+
+def _backplane(backplane: dict[str, Any]) -> str:
+    """``up``, or ``down`` with the shards that do not answer (``down: shard 1``)."""
+    if backplane.get("up", True):
+        return "up"
+    down = [str(shard["index"]) for shard in backplane.get("shards", []) if not shard.get("up", True)]
+    return f"down: shard {', '.join(down)}" if len(backplane.get("shards", [])) > 1 and down else "down"
 
 
 def _resumes(history: dict[str, Any]) -> str:
