@@ -181,13 +181,12 @@ class ShardedBackplane(Backplane):
 
     async def start(self, deliver: Deliver) -> None:
         """Start every shard that answers; the others start at a later check. Raises only
-        when none does."""
+        when none does (the caller stops what was opened, as after any failed start)."""
         self._deliver = deliver
         self._unstarted = set(self.shards)
         starts = (self._on(shard, self._start(shard), self.beat_call_s) for shard in self.shards)
         results = await asyncio.gather(*starts, return_exceptions=True)
         if all(isinstance(r, BaseException) for r in results):
-            await self.stop()
             raise next(r for r in results if isinstance(r, BaseException))
 
     async def _start(self, shard: RedisBackplane) -> None:

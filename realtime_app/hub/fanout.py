@@ -82,14 +82,8 @@ class Fanout:
                 buffer = replays.get(conn)
                 if buffer is not None:
                     buffer.append((seq, epoch, payload))
-                elif built is not None and channel in conn.deltas:
-                    if already_sent(conn.positions.get(channel), epoch, seq):
-                        continue
-                    conn.positions[channel] = (epoch, seq)
-                    self.frames_out += 1
-                    self._send_delta(conn, channel, seq, built, variants, None)
                 else:
-                    self.push_kept(conn, channel, seq, epoch, payload, frame)
+                    self.push_kept(conn, channel, seq, epoch, payload, frame, built, variants)
             return
         self.frames_out += len(subs)
         policy = frame_policy(channel)
@@ -226,12 +220,25 @@ class Fanout:
         return decision
 
     def push_kept(
-        self, conn: Connection, channel: str, seq: int, epoch: str, payload: bytes, frame: bytes | None = None
+        self,
+        conn: Connection,
+        channel: str,
+        seq: int,
+        epoch: str,
+        payload: bytes,
+        frame: bytes | None = None,
+        built: DeltaFrames | None = None,
+        variants: dict[str, tuple[bytes, bytes]] | None = None,
     ) -> None:
-        """A frame of a channel with history, unless this connection had it already."""
+        """A frame of a channel with history, unless this connection had it already; a
+        live one (``built``: its delta frames) to a delta subscriber as delta or full text."""
         if already_sent(conn.positions.get(channel), epoch, seq):
             return
         conn.positions[channel] = (epoch, seq)
+        if built is not None and variants is not None and channel in conn.deltas:
+            self.frames_out += 1
+            self._send_delta(conn, channel, seq, built, variants, None)
+            return
         self.push(conn, payload, frame, channel)
 
     def send_to(self, conn: Connection, text: str, *, response: bool = False) -> Decision:
