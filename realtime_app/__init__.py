@@ -32,6 +32,7 @@ _EXPORTS = {
     "rpc_method": "endpoint.consumer",
     "Coalesce": "inbound.workers",
     "WriteBehindStore": "persistence.write_behind",
+    "WriteRefused": "persistence.write_behind",
     "RealtimeConsumer": "endpoint.consumer",
     "get_hub": "hub",
     "Guard": "outbound.guard",

@@ -37,6 +37,7 @@ class RealtimeAppConfig(AppConfig):
             setup_checks,  # noqa: F401  (registers the checks of a first afternoon)
         )
         from realtime_app.endpoint import operator  # noqa: F401  (its control message)
+        from realtime_app.persistence import checks as store_checks  # noqa: F401  (registers the store checks)
 
         apply_json_encoder()
 

@@ -20,10 +20,13 @@ class FlushMark(models.Model):
     """One row per write-behind batch, written in the batch's own transaction: when the
     outcome of a write is unknown (the connection dropped at COMMIT, the flush was
     cancelled), the next flush looks its token up and settles instead of applying counter
-    deltas twice. Marks older than an hour are deleted by the flushes."""
+    deltas twice. Marks older than an hour are deleted by the flushes — but for those of
+    batches written from a journal, kept for good: a journal file put back (a restored
+    backup, a copy) is never applied twice, however old."""
 
     token = models.CharField(max_length=32, primary_key=True)
     created = models.DateTimeField(db_index=True)
+    journaled = models.BooleanField(default=False)
 
     class Meta:
         verbose_name = "write-behind flush mark"

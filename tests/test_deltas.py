@@ -126,22 +126,28 @@ async def test_a_delta_subscriber_of_a_channel_with_history_rebuilds_every_publi
     assert rebuilt.kinds[6:] == [False] * 6 + [False] + [True] * 5  # replayed whole, one full, then deltas
 
 
-async def test_a_conflated_channel_gives_its_delta_subscribers_full_frames(hub, settings):
-    """What a connection holds may replace another frame: on a conflated channel a delta
-    subscriber gets the full text every time, and rebuilds it all the same."""
+async def test_a_conflated_channel_refuses_deltas_in_its_answer_and_sends_plain_frames(hub, settings):
+    """Found: on a conflated channel the answer granted ``"delta": "fossil"`` and then every
+    frame went whole. A held frame may replace others, so deltas are not granted there: the
+    answer says ``"delta": false`` and the frames are the plain subscriber's."""
     settings.REALTIME_APP = {
         **settings.REALTIME_APP,
         "POLICIES": [{"pattern": "demo:clock", "backpressure": "conflate"}],
     }
     async with Client() as plain, Client() as delta:
         await plain.call("subscribe", {"channel": "demo:clock:100"})
-        await delta.call("subscribe", {"channel": "demo:clock:100", "delta": "fossil"})
+        answer = await delta.call("subscribe", {"channel": "demo:clock:100", "delta": "fossil"})
+        assert answer["result"]["delta"] is False
         expected = {f["seq"]: digest(f["data"]) for f in await plain.frames(6, "demo:clock:100", timeout=5)}
-        rebuilt = Rebuilder()
-        got = {f["seq"]: digest(rebuilt.take(f)) for f in await delta.frames(6, "demo:clock:100", timeout=5)}
-    assert rebuilt.kinds == [False] * 6
+        frames = await delta.frames(6, "demo:clock:100", timeout=5)
+    assert all("delta" not in f for f in frames)
+    got = {f["seq"]: digest(f["data"]) for f in frames}
     common = set(got) & set(expected)
     assert common and all(got[s] == expected[s] for s in common)
+    settings.REALTIME_APP = {**settings.REALTIME_APP, "POLICIES": []}
+    async with Client() as delta:  # the same channel, not conflated: granted
+        answer = await delta.call("subscribe", {"channel": "demo:clock:100", "delta": "fossil"})
+        assert answer["result"]["delta"] == "fossil"
 
 
 def test_large_random_or_costly_publications_are_sent_whole():

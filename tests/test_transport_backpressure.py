@@ -124,6 +124,31 @@ async def test_close_policy_closes_at_the_first_overrun(database):
         server.stop()
 
 
+@pytest.mark.parametrize("delta", [False, True])
+async def test_a_channel_with_history_ruled_close_closes_over_its_threshold(database, delta):
+    """Found: a channel's own ``"backpressure": "close"`` was ignored on channels with history
+    (their frames, and delta frames, went through the guard with no rule): an "orders"
+    channel dropped instead of closing. The process's rule here is drop."""
+    rules = [{"pattern": "test:big-history", "backpressure": "close"}]
+    server = start(database, close_after_drops=100_000, overrides={"POLICIES": rules})
+    try:
+        probe = Probe(server)
+        async with RPC(server.ws) as slow, RPC(server.ws) as publisher:
+            params = {"channel": "test:big-history", **({"delta": "fossil"} if delta else {})}
+            answer = await slow.call("subscribe", params)
+            assert answer["result"].get("delta") == ("fossil" if delta else None), answer
+            slow.ws.transport.pause_reading()
+            # deltas of ~6 KB each (a third of the data): 4 MB in all, past the 1 MiB threshold
+            burst = {"channels": ["test:big-history"], "count": 700, "size": 16 * 1024, "fresh": 6000 if delta else 0}
+            task = asyncio.get_running_loop().create_task(publisher.call("test.publish_burst", burst, timeout=60))
+            closed = await probe.until(lambda t: t["closes"] == 1, 30, "the 1013 close of the channel's rule")
+            assert closed["drops"] == 0
+            assert await slow.close_code() == 1013
+            await task
+    finally:
+        server.stop()
+
+
 async def test_zero_disables_the_guard(database):
     server = start(database, max_backpressure=0)
     try:

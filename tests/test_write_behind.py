@@ -15,7 +15,7 @@ from asgiref.sync import sync_to_async
 from django.db import OperationalError, connection, connections
 
 from project.demo.models import InventoryItem
-from realtime_app.persistence.write_behind import WriteBehindStore
+from realtime_app.persistence.write_behind import WriteBehindStore, WriteRefused
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(60)]
 
@@ -132,9 +132,10 @@ async def test_thousands_of_mutations_become_a_few_batched_statements(users):
     async with Statements() as statements:
         written = await store.flush(everything=True)
     assert written == 120 and await rows() == {key: 90 for key in keys}
-    # 3 batches of 50 / 50 / 20, each in a transaction (SQLite's BEGIN counts): its token, an
-    # insert of missing rows, one counter update, a read-back — 1,200 mutations, 15 statements
-    assert statements.count <= 3 * 5 + 1, statements.sql  # (+1: the sweep of old tokens, hourly)
+    # 3 batches of 50 / 50 / 20, each in a transaction (SQLite's BEGIN counts): its token, the
+    # rows there are (locked), the missing rows inserted in a savepoint (3), one counter update,
+    # a read-back — 1,200 mutations, 24 statements
+    assert statements.count <= 3 * 8 + 1, statements.sql  # (+1: the sweep of old tokens, hourly)
 
 
 async def test_a_mutation_during_the_flush_keeps_the_object_dirty_and_is_written_next(users):
@@ -176,19 +177,32 @@ async def test_transient_errors_are_retried_and_a_failing_database_loses_nothing
     assert await rows() == {key: 93} and store.probe()["consecutive_failures"] == 0
 
 
-async def test_an_object_that_can_never_be_saved_is_isolated_reported_and_kept(users):
+async def test_an_object_the_database_refuses_is_isolated_reported_once_and_never_retried(users, caplog):
+    """A refusal that is not an outage (here a check constraint) is not retried forever nor
+    journaled: the others are written, the object is logged once at ERROR, counted, its
+    waiter told, and it is read again from the database."""
     store = make_store(delay_s=60)
     good = [(users[0], f"good{i}") for i in range(7)]
     bad = (users[1], "bad")
     for key in good:
         await store.add(key, "shots", -1)
-    await store.add(bad, "shots", -150)  # 100 - 150 < 0: the database's check refuses it
+    refused = await store.add(bad, "shots", -150)  # 100 - 150 < 0: the database's check refuses it
     assert await store.flush(everything=True) == 7
     assert await rows() == {key: 99 for key in good}
     probe = store.probe()
-    assert probe["dirty"] == 1 and repr(bad) in probe["failing"]
-    assert "IntegrityError" in probe["failing"][repr(bad)]
-    assert (await store.get(bad)) == {"shots": -50}  # kept in memory, not lost
+    assert probe["dirty"] == 0 and probe["refused"] == 1 and "IntegrityError" in probe["failing"][repr(bad)]
+    with pytest.raises(WriteRefused) as raised:
+        await refused.durable(timeout=1)
+    assert raised.value.key == bad and "IntegrityError" in raised.value.reason
+    assert await store.flush(everything=True) == 0  # not tried again
+    assert store.journal_unsaved() == 0  # nothing an outage left: nothing journaled
+    errors = [r for r in caplog.records if r.levelname == "ERROR" and repr(bad) in r.getMessage()]
+    assert len(errors) == 1, [r.getMessage() for r in errors]
+    assert (await store.get(bad)) == {"shots": 100}  # what the database holds: no row, the defaults
+    again = await store.add(bad, "shots", -1)
+    assert again.state == {"shots": 99}
+    await store.flush(everything=True)
+    assert (await rows())[bad] == 99
 
 
 async def test_deletes_are_batched_and_a_deleted_object_can_come_back(users):
@@ -282,8 +296,8 @@ async def test_a_commit_whose_answer_is_lost_is_not_applied_twice(users):
     real = store.table.write_batch
     lost = {"n": 0}
 
-    def committed_then_lost(batch: Any, token: str) -> Any:
-        result = real(batch, token)
+    def committed_then_lost(batch: Any, token: str, *rest: Any) -> Any:
+        result = real(batch, token, *rest)
         if lost["n"] == 0:  # the COMMIT went through; its answer did not
             lost["n"] += 1
             raise OperationalError("server closed the connection unexpectedly")
@@ -357,10 +371,10 @@ async def test_what_cannot_be_written_at_the_end_is_journaled_and_the_next_proce
     real = store.table.write_batch
     committed = {"n": 0}
 
-    def committed_then_gone(batch: Any, token: str) -> Any:
+    def committed_then_gone(batch: Any, token: str, *rest: Any) -> Any:
         if committed["n"] == 0:
             committed["n"] += 1
-            real(batch, token)
+            real(batch, token, *rest)
         raise OperationalError("could not connect to server")
 
     store.table.write_batch = committed_then_gone  # type: ignore[method-assign]

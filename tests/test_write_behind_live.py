@@ -361,7 +361,8 @@ async def test_uvicorn_flushes_at_lifespan_shutdown(postgres):
 
 def test_the_write_behind_unit_tests_hold_on_postgresql(postgres):
     """tests/test_write_behind.py (flush marks, lost commits, cancelled writes, integrity
-    errors, statement counts) once more with PostgreSQL as Django's database."""
+    errors, statement counts) and tests/test_write_behind_models.py (a model with a required
+    field, journals, convergence) once more with PostgreSQL as Django's database."""
     server, _ = postgres
     name = f"{os.environ['REALTIME_TEST_PREFIX'].replace('-', '_')}_units"
     env = {k: v for k, v in os.environ.items() if k != "REALTIME_TEST_DB_FILE"}
@@ -370,8 +371,9 @@ def test_the_write_behind_unit_tests_hold_on_postgresql(postgres):
         REALTIME_TEST_DB_VENDOR="postgresql",
         DJANGO_SETTINGS_MODULE="tests.settings",
     )
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_write_behind.py"]
+    modules = ["tests/test_write_behind.py", "tests/test_write_behind_models.py"]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *modules]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-2000:]
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert re.fullmatch(r"=*\s*19 passed in [\d.]+s.*", summary), summary
+    assert re.fullmatch(r"=*\s*34 passed in [\d.]+s.*", summary), summary

@@ -408,8 +408,8 @@ class RealtimeConsumer:
             answer.update(await hub.subscribe_kept(self.connection, spec, since, deltas=delta is not None))
             return answer
         await hub.subscribe(self.connection, spec)
-        if delta is not None and hub.fanout.want_deltas(self.connection, spec.name):
-            answer["delta"] = FOSSIL  # granted: a full frame first (also on a subscribe again)
+        if delta is not None:  # granted: a full frame first (also on a subscribe again); never on a conflated channel
+            answer["delta"] = FOSSIL if hub.fanout.want_deltas(self.connection, spec.name) else False
         if since is not None:  # nothing kept to resume from: the application resyncs
             answer.update(recovered=False, reason="no_history")
         return answer

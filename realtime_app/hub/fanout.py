@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from realtime_app.channels.policies import frame_policy
 from realtime_app.conf import get_config
@@ -37,6 +37,18 @@ UNREAD_ANSWER_BYTES = 64 * 1024
 
 #: A live frame kept for a connection during its replay: ``(seq, epoch, payload)``.
 Held = tuple[int, str, bytes]
+
+
+_RULE: Any = object()  # "the channel's own rule": read from POLICIES where the frame is sent
+
+
+def _rule(channel: str, policy: Any) -> str | None:
+    """The backpressure rule a frame of ``channel`` is sent under: ``policy`` as its caller
+    read it, or the channel's own rule. Conflation is :meth:`Fanout._conflate`'s alone: a
+    single frame sent outside it follows the process's rule."""
+    if policy is _RULE:
+        policy = frame_policy(channel) if channel else None
+    return None if policy == "conflate" else policy
 
 
 class Fanout:
@@ -74,6 +86,7 @@ class Fanout:
         self.channel_frames[channel] = self.channel_frames.get(channel, 0) + 1
         payload = text.encode("utf-8")  # once per publication, not per subscriber
         frame = text_frame(payload)  # the same bytes on every subscriber's socket
+        policy = frame_policy(channel)  # the channel's rule, read once per publication
         if epoch:
             replays = self.buffers.get(channel, {})
             built = self.deltas.frames(channel, text, seq) if self.delta_subs.get(channel) else None
@@ -83,10 +96,9 @@ class Fanout:
                 if buffer is not None:
                     buffer.append((seq, epoch, payload))
                 else:
-                    self.push_kept(conn, channel, seq, epoch, payload, frame, built, variants)
+                    self.push_kept(conn, channel, seq, epoch, payload, frame, built, variants, policy)
             return
         self.frames_out += len(subs)
-        policy = frame_policy(channel)
         if policy == "conflate":  # a held frame may replace another: full frames only
             full = None
             if self.delta_subs.get(channel):
@@ -145,8 +157,9 @@ class Fanout:
 
     def want_deltas(self, conn: Connection, channel: str) -> bool:
         """``conn`` subscribed to ``channel`` with deltas: a full frame first. False (not
-        granted) when it closed or left meanwhile: nothing is kept for it."""
-        if conn.closed or channel not in conn.subscriptions:
+        granted) when it closed or left meanwhile — nothing is kept for it — or when the
+        channel is conflated: a held frame replaces others, every frame goes whole."""
+        if conn.closed or channel not in conn.subscriptions or frame_policy(channel) == "conflate":
             return False
         conn.deltas[channel] = -1
         self.delta_subs.setdefault(channel, set()).add(conn)
@@ -195,21 +208,24 @@ class Fanout:
                 self.holding.discard(conn)
         return written
 
-    def push(self, conn: Connection, payload: bytes, frame: bytes | None = None, channel: str = "") -> None:
-        """One frame of ``channel`` to one connection, guarded (as :meth:`fanout` does); to
-        a delta subscriber as its full text (a replayed or held-back frame: the next live
-        one is full too, whatever base the process kept)."""
+    def push(
+        self, conn: Connection, payload: bytes, frame: bytes | None = None, channel: str = "", policy: Any = _RULE
+    ) -> None:
+        """One frame of ``channel`` to one connection, guarded under the channel's rule (as
+        :meth:`fanout` does); to a delta subscriber as its full text (a replayed or
+        held-back frame: the next live one is full too, whatever base the process kept)."""
         if channel in conn.deltas:
             conn.deltas[channel] = -1
             payload = self.deltas.full_only(channel, payload.decode("utf-8")).encode("utf-8")
             frame = None
         self.frames_out += 1
-        self._guarded(conn, payload, frame if frame is not None else text_frame(payload))
+        self._guarded(conn, payload, frame if frame is not None else text_frame(payload), _rule(channel, policy))
 
     def _guarded(self, conn: Connection, payload: bytes, frame: bytes, policy: str | None = None) -> Decision | None:
-        """One channel frame through ``conn``'s guard, what it decided accounted for; None
-        when the send raised (that connection is closed). :meth:`fanout`'s plain loop
-        does the same inline: the one place per subscriber per publication."""
+        """One channel frame through ``conn``'s guard under ``policy`` (the channel's rule),
+        what it decided accounted for; None when the send raised (that connection is
+        closed). :meth:`fanout`'s plain loop does the same inline: the one place per
+        subscriber per publication."""
         try:
             decision = conn.guard.send(payload, frame=frame, policy=policy)
         except Exception as exc:
@@ -229,17 +245,19 @@ class Fanout:
         frame: bytes | None = None,
         built: DeltaFrames | None = None,
         variants: dict[str, tuple[bytes, bytes]] | None = None,
+        policy: Any = _RULE,
     ) -> None:
         """A frame of a channel with history, unless this connection had it already; a
-        live one (``built``: its delta frames) to a delta subscriber as delta or full text."""
+        live one (``built``: its delta frames) to a delta subscriber as delta or full text;
+        under the channel's rule (``policy``: read by the caller, else here)."""
         if already_sent(conn.positions.get(channel), epoch, seq):
             return
         conn.positions[channel] = (epoch, seq)
         if built is not None and variants is not None and channel in conn.deltas:
             self.frames_out += 1
-            self._send_delta(conn, channel, seq, built, variants, None)
+            self._send_delta(conn, channel, seq, built, variants, _rule(channel, policy))
             return
-        self.push(conn, payload, frame, channel)
+        self.push(conn, payload, frame, channel, policy)
 
     def send_to(self, conn: Connection, text: str, *, response: bool = False) -> Decision:
         """Send one frame to one connection through its guard (RPC responses, errors)."""

@@ -119,8 +119,8 @@ class Replays:
             if at is None or at[0] != read.epoch or at[1] < read.top:
                 conn.positions[channel] = (read.epoch, read.top)  # the replay brings it there
             answer: dict[str, Any] = {"epoch": read.epoch, "seq": read.top}
-            if granted:
-                answer["delta"] = FOSSIL
+            if deltas:
+                answer["delta"] = FOSSIL if granted else False
             if since is None:
                 return answer
             plan = plan_resume(since, read, policy, now_ms())

@@ -138,7 +138,10 @@ class StoreProbe(TypedDict):
     flushes: Annotated[int, Counter("Flushes run", "realtime_write_behind_flushes")]
     flushed_rows: Annotated[int, Counter("Objects written", "realtime_write_behind_flushed_rows")]
     flushed_deletes: Annotated[int, Counter("Objects deleted", "realtime_write_behind_flushed_deletes")]
-    failing: Annotated[dict[str, str], Shown("text: the errors of the failing objects")]
+    failing: Annotated[dict[str, str], Shown("text: why the database refused the latest refused objects")]
+    refused: Annotated[
+        int, Counter("Objects whose unsaved changes the database refused", "realtime_write_behind_refused")
+    ]
     in_doubt: Annotated[int, Gauge("Objects of batches whose commit is in doubt", "realtime_write_behind_in_doubt")]
     delay_s: Annotated[float, Gauge("Seconds until the next flush", "realtime_write_behind_delay_seconds")]
     evicted: Annotated[int, Counter("Clean objects evicted at max_objects", "realtime_write_behind_evicted")]

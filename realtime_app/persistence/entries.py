@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-__all__ = ["Accepted", "Batch", "Entry", "Key", "evictable", "residual", "settle", "snapshot"]
+__all__ = ["Accepted", "Batch", "Entry", "Key", "WriteRefused", "adopt", "evictable", "residual", "settle", "snapshot"]
 
 Key = tuple[Any, ...]
 
@@ -31,6 +31,8 @@ class Entry:
     generation: int = 0  # bumped by each delete: what an older snapshot took is moot
     replace: bool = False  # deleted since the last write: the next one writes the whole row
     in_doubt: bool = False  # in a batch whose outcome is not known yet
+    stale: bool = False  # refused: read again from the database at the next use
+    refused: tuple[int, int, str] | None = None  # the versions (after, up to] last refused, and why
 
 
 Batch = list[tuple[Key, Entry, dict[str, Any]]]
@@ -38,6 +40,16 @@ Batch = list[tuple[Key, Entry, dict[str, Any]]]
 
 class _Store(Protocol):
     async def _durable(self, key: Key, version: int) -> None: ...
+
+
+class WriteRefused(Exception):
+    """The database refused an object's unsaved changes for a reason that is not an outage
+    (a constraint, a row that is gone and may not be made): they are dropped, and the
+    object is read again from the database at its next use."""
+
+    def __init__(self, store: str, key: Key, reason: str) -> None:
+        super().__init__(f"store {store}: {key!r} refused by the database: {reason}")
+        self.store, self.key, self.reason = store, key, reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +62,8 @@ class Accepted:
     _key: Key
 
     async def durable(self, timeout: float | None = None) -> None:
-        """Wait until a flush has written this version (or a later one)."""
+        """Wait until a flush has written this version (or a later one); raises
+        :class:`WriteRefused` if the database refused it."""
         await asyncio.wait_for(self._store._durable(self._key, self.version), timeout)
 
 
@@ -107,6 +120,14 @@ def refresh(entry: Entry, row: dict[str, Any], counters: frozenset[str]) -> None
     entry.durable = {**(entry.durable or entry.state), **{name: row[name] for name in counters}}
     for name in counters:
         entry.state[name] = row[name] + entry.deltas.get(name, 0)
+
+
+def adopt(entry: Entry, row: dict[str, Any]) -> None:
+    """An object held before its row existed, with nothing of its own to write: the row
+    another process made is now its state."""
+    entry.state = dict(row)
+    entry.durable = dict(row)
+    entry.in_db = True
 
 
 def settle(entry: Entry, snap: dict[str, Any], row: dict[str, Any] | None, counters: frozenset[str]) -> bool:

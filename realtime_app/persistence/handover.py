@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, Protocol
 
 from realtime_app.observability.logsafe import safe
 from realtime_app.persistence import journal
@@ -21,20 +21,32 @@ logger = logging.getLogger("realtime_app.write_behind")
 JOURNAL_BATCH = 50
 
 
+class _Table(Protocol):
+    model: Any
+
+    def decode(self, key: list[Any], snap: dict[str, Any]) -> tuple[Key, dict[str, Any]]: ...
+
+
 class Handover:
     """The journal files one store took over, and what it journaled and replayed."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, table: _Table) -> None:
         self.name = name
+        self.table = table
         self.journals: list[JournalFile] = []  # taken over, not yet all written
         self.journaled = 0  # objects written to a journal at the end of this process
         self.replayed = 0  # objects taken over from journals
+
+    @property
+    def tokens(self) -> set[str]:
+        """The batch tokens of the journals taken over and not yet all written."""
+        return {token for file in self.journals for token in file.tokens}
 
     def take_over(self, entries: dict[Key, Entry], in_doubt: list[tuple[str, Batch]], delay_s: float) -> None:
         """Journaled batches become in-doubt batches under their own tokens, written before
         anything newer (a batch that did commit is found by its token, not applied again)."""
         try:
-            claimed = journal.claim(self.name)
+            claimed = journal.claim(self.name, journal.identity(self.table.model), self.table.decode)
         except OSError as exc:
             logger.error("store %s: the journal cannot be read: %s", self.name, exc)
             return
@@ -100,7 +112,7 @@ class Handover:
             self.remove_taken_over()
             return 0
         try:
-            path = journal.write(self.name, batches)
+            path = journal.write(self.name, batches, journal.identity(self.table.model))
         except OSError as exc:
             logger.error(
                 "store %s: %d accepted object(s) LOST: the database and the journal both failed (%s)",

@@ -9,56 +9,143 @@ outage is found by its token and not applied twice. The next process to start ta
 file over (an atomic rename), writes its batches before anything newer, and deletes the
 file once every batch in it is durable; if it stops before then, it journals them again.
 
-The directory is ``WRITE_BEHIND_JOURNAL_DIR``: one every process of a host can read and
-write, and that outlives a restart (a volume, not a container's scratch space).
+**A journal only goes home.** Each file records the site it belongs to (its settings
+module and a digest of its ``SECRET_KEY``, never the key) and the database (vendor, name,
+host, port); a process of another site, or on another database, leaves it in place with
+an ERROR. The directory is private to the site (``0700``, the process's own); a file that
+is a symlink, is not the process user's or is open to others is refused, and a file that
+cannot be read is moved aside (``*.malformed``) — each file on its own, the others are
+taken over. Values go back through the model's fields (``Decimal``, dates come back as
+they went in). A journal put back after it was written is not applied again: its batches'
+tokens are kept for good.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
 import re
 import secrets
+import stat
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from django.core.serializers.json import DjangoJSONEncoder
 
-__all__ = ["JournalFile", "claim", "journal_dir", "write"]
+__all__ = ["JournalFile", "claim", "default_dir", "ensure_dir", "identity", "journal_dir", "problem", "write"]
 
 logger = logging.getLogger("realtime_app.write_behind")
 
 #: ``[(token, [(key, snapshot), ...]), ...]``: a store's unsaved batches.
 Batches = list[tuple[str, list[tuple[tuple[Any, ...], dict[str, Any]]]]]
+#: ``decode(key, snapshot) -> (key, snapshot)``: values back through the model's fields.
+Decode = Callable[[list[Any], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]
+
+FORMAT = 2
+
+
+def _site() -> dict[str, str]:
+    from django.conf import settings
+
+    key = hashlib.sha256(b"realtime_app.journal:" + str(settings.SECRET_KEY).encode()).hexdigest()[:16]
+    return {"settings": str(getattr(settings, "SETTINGS_MODULE", "") or ""), "secret_key_digest": key}
+
+
+def identity(model: Any) -> dict[str, Any]:
+    """Whose a journal of ``model``'s store is: the site and the database it writes to."""
+    from django.db import connections, router
+
+    alias = router.db_for_write(model)
+    db = connections[alias].settings_dict
+    name = str(db.get("NAME") or "")
+    if connections[alias].vendor == "sqlite" and name and "memory" not in name:
+        name = str(Path(name).resolve())
+    database = {
+        "vendor": connections[alias].vendor,
+        "name": name,
+        "host": str(db.get("HOST") or ""),
+        "port": str(db.get("PORT") or ""),
+    }
+    return {"site": _site(), "database": database}
+
+
+def default_dir() -> Path:
+    """``$XDG_STATE_HOME`` (or ``~/.local/state``) ``/realtime_app/journal-<site>``: the
+    process user's own, one per site (never a world-writable temporary directory)."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    site = _site()
+    digest = hashlib.sha256(f"{site['settings']}:{site['secret_key_digest']}".encode()).hexdigest()[:12]
+    return Path(base) / "realtime_app" / f"journal-{digest}"
 
 
 def journal_dir() -> Path:
-    """``WRITE_BEHIND_JOURNAL_DIR``, or ``<tmp>/realtime_app-journal`` when unset."""
+    """``WRITE_BEHIND_JOURNAL_DIR``, or :func:`default_dir` when unset."""
     from realtime_app.conf import get_config
 
     configured = get_config()["WRITE_BEHIND_JOURNAL_DIR"]
-    return Path(configured) if configured else Path(tempfile.gettempdir()) / "realtime_app-journal"
+    return Path(configured) if configured else default_dir()
+
+
+def problem(directory: Path) -> str | None:
+    """Why ``directory`` cannot hold journals (None: it can, or can be made): not a
+    directory, not the process user's, open to others, not writable."""
+    if directory.is_symlink():
+        return f"{directory} is a symbolic link"
+    if not directory.exists():
+        parent = directory.parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+            return f"{directory} does not exist and cannot be made ({parent} is not a writable directory)"
+        return None
+    if not directory.is_dir():
+        return f"{directory} is not a directory"
+    info = directory.stat()
+    if info.st_uid != os.geteuid():
+        return f"{directory} belongs to another user (uid {info.st_uid})"
+    if info.st_mode & 0o022:
+        return f"{directory} is writable by other users (mode {stat.filemode(info.st_mode)}): make it 0700"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return f"{directory} is not writable"
+    return None
+
+
+def ensure_dir(directory: Path | None = None) -> Path:
+    """The journal directory, made ``0700`` if need be; raises ``OSError`` saying why it
+    cannot hold journals."""
+    directory = directory or journal_dir()
+    why = problem(directory)
+    if why is None and not directory.exists():
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        why = problem(directory)
+    if why is not None:
+        raise OSError(f"the write-behind journal directory is unusable: {why}")
+    return directory
 
 
 def _stem(store: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.]", "_", store)
 
 
-def write(store: str, batches: Batches, directory: Path | None = None) -> Path:
-    """Write ``batches`` of ``store`` to a new journal file (atomically: a temporary file
-    renamed into place, fsync'ed); returns its path. Raises ``OSError``."""
-    directory = directory or journal_dir()
-    directory.mkdir(parents=True, exist_ok=True)
+def write(store: str, batches: Batches, owner: dict[str, Any], directory: Path | None = None) -> Path:
+    """Write ``batches`` of ``store`` to a new journal file of ``owner`` (:func:`identity`)
+    — atomically: a private temporary file renamed into place, fsync'ed; returns its path.
+    Raises ``OSError``."""
+    directory = ensure_dir(directory)
     name = f"{_stem(store)}.{os.getpid()}.{secrets.token_hex(4)}.json"
     body = {
+        "format": FORMAT,
         "store": store,
+        **owner,
         "batches": [{"token": token, "items": [[list(key), snap] for key, snap in items]} for token, items in batches],
     }
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".writing-")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".writing-")  # mode 0600
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(body, f, cls=DjangoJSONEncoder)
@@ -99,26 +186,63 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def claim(store: str, directory: Path | None = None) -> list[JournalFile]:
-    """Take over every journal file of ``store``: files left by ended processes, and files
-    another process took over but did not finish (it is no longer running). A file two
-    processes race for goes to the one whose rename lands."""
+_reported: set[str] = set()  # foreign files already reported by this process
+
+
+def _unsafe(path: Path) -> str | None:
+    info = path.lstat()
+    if stat.S_ISLNK(info.st_mode):
+        return "it is a symbolic link"
+    if not stat.S_ISREG(info.st_mode):
+        return "it is not a regular file"
+    if info.st_uid != os.geteuid():
+        return f"it belongs to another user (uid {info.st_uid})"
+    if info.st_mode & 0o077:
+        return f"other users may open it (mode {stat.filemode(info.st_mode)})"
+    return None
+
+
+def _read(path: Path, store: str, decode: Decode) -> tuple[dict[str, Any], Batches]:
+    body = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(body, dict) or body.get("format") != FORMAT or body.get("store") != store:
+        raise ValueError(f"not a journal of store {store} in format {FORMAT}")
+    owner = {"site": body.get("site"), "database": body.get("database")}
+    batches: Batches = [
+        (str(b["token"]), [decode(list(key), dict(snap)) for key, snap in b["items"]]) for b in body["batches"]
+    ]
+    return owner, batches
+
+
+def claim(store: str, owner: dict[str, Any], decode: Decode, directory: Path | None = None) -> list[JournalFile]:
+    """Take over every journal file of ``store`` that belongs to ``owner``: files left by
+    ended processes, and files another process took over but did not finish (it is no
+    longer running). A file two processes race for goes to the one whose rename lands.
+    A foreign file is left in place, an unsafe one untouched and a malformed one moved
+    aside, each with an ERROR; the others are taken over all the same."""
     directory = directory or journal_dir()
     if not directory.is_dir():
+        return []
+    why = problem(directory)
+    if why is not None:
+        logger.error("store %s: journals not taken over: %s", store, why)
         return []
     stem = _stem(store)
     claimed: list[JournalFile] = []
     for path in sorted(directory.iterdir()):
         name = path.name
-        if not name.startswith(stem + "."):
+        if not name.startswith(stem + ".") or name.endswith(".malformed"):
             continue
-        if name.endswith(".json"):
-            pass
-        elif ".claimed-" in name:
-            owner = name.rsplit(".claimed-", 1)[1]
-            if not owner.isdigit() or _alive(int(owner)) and int(owner) != os.getpid():
+        if ".claimed-" in name:
+            owner_pid = name.rsplit(".claimed-", 1)[1]
+            if not owner_pid.isdigit() or _alive(int(owner_pid)) and int(owner_pid) != os.getpid():
                 continue
-        else:
+        elif not name.endswith(".json"):
+            continue
+        unsafe = _unsafe(path)
+        if unsafe is not None:
+            if str(path) not in _reported:
+                _reported.add(str(path))
+                logger.error("store %s: journal %s refused, left untouched: %s", store, path, unsafe)
             continue
         base = name.split(".claimed-", 1)[0]
         target = directory / f"{base}.claimed-{os.getpid()}"
@@ -127,12 +251,34 @@ def claim(store: str, directory: Path | None = None) -> list[JournalFile]:
         except OSError:
             continue  # another process took it first
         try:
-            body = json.loads(target.read_text(encoding="utf-8"))
-            batches: Batches = [
-                (str(b["token"]), [(tuple(key), dict(snap)) for key, snap in b["items"]]) for b in body["batches"]
-            ]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            logger.error("journal %s cannot be read, left in place: %s", target, exc)
+            theirs, batches = _read(target, store, decode)
+        except Exception as exc:  # whatever a damaged file raises, it is set aside
+            aside = directory / f"{base}.malformed"
+            with contextlib.suppress(OSError):
+                os.rename(target, aside)
+            logger.error("store %s: journal %s cannot be read, moved aside to %s: %s", store, path, aside.name, exc)
+            continue
+        if theirs != owner:
+            with contextlib.suppress(OSError):
+                os.rename(target, directory / base)  # back in place: it is another site's
+            if str(path) not in _reported:
+                _reported.add(str(path))
+                logger.error(
+                    "store %s: journal %s belongs to another site or database (%s), not this one (%s): left in place",
+                    store,
+                    directory / base,
+                    _describe(theirs),
+                    _describe(owner),
+                )
             continue
         claimed.append(JournalFile(target, batches))
     return claimed
+
+
+def _describe(owner: dict[str, Any]) -> str:
+    site = owner.get("site") or {}
+    db = owner.get("database") or {}
+    if not isinstance(site, dict) or not isinstance(db, dict):
+        return "unknown"
+    where = f"{db.get('host')}:{db.get('port')}" if db.get("host") else "local"
+    return f"site {site.get('settings')}, {db.get('vendor')} database {db.get('name')!r} at {where}"

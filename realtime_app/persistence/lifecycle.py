@@ -56,7 +56,8 @@ def store_probe(store: Any) -> StoreProbe:
         "flushes": store.flushes,
         "flushed_rows": store.flushed_rows,
         "flushed_deletes": store.flushed_deletes,
-        "failing": dict(list(store.failing.items())[:10]),
+        "failing": dict(list(store.failing.items())[-10:]),
+        "refused": store.refused,
         "in_doubt": sum(len(batch) for _, batch in store._in_doubt),
         "delay_s": store.delay_s,
         "evicted": store.evicted,
@@ -137,5 +138,15 @@ async def flush_all() -> int:
 def start_all() -> None:
     """Start every store's flush loop on the running loop, taking over journals (a
     server's start: the hub's, the ASGI lifespan's)."""
+    if stores():
+        from realtime_app.persistence import journal
+
+        why = journal.problem(journal.journal_dir())
+        if why is not None:
+            logger.error(
+                "the write-behind journal directory is unusable, so changes accepted during a "
+                "database outage would be lost at a stop: %s (WRITE_BEHIND_JOURNAL_DIR; check E031)",
+                why,
+            )
     for store in stores():
         store.start()

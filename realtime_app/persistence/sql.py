@@ -9,30 +9,79 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
+from django.core.exceptions import ValidationError
 from django.db import DatabaseError, DataError, IntegrityError, InterfaceError, OperationalError, models, transaction
 from django.db.models import Case, F, Q, Value, When
 from django.utils import timezone
 
 from realtime_app.persistence.entries import Batch, Key
 
-__all__ = ["Permanent", "Table", "transient"]
+__all__ = ["Create", "Permanent", "Refused", "Table", "required_fields", "transient"]
 
 M = TypeVar("M", bound=models.Model)
 
 #: PostgreSQL SQLSTATEs worth an immediate retry: deadlock, serialization failure.
 TRANSIENT_PGCODES = {"40P01", "40001"}
 
+#: How long an ordinary batch's token is kept (a journaled batch's is kept for good).
+MARKS_KEPT = timedelta(hours=1)
+
 _marks_swept = float("-inf")  # when old flush marks were last deleted
 
 
-class Table(Generic[M]):
-    """Reads and writes of ``model`` rows keyed by ``key_fields`` (synchronous)."""
+#: ``create``: how a store makes a row that does not exist — ``True`` from the key, the
+#: store's fields and the model's defaults; a callable ``create(key) -> {field: value}``
+#: adds the other fields the row needs; ``False`` never makes one (the object is refused).
+Create = Callable[[Key], dict[str, Any]] | bool
 
-    def __init__(self, model: type[M], key_fields: tuple[str, ...], fields: tuple[str, ...], counters: frozenset[str]):
+
+class Refused(Exception):
+    """The database cannot take this object, and would not later either (no row to update
+    and none may be made, a value its field rejects)."""
+
+
+def required_fields(model: type[models.Model], covered: set[str]) -> list[str]:
+    """The fields a new row of ``model`` needs that neither ``covered`` (the key and the
+    store's fields) nor the model itself provides: no default, no ``db_default``, not
+    nullable, not filled by Django (``auto_now``, an auto primary key) and with no empty
+    value Django would write (``""`` for text)."""
+    missing = []
+    for field in model._meta.concrete_fields:
+        if field.name in covered or field.attname in covered:
+            continue
+        if isinstance(field, models.AutoField | models.BigAutoField | models.SmallAutoField):
+            continue
+        if field.null or field.has_default() or getattr(field, "has_db_default", lambda: False)():
+            continue
+        if getattr(field, "auto_now", False) or getattr(field, "auto_now_add", False):
+            continue
+        if getattr(field, "generated", False) or field.empty_strings_allowed:
+            continue
+        missing.append(field.name)
+    return missing
+
+
+class Table(Generic[M]):
+    """Reads and writes of ``model`` rows keyed by ``key_fields`` (synchronous).
+
+    A row is only ever *updated* with the store's fields (``UPDATE`` by primary key: the
+    model's other fields are never needed); a row that does not exist is *inserted* whole,
+    as ``create`` says, without ignoring any constraint — so SQLite and PostgreSQL refuse
+    the same rows."""
+
+    def __init__(
+        self,
+        model: type[M],
+        key_fields: tuple[str, ...],
+        fields: tuple[str, ...],
+        counters: frozenset[str],
+        create: Create = True,
+    ):
         self.model = model
         self.key_fields = key_fields
         self.fields = fields
         self.counters = counters
+        self.create = create
 
     def read(self, keys: list[Key]) -> dict[Key, dict[str, Any]]:
         """The persisted fields of the rows of ``keys`` that exist."""
@@ -42,16 +91,21 @@ class Table(Generic[M]):
     def _where(self, key: Key) -> Q:
         return Q(**dict(zip(self.key_fields, key, strict=True)))
 
-    def write_batch(self, batch: Batch, token: str) -> dict[Key, dict[str, Any]]:
+    def write_batch(self, batch: Batch, token: str, journaled: bool = False) -> dict[Key, dict[str, Any]]:
         """One batch in one transaction (runs in a worker thread); returns the counters as
         the database holds them now, other processes' deltas included.
 
         Its first statement writes the batch's token: if that token is there already, the
         batch was committed before (its answer was lost) and nothing is written again.
+        ``journaled``: the batch comes from a journal, its token is kept for good.
         """
         manager = self.model._default_manager
         with transaction.atomic():
-            if not self._mark(token):
+            if not self._mark(token, journaled):
+                if journaled:  # committed before it was journaled: its token is kept for good now
+                    from realtime_app.models import FlushMark
+
+                    FlushMark.objects.filter(token=token).update(journaled=True)
                 return self.read_counters([key for key, _, snap in batch if snap["state"] is not None])
             self._forget_old_marks()
             deletes = [key for key, _, snap in batch if snap["state"] is None or snap["replace"]]
@@ -61,25 +115,28 @@ class Table(Generic[M]):
             if not upserts:
                 return {}
             replaced = [(key, snap) for key, snap in upserts if snap["replace"]]
-            if replaced:  # deleted, then created again: the whole row, counters as values
-                manager.bulk_create([self._instance(key, snap, base=False) for key, snap in replaced])
-            upserts = [(key, snap) for key, snap in upserts if not snap["replace"]]
-            # Every row exists (a new one, or one another process deleted meanwhile), its
-            # counters at their base: the state minus what is not yet written.
-            manager.bulk_create([self._instance(key, snap) for key, snap in upserts], ignore_conflicts=True)
+            kept = [(key, snap) for key, snap in upserts if not snap["replace"]]
+            # The rows there are, locked (in one order) until the commit: none is deleted
+            # between this read and the updates below.
+            pks = self._locked_pks([key for key, _ in kept])
+            # Deleted, then created again: the whole row, counters as values. Missing (new,
+            # or deleted behind the store's back): the row at its base, the deltas added below.
+            self._insert(
+                [(key, snap, False) for key, snap in replaced]
+                + [(key, snap, True) for key, snap in kept if key not in pks]
+            )
             groups: dict[frozenset[str], list[tuple[Key, dict[str, Any]]]] = {}
-            for key, snap in upserts:  # only the plain fields each object changed
+            for key, snap in kept:  # only the plain fields each object changed, rows that were there
                 names = frozenset(snap["changed"]) - self.counters
-                if names:
+                if names and key in pks:
                     groups.setdefault(names, []).append((key, snap))
+            pk_name = self.model._meta.pk.attname
             for names, members in sorted(groups.items(), key=lambda group: sorted(group[0])):
-                manager.bulk_create(
-                    [self._instance(key, snap) for key, snap in members],
-                    update_conflicts=True,
-                    unique_fields=list(self.key_fields),
-                    update_fields=sorted(names),
-                )
-            deltas = [(key, snap["deltas"]) for key, snap in upserts if snap["deltas"]]
+                objs = [
+                    self.model(**{pk_name: pks[key]}, **{n: snap["state"][n] for n in names}) for key, snap in members
+                ]
+                manager.bulk_update(objs, sorted(names))
+            deltas = [(key, snap["deltas"]) for key, snap in kept if snap["deltas"]]
             for counter in sorted({name for _, d in deltas for name in d}):
                 keys = [key for key, d in deltas if d.get(counter)]
                 if not keys:
@@ -91,9 +148,74 @@ class Table(Generic[M]):
                 )
             return self.read_counters([key for key, _ in deltas] + [key for key, _ in replaced])
 
-    def _mark(self, token: str) -> bool:
+    def decode(self, key: list[Any], snap: dict[str, Any]) -> tuple[Key, dict[str, Any]]:
+        """A journaled object back as it was: every value through its model field (a
+        ``Decimal`` or a date went out as text); raises on anything that is not."""
+        meta = self.model._meta
+        if len(key) != len(self.key_fields):
+            raise ValueError(f"a key of {len(key)} values, not {len(self.key_fields)}")
+
+        def value(name: str, raw: Any) -> Any:
+            return None if raw is None else meta.get_field(name).to_python(raw)
+
+        state = snap["state"]
+        if state is not None:
+            if set(state) != set(self.fields):
+                raise ValueError(f"fields {sorted(state)}, not {sorted(self.fields)}")
+            state = {name: value(name, raw) for name, raw in state.items()}
+        deltas = snap["deltas"]
+        if not set(deltas) <= self.counters or not set(snap["changed"]) <= set(self.fields):
+            raise ValueError("deltas or changes of fields the store does not hold")
+        return tuple(value(name, raw) for name, raw in zip(self.key_fields, key, strict=True)), {
+            "version": int(snap["version"]),
+            "state": state,
+            "deltas": {name: value(name, raw) for name, raw in deltas.items()},
+            "changed": {str(name): int(v) for name, v in snap["changed"].items()},
+            "in_db": bool(snap["in_db"]),
+            "generation": int(snap["generation"]),
+            "replace": bool(snap["replace"]),
+        }
+
+    def _locked_pks(self, keys: list[Key]) -> dict[Key, Any]:
+        if not keys:
+            return {}
+        rows = (
+            self.model._default_manager.select_for_update()
+            .filter(self._any(keys))
+            .order_by("pk")
+            .values_list("pk", *self.key_fields)
+        )
+        return {tuple(row[1:]): row[0] for row in rows}
+
+    def _insert(self, rows: list[tuple[Key, dict[str, Any], bool]]) -> None:
+        """Insert the rows that are not there, each as ``create`` allows. A row another
+        process inserted meanwhile is left to it (the deltas are added to it after); any
+        other refusal propagates, naming the object."""
+        if not rows:
+            return
+        if self.create is False:
+            raise Refused(f"{rows[0][0]!r}: no such row, and the store does not create rows (create=False)")
+        manager = self.model._default_manager
+        instances = [self._instance(key, snap, base=base) for key, snap, base in rows]
+        try:
+            with transaction.atomic():  # a savepoint: a refusal leaves the batch's transaction usable
+                manager.bulk_create(instances)
+            return
+        except IntegrityError:
+            pass
+        for (key, _, _), instance in zip(rows, instances, strict=True):  # one by one: who is at fault
+            try:
+                with transaction.atomic():
+                    manager.bulk_create([instance])
+            except IntegrityError:
+                if not self._locked_pks([key]):  # not inserted by another process: refused
+                    raise
+
+    def _mark(self, token: str, journaled: bool = False) -> bool:
         """Write the batch's token; False if it is there already (committed before). On
-        PostgreSQL a batch still in flight under that token makes this wait for its end."""
+        PostgreSQL a batch still in flight under that token makes this wait for its end.
+        A journaled batch's token is kept for good: a journal put back years later is
+        still not applied twice."""
         from django.db import connections, router
 
         from realtime_app.models import FlushMark
@@ -104,14 +226,14 @@ class Table(Generic[M]):
             table = connection.ops.quote_name(FlushMark._meta.db_table)
             with connection.cursor() as cursor:
                 cursor.execute(
-                    f"INSERT INTO {table} (token, created) VALUES (%s, %s) "
+                    f"INSERT INTO {table} (token, created, journaled) VALUES (%s, %s, %s) "
                     "ON CONFLICT (token) DO NOTHING RETURNING token",
-                    [token, timezone.now()],
+                    [token, timezone.now(), journaled],
                 )
                 return cursor.fetchone() is not None
         try:
             with transaction.atomic(using=alias):
-                FlushMark.objects.create(token=token, created=timezone.now())
+                FlushMark.objects.create(token=token, created=timezone.now(), journaled=journaled)
         except IntegrityError:
             return False
         return True
@@ -138,7 +260,8 @@ class Table(Generic[M]):
         return {tuple(row[f] for f in self.key_fields): row for row in rows}
 
     def _forget_old_marks(self) -> None:
-        """Tokens are needed only while a batch may be retried: keep an hour of them."""
+        """Tokens are needed only while a batch may be retried: keep an hour of them (a
+        journaled batch's for good)."""
         global _marks_swept
         now = time.monotonic()
         if now - _marks_swept < 600:
@@ -146,10 +269,10 @@ class Table(Generic[M]):
         _marks_swept = now
         from realtime_app.models import FlushMark
 
-        FlushMark.objects.filter(created__lt=timezone.now() - timedelta(hours=1)).delete()
+        FlushMark.objects.filter(created__lt=timezone.now() - MARKS_KEPT, journaled=False).delete()
 
     def _instance(self, key: Key, snap: dict[str, Any], *, base: bool = True) -> M:
-        values = dict(snap["state"])
+        values = {**(self.create(key) if callable(self.create) else {}), **snap["state"]}
         if base:
             for name, delta in snap["deltas"].items():  # the base: the delta is added after
                 values[name] = (values[name] or 0) - delta
@@ -179,7 +302,7 @@ async def with_retries(attempt: Callable[[], Any], retries: int, retried: Callab
     for n in range(retries + 1):
         try:
             return await attempt()
-        except (IntegrityError, DataError) as exc:
+        except (IntegrityError, DataError, Refused, ValidationError) as exc:
             raise Permanent(exc) from exc
         except (OperationalError, InterfaceError, DatabaseError) as exc:
             if not transient(exc) or n == retries:

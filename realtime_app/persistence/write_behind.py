@@ -17,8 +17,12 @@ batches (docs/write-behind.md):
 A flush writes the state it took: a mutation arriving during it keeps the object dirty
 (per-object versions), so an older state never overwrites a newer one. Transient database
 errors are retried up to 3 times, then the flush backs off exponentially (capped at 30 s,
-jittered) — nothing is dropped. A batch failing for good is split until the objects at
-fault are isolated; those are reported and kept, the others are written.
+jittered) — nothing is dropped. A batch the database refuses for a reason that is not an
+outage (a constraint, a row that is gone and may not be made) is split until the objects
+at fault stand alone: the others are written; those are **refused** — reported once at
+ERROR, counted, their unsaved changes dropped (their ``durable()`` raises
+:class:`WriteRefused`) and read again from the database at their next use. Neither retried
+forever nor journaled: the journal holds only what an outage left unsaved.
 """
 
 from __future__ import annotations
@@ -26,19 +30,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
-import uuid
 from collections.abc import Callable, Hashable, Iterable
-from functools import partial
 from typing import Any, Generic, TypeVar
 
-from django.db import DatabaseError, InterfaceError, models
+from django.db import models
 
-from realtime_app.observability.logsafe import safe
 from realtime_app.observability.schema import StoreProbe
 from realtime_app.persistence import lifecycle
-from realtime_app.persistence.entries import Accepted, Batch, Entry, Key, evictable, refresh, settle, snapshot
+from realtime_app.persistence.batches import BatchWriter, absent
+from realtime_app.persistence.entries import (
+    Accepted,
+    Batch,
+    Entry,
+    Key,
+    WriteRefused,
+    evictable,
+    snapshot,
+)
 from realtime_app.persistence.handover import Handover
 from realtime_app.persistence.lifecycle import (
     flush_all,
@@ -48,21 +57,25 @@ from realtime_app.persistence.lifecycle import (
     stores,
     stores_probe,
 )
-from realtime_app.persistence.sql import Permanent, Table, with_retries
+from realtime_app.persistence.sql import Create, Table, required_fields
 
-__all__ = ["Accepted", "WriteBehindStore", "flush_all", "install_shutdown_flush", "start_all", "stores", "stores_probe"]
+__all__ = [
+    "Accepted",
+    "WriteBehindStore",
+    "WriteRefused",
+    "flush_all",
+    "install_shutdown_flush",
+    "start_all",
+    "stores",
+    "stores_probe",
+]
 
 logger = logging.getLogger("realtime_app.write_behind")
 
 M = TypeVar("M", bound=models.Model)
 
-UPSERT_BATCH = 50
-DELETE_BATCH = 200
-RETRIES = 3
-MAX_BACKOFF_S = 30.0
 
-
-class WriteBehindStore(Generic[M]):
+class WriteBehindStore(BatchWriter, Generic[M]):
     """Objects of ``model`` keyed by the fields ``key``, persisted behind the hot path.
 
     Args:
@@ -72,6 +85,12 @@ class WriteBehindStore(Generic[M]):
         counters: the fields among ``fields`` that only ever change by adding (shots fired,
             likes): flushed as commutative deltas, safe across processes.
         defaults: ``defaults(key) -> {field: value}`` for an object not in the database.
+        create: how a row that does not exist is made. ``True`` (the default): from the
+            key, the store's fields and the model's own defaults — a model with another
+            required field is check error ``realtime_app.E030``; a callable
+            ``create(key) -> {field: value}`` gives the other fields a new row needs
+            (``{"ends_at": ...}``); ``False``: rows are never made here, an object whose
+            row does not exist is refused.
         delay_s: how long a change stays in memory before it may be written
             (default ``WRITE_BEHIND_DELAY_MS``).
         name: the store's name in the probe and its journal (default: the model's label).
@@ -87,6 +106,7 @@ class WriteBehindStore(Generic[M]):
         fields: Iterable[str],
         counters: Iterable[str] = (),
         defaults: Callable[[Key], dict[str, Any]] | None = None,
+        create: Create = True,
         delay_s: float | None = None,
         name: str | None = None,
         max_objects: int = 10_000,
@@ -111,7 +131,6 @@ class WriteBehindStore(Generic[M]):
         if max_objects < 1:
             raise ValueError("max_objects must be >= 1")
         self.max_objects = max_objects  # objects kept in memory; the least recently used clean ones go
-        self.handover = Handover(self.name)  # the journals taken over, and what this one hands over
         self._journal_checked = False
         self._refreshed_at = time.monotonic()  # counters read back without a write of ours
         self.evicted = 0
@@ -122,8 +141,11 @@ class WriteBehindStore(Generic[M]):
         self.retries = 0
         self.consecutive_failures = 0
         self.last_flush: dict[str, Any] | None = None
-        self.failing: dict[str, str] = {}  # key -> the permanent error that keeps it unsaved
-        self.table = Table(model, self.key_fields, self.fields, self.counters)
+        self.failing: dict[str, str] = {}  # key -> why the database refused it (the latest 10)
+        self.refused = 0  # objects whose unsaved changes the database refused
+        self.create = create
+        self.table = Table(model, self.key_fields, self.fields, self.counters, create)
+        self.handover = Handover(self.name, self.table)  # the journals taken over, and what this one hands over
         lifecycle.register(self)
 
     @property
@@ -149,6 +171,8 @@ class WriteBehindStore(Generic[M]):
         entry = self.entries.pop(key, None)
         if entry is not None:
             self.entries[key] = entry  # the most recently used last: eviction starts at the front
+            if entry.stale:
+                await self._reload(key, entry)
             return entry
         loading = self._loading.get(key)
         if loading is None:  # one read per key, however many ask at once, in a task of its own:
@@ -161,6 +185,8 @@ class WriteBehindStore(Generic[M]):
             entry = await self._load(key)
             entry = self.entries.setdefault(key, entry)
             self._evict(keep=key)  # never the one its caller is about to change
+            if self._wake is not None:  # the loop reads it back on its beat, if only read here
+                self._wake.set()
             return entry
         finally:
             self._loading.pop(key, None)
@@ -193,7 +219,15 @@ class WriteBehindStore(Generic[M]):
                         state={**{f: None for f in self.fields}, **self.defaults(key)}, in_db=False
                     )
         self._evict()
+        if self._wake is not None:
+            self._wake.set()
         return len(missing)
+
+    async def _reload(self, key: Key, entry: Entry) -> None:
+        """A refused object: what the database holds replaces what was refused."""
+        fresh = await self._load(key)
+        if entry.stale and entry.dirty_since is None and not entry.in_doubt:
+            entry.state, entry.in_db, entry.durable, entry.stale = fresh.state, fresh.in_db, fresh.durable, False
 
     async def _load(self, key: Key) -> Entry:
         from channels.db import database_sync_to_async
@@ -273,6 +307,8 @@ class WriteBehindStore(Generic[M]):
 
     async def _durable(self, key: Key, version: int) -> None:
         entry = self.entries.get(key)
+        if entry is not None and entry.refused is not None and entry.refused[0] < version <= entry.refused[1]:
+            raise WriteRefused(self.name, key, entry.refused[2])
         if entry is None or entry.flushed >= version:  # forgotten: only saved objects are
             return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -327,14 +363,14 @@ class WriteBehindStore(Generic[M]):
     def _next_due(self) -> float | None:
         due: float | None = None
         delay = self.delay_s
-        readable = False  # an object whose counters can be read back
+        readable = False  # an object whose counters can be read back, or whose row may appear
         for entry in self.entries.values():
-            readable = readable or (entry.in_db and not entry.in_doubt)
+            readable = readable or (entry.in_db and not entry.in_doubt and bool(self.counters)) or absent(entry)
             if entry.dirty_since is None:
                 continue
             when = max(entry.dirty_since + delay, entry.not_before)
             due = when if due is None else min(due, when)
-        if self.counters and readable:  # and the others' deltas, read back (never more than once a second)
+        if readable:  # and the others' deltas, read back (never more than once a second)
             due = min(due or float("inf"), self._refreshed_at + max(delay, 1.0))
         return due
 
@@ -353,7 +389,7 @@ class WriteBehindStore(Generic[M]):
                 and not entry.in_doubt
                 and (everything or (entry.dirty_since + delay <= now and entry.not_before <= now))
             ]
-            refresh = not everything and self.counters and now >= self._refreshed_at + max(delay, 1.0)
+            refresh = not everything and now >= self._refreshed_at + max(delay, 1.0)
             if not due and not written and not failed:
                 self.handover.settle(self._in_doubt)
                 if refresh:
@@ -375,109 +411,17 @@ class WriteBehindStore(Generic[M]):
             }
             return written
 
-    async def _write(self, snapshots: Batch) -> tuple[int, int]:
-        written = failed = 0
-        deletes = [s for s in snapshots if s[2]["state"] is None]
-        upserts = [s for s in snapshots if s[2]["state"] is not None]
-        batches = [deletes[i : i + DELETE_BATCH] for i in range(0, len(deletes), DELETE_BATCH)]
-        batches += [upserts[i : i + UPSERT_BATCH] for i in range(0, len(upserts), UPSERT_BATCH)]
-        for batch in batches:
-            done, bad = await self._write_one(batch, uuid.uuid4().hex)
-            written += done
-            failed += bad
-        return written, failed  # a success resets the failure count (_written), nothing else
-
-    async def _write_one(self, batch: Batch, token: str) -> tuple[int, int]:
-        """Write one batch under its token, retrying; split it if it fails for good.
-
-        The token is written in the batch's transaction: a retry of the same batch finds
-        it and settles instead of applying the counter deltas twice (the COMMIT may have
-        succeeded when its answer was lost). A batch whose outcome stays unknown is kept
-        *in doubt*, whole, and written again under the same token before anything newer.
-        """
-        for _, entry, _ in batch:
-            entry.in_doubt = True
-        try:
-            write = partial(self.table.run, self.table.write_batch, batch, token, inline=self._inline)
-            current = await with_retries(write, RETRIES, self._retried)
-        except Permanent as exc:  # rolled back: split until the objects at fault stand alone
-            for _, entry, _ in batch:
-                entry.in_doubt = False
-            if len(batch) == 1:
-                self._cannot_save(batch[0], exc)
-                return 0, 1
-            half = len(batch) // 2
-            done_a, bad_a = await self._write_one(batch[:half], uuid.uuid4().hex)
-            done_b, bad_b = await self._write_one(batch[half:], uuid.uuid4().hex)
-            return done_a + done_b, bad_a + bad_b
-        except BaseException as exc:  # unknown outcome (the database went away, a cancel)
-            self._in_doubt.append((token, batch))
-            if isinstance(exc, Exception):
-                self._failed_transiently(batch, exc)
-                return 0, len(batch)
-            raise
-        if self.consecutive_failures:
-            logger.info("store %s: flushing again after %d failure(s)", self.name, self.consecutive_failures)
-            self.consecutive_failures = 0
-        for key, entry, snap in batch:
-            if settle(entry, snap, current.get(key), self.counters):
-                self.flushed_rows += 1
-            else:
-                self.flushed_deletes += 1
-            self.failing.pop(repr(key), None)
-        return len(batch), 0
-
-    async def _settle_in_doubt(self, everything: bool) -> tuple[int, int]:
-        """Write the batches whose outcome is unknown again, under their own tokens."""
-        written = failed = 0
-        now = time.monotonic()
-        pending, self._in_doubt = self._in_doubt, []
-        for token, batch in pending:
-            if not everything and any(entry.not_before > now for _, entry, _ in batch):
-                self._in_doubt.append((token, batch))  # backed off: not yet
-                continue
-            done, bad = await self._write_one(batch, token)
-            written += done
-            failed += bad
-        return written, failed
-
-    def _retried(self) -> None:
-        self.retries += 1
-
-    def _cannot_save(self, item: tuple[Key, Entry, dict[str, Any]], exc: Permanent) -> None:
-        """The database refuses this object for good: keep it, report it, try it rarely."""
-        key, entry, _ = item
-        message = f"{type(exc.cause).__name__}: {safe(exc.cause, 200)}"
-        if self.failing.get(repr(key)) != message:
-            logger.error("store %s: %r cannot be saved, kept in memory: %s", self.name, key, message)
-        self.failing[repr(key)] = message
-        entry.error = message
-        entry.not_before = time.monotonic() + MAX_BACKOFF_S
-
-    async def _refresh_counters(self) -> None:
-        """Every delay (a second at least) the counters held are read back, in pages of 500:
-        a process that writes nothing still sees the others' deltas within the delay plus
-        one flush. An entry evicted and loaded again meanwhile is left as loaded."""
-        self._refreshed_at = time.monotonic()
-        held = [(key, entry) for key, entry in self.entries.items() if entry.in_db and not entry.in_doubt]
-        for page in (dict(held[i : i + 500]) for i in range(0, len(held), 500)):
-            try:  # an outage is reported by the writes; this waits for its next turn
-                rows = await self.table.run(self.table.read_counters, list(page))
-            except (DatabaseError, InterfaceError) as exc:
-                return logger.debug("store %s: counters not read back: %s", self.name, safe(exc, 200))
-            for key, row in rows.items():
-                if self.entries.get(key) is page.get(key):
-                    refresh(page[key], row, self.counters)
-
-    def _failed_transiently(self, batch: list[tuple[Key, Entry, dict[str, Any]]], exc: BaseException) -> None:
-        self.consecutive_failures += 1
-        backoff = min(MAX_BACKOFF_S, 0.5 * 2 ** min(self.consecutive_failures, 10))
-        backoff *= 0.5 + random.random() / 2  # jitter: processes do not come back in step
-        if self.consecutive_failures == 1:
-            message = "store %s: flush of %d object(s) failed, kept, next attempt in %.1f s: %s"
-            logger.warning(message, self.name, len(batch), backoff, safe(exc, 200))
-        for _, entry, _ in batch:
-            entry.not_before = time.monotonic() + backoff
+    def problems(self) -> list[str]:
+        """What keeps this store from making the rows it may need (check E030)."""
+        if self.create is not True:
+            return []
+        missing = required_fields(self.model, {*self.key_fields, *self.fields})
+        if not missing:
+            return []
+        return [
+            f"write-behind store {self.name!r} cannot create a {self.model._meta.label} row: "
+            f"{', '.join(missing)} {'has' if len(missing) == 1 else 'have'} no default"
+        ]
 
     # -- shutdown and probe -------------------------------------------------------------
 
