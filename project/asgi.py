@@ -14,12 +14,11 @@ if settings.DEBUG:  # the demo serves its static files itself (daphne alone does
 
     django_asgi_app = ASGIStaticFilesHandler(django_asgi_app)
 
-from channels.auth import AuthMiddlewareStack  # noqa: E402  (after Django setup)
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
 from realtime_app.lifespan import lifespan_app  # noqa: E402
-from realtime_app.routing import not_found_urlpatterns, websocket_urlpatterns  # noqa: E402
+from realtime_app.routing import AuthMiddlewareStack, not_found_urlpatterns, websocket_urlpatterns  # noqa: E402
 
 application = ProtocolTypeRouter(
     {

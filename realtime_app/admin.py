@@ -10,6 +10,7 @@ from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, reverse
 
 from realtime_app.channels.registry import registry
+from realtime_app.hub.core import start_failure
 from realtime_app.models import RealtimeCluster
 from realtime_app.realtime_channels import HEALTH_CHANNEL
 
@@ -58,6 +59,7 @@ class RealtimeClusterAdmin(admin.ModelAdmin):
             "health_channel": registry.resolve(f"{HEALTH_CHANNEL}:{self.refresh_ms}").name,  # canonical
             "charts": self.charts,
             "close_url": _close_url(),
+            "backplane_down": start_failure(),  # what this process knows, no I/O: the page never waits on Redis
             **(extra_context or {}),
         }
         return TemplateResponse(request, self.change_list_template, context)

@@ -11,12 +11,14 @@ from django.utils.module_loading import autodiscover_modules
 
 async def start_hub_with_first_request(sender: Any, scope: dict[str, Any] | None = None, **kwargs: Any) -> None:
     """Start this process's hub at its first ASGI HTTP request (not only its first
-    WebSocket), so that it joins the cluster view early. WSGI requests carry no scope."""
+    WebSocket), so that it joins the cluster view early — in the background: no page
+    waits for the backplane, and none fails when Redis is down. WSGI requests carry no
+    scope."""
     if scope is None:
         return
-    from realtime_app.hub.core import get_hub
+    from realtime_app.hub.core import start_hub_soon
 
-    await get_hub()
+    start_hub_soon()
 
 
 class RealtimeAppConfig(AppConfig):
@@ -29,6 +31,7 @@ class RealtimeAppConfig(AppConfig):
 
         from realtime_app.channels.policies import reset_rules
         from realtime_app.channels.sessions import on_logout
+        from realtime_app.cluster import online_checks  # noqa: F401  (registers the deployment check)
         from realtime_app.conf import (
             apply_json_encoder,
             checks,  # noqa: F401  (registers the checks)

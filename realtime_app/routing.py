@@ -1,6 +1,8 @@
 """URL routes of the WebSocket endpoint, for the project's ``URLRouter``.
 
-``websocket_urlpatterns`` routes ``/realtime/``. Put ``not_found_urlpatterns`` last in your
+``websocket_urlpatterns`` routes ``/realtime/``; wrap the router in this module's
+``AuthMiddlewareStack`` (Channels' own, but a database outage closes a signed-in user's
+handshake with 1013 instead of failing it with HTTP 500). Put ``not_found_urlpatterns`` last in your
 ``URLRouter`` so that a WebSocket to any other path is refused cleanly (HTTP 403, one
 INFO line) instead of Channels' ``ValueError: No route found`` and a 500 with a traceback.
 """
@@ -15,10 +17,11 @@ from django.apps import apps
 from django.core.exceptions import ImproperlyConfigured
 from django.urls import path, re_path
 
+from realtime_app.endpoint.auth import AuthMiddlewareStack
 from realtime_app.endpoint.consumer import RealtimeConsumer
 from realtime_app.observability.logsafe import safe
 
-__all__ = ["WebSocketNotFound", "not_found_urlpatterns", "websocket_urlpatterns"]
+__all__ = ["AuthMiddlewareStack", "WebSocketNotFound", "not_found_urlpatterns", "websocket_urlpatterns"]
 
 logger = logging.getLogger("realtime_app.consumers")
 

@@ -10,6 +10,7 @@ import logging
 from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, JsonResponse
 
 from realtime_app.conf import get_config
+from realtime_app.exceptions import BackplaneUnavailable
 from realtime_app.middleware import pools_probe
 from realtime_app.observability.logsafe import safe
 from realtime_app.observability.probes import cluster_probe
@@ -38,11 +39,19 @@ async def _refusal(request: HttpRequest, *, allow_token: bool = False) -> HttpRe
 
 
 async def _probe(request: HttpRequest) -> dict[str, object]:
+    """The cluster probe; ``"unavailable"`` says why it is incomplete when the backplane
+    does not answer (the page answers all the same: no page waits on Redis for long)."""
+    problem = None
     if hasattr(request, "scope"):  # served by this ASGI process: include its own hub
         from realtime_app.hub.core import get_hub
 
-        await get_hub()
+        try:
+            await get_hub()
+        except BackplaneUnavailable as exc:
+            problem = str(exc)
     probe = await cluster_probe()
+    if problem is not None or not probe["complete"]:
+        probe["unavailable"] = problem or "the backplane did not answer: other processes are not listed"
     # The serving process's HTTP pools, also under a WSGI server (which has no hub to publish them).
     probe["http_pools"] = pools_probe()
     probe["write_behind"] = stores_probe()
@@ -54,7 +63,8 @@ async def health(request: HttpRequest) -> HttpResponse:
     refusal = await _refusal(request)
     if refusal is not None:
         return refusal
-    return JsonResponse(await _probe(request))
+    probe = await _probe(request)
+    return JsonResponse(probe, status=503 if "unavailable" in probe and not probe["instances"] else 200)
 
 
 async def metrics(request: HttpRequest) -> HttpResponse:

@@ -4,13 +4,12 @@ import os
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
 
-from channels.auth import AuthMiddlewareStack
 from channels.routing import ProtocolTypeRouter, URLRouter
 from channels.security.websocket import AllowedHostsOriginValidator
 from django.urls import path
 
 from project.asgi import application as demo_application
-from realtime_app.routing import not_found_urlpatterns, websocket_urlpatterns
+from realtime_app.routing import AuthMiddlewareStack, not_found_urlpatterns, websocket_urlpatterns
 from tests.testapp.consumers import GuardedFloodConsumer, PlainGroupConsumer
 
 application = ProtocolTypeRouter(

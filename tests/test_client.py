@@ -453,3 +453,21 @@ async def test_a_slow_delta_subscriber_rebuilds_every_frame_it_gets_across_drops
         assert any(kinds[s] for s in seqs if s > gaps()[-1])  # then deltas again
     finally:
         server.stop()
+
+
+async def test_the_command_line_client_says_closed_once(server):
+    """Found: ``python -m realtime_app.client`` printed ``# closed`` twice at its end."""
+    import subprocess
+    import sys
+
+    from tests.servers import ROOT
+
+    command = [sys.executable, "-m", "realtime_app.client", server.ws, "demo:clock:100", "--count", "3"]
+    done = await asyncio.to_thread(subprocess.run, command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert len(done.stdout.splitlines()) == 3
+    assert [line for line in done.stderr.splitlines() if line.startswith("# ") and "{" not in line] == [
+        "# connecting",
+        "# open",
+        "# closed",
+    ], done.stderr

@@ -206,3 +206,33 @@ def test_routing_the_endpoint_of_an_app_that_is_not_installed_fails_at_start_up(
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
     assert "ImproperlyConfigured" in result.stderr and "INSTALLED_APPS" in result.stderr
+
+
+def test_sync_publish_from_async_code_names_apublish():
+    """Found: ``publish()`` inside async code raised asgiref's generic error, with no word
+    of ``apublish``."""
+    import asyncio
+
+    async def in_a_view() -> None:
+        realtime_app.publish("demo:events", {"n": 1})
+
+    with pytest.raises(RuntimeError, match=r"await realtime_app\.apublish"):
+        asyncio.run(in_a_view())
+
+
+async def test_an_applications_own_error_is_its_answer_not_a_bad_request(hub, caplog):
+    """Found: an application's ``RPCError`` (the demo's out of stock) was logged as "bad
+    request … more are counted until it closes"; a library code still is one."""
+    caplog.set_level(logging.DEBUG, "realtime_app.consumers")
+    async with Client() as client:
+        answer = await client.call("inventory.consume", {"item": "ammo", "shots": 250})
+        for _ in range(50):
+            answer = await client.call("inventory.consume", {"item": "ammo", "shots": 250})
+            if "error" in answer and answer["error"]["code"] == -32010:
+                break
+        assert answer["error"]["data"]["reason"] == "out_of_stock", answer
+        bad = await client.call("subscribe", {"channel": 7})
+        assert bad["error"]["code"] == -32602
+    lines = [r.getMessage() for r in caplog.records if "bad request" in r.getMessage()]
+    assert lines and all("out_of_stock" not in line for line in lines), lines
+    assert any("out_of_stock" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)

@@ -29,7 +29,7 @@ START = {"ammo": 10_000}
 MAX_SHOTS = 250
 STEP_S = 0.05  # the world's step: an inventory operation is applied at the next one
 MAX_SLEEP_MS = 5000
-OUT_OF_STOCK = -32010  # an application error code (-32000..-32099)
+OUT_OF_STOCK = -32010  # an application error code (-32010..-32099 are the applications': docs/methods.md)
 
 store: WriteBehindStore[InventoryItem] = WriteBehindStore(
     InventoryItem,

@@ -27,11 +27,15 @@ from realtime_app.channels.policies import Action, active_rules, evaluate, requi
 from realtime_app.channels.registry import registry
 from realtime_app.conf import get_config
 from realtime_app.hub.core import BACKGROUND_LOOPS, CONTROL_HANDLERS, Connection, Hub
+from realtime_app.observability.logsafe import safe
 from realtime_app.wire.protocol import CloseCode
 
 __all__ = ["current_user", "needs_user", "on_logout", "revalidate", "revalidation_loop", "session_digest"]
 
 logger = logging.getLogger("realtime_app.sessions")
+
+#: How long a logout waits to tell the other processes (the re-validation closes the rest).
+LOGOUT_NOTICE_S = 1.0
 
 
 def session_digest(session_key: str) -> str:
@@ -137,21 +141,40 @@ async def revalidate(conn: Connection) -> int | None:
 
 async def revalidation_loop(hub: Hub) -> None:
     """Every ``REVALIDATE_INTERVAL_MS``, close the sockets whose rights have gone."""
+    from django.db import DatabaseError
+
+    outage = False  # the database did not answer the last round: said once, not per socket
     while True:
         interval = get_config()["REVALIDATE_INTERVAL_MS"]
         await asyncio.sleep(max(interval, 1000) / 1000)
         if not interval:
             continue
-        for conn in [c for c in hub.connections if not c.closed]:
+        connections = [c for c in hub.connections if not c.closed]
+        failed: DatabaseError | None = None
+        for conn in connections:
             try:
                 code = await revalidate(conn)
             except asyncio.CancelledError:
                 raise
+            except DatabaseError as exc:  # an outage: every socket would fail alike; none loses its rights
+                failed = exc
+                break
             except Exception:
                 logger.exception("re-validating connection %s failed", conn.id)
                 continue
             if code is not None:
                 hub.revoke(conn, code)
+        if failed is not None and not outage:
+            logger.warning(
+                "re-validation paused: the database does not answer; %d connection(s) keep their rights "
+                "until it does (%s: %s)",
+                len(connections),
+                type(failed).__name__,
+                safe(failed, 200),
+            )
+        elif failed is None and outage:
+            logger.info("re-validation resumed: the database answers again")
+        outage = failed is not None
 
 
 def close_session(hub: Hub, digest: str) -> int:
@@ -174,10 +197,15 @@ def on_logout(sender: Any, request: Any = None, user: Any = None, **kwargs: Any)
 
     from realtime_app.hub.publishing import acontrol
 
+    async def tell() -> None:  # bounded: a logout page never waits on a hung backplane
+        await asyncio.wait_for(acontrol({"kind": "logout", "session": session_digest(key)}), LOGOUT_NOTICE_S)
+
     try:
-        async_to_sync(acontrol)({"kind": "logout", "session": session_digest(key)})
-    except Exception:  # the periodic re-validation closes them anyway
-        logger.exception("telling the cluster about a logout failed")
+        async_to_sync(tell)()
+    except Exception as exc:  # the periodic re-validation closes them anyway
+        logger.warning(
+            "telling the cluster about a logout failed (re-validation closes its sockets): %s", safe(exc, 200)
+        )
 
 
 def _on_logout_message(hub: Hub, message: dict[str, Any]) -> None:

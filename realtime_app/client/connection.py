@@ -127,6 +127,8 @@ class RealtimeClient:
         await self.close()
 
     def _set_state(self, state: str) -> None:
+        if state == self.state == "closed":  # a close after the server's is no news
+            return
         self.state = state
         for callback in self.on_state:
             callback(state)

@@ -22,7 +22,9 @@ from realtime_app.channels.registry import ChannelSpec, registry
 from realtime_app.channels.sessions import current_user, needs_user
 from realtime_app.conf import get_config
 from realtime_app.endpoint.addresses import client_address, trusted_networks
+from realtime_app.endpoint.auth import AUTH_UNAVAILABLE
 from realtime_app.endpoint.methods import BUILTIN_COSTS, Method, encodable, method_costs, methods, rpc_method
+from realtime_app.endpoint.refusals import log_auth_outage, log_unsupported_once, refuse
 from realtime_app.endpoint.replies import Pending, Reply
 from realtime_app.exceptions import (
     NO_USER_HINT,
@@ -49,15 +51,6 @@ logger = logging.getLogger("realtime_app.consumers")
 
 #: How long a re-read user stays fresh for the next guarded requests of one connection.
 FRESH_USER_S = 1.0
-
-_unsupported_logged = False
-
-
-def _log_unsupported_once(exc: UnsupportedServer) -> None:
-    global _unsupported_logged
-    if not _unsupported_logged:
-        _unsupported_logged = True
-        logger.error("refusing WebSocket connections: %s", exc)
 
 
 def _invalid(message: str, reason: str, **data: Any) -> RPCError:
@@ -125,20 +118,21 @@ class RealtimeConsumer:
         message = await receive()
         if message["type"] != "websocket.connect":
             return
+        if scope.get(AUTH_UNAVAILABLE):  # the session could not be read: come back, rights intact
+            log_auth_outage(scope[AUTH_UNAVAILABLE])
+            return await refuse(send, CloseCode.TRY_AGAIN_LATER, "database unavailable")
         if not await self.accept_connection():
             await send({"type": "websocket.close"})
             return
-        hub = await get_hub()
+        try:
+            hub = await get_hub()
+        except BackplaneUnavailable:  # logged by the hub, once per outage: the client retries later
+            return await refuse(send, CloseCode.TRY_AGAIN_LATER, "backplane unavailable")
         try:
             conn = Connection(send, scope)
         except UnsupportedServer as exc:
-            # Accepted, then closed: the client sees 1011 and the reason, not a bare 403.
-            _log_unsupported_once(exc)
-            await send({"type": "websocket.accept"})
-            await send(
-                {"type": "websocket.close", "code": int(CloseCode.INTERNAL_ERROR), "reason": "unsupported server"}
-            )
-            return
+            log_unsupported_once(exc)  # accepted, then closed: the client sees 1011 and why, not a bare 403
+            return await refuse(send, CloseCode.INTERNAL_ERROR, "unsupported server")
         await send({"type": "websocket.accept"})
         self.connection = conn
         conn.address = client_address(scope, trusted_networks(tuple(get_config()["TRUSTED_PROXIES"])))
@@ -337,7 +331,10 @@ class RealtimeConsumer:
             error = RPCError(protocol.OVERLOADED, "Backplane unavailable", "backplane_unavailable", retry_after_ms=1000)
             return {"jsonrpc": "2.0", "error": error.as_error(), "id": request.id}
         except RPCError as exc:
-            self.count_error(exc.reason or "error", f"{request.method}: {exc}")
+            if exc.code in protocol.LIBRARY_CODES:  # the request was wrong: counted, logged once
+                self.count_error(exc.reason or "error", f"{request.method}: {exc}")
+            else:  # the application's own answer (out of stock, ...): not a bad request
+                logger.debug("method %s answered %s", safe(request.method), safe(str(exc)))
             return {"jsonrpc": "2.0", "error": exc.as_error(), "id": request.id}
         except Exception:
             logger.exception("method %s failed", safe(request.method))

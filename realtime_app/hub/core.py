@@ -61,6 +61,8 @@ logger = logging.getLogger("realtime_app.hub")
 #: The backplane channel of the cluster's control messages (never a client's channel:
 #: the registry refuses the name).
 CONTROL_CHANNEL = RESERVED
+#: After a failed start, the callers that waited for it get the same error for this long.
+START_RETRY_S = 2.0
 #: Loops every hub runs beside its own while it is started, by task name: registered by the
 #: modules that own them (sessions' re-validation), so that the hub imports none of them.
 BACKGROUND_LOOPS: dict[str, Callable[[Hub], Coroutine[Any, Any, None]]] = {}
@@ -94,6 +96,7 @@ class Hub:
         self._tasks: list[asyncio.Task[Any]] = []
         self._background: set[asyncio.Task[Any]] = set()
         self._start_lock = asyncio.Lock()
+        self._failed: tuple[float, BackplaneUnavailable] | None = None  # the last failed start
         self.started = False
         self._closed = False
 
@@ -110,22 +113,35 @@ class Hub:
     # -- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Connect to the backplane and start the background loops (idempotent)."""
+        """Connect to the backplane and start the background loops (idempotent). A start
+        that fails raises :class:`BackplaneUnavailable`; the callers that waited for it get
+        the same error for :data:`START_RETRY_S`, rather than each trying in turn."""
         async with self._start_lock:
             if self.started:
                 return
             if self._closed:
                 raise BackplaneUnavailable("start", RuntimeError("the hub of this loop was closed"))
+            if self._failed is not None and time.monotonic() - self._failed[0] < START_RETRY_S:
+                raise self._failed[1]
             self.loop = asyncio.get_running_loop()
             self.thread_id = threading.get_ident()
             start_stores()  # journals left by ended processes are written first
             self.backplane = self.gate.backplane = make_backplane(self.instance_id)
             try:
                 await self.backplane.start(self._deliver)
-            except BaseException:  # not started: what it opened is closed (the next start makes a new one)
+            except BaseException as exc:  # not started: what it opened is closed (the next start makes a new one)
                 with contextlib.suppress(Exception):
                     await self.backplane.stop()
-                raise
+                if not isinstance(exc, Exception):
+                    raise
+                error = exc if isinstance(exc, BackplaneUnavailable) else BackplaneUnavailable("start", exc)
+                if self._failed is None:  # once per outage
+                    logger.warning("hub %s cannot start, realtime down until it can: %s", self.instance_id, error)
+                self._failed = (time.monotonic(), error)
+                raise error from exc
+            if self._failed is not None:
+                logger.info("hub %s started after the backplane came back", self.instance_id)
+                self._failed = None
             self.reconciler.subscribed(CONTROL_CHANNEL, ticker=False)  # wanted as long as the hub runs
             await self.convergence.converge(CONTROL_CHANNEL)
             loops = [
@@ -393,6 +409,28 @@ BACKGROUND_LOOPS["realtime-drain-held"] = drain_held
 _hubs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Hub] = weakref.WeakKeyDictionary()
 
 
+_starting: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Task[Any]] = weakref.WeakKeyDictionary()
+
+
+def start_hub_soon() -> None:
+    """Start the running loop's hub in a task of its own, unless it runs or is starting:
+    what an HTTP request does, which never waits for the backplane (a failed start is
+    logged by :meth:`Hub.start`, once per outage; the next request tries again)."""
+    loop = asyncio.get_running_loop()
+    hub = _hubs.get(loop)
+    if hub is not None and hub.started:
+        return
+    task = _starting.get(loop)
+    if task is not None and not task.done():
+        return
+
+    async def start() -> None:
+        with contextlib.suppress(BackplaneUnavailable):
+            await get_hub()
+
+    _starting[loop] = loop.create_task(start(), name="realtime-hub-start")
+
+
 async def get_hub() -> Hub:
     """The started hub of the running event loop (created on first use)."""
     loop = asyncio.get_running_loop()
@@ -409,6 +447,18 @@ def running_hub() -> Hub | None:
     for loop, hub in list(_hubs.items()):
         if hub.started and loop.is_running() and not loop.is_closed():
             return hub
+    return None
+
+
+def start_failure() -> str | None:
+    """Why this process's hub could not start, while it cannot (no I/O: what the last
+    attempt said; from any thread, a sync view's included); None when it runs or was
+    not tried."""
+    for hub in list(_hubs.values()):
+        if hub.started:
+            return None
+        if hub._failed is not None:
+            return str(hub._failed[1])
     return None
 
 

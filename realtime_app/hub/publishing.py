@@ -54,8 +54,16 @@ async def apublish(channel: str, data: Any) -> int:
 
 
 def publish(channel: str, data: Any) -> int:
-    """Synchronous :func:`apublish`, for views, signals and tasks (not for async code)."""
-    return int(async_to_sync(apublish)(channel, data))
+    """Synchronous :func:`apublish`, for views, signals and tasks (not for async code:
+    there, ``await apublish(...)``)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return int(async_to_sync(apublish)(channel, data))
+    raise RuntimeError(
+        f"realtime_app.publish({channel!r}, ...) was called from async code, where it would block the event "
+        "loop: use `await realtime_app.apublish(channel, data)` there (publish() is for views, signals, tasks)"
+    )
 
 
 async def acontrol(message: dict[str, Any]) -> None:

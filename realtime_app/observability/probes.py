@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
 from realtime_app.cluster.factory import make_backplane
+from realtime_app.exceptions import BackplaneUnavailable
 from realtime_app.hub.core import hub_of_current_loop
 from realtime_app.observability.schema import BackpressureProbe, ProcessProbe, fields_of
 
@@ -36,10 +38,14 @@ async def cluster_probe() -> dict[str, Any]:
     else:
         backplane = make_backplane()
         clustered = backplane.clustered
+        down: tuple[type[BaseException], ...] = (BackplaneUnavailable, *backplane.errors)
         try:
             instances = await backplane.cluster_probes()
+        except down:  # Redis is down: nothing to list
+            instances, complete = [], False
         finally:
-            await backplane.stop()
+            with contextlib.suppress(Exception):
+                await backplane.stop()
     instances.sort(key=lambda p: p.get("instance", ""))
     return {
         "generated_at": int(time.time() * 1000),

@@ -73,6 +73,7 @@ def stores_probe() -> dict[str, StoreProbe]:
 
 _shutdown_installed = False
 _atexit_installed = False
+_dir_reported = False
 
 
 def _flush_at_exit() -> None:
@@ -138,10 +139,12 @@ async def flush_all() -> int:
 def start_all() -> None:
     """Start every store's flush loop on the running loop, taking over journals (a
     server's start: the hub's, the ASGI lifespan's)."""
-    if stores():
+    global _dir_reported
+    if stores() and not _dir_reported:
         from realtime_app.persistence import journal
 
         why = journal.problem(journal.journal_dir())
+        _dir_reported = why is not None  # once per process: a start may be tried again
         if why is not None:
             logger.error(
                 "the write-behind journal directory is unusable, so changes accepted during a "

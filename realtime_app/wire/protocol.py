@@ -20,6 +20,7 @@ __all__ = [
     "INTERNAL_ERROR",
     "INVALID_PARAMS",
     "INVALID_REQUEST",
+    "LIBRARY_CODES",
     "METHOD_NOT_FOUND",
     "OVERLOADED",
     "PARSE_ERROR",
@@ -56,6 +57,12 @@ OVERLOADED = -32003
 TOO_MANY_IN_FLIGHT = -32004
 RATE_LIMITED = -32005
 TOO_MANY_SUBSCRIPTIONS = -32006
+#: The codes this library answers with: JSON-RPC's own and -32000..-32009. Applications
+#: raise ``RPCError`` with -32010..-32099, or any code outside -32768..-32000
+#: (docs/methods.md); an error with one of these codes counts as a bad request.
+LIBRARY_CODES = frozenset(
+    {PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS, INTERNAL_ERROR, *range(-32009, -31999)}
+)
 
 #: Longest string id echoed back; longer ids make the request invalid.
 MAX_ID_LENGTH = 256

@@ -277,7 +277,12 @@ function record(probe) {
 }
 
 const client = new RealtimeClient();
-client.addEventListener("state", (e) => { document.getElementById("rc-state").textContent = e.detail; });
+let closedWhy = "";  // the server's reason for the last close (e.g. "backplane unavailable"), until open
+client.addEventListener("close", (e) => { closedWhy = e.detail.reason || ""; });
+client.addEventListener("state", (e) => {
+  if (e.detail === "open") closedWhy = "";
+  document.getElementById("rc-state").textContent = closedWhy ? `${e.detail}: ${closedWhy}` : e.detail;
+});
 client.subscribe(root.dataset.channel, (params) => record(params.data));
 client.connect();
 window.realtimeCluster = { client, charts, seen };
