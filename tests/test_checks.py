@@ -120,12 +120,20 @@ def test_the_redis_backplane_without_the_redis_layer_is_an_error():
         [{"no": "address"}],
         ["redis://a:6379/0", "http://b:6379/0"],
         ["redis://a:6379/0", "redis://a:6379/0"],
+        ["redis://a:6379/0", "redis://a:6379"],  # one server, spelt two ways (found: accepted)
+        ["redis://A:6379/0", {"address": "redis://a/0"}],
+        [("a", 6379), "redis://a:6379/0"],
     ],
 )
 def test_redis_shards_that_are_no_hosts_are_an_error(settings, shards):
     settings.REALTIME_APP = {"REDIS_SHARDS": shards}
     [message] = check_settings()
     assert message.id == "realtime_app.E011" and "REDIS_SHARDS" in message.msg
+
+
+def test_redis_shards_on_other_databases_or_ports_are_other_servers(settings):
+    settings.REALTIME_APP = {"REDIS_SHARDS": ["redis://a:6379/0", "redis://a:6379/1", "redis://a:6380/0"]}
+    assert check_settings() == []
 
 
 def test_several_redis_servers_make_a_sharded_backplane(settings):

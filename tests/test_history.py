@@ -10,11 +10,11 @@ from django.test import override_settings
 
 from realtime_app import ConfigurationError
 from realtime_app.channels.registry import Registry, event_channel, registry
-from realtime_app.cluster.memory import MemoryBackplane
 from realtime_app.conf import get_config
 from realtime_app.wire.history import HistoryEntry, HistoryPolicy, HistoryRead, Since, plan_resume
 from realtime_app.wire.protocol import encode, notification_text
 from tests.support.asgi_client import Client
+from tests.testapp.backplanes import GatedHistory
 
 POLICY = HistoryPolicy(size=5, ttl_s=60)
 
@@ -152,25 +152,11 @@ async def test_bad_since_is_invalid_params_and_a_channel_without_history_says_so
         assert (await c.call("ping"))["result"] == "pong"
 
 
-class GatedHistory(MemoryBackplane):
-    """Reading a history waits for ``gate``: live publications arrive during the replay."""
-
-    gate: asyncio.Event | None = None
-    reading: asyncio.Event | None = None
-
-    async def history(self, channel, policy, since=None, floor=0):
-        assert GatedHistory.gate is not None and GatedHistory.reading is not None
-        result = await super().history(channel, policy, since, floor)
-        GatedHistory.reading.set()
-        await GatedHistory.gate.wait()  # what was read is now older than what is published
-        return result
-
-
 async def test_live_publications_during_a_replay_come_after_it_in_order_none_twice():
     from realtime_app.hub import get_hub
 
     GatedHistory.gate, GatedHistory.reading = asyncio.Event(), asyncio.Event()
-    with override_settings(REALTIME_APP={**get_config(), "BACKPLANE": "tests.test_history.GatedHistory"}):
+    with override_settings(REALTIME_APP={**get_config(), "BACKPLANE": "tests.testapp.backplanes.GatedHistory"}):
         hub = await get_hub()
         try:
             GatedHistory.gate.set()
@@ -261,17 +247,10 @@ async def test_a_late_frame_still_reaches_a_connection_behind_the_process(hub):
         assert [f["data"] for f in await c.frames(1)] == ["next"]
 
 
-class UnreadableHistory(MemoryBackplane):
-    """Redis answers everything but the history read."""
-
-    async def history(self, channel, policy, since=None, floor=0):
-        raise ConnectionError("the history does not answer")
-
-
 async def test_a_failed_read_undoes_a_first_subscribe_and_keeps_a_resumed_one():
     from realtime_app.hub import get_hub
 
-    with override_settings(REALTIME_APP={**get_config(), "BACKPLANE": "tests.test_history.UnreadableHistory"}):
+    with override_settings(REALTIME_APP={**get_config(), "BACKPLANE": "tests.testapp.backplanes.UnreadableHistory"}):
         hub = await get_hub()
         try:
             async with Client() as c:

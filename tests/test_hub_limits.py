@@ -10,10 +10,10 @@ import pytest
 from django.test import override_settings
 
 from realtime_app import PublicationError, PublicationTooLarge
-from realtime_app.cluster.memory import MemoryBackplane
 from realtime_app.conf import get_config
 from tests.support.asgi_client import Client
 from tests.testapp import backplanes
+from tests.testapp.backplanes import CancelledAsCheckReturns, SlowToAnswer
 
 
 def settings_with(**changes):
@@ -239,25 +239,13 @@ async def test_a_ticker_cut_off_from_a_paused_redis_holds_its_ticks_back_then_go
             await hub.aclose()
 
 
-class CancelledAsCheckReturns(MemoryBackplane):
-    """``check()`` arranges for the beat's task to be cancelled in the instant it returns."""
-
-    armed = False
-
-    async def check(self) -> bool:
-        if CancelledAsCheckReturns.armed:
-            task = next(t for t in asyncio.all_tasks() if t.get_name() == "realtime-maintain")
-            asyncio.get_running_loop().call_soon(task.cancel)
-        return True
-
-
 async def test_a_cancel_landing_as_the_beat_checks_the_backplane_stops_the_beat():
     """Found: one run in two of an admission test hung 120 s in the hub's teardown; on
     Python 3.11 ``asyncio.wait_for`` swallows a cancel that lands as the awaited call
     returns, and the beat went on forever after ``aclose()`` cancelled it."""
     from realtime_app.hub import get_hub
 
-    with settings_with(BACKPLANE="tests.test_hub_limits.CancelledAsCheckReturns", LEASE_TTL_MS=300):
+    with settings_with(BACKPLANE="tests.testapp.backplanes.CancelledAsCheckReturns", LEASE_TTL_MS=300):
         hub = await get_hub()
         maintain = next(t for t in hub._tasks if t.get_name() == "realtime-maintain")
         CancelledAsCheckReturns.armed = True
@@ -271,22 +259,12 @@ async def test_a_cancel_landing_as_the_beat_checks_the_backplane_stops_the_beat(
             await asyncio.wait_for(hub.aclose(), 10)
 
 
-class SlowToAnswer(MemoryBackplane):
-    """``check()`` answers after ``delay`` seconds (a busy machine, not a dead Redis)."""
-
-    delay = 0.0
-
-    async def check(self) -> bool:
-        await asyncio.sleep(SlowToAnswer.delay)
-        return True
-
-
 async def test_one_slow_answer_to_the_beat_is_not_an_outage_two_in_a_row_are():
     """Found: under CPU load with Redis healthy, the beat's 1 s timeout logged false
     `RedisBackplane unreachable` lines."""
     from realtime_app.hub import get_hub
 
-    with settings_with(BACKPLANE="tests.test_hub_limits.SlowToAnswer", LEASE_TTL_MS=300):
+    with settings_with(BACKPLANE="tests.testapp.backplanes.SlowToAnswer", LEASE_TTL_MS=300):
         hub = await get_hub()
         try:
             maintain = next(t for t in hub._tasks if t.get_name() == "realtime-maintain")

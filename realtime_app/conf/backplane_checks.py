@@ -32,7 +32,7 @@ def check_shards(value: Any) -> list[CheckMessage]:
         bad = [entry for entry in value if not is_host(entry)]
         if bad:
             problem += f"; not a host: {bad[0]!r}"
-        elif len({repr(entry) for entry in value}) < len(value):
+        elif len({_server(entry) for entry in value}) < len(value):
             problem = "lists a server twice (each channel would be on one of two names for the same server)"
         else:
             return []
@@ -43,6 +43,22 @@ def check_shards(value: Any) -> list[CheckMessage]:
             id="realtime_app.E011",
         )
     ]
+
+
+def _server(entry: Any) -> str:
+    """Which server and database a host names, whatever the spelling: ``redis://A:6379``
+    and ``redis://a:6379/0`` are one."""
+    from urllib.parse import urlsplit
+
+    if isinstance(entry, str) and entry.startswith(("redis://", "rediss://")):
+        parts = urlsplit(entry)
+        database = parts.path.strip("/") or "0"
+        return f"{(parts.hostname or '').lower()}:{parts.port or 6379}/{database}"
+    if isinstance(entry, dict) and isinstance(entry.get("address"), str):
+        return _server(entry["address"])
+    if isinstance(entry, (list, tuple)) and len(entry) == 2:
+        return f"{str(entry[0]).lower()}:{entry[1]}/0"
+    return repr(entry)
 
 
 def check_backplane(backplane: Any) -> list[CheckMessage]:

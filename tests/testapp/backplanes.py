@@ -1,4 +1,5 @@
-"""A custom backplane, chosen by dotted path in a test: records what the hub asks of it."""
+"""Custom backplanes, chosen by dotted path in tests (``BACKPLANE``): one records what the
+hub asks of it, the others are slow, gated or failing at the wrong time."""
 
 from __future__ import annotations
 
@@ -44,4 +45,47 @@ class ClusteredMemoryBackplane(MemoryBackplane):
     async def renew(self, channel: str) -> bool:
         if ClusteredMemoryBackplane.renew_fails:
             raise ConnectionError("the backplane does not answer")
+        return True
+
+
+class GatedHistory(MemoryBackplane):
+    """Reading a history waits for ``gate``: live publications arrive during the replay."""
+
+    gate: asyncio.Event | None = None
+    reading: asyncio.Event | None = None
+
+    async def history(self, channel, policy, since=None, floor=0):
+        assert GatedHistory.gate is not None and GatedHistory.reading is not None
+        result = await super().history(channel, policy, since, floor)
+        GatedHistory.reading.set()
+        await GatedHistory.gate.wait()  # what was read is now older than what is published
+        return result
+
+
+class UnreadableHistory(MemoryBackplane):
+    """Redis answers everything but the history read."""
+
+    async def history(self, channel, policy, since=None, floor=0):
+        raise ConnectionError("the history does not answer")
+
+
+class CancelledAsCheckReturns(MemoryBackplane):
+    """``check()`` arranges for the beat's task to be cancelled in the instant it returns."""
+
+    armed = False
+
+    async def check(self) -> bool:
+        if CancelledAsCheckReturns.armed:
+            task = next(t for t in asyncio.all_tasks() if t.get_name() == "realtime-maintain")
+            asyncio.get_running_loop().call_soon(task.cancel)
+        return True
+
+
+class SlowToAnswer(MemoryBackplane):
+    """``check()`` answers after ``delay`` seconds (a busy machine, not a dead Redis)."""
+
+    delay = 0.0
+
+    async def check(self) -> bool:
+        await asyncio.sleep(SlowToAnswer.delay)
         return True
