@@ -317,3 +317,36 @@ async def test_ten_resumers_of_a_large_history_never_hold_redis(database):
         if server is not None:
             server.stop()
         redis_server.close()
+
+
+async def closed_with(url: str) -> tuple[int, str]:
+    """Open a socket and read until the server closes it: the close code and reason."""
+    async with websockets.connect(url, origin="http://" + url.split("/")[2]) as ws:
+        try:
+            await asyncio.wait_for(ws.recv(), 15)
+        except websockets.ConnectionClosed as closed:
+            assert closed.rcvd is not None
+            return closed.rcvd.code, closed.rcvd.reason
+    raise AssertionError("a frame came instead of the close")
+
+
+async def test_the_address_cap_closes_with_1008_and_the_handshake_rate_with_1013(database):
+    """The close codes themselves (only a counter was read): a socket past
+    MAX_CONNECTIONS_PER_ADDRESS is closed 1008 "too many connections" (a client does not
+    reconnect), one past HANDSHAKES_PER_S 1013 "too many handshakes" (it retries later)."""
+    server = start(database, MAX_CONNECTIONS_PER_ADDRESS=3, HANDSHAKES_PER_S=1000, HANDSHAKE_BURST=1000)
+    try:
+        held = [RPC(server.ws) for _ in range(3)]
+        for rpc in held:
+            await rpc.__aenter__()
+        assert await closed_with(server.ws) == (1008, "too many connections")
+        for rpc in held:
+            await rpc.__aexit__(None, None, None)
+    finally:
+        server.stop()
+    server = start(database, MAX_CONNECTIONS_PER_ADDRESS=0, HANDSHAKES_PER_S=0.01, HANDSHAKE_BURST=2)
+    try:
+        async with RPC(server.ws), RPC(server.ws):  # the burst
+            assert await closed_with(server.ws) == (1013, "too many handshakes")
+    finally:
+        server.stop()
