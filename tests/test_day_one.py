@@ -62,9 +62,12 @@ async def test_publications_take_the_same_encoder(hub):
     [("test.unencodable", None), ("test.unencodable", {"nan": True}), ("test.unencodable_sync", None)],
 )
 async def test_a_result_json_cannot_carry_is_answered_at_once_and_logged_once_with_the_method(
-    hub, caplog, method, params
+    hub, caplog, monkeypatch, method, params
 ):
+    from realtime_app.endpoint import methods
+
     caplog.set_level(logging.DEBUG, logger="realtime_app")
+    monkeypatch.setattr(methods, "_unencodable_logged", set())  # as in a fresh process
     async with Client() as c:
         for _ in range(3):
             started = time.monotonic()
@@ -74,7 +77,7 @@ async def test_a_result_json_cannot_carry_is_answered_at_once_and_logged_once_wi
             assert answer["error"]["data"]["reason"] == "result_not_serializable"
         assert (await c.call("ping"))["result"] == "pong"  # the connection keeps answering
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
-    assert len(errors) <= 1 and all(method in r.getMessage() for r in errors)
+    assert len(errors) == 1 and method in errors[0].getMessage()  # once, not once per call
     assert not any("Exception in callback" in r.getMessage() for r in caplog.records)
 
 
@@ -236,3 +239,26 @@ async def test_an_applications_own_error_is_its_answer_not_a_bad_request(hub, ca
     lines = [r.getMessage() for r in caplog.records if "bad request" in r.getMessage()]
     assert lines and all("out_of_stock" not in line for line in lines), lines
     assert any("out_of_stock" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)
+
+
+def test_a_json_encoder_that_is_not_one_is_e009(settings):
+    from realtime_app.conf.checks import check_settings
+
+    for value in ("tests.testapp.encoders.Missing", "json.JSONDecoder", 42):
+        settings.REALTIME_APP = {"JSON_ENCODER": value}
+        assert [m.id for m in check_settings()] == ["realtime_app.E009"], value
+    settings.REALTIME_APP = {"JSON_ENCODER": "tests.testapp.encoders.SetEncoder"}
+    assert check_settings() == []
+
+
+async def test_a_projects_own_encoder_writes_results_and_publications(hub, settings):
+    """``JSON_ENCODER`` end to end: the set a method returns is answered, and published,
+    as the project's encoder writes it (the default refuses it: result_not_serializable)."""
+    settings.REALTIME_APP = {**settings.REALTIME_APP, "JSON_ENCODER": "tests.testapp.encoders.SetEncoder"}
+    realtime_app.event_channel("test:sets")
+    async with Client() as c:
+        assert (await c.call("test.unencodable_sync"))["result"] == {"set": [1, 2]}
+        await c.call("subscribe", {"channel": "test:sets"})
+        await realtime_app.apublish("test:sets", {"tags": {"b", "a"}})
+        [frame] = await c.frames(1, "test:sets")
+    assert frame["data"] == {"tags": ["a", "b"]}
