@@ -186,6 +186,40 @@ async def test_live_publications_during_a_replay_come_after_it_in_order_none_twi
             await hub.aclose()
 
 
+async def test_past_max_concurrent_resumes_a_resume_is_refused_to_come_back_and_then_served():
+    """MAX_CONCURRENT_RESUMES (no test named it): while one resume replays, another client's
+    is refused -32003 too_many_resumes with retry_after_ms; it is served once it retries."""
+    from realtime_app.hub import get_hub
+
+    GatedHistory.gate, GatedHistory.reading = asyncio.Event(), asyncio.Event()
+    config = {**get_config(), "BACKPLANE": "tests.testapp.backplanes.GatedHistory", "MAX_CONCURRENT_RESUMES": 1}
+    with override_settings(REALTIME_APP=config):
+        hub = await get_hub()
+        try:
+            GatedHistory.gate.set()
+            async with Client() as c:
+                first = (await c.call("subscribe", {"channel": "demo:events"}))["result"]
+            for i in range(3):
+                await hub.publish("demo:events", i)
+            since = {"seq": first["seq"], "epoch": first["epoch"]}
+            GatedHistory.gate.clear()
+            GatedHistory.reading.clear()
+            async with Client() as a, Client() as b:
+                await a.call_nowait("subscribe", {"channel": "demo:events", "since": since})
+                await asyncio.wait_for(GatedHistory.reading.wait(), 5)  # a's replay holds the one slot
+                refused = await b.call("subscribe", {"channel": "demo:events", "since": since})
+                assert refused["error"]["code"] == -32003, refused
+                assert refused["error"]["data"]["reason"] == "too_many_resumes"
+                assert refused["error"]["data"]["limit"] == 1 and refused["error"]["data"]["retry_after_ms"] > 0
+                GatedHistory.gate.set()
+                assert [f["data"] for f in await a.frames(3)] == [0, 1, 2]
+                answer = await b.call("subscribe", {"channel": "demo:events", "since": since})  # its retry
+                assert answer["result"]["recovered"] is True and answer["result"]["replayed"] == 3
+                assert hub.replays.resuming == 0  # every slot given back
+        finally:
+            await hub.aclose()
+
+
 async def test_the_probe_and_metrics_show_histories_and_resumes(hub):
     from realtime_app.observability.metrics import render
 
