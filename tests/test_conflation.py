@@ -45,10 +45,14 @@ def frame(channel: str, value: int, size: int) -> bytes:
 
 
 class Conflating(RuleBasedStateMachine):
-    @initialize(threshold=st.integers(1, 400))  # 0 switches the guard off
-    def setup(self, threshold: int) -> None:
+    @initialize(
+        threshold=st.integers(1, 400),  # 0 switches the guard off
+        policy=st.sampled_from(["drop", "close"]),  # the process's rule for other channels
+        close_after=st.integers(0, 3),  # closing on: a conflated channel must never close (found: always off here)
+    )
+    def setup(self, threshold: int, policy: str, close_after: int) -> None:
         self.transport = QueueModel()
-        self.guard = Guard(lambda message: None, BackpressureConfig(threshold, "drop", 0), self.transport)
+        self.guard = Guard(lambda message: None, BackpressureConfig(threshold, policy, close_after), self.transport)
         self.threshold = threshold
         self.published = dict.fromkeys(CHANNELS, -1)
         self.received: dict[str, list[int]] = {c: [] for c in CHANNELS}
@@ -106,3 +110,16 @@ def test_a_newer_frame_replaces_the_held_one_and_moves_to_the_end():
     assert held.put("a", b"a2", None) is True
     assert held.conflated == 1 and len(held) == 2
     assert [held.take()[:2], held.take()[:2]] == [("b", b"b1"), ("a", b"a2")]
+
+
+def test_held_frames_go_before_any_other_frame():
+    """A frame of another channel sent while one is held goes after it: the held frame is
+    older, and values arrive in the order they were published (the flush before a send
+    removed: the plain frame comes first)."""
+    transport = QueueModel()
+    guard = Guard(lambda message: None, BackpressureConfig(100, "drop", 5), transport)
+    assert guard.send_conflated("a", frame("a", 0, 150)) is SEND  # the queue is over the threshold now
+    assert guard.send_conflated("a", frame("a", 1, 10)) is HOLD
+    transport.queue.clear()  # the client read everything; no drain has run yet
+    assert guard.send(frame("p", 0, 10)) is SEND
+    assert [payload.split(b":")[:2] for payload in transport.queue] == [[b"a", b"1"], [b"p", b"0"]]
