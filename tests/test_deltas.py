@@ -174,3 +174,37 @@ async def test_a_connection_gone_before_its_grant_keeps_nothing(hub):
     conn.closed, conn.subscriptions, conn.deltas = True, {"demo:clock"}, {}
     assert hub.fanout.want_deltas(conn, "demo:clock") is False
     assert "demo:clock" not in hub.fanout.delta_subs and conn.deltas == {}
+
+
+async def test_a_delta_is_built_once_per_publication_whatever_the_subscribers(hub, monkeypatch):
+    """Counted (it was only claimed): four delta subscribers, eight publications, eight
+    searches — not thirty-two."""
+    from realtime_app.wire import deltas as wire_deltas
+
+    searches: list[int] = []
+    real = wire_deltas.create_delta
+
+    def counted(base: bytes, target: bytes) -> bytes:
+        searches.append(len(target))
+        return real(base, target)
+
+    monkeypatch.setattr(wire_deltas, "create_delta", counted)
+    channel = "test:state-dropped"
+    burst = {"channels": [channel], "count": 8, "size": 2000}
+    clients = [Client() for _ in range(4)]
+    for client in clients:
+        await client.__aenter__()
+    try:
+        for client in clients:
+            assert (await client.call("subscribe", {"channel": channel, "delta": "fossil"}))["result"]["delta"]
+        async with Client() as publisher:
+            await publisher.call("test.publish_burst", burst)
+        for client in clients:
+            rebuilt = Rebuilder()
+            for f in await client.frames(8, channel, timeout=5):
+                rebuilt.take(f)
+            assert rebuilt.kinds == [False] + [True] * 7
+        assert len(searches) <= 8, searches  # the first has no base: at most one per publication
+    finally:
+        for client in clients:
+            await client.__aexit__(None, None, None)
