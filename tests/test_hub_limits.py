@@ -284,3 +284,41 @@ async def test_one_slow_answer_to_the_beat_is_not_an_outage_two_in_a_row_are():
         finally:
             SlowToAnswer.delay = 0.0
             await asyncio.wait_for(hub.aclose(), 10)
+
+
+async def test_a_paused_redis_answers_a_resume_and_a_publish_with_backplane_unavailable(private_redis):
+    """-32003 backplane_unavailable against a real Redis that stops answering (it was only
+    tried against hand-made failing histories): the calls answer within the Redis timeout,
+    and work again once it answers."""
+    from realtime_app.hub import get_hub
+    from tests.support.waiting import eventually
+
+    with settings_with(BACKPLANE="redis", REDIS_URL=private_redis.url, KEY_PREFIX="paused", REDIS_TIMEOUT_MS=300):
+        hub = await get_hub()
+        try:
+            async with Client() as c:
+                first = (await c.call("subscribe", {"channel": "demo:events"}))["result"]
+                private_redis.pause()
+                since = {"seq": first["seq"], "epoch": first["epoch"]}
+                async with Client() as other:
+                    resumed = await asyncio.wait_for(
+                        other.call("subscribe", {"channel": "demo:events", "since": since}), 10
+                    )
+                    assert resumed["error"]["code"] == -32003, resumed
+                    assert resumed["error"]["data"]["reason"] == "backplane_unavailable"
+                    assert resumed["error"]["data"]["retry_after_ms"] > 0
+                    published = await asyncio.wait_for(
+                        other.call("publish", {"channel": "demo:events", "data": {"n": 1}}), 10
+                    )
+                    assert published["error"]["data"]["reason"] == "backplane_unavailable", published
+                private_redis.resume()
+
+                async def served() -> bool:
+                    async with Client() as again:
+                        answer = await again.call("subscribe", {"channel": "demo:events", "since": since})
+                        return "result" in answer
+
+                await eventually(served, 15, "a resume once Redis answers")
+        finally:
+            private_redis.resume()
+            await hub.aclose()
