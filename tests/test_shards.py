@@ -152,6 +152,14 @@ async def test_channels_spread_over_three_shards_and_losing_one_stops_only_its_c
             healthy_kept = KEPT[(killed + 1) % SHARDS]
             seq = await publish_from_a_command(env, healthy_kept, {"during": True})
             await eventually(lambda: seq in ra.seqs(healthy_kept) and seq in rb.seqs(healthy_kept), 10, "published")
+            async with RPC(a.ws) as during:  # a call on the lost shard's channel is refused, to come back
+                since = {"epoch": old_epoch, "seq": 1}
+                refused = await during.call("subscribe", {"channel": lost_kept, "since": since}, timeout=15)
+                assert refused.get("error", {}).get("code") == -32003, refused
+                assert refused["error"]["data"]["reason"] == "backplane_unavailable", refused
+                if killed == 0:  # the shared buckets lived on the home shard: this process's own bucket
+                    echoed = await during.call("demo.echo", {"text": "x"}, timeout=15)
+                    assert "result" in echoed, echoed
 
             if fault == "kill":
                 shards[killed].start()  # back, empty
