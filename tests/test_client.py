@@ -471,3 +471,45 @@ async def test_the_command_line_client_says_closed_once(server):
         "# open",
         "# closed",
     ], done.stderr
+
+
+async def test_a_delta_that_does_not_apply_makes_the_client_subscribe_again_for_a_full_frame(server, caplog):
+    """The resubscribe on a broken chain (no test broke one): a base that is not the one
+    the server built against is never patched; the client subscribes again once, gets a
+    full frame, and its handler goes on with exactly what a plain subscriber gets."""
+    from tests.wsclient import RPC
+
+    channel = "test:state-dropped"
+    got: dict[int, str] = {}
+
+    async def publish(rpc, count, start):
+        burst = {"channels": [channel], "count": count, "size": 2000, "start": start}
+        assert (await rpc.call("test.publish_burst", burst))["result"] == count
+
+    async with RPC(server.ws) as plain, RPC(server.ws) as publisher, RealtimeClient(server.ws) as client:
+        await plain.subscribe(channel)
+        await client.subscribe(
+            channel, lambda params: got.__setitem__(params["seq"], digest(params["data"])), delta="fossil"
+        )
+        await publish(publisher, 3, 0)
+        await eventually(lambda: len(got) >= 3, 10, "the first frames")
+        client._deltas.bases[channel] = b'{"n": 0, "pad": "not what the server holds"}'  # a broken chain
+        with caplog.at_level(logging.WARNING, "realtime_app.client"):
+            await publish(publisher, 1, 3)  # a delta against the real base: it cannot apply here
+            await eventually(lambda: any("subscribing again" in r.getMessage() for r in caplog.records), 10, "again")
+            sent = 4
+
+            async def delivered_again() -> bool:  # a publication at a time until one gets through
+                nonlocal sent
+                await publish(publisher, 1, sent)
+                sent += 1
+                return len(got) > 3
+
+            await eventually(delivered_again, 15, "a full frame after the subscribe again")
+            before = len(got)
+            await publish(publisher, 3, sent)  # and deltas on the new base
+            sent += 3
+            await eventually(lambda: len(got) >= before + 3, 10, "deltas again")
+        expected = {f["seq"]: digest(f["data"]) for f in await plain.frames(sent)}
+    assert all(got[seq] == expected[seq] for seq in got)  # nothing patched onto the wrong base
+    assert len([r for r in caplog.records if "subscribing again" in r.getMessage()]) == 1
