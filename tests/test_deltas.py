@@ -33,6 +33,20 @@ class Rebuilder:
         return json.loads(self.base)
 
 
+class Overfull:
+    """A connection's transport whose queue reads over any threshold (the guard drops what
+    it would write); everything else is the real transport's."""
+
+    def __init__(self, real: object) -> None:
+        self.real = real
+
+    def buffered(self) -> int:
+        return 1 << 40
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.real, name)
+
+
 def digest(data: object) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
@@ -71,10 +85,15 @@ async def test_a_delta_subscriber_rebuilds_every_publication_a_plain_one_gets(hu
         assert rebuilt.kinds[0] is False and rebuilt.kinds[1:] == [True] * 11  # a full frame, then deltas
         assert all(len(json.dumps(f)) < 300 for f in deltas[1:])  # a few bytes instead of 2 KB
         [conn] = [c for c in hub.connections if channel in c.deltas]
-        conn.deltas[channel] = -1  # what a dropped (or held) frame leaves
-        await publisher.call("test.publish_burst", {**burst, "count": 1})
+        real = conn.guard.transport
+        conn.guard.transport = Overfull(real)  # the guard reads a full queue: a real drop of the next frame
+        await publisher.call("test.publish_burst", {**burst, "count": 1, "start": 100})
+        conn.guard.transport = real
+        await publisher.call("test.publish_burst", {**burst, "count": 1, "start": 101})
         [after_a_miss] = await delta.frames(1, channel, timeout=5)
+        assert after_a_miss["data"] != "" and after_a_miss["seq"] == deltas[-1]["seq"] + 2  # one dropped
         assert after_a_miss["delta"] is False  # a full frame, never a delta against what it missed
+        assert json.loads(after_a_miss["data"])["n"] == 101
         again = await delta.call("subscribe", {"channel": channel, "delta": "fossil"})
         assert again["result"]["delta"] == "fossil"
         await publisher.call("test.publish_burst", {**burst, "count": 1})
