@@ -227,3 +227,27 @@ async def test_a_delta_is_built_once_per_publication_whatever_the_subscribers(hu
     finally:
         for client in clients:
             await client.__aexit__(None, None, None)
+
+
+def test_a_publication_whose_delta_search_runs_past_its_budget_is_sent_whole(monkeypatch):
+    """The over-budget search through the fan-out's own path (it was tried only on the
+    codec): a repetitive base and a permutation of it give up, and the frame goes whole."""
+    from realtime_app.wire import deltas as wire_deltas
+    from realtime_app.wire.fossil import TooCostly
+
+    gave_up: list[bool] = []
+    real = wire_deltas.create_delta
+
+    def watched(base: bytes, target: bytes) -> bytes:
+        try:
+            return real(base, target)
+        except TooCostly:
+            gave_up.append(True)
+            raise
+
+    monkeypatch.setattr(wire_deltas, "create_delta", watched)
+    block = "ABCDEFGHIJKLMNOP"
+    deltas = ChannelDeltas()
+    deltas.frames("c", notification_text("c", json.dumps({"s": block * 1024}), 1, 0), 1)
+    frames = deltas.frames("c", notification_text("c", json.dumps({"s": block[::-1] * 256}), 2, 0), 2)
+    assert gave_up == [True] and frames.delta is None and frames.full
