@@ -28,8 +28,11 @@ def scope(peer: str, **headers: str) -> dict:
         ("127.0.0.1", {"x_forwarded_for": "10.1.2.3, 10.4.5.6"}, "10.1.2.3"),  # all trusted: the leftmost
         ("127.0.0.1", {"x_forwarded_for": "garbage, 198.51.100.1"}, "198.51.100.1"),
         ("127.0.0.1", {"x_forwarded_for": "198.51.100.1, unknown"}, "127.0.0.1"),  # stop at what we know
-        ("127.0.0.1", {"forwarded": 'for=192.0.2.60;proto=http, for="[2001:db8::1]:4711"'}, "2001:db8::1"),
-        ("127.0.0.1", {"forwarded": "for=192.0.2.60:8080", "x_forwarded_for": "6.6.6.6"}, "192.0.2.60"),
+        # found: a client-sent Forwarded, passed untouched by nginx, won over the X-Forwarded-For
+        # nginx wrote; only the configured header is read
+        ("127.0.0.1", {"forwarded": "for=6.6.6.6", "x_forwarded_for": "198.51.100.1"}, "198.51.100.1"),
+        ("127.0.0.1", {"forwarded": "for=6.6.6.6"}, "127.0.0.1"),
+        ("127.0.0.1", {"x_real_ip": "6.6.6.6"}, "127.0.0.1"),
         ("::1", {"x_forwarded_for": "198.51.100.1"}, "198.51.100.1"),
         ("127.0.0.1", {}, "127.0.0.1"),  # a trusted peer without a header is the client
     ],
@@ -48,3 +51,23 @@ def test_bad_networks_are_refused():
         parse_networks(["10.0.0.0/33"])
     with pytest.raises(ValueError):
         parse_networks(["nginx"])
+
+
+@pytest.mark.parametrize(
+    ("header", "headers", "expected"),
+    [
+        ("Forwarded", {"forwarded": 'for=192.0.2.60;proto=http, for="[2001:db8::1]:4711"'}, "2001:db8::1"),
+        ("Forwarded", {"forwarded": "for=192.0.2.60:8080", "x_forwarded_for": "6.6.6.6"}, "192.0.2.60"),
+        ("Forwarded", {"x_forwarded_for": "6.6.6.6"}, "127.0.0.1"),  # not the configured header
+        ("X-Real-IP", {"x_real_ip": "198.51.100.7", "x_forwarded_for": "6.6.6.6"}, "198.51.100.7"),
+    ],
+)
+def test_only_the_configured_header_is_read(header, headers, expected):
+    assert client_address(scope("127.0.0.1", **headers), TRUSTED, header) == expected
+
+
+def test_an_unknown_forwarded_header_is_a_check_error(settings):
+    from realtime_app.conf.checks import check_settings
+
+    settings.REALTIME_APP = {"FORWARDED_HEADER": "X-Client-IP"}
+    assert [m.id for m in check_settings()] == ["realtime_app.E007"]

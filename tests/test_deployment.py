@@ -5,6 +5,7 @@ nginx, never by daphne."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -125,6 +126,28 @@ async def test_the_websocket_endpoint_through_the_proxy_reaches_both_processes(d
             return {p["pid"] for p in (await staff.frames(1))[0]["data"]["instances"]} == {a.process.pid, b.process.pid}
 
         await eventually(both_seen, 15, "both processes in the cluster view")
+
+
+async def test_a_client_sent_forwarded_header_through_nginx_changes_nothing(deployment):
+    """Found: nginx passed a client's own ``Forwarded`` untouched and the app preferred it
+    to the X-Forwarded-For nginx wrote: any client could name its address. The app reads
+    only the configured header, and the documented config clears ``Forwarded``."""
+    base, _ = deployment
+    ws = base.replace("http", "ws") + "/realtime/"
+    liar = RPC(ws)
+    liar.headers["Forwarded"] = "for=203.0.113.66"
+    liar.headers["X-Real-IP"] = "203.0.113.67"
+    async with liar:
+        assert (await liar.call("ping"))["result"] == "pong"
+        cookie = login(base, "admin", "admin")
+
+        def addresses() -> set[str]:
+            status, body, _ = fetch(base + "/realtime/api/health", cookie)
+            assert status == 200, body
+            return {c.get("address") for p in json.loads(body)["instances"] for c in p.get("top_connections", [])}
+
+        seen = await eventually(lambda: addresses() or None, 15, "the connection in the probe")
+    assert seen and not seen & {"203.0.113.66", "203.0.113.67"}, seen
 
 
 async def test_sockets_trickling_headers_are_held_by_nginx_not_daphne(deployment):

@@ -73,6 +73,9 @@ DEFAULTS: dict[str, Any] = {
     # addresses or networks, e.g. ["127.0.0.1", "10.0.0.0/8"]. Headers from anyone else
     # are ignored (docs/deployment.md).
     "TRUSTED_PROXIES": [],
+    # The one header the trusted proxies write the client's address in: "X-Forwarded-For",
+    # "Forwarded" or "X-Real-IP" (any other is ignored: a client could send it).
+    "FORWARDED_HEADER": "X-Forwarded-For",
     # Every this many ms each socket holding guarded subscriptions is checked against its
     # session and the database again (closed with 4001 / 4003 when its rights ended); 0 = only
     # at each subscribe and at logout.

@@ -103,6 +103,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             )
         )
     messages += _check_trusted_proxies(config["TRUSTED_PROXIES"])
+    messages += _check_forwarded_header(config["FORWARDED_HEADER"])
     journal = config["WRITE_BEHIND_JOURNAL_DIR"]
     if journal is not None and not isinstance(journal, (str, os.PathLike)):
         messages.append(
@@ -178,6 +179,21 @@ def _check_trusted_proxies(value: Any) -> list[CheckMessage]:
         Error(
             f"REALTIME_APP['TRUSTED_PROXIES'] {problem}.",
             hint='e.g. ["127.0.0.1", "10.0.0.0/8"]: the reverse proxies in front of the server.',
+            id="realtime_app.E007",
+        )
+    ]
+
+
+def _check_forwarded_header(value: Any) -> list[CheckMessage]:
+    """E007: FORWARDED_HEADER must name one header a proxy writes."""
+    from realtime_app.endpoint.addresses import FORWARDED_HEADERS
+
+    if isinstance(value, str) and value.lower() in {h.lower() for h in FORWARDED_HEADERS}:
+        return []
+    return [
+        Error(
+            f"REALTIME_APP['FORWARDED_HEADER'] must be one of {', '.join(FORWARDED_HEADERS)}, got {value!r}.",
+            hint="The header your proxy writes (and overwrites when a client sends it): docs/deployment.md.",
             id="realtime_app.E007",
         )
     ]

@@ -4,9 +4,12 @@ An anonymous client's identity is its address (docs/admission.md): its connectio
 one per-identity cap and one token bucket, so opening more sockets or reconnecting buys it
 nothing. Behind a reverse proxy every connection comes from the proxy, so the proxy's
 forwarding headers are read — but only when the peer is one of ``TRUSTED_PROXIES``;
-anyone else could write any address into them. ``Forwarded`` (RFC 7239) is read when
-present, else ``X-Forwarded-For``; the list is walked from the right (the hop nearest to
-us), skipping trusted proxies, and the first other address is the client's.
+anyone else could write any address into them. **One** header is read, the one the
+proxy is configured to write (``FORWARDED_HEADER``: ``X-Forwarded-For`` by default,
+``Forwarded`` (RFC 7239) or ``X-Real-IP``) — never "whichever is present", or a client
+could send the other one through a proxy that passes it untouched. The list is walked
+from the right (the hop nearest to us), skipping trusted proxies, and the first other
+address is the client's.
 
 Pure: no Django import; the trusted networks are passed in.
 """
@@ -18,7 +21,10 @@ from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from typing import Any
 
-__all__ = ["client_address", "parse_networks", "trusted_networks"]
+__all__ = ["FORWARDED_HEADERS", "client_address", "parse_networks", "trusted_networks"]
+
+#: The forwarding headers a proxy may be configured to write (``FORWARDED_HEADER``).
+FORWARDED_HEADERS = ("X-Forwarded-For", "Forwarded", "X-Real-IP")
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -69,18 +75,21 @@ def _forwarded_for(value: str) -> list[str]:
     return hops
 
 
-def client_address(scope: dict[str, Any], trusted: Sequence[Network] = ()) -> str:
+def client_address(scope: dict[str, Any], trusted: Sequence[Network] = (), header: str = "X-Forwarded-For") -> str:
     """The client's address for ``scope``: the peer's, or — when the peer is a trusted
-    proxy — the nearest untrusted hop its forwarding header names (the leftmost when
-    every hop is trusted). A malformed hop ends the walk at the last good address."""
+    proxy — the nearest untrusted hop its forwarding ``header`` names (the leftmost when
+    every hop is trusted; any other forwarding header is ignored). A malformed hop ends
+    the walk at the last good address."""
     peer = str((scope.get("client") or ("unknown", 0))[0])
     if not trusted or not _trusted(peer, trusted):
         return peer
-    forwarded = _header(scope, b"forwarded")
-    hops = _forwarded_for(forwarded) if forwarded is not None else None
-    if hops is None:
-        xff = _header(scope, b"x-forwarded-for")
-        hops = [hop.strip() for hop in xff.split(",")] if xff is not None else []
+    value = _header(scope, header.lower().encode("latin-1"))
+    if value is None:
+        hops: list[str] = []
+    elif header.lower() == "forwarded":
+        hops = _forwarded_for(value)
+    else:
+        hops = [hop.strip() for hop in value.split(",")]
     address = peer
     for hop in reversed(hops):
         ip = _ip(hop)

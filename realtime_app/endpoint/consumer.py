@@ -106,7 +106,7 @@ class RealtimeConsumer:
         if user is not None and getattr(user, "is_authenticated", False):
             return ("user", str(user.pk))
         trusted = trusted_networks(tuple(get_config()["TRUSTED_PROXIES"]))
-        return ("address", client_address(self.scope, trusted))
+        return ("address", client_address(self.scope, trusted, get_config()["FORWARDED_HEADER"]))
 
     # -- ASGI -----------------------------------------------------------------------
 
@@ -135,7 +135,10 @@ class RealtimeConsumer:
             return await refuse(send, CloseCode.INTERNAL_ERROR, "unsupported server")
         await send({"type": "websocket.accept"})
         self.connection = conn
-        conn.address = client_address(scope, trusted_networks(tuple(get_config()["TRUSTED_PROXIES"])))
+        config = get_config()
+        conn.address = client_address(
+            scope, trusted_networks(tuple(config["TRUSTED_PROXIES"])), config["FORWARDED_HEADER"]
+        )
         identity = self.admission_identity()
         if not hub.gate.handshake(identity):  # logged by the hub, once while it lasts
             conn.closed = True
