@@ -266,6 +266,32 @@ async def test_a_lone_surrogate_is_bad_input_without_a_traceback_or_a_subscripti
         server.stop()
 
 
+async def test_params_nested_990_deep_with_a_lone_surrogate_are_refused_and_logged_once(database):
+    """Found: params nested 500-990 levels deep with a lone surrogate raised RecursionError in
+    the scan: each frame closed 1011 and logged a 113 KB traceback. Now -32602 too_deep,
+    the socket kept, one log line for the connection's reason."""
+    server = start(database)
+    try:
+        async with RPC(server.ws) as attacker:
+            for i in range(6):  # bad input costs tokens: a few, under the bucket
+                levels = 500 if i % 2 else 990
+                deep = "[" * levels + '"\\ud800"' + "]" * levels
+                await attacker.send(f'{{"jsonrpc":"2.0","method":"demo.echo","id":{i + 1},"params":{deep}}}')
+                answer = await attacker.recv()
+                if levels == 500:
+                    assert answer["error"]["code"] == -32602, answer
+                    assert answer["error"]["data"] == {"reason": "too_deep", "limit": 32}
+                else:  # past what the JSON parser itself takes: a parse error, as documented
+                    assert answer["error"]["code"] in (-32602, -32700), answer
+            assert (await attacker.call("ping"))["result"] == "pong"  # the socket is kept
+        await eventually(lambda: "closed after" in server.output(), 10, "the counts at its close")
+        output = server.output()
+        assert "Traceback" not in output and "RecursionError" not in output
+        assert output.count("bad request (too_deep)") == 1 and output.count("bad request (invalid_json)") <= 1
+    finally:
+        server.stop()
+
+
 async def test_ten_resumers_of_a_large_history_never_hold_redis(database):
     """Found: 1,000 events of 60 KB made one resume block Redis 604 ms (three: 1.19 s); ten
     resumers for 30 s stopped demo:clock for 10 s and both processes logged Redis as

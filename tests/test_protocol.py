@@ -86,3 +86,16 @@ def test_close_codes():
     assert protocol.CloseCode.TRY_AGAIN_LATER == 1013
     assert protocol.CloseCode.MESSAGE_TOO_BIG == 1009
     assert protocol.CloseCode.POLICY_VIOLATION == 1008
+
+
+@pytest.mark.parametrize(("levels", "refused"), [(32, False), (33, True), (500, True)])
+def test_params_nested_past_the_limit_are_refused_before_any_recursive_walk(levels, refused):
+    from realtime_app.wire.protocol import MAX_DEPTH, parse_frame
+
+    params = "[" * levels + '"\\ud800"' + "]" * levels  # a lone surrogate at the bottom, too
+    frame = parse_frame(f'{{"jsonrpc":"2.0","method":"m","id":1,"params":{params}}}')
+    [error] = frame.errors
+    expected = {"reason": "too_deep", "limit": MAX_DEPTH} if refused else {"reason": "invalid_string"}
+    assert error["error"]["code"] == -32602 and error["error"]["data"] == expected
+    notification = parse_frame(f'{{"jsonrpc":"2.0","method":"m","params":{params}}}')
+    assert notification.errors == [] and notification.requests == []  # bad, and owed no answer

@@ -21,6 +21,7 @@ __all__ = [
     "INVALID_PARAMS",
     "INVALID_REQUEST",
     "LIBRARY_CODES",
+    "MAX_DEPTH",
     "METHOD_NOT_FOUND",
     "OVERLOADED",
     "PARSE_ERROR",
@@ -42,6 +43,7 @@ __all__ = [
     "notification_text",
     "parse_frame",
     "result_response",
+    "scan",
 ]
 
 # Standard JSON-RPC 2.0 codes.
@@ -191,15 +193,31 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _has_surrogate(value: Any) -> bool:
-    """Whether a lone surrogate (valid JSON as an escape, never valid text) is in ``value``."""
-    if isinstance(value, str):
-        return _SURROGATE.search(value) is not None
-    if isinstance(value, dict):
-        return any(_has_surrogate(k) or _has_surrogate(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_has_surrogate(v) for v in value)
-    return False
+#: Deepest nesting of arrays and objects a request's ``params`` may have: deeper is refused
+#: (-32602 ``too_deep``) by an iterative scan, before anything walks them recursively.
+MAX_DEPTH = 32
+
+
+def scan(value: Any) -> tuple[int, bool]:
+    """``(depth, lone surrogate)`` of a parsed JSON value — its nesting of arrays and
+    objects, and whether a string in it holds a lone surrogate (valid JSON as an escape,
+    never valid text). Iterative: no input nests deep enough to exhaust the stack, and the
+    work is one visit per value."""
+    depth, surrogate = 0, False
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, str):
+            surrogate = surrogate or _SURROGATE.search(item) is not None
+        elif isinstance(item, dict):
+            depth = max(depth, level)
+            for key, inner in item.items():
+                stack.append((key, level))
+                stack.append((inner, level + 1))
+        elif isinstance(item, list):
+            depth = max(depth, level)
+            stack.extend((inner, level + 1) for inner in item)
+    return depth, surrogate
 
 
 def parse_frame(text: str, max_batch: int = 50) -> Frame:
@@ -233,16 +251,18 @@ def parse_frame(text: str, max_batch: int = 50) -> Frame:
     surrogates = _SURROGATE_ESCAPE.search(text) is not None  # only escapes can make one
     for item in items:
         parsed = _request(item)
-        if surrogates and isinstance(parsed, Request) and _has_surrogate(parsed.params):
+        depth, surrogate = scan(parsed.params) if isinstance(parsed, Request) else (0, False)
+        if isinstance(parsed, Request) and (depth > MAX_DEPTH or surrogates and surrogate):
             if parsed.is_notification:
                 continue  # bad, and owed no answer
+            if depth > MAX_DEPTH:
+                message, reason = f"Invalid params: nested deeper than {MAX_DEPTH} levels", "too_deep"
+            else:
+                message, reason = "Invalid params: a string holds a lone surrogate (not text)", "invalid_string"
             parsed = error_response(
-                parsed.id,
-                INVALID_PARAMS,
-                "Invalid params: a string holds a lone surrogate (not text)",
-                "invalid_string",
+                parsed.id, INVALID_PARAMS, message, reason, **({"limit": MAX_DEPTH} if depth > MAX_DEPTH else {})
             )
-        elif surrogates and isinstance(parsed, Request) and _has_surrogate(parsed.method):
+        elif surrogates and isinstance(parsed, Request) and _SURROGATE.search(parsed.method):
             parsed = error_response(parsed.id, INVALID_REQUEST, "Invalid Request", "method_must_be_string")
         if isinstance(parsed, Request):
             frame.requests.append(parsed)
