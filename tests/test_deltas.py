@@ -203,9 +203,9 @@ async def test_a_delta_is_built_once_per_publication_whatever_the_subscribers(hu
     searches: list[int] = []
     real = wire_deltas.create_delta
 
-    def counted(base: bytes, target: bytes) -> bytes:
+    def counted(base: bytes, target: bytes, **bounds: float) -> bytes:
         searches.append(len(target))
-        return real(base, target)
+        return real(base, target, **bounds)
 
     monkeypatch.setattr(wire_deltas, "create_delta", counted)
     channel = "test:state-dropped"
@@ -238,9 +238,9 @@ def test_a_publication_whose_delta_search_runs_past_its_budget_is_sent_whole(mon
     gave_up: list[bool] = []
     real = wire_deltas.create_delta
 
-    def watched(base: bytes, target: bytes) -> bytes:
+    def watched(base: bytes, target: bytes, **bounds: float) -> bytes:
         try:
-            return real(base, target)
+            return real(base, target, **bounds)
         except TooCostly:
             gave_up.append(True)
             raise
@@ -251,3 +251,20 @@ def test_a_publication_whose_delta_search_runs_past_its_budget_is_sent_whole(mon
     deltas.frames("c", notification_text("c", json.dumps({"s": block * 1024}), 1, 0), 1)
     frames = deltas.frames("c", notification_text("c", json.dumps({"s": block[::-1] * 256}), 2, 0), 2)
     assert gave_up == [True] and frames.delta is None and frames.full
+
+
+def test_a_delta_search_gives_up_at_its_time_bound_and_the_publication_goes_whole(monkeypatch):
+    """The step budget did not bound the time (crafted 60 KB publications held the loop
+    963 ms each): the search also stops at ``MAX_DELTA_SECONDS``; here a bound of 0."""
+    from realtime_app.wire import deltas as wire_deltas
+    from realtime_app.wire.fossil import TooCostly, create_delta
+
+    base = json.dumps({"s": "abcdefghijklmnop" * 256, "n": 1}).encode()
+    target = base.replace(b'"n": 1', b'"n": 2')
+    assert create_delta(base, target, max_seconds=10)  # an ordinary delta, well within any bound
+    with pytest.raises(TooCostly, match="longer than"):
+        create_delta(base, target, max_seconds=0)
+    monkeypatch.setattr(wire_deltas, "MAX_DELTA_SECONDS", 0)
+    deltas = ChannelDeltas()
+    deltas.frames("c", notification_text("c", base.decode(), 1, 0), 1)
+    assert deltas.frames("c", notification_text("c", target.decode(), 2, 0), 2).delta is None

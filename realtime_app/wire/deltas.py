@@ -26,6 +26,9 @@ FOSSIL = "fossil"
 FULL_EVERY = 100
 #: Publications larger than this are sent whole: the delta search is a cost per byte.
 MAX_DELTA_BYTES = 64 * 1024
+#: The longest a delta search may hold the event loop, seconds: past it the publication
+#: goes whole (bench/bandwidth.py measures the worst case).
+MAX_DELTA_SECONDS = 0.004
 
 
 def split_notification(channel: str, text: str) -> tuple[str, str]:
@@ -57,7 +60,7 @@ class ChannelDeltas:
     def frames(self, channel: str, text: str, seq: int) -> DeltaFrames:
         """The full text and, when worth it, the delta from the last publication: never for
         the first, every ``FULL_EVERY``-th, a publication over ``MAX_DELTA_BYTES``, a
-        search past its budget, or a delta not under half the data."""
+        search past its budget (in work or in time), or a delta not under half the data."""
         data_json, tail = split_notification(channel, text)
         data = data_json.encode("utf-8")
         head = notification_head(channel, "")
@@ -67,7 +70,7 @@ class ChannelDeltas:
         if previous is None or seq % FULL_EVERY == 0 or previous[0] >= seq or len(data) > MAX_DELTA_BYTES:
             return DeltaFrames(full, None, -1)
         try:
-            delta = create_delta(previous[1], data)
+            delta = create_delta(previous[1], data, max_seconds=MAX_DELTA_SECONDS)
         except TooCostly:
             return DeltaFrames(full, None, -1)
         if len(delta) * 2 > len(data):  # random content: no gain

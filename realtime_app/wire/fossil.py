@@ -18,6 +18,7 @@ JavaScript port the browser module ships (``static/realtime_app/vendor/fossil-de
 from __future__ import annotations
 
 import struct
+import time
 
 __all__ = ["DeltaError", "TooCostly", "apply_delta", "create_delta", "output_size"]
 
@@ -99,10 +100,20 @@ def _forward(src: bytes, x: int, out: bytes, y: int) -> int:
     return matched
 
 
-def create_delta(base: bytes, target: bytes, work_per_byte: int = WORK_PER_BYTE) -> bytes:
+def create_delta(
+    base: bytes, target: bytes, work_per_byte: int = WORK_PER_BYTE, max_seconds: float | None = None
+) -> bytes:
     """The delta that makes ``target`` out of ``base``; :class:`TooCostly` when the search
-    needs more than ``work_per_byte`` candidate checks (and bytes compared) per target byte."""
+    needs more than ``work_per_byte`` candidate checks (and bytes compared) per target byte,
+    or — with ``max_seconds`` — longer than that: a bound on the time it holds its thread
+    (the event loop's, for the fan-out), whatever the input's shape or size."""
     budget = work_per_byte * len(target) + 4096
+    deadline = None if max_seconds is None else time.perf_counter() + max_seconds
+
+    def in_time() -> None:
+        if deadline is not None and time.perf_counter() >= deadline:
+            raise TooCostly(f"longer than {max_seconds} s for a {len(target)}-byte target")
+
     out = bytearray()
     _put_int(len(target), out)
     out += b"\n"
@@ -116,6 +127,8 @@ def create_delta(base: bytes, target: bytes, work_per_byte: int = WORK_PER_BYTE)
     landmark = [-1] * slots  # hash slot -> the last block of the base with that hash
     collide = [-1] * slots  # block -> the previous block in the same slot
     for at in range(0, len_src - NHASH, NHASH):
+        if not at % (NHASH * 256):
+            in_time()
         a, b = _window_hash(base, at)
         slot = (a | (b << 16)) % slots
         collide[at // NHASH] = landmark[slot]
@@ -136,6 +149,8 @@ def create_delta(base: bytes, target: bytes, work_per_byte: int = WORK_PER_BYTE)
                 while back + 1 < source and back + 1 <= i and base[source - back - 1] == target[start + i - back - 1]:
                     back += 1
                 budget -= 1 + back + forward // 64
+                if not budget % 64:
+                    in_time()
                 if budget < 0:
                     raise TooCostly(f"more than {work_per_byte} steps per byte of a {len_out}-byte target")
                 count = forward + back
@@ -157,6 +172,8 @@ def create_delta(base: bytes, target: bytes, work_per_byte: int = WORK_PER_BYTE)
                 _literal(target, start, len_out - start, out)
                 start = len_out
                 break
+            if not i % 256:
+                in_time()
             old, new = target[start + i], target[start + i + NHASH]
             a = (a - old + new) & 0xFFFF
             b = (b - NHASH * old + a) & 0xFFFF
