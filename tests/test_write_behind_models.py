@@ -332,3 +332,256 @@ async def test_an_object_held_before_its_row_existed_converges_within_the_delay_
     await there.add("vase", "bid_count", 1)
     await there.flush(everything=True)
     await eventually(lambda: here.entries[("vase",)].state == {"bid_count": 10}, 10, "its counter, read back")
+
+
+# -- review findings, each reproduced before its fix ----------------------------------------
+
+
+async def test_a_second_takeover_during_the_outage_journals_no_delta_twice():
+    await make_lot("vase")
+    p1 = lots()
+    await p1.add("vase", "bid_count", 5)  # d1
+    outage(p1)
+    await p1.flush(everything=True)  # d1 in doubt (commit answer lost)
+    await p1.add("vase", "bid_count", 7)  # d2, in no batch yet
+    assert p1.journal_unsaved() == 2  # T1{vase:+5}, T2{vase:+7}
+    p1.close()
+    p2 = lots()  # next process, database still down
+    p2.start()
+    outage(p2)
+    await p2.flush(everything=True)
+    p2.journal_unsaved()
+    p2.close()
+    [path] = files(journal.journal_dir())
+    body = json.loads(path.read_text())
+    journaled = [item[1]["deltas"].get("bid_count", 0) for batch in body["batches"] for item in batch["items"]]
+    assert sum(journaled) == 12, journaled  # +5 in doubt, +7: not +5 a second time
+    p3 = lots()  # database back
+    p3.start()
+    await p3.flush(everything=True)
+    assert await table() == {"vase": (12, Decimal("0"))}
+
+
+async def test_a_row_read_back_does_not_overwrite_a_change_made_during_the_read():
+    def mk(key: Any) -> dict[str, Any]:
+        return {"title": "Made", "ends_at": ENDS}
+
+    here = lots("test.here", fields=("title", "bid_count"), counters=("bid_count",), create=mk)
+    assert (await here.get("vase"))["title"] is None  # absent: no row yet
+    await make_lot("vase")  # another process makes the row (title "Vase")
+    run = here.table.run
+
+    async def racing(method, *args, **kw):
+        if method == here.table.read:
+            await here.mutate("vase", {"title": "Mine"})  # accepted while the read is in flight
+        return await run(method, *args, **kw)
+
+    here.table.run = racing
+    await here._refresh_counters()
+    here.table.run = run
+    await here.flush(everything=True)
+    title = await sync_to_async(lambda: Lot.objects.get(code="vase").title)()
+    assert title == "Mine", title
+
+
+async def test_a_row_read_back_does_not_undo_a_delete_made_during_the_read():
+    def mk(key: Any) -> dict[str, Any]:
+        return {"title": "Made", "ends_at": ENDS}
+
+    here = lots("test.here", create=mk)
+    await here.get("vase")
+    await make_lot("vase")
+    run = here.table.run
+
+    async def racing(method, *args, **kw):
+        if method == here.table.read:
+            await here.delete("vase")
+        return await run(method, *args, **kw)
+
+    here.table.run = racing
+    await here._refresh_counters()
+    here.table.run = run
+    await here.flush(everything=True)
+    assert "vase" not in await table(), await here.get("vase")
+
+
+async def test_a_value_its_field_rejects_is_refused_not_kept_in_doubt():
+    await make_lot("vase")
+    await make_lot("lamp")
+    store = lots(fields=("bid_count",), counters=())  # a plain integer field
+    await store.mutate("lamp", {"bid_count": 1})
+    await store.mutate("vase", {"bid_count": "many"})  # a value the field rejects
+    for _ in range(3):
+        await store.flush(everything=True)
+    assert store.probe()["refused"] == 1
+    assert (await table())["lamp"][0] == 1
+
+
+async def test_refused_objects_are_forgotten_like_saved_ones():
+    store = lots("test.never", create=False, max_objects=2)
+    for i in range(20):
+        await store.add(f"k{i}", "bid_count", 1)
+    await store.flush(everything=True)
+    for i in range(20, 25):
+        await store.get(f"k{i}")
+    assert len(store.entries) <= 3
+
+
+async def test_a_row_another_process_inserted_first_gets_the_plain_fields_too():
+    def mk(key: Any) -> dict[str, Any]:
+        return {"title": "Made", "ends_at": ENDS}
+
+    store = lots(fields=("title", "bid_count"), counters=("bid_count",), create=mk)
+    await store.mutate("vase", {"title": "Mine"})
+    await store.add("vase", "bid_count", 2)
+    locked = store.table._locked_pks
+    calls = []
+
+    def racing(keys):
+        found = locked(keys)
+        if not calls:  # the other process inserts (and commits) right after our locked read
+            Lot.objects.create(code="vase", title="Theirs", ends_at=ENDS, bid_count=10)
+        calls.append(keys)
+        return found
+
+    store.table._locked_pks = racing
+    await store.flush(everything=True)
+    row = await sync_to_async(lambda: Lot.objects.values("title", "bid_count").get(code="vase"))()
+    assert row == {"title": "Mine", "bid_count": 12}
+
+
+async def test_a_store_whose_name_prefixes_another_leaves_its_journal_alone():
+    await make_lot("vase")
+    other = lots("test.lots.made")
+    await other.add("vase", "bid_count", 4)
+    outage(other)
+    await other.flush(everything=True)
+    assert other.journal_unsaved() == 1
+    other.close()
+    mine = lots("test.lots")
+    mine.start()  # claims test.lots.made.<pid>.<hex>.json
+    later = lots("test.lots.made")
+    later.start()
+    await later.flush(everything=True)
+    assert await table() == {"vase": (4, Decimal("0"))}
+
+
+async def test_a_file_another_process_takes_mid_scan_does_not_stop_the_takeover(monkeypatch):
+    await make_lot("vase")
+    await make_lot("lamp")
+    d = journal.journal_dir()
+    kept = []
+    for code in ("vase", "lamp"):
+        s = lots()
+        await s.add(code, "bid_count", 1)
+        outage(s)
+        await s.flush(everything=True)
+        s.journal_unsaved()
+        s.close()
+        [p] = files(d)
+        kept.append(p)
+        os.rename(p, d.parent / p.name)
+    for p in kept:
+        os.rename(d.parent / p.name, p)
+    first, second = files(d)
+    unsafe = journal._unsafe
+
+    def other_process_took(path):
+        if path == second:  # another starting process renamed it after our listing
+            os.rename(second, str(second) + ".claimed-1")
+        return unsafe(path)
+
+    monkeypatch.setattr(journal, "_unsafe", other_process_took)
+    store = lots()
+    store.start()
+    assert store.probe()["replayed"] == 1  # the first file, renamed to ours, is applied
+
+
+async def test_the_halves_of_a_split_journaled_batch_are_not_applied_again(tmp_path):
+    await make_lot("vase")
+    p1 = lots()
+    await p1.add("vase", "bid_count", 3)
+    await p1.add("chair", "bid_count", 1)  # no row, cannot be made (ends_at): refused later
+    outage(p1)
+    await p1.flush(everything=True)
+    p1.journal_unsaved()
+    p1.close()
+    [path] = files(journal.journal_dir())
+    shutil.copy2(path, tmp_path / "backup.json")
+    p2 = lots()
+    p2.start()
+    await p2.flush(everything=True)
+    assert await table() == {"vase": (3, Decimal("0"))}
+    p2.close()
+    shutil.copy2(tmp_path / "backup.json", path)  # put back at once
+    p3 = lots()
+    p3.start()
+    await p3.flush(everything=True)
+    assert await table() == {"vase": (3, Decimal("0"))}
+
+
+async def test_refusing_one_batch_of_an_object_keeps_its_others_deltas():
+    await make_lot("vase", balance=Decimal("10"))
+    p1 = lots(fields=("balance",), counters=("balance",))
+    await p1.add("vase", "balance", Decimal("-3"))
+    outage(p1)
+    await p1.flush(everything=True)  # T1{-3} in doubt
+    await p1.add("vase", "balance", Decimal("1"))  # T2{+1}
+    p1.journal_unsaved()
+    p1.close()
+    await sync_to_async(lambda: Lot.objects.filter(code="vase").update(balance=2))()  # spent elsewhere
+    p2 = lots(fields=("balance",), counters=("balance",))
+    p2.start()
+    await p2.flush(everything=True)  # T1 refused (2-3<0), T2 written: 3
+    await p2.add("vase", "balance", Decimal("5"))
+    await p2.flush(everything=True)
+    assert (await table())["vase"][1] == Decimal("8")
+
+
+async def test_an_object_in_two_batches_in_doubt_is_not_written_under_a_third():
+    await make_lot("vase")
+    await make_lot("lamp")
+    p1 = lots()
+    await p1.add("vase", "bid_count", 1)
+    outage(p1)
+    await p1.flush(everything=True)  # D1{vase:+1}
+    await p1.add("vase", "bid_count", 10)
+    await p1.add("lamp", "bid_count", 100)
+    p1.journal_unsaved()  # file: D1{vase:+1}, R1{vase:+10, lamp:+100}
+    p1.close()
+    p2 = lots(delay_s=0)
+    p2.start()
+    # jittered backoff left lamp later than vase (as _failed_transiently does at the cap)
+    import time
+
+    p2.entries[("lamp",)].not_before = time.monotonic() + 3600
+    await p2.flush()  # D1 written; vase due again (+10) under a new token
+    p2.entries[("lamp",)].not_before = 0
+    await p2.flush()  # R1 written: +10 again
+    assert await table() == {"vase": (11, Decimal("0")), "lamp": (100, Decimal("0"))}
+
+
+async def test_one_stores_unjournalable_value_does_not_lose_anothers_journal():
+    await make_lot("vase")
+    a = lots("test.a", fields=("title",), counters=())
+    b = lots("test.b")
+    await a.mutate("vase", {"title": b"bytes"})
+    await b.add("vase", "bid_count", 1)
+    outage(a)
+    outage(b)
+    await lifecycle.flush_all()  # it raised at a's value: b's change was neither written nor journaled
+    assert b.handover.journaled == 1
+
+
+def test_a_journal_goes_home_however_the_host_is_spelt(settings):
+    db = connections["default"].settings_dict
+    old = dict(db)
+    try:
+        db.update(HOST="127.0.0.1", PORT=journal.DEFAULT_PORTS.get(connections["default"].vendor, ""))
+        one = journal.identity(Lot)
+        db.update(HOST="localhost", PORT="")
+        two = journal.identity(Lot)
+    finally:
+        db.clear()
+        db.update(old)
+    assert one == two

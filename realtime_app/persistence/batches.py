@@ -4,6 +4,7 @@ refused, never retried forever nor journaled), and the counters read back on a b
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 import time
@@ -14,11 +15,11 @@ from typing import Any
 from django.db import DatabaseError, InterfaceError
 
 from realtime_app.observability.logsafe import safe
-from realtime_app.persistence.entries import Batch, Entry, Key, WriteRefused, adopt, refresh, settle
+from realtime_app.persistence.entries import Batch, Entry, Key, WriteRefused, adopt, refresh, settle, unsettle
 from realtime_app.persistence.handover import Handover
 from realtime_app.persistence.sql import Permanent, Table, with_retries
 
-__all__ = ["BatchWriter", "absent"]
+__all__ = ["BatchWriter", "absent", "derived"]
 
 logger = logging.getLogger("realtime_app.write_behind")
 
@@ -58,29 +59,35 @@ class BatchWriter:
             failed += bad
         return written, failed  # a success resets the failure count (_written), nothing else
 
-    async def _write_one(self, batch: Batch, token: str) -> tuple[int, int]:
+    async def _write_one(
+        self, batch: Batch, token: str, *, again: bool = False, journaled: bool = False
+    ) -> tuple[int, int]:
         """Write one batch under its token, retrying; split it if it fails for good.
 
         The token is written in the batch's transaction: a retry of the same batch finds
         it and settles instead of applying the counter deltas twice (the COMMIT may have
         succeeded when its answer was lost). A batch whose outcome stays unknown is kept
-        *in doubt*, whole, and written again under the same token before anything newer.
+        *in doubt*, whole, and written again under the same token before anything newer
+        (``again``: it is counted in its objects' ``in_doubt`` already). The halves of a
+        split batch get tokens derived from its own — a journaled batch's halves are found
+        again if the journal is put back — and ``journaled`` marks them kept for good.
         """
-        for _, entry, _ in batch:
-            entry.in_doubt = True
+        if not again:
+            for _, entry, _ in batch:
+                entry.in_doubt += 1
+        journaled = journaled or token in self.handover.tokens
         try:
-            journaled = token in self.handover.tokens
             write = partial(self.table.run, self.table.write_batch, batch, token, journaled, inline=self._inline)
             current = await with_retries(write, RETRIES, self._retried)
         except Permanent as exc:  # rolled back: split until the objects at fault stand alone
             for _, entry, _ in batch:
-                entry.in_doubt = False
+                entry.in_doubt = max(0, entry.in_doubt - 1)
             if len(batch) == 1:
                 self._refuse(batch[0], exc)
                 return 0, 1
             half = len(batch) // 2
-            done_a, bad_a = await self._write_one(batch[:half], uuid.uuid4().hex)
-            done_b, bad_b = await self._write_one(batch[half:], uuid.uuid4().hex)
+            done_a, bad_a = await self._write_one(batch[:half], derived(token, "a"), journaled=journaled)
+            done_b, bad_b = await self._write_one(batch[half:], derived(token, "b"), journaled=journaled)
             return done_a + done_b, bad_a + bad_b
         except BaseException as exc:  # unknown outcome (the database went away, a cancel)
             self._in_doubt.append((token, batch))
@@ -107,7 +114,7 @@ class BatchWriter:
             if not everything and any(entry.not_before > now for _, entry, _ in batch):
                 self._in_doubt.append((token, batch))  # backed off: not yet
                 continue
-            done, bad = await self._write_one(batch, token)
+            done, bad = await self._write_one(batch, token, again=True)
             written += done
             failed += bad
         return written, failed
@@ -119,7 +126,7 @@ class BatchWriter:
         """The database refuses this object for a reason an outage does not explain: its
         unsaved changes are dropped (never retried forever, never journaled), whoever waits
         for them is told, and it is read again from the database at its next use."""
-        key, entry, _ = item
+        key, entry, snap = item
         message = f"{type(exc.cause).__name__}: {safe(exc.cause, 200)}"
         logger.error("store %s: %r refused by the database, its unsaved changes dropped: %s", self.name, key, message)
         self.refused += 1
@@ -127,10 +134,14 @@ class BatchWriter:
         self.failing[repr(key)] = message
         while len(self.failing) > 10:
             self.failing.pop(next(iter(self.failing)))
-        entry.deltas.clear()
-        entry.changed.clear()
-        entry.dirty_since, entry.in_doubt, entry.replace, entry.error = None, False, False, message
-        entry.refused, entry.stale = (entry.flushed, entry.version, message), True
+        entry.error = message
+        entry.refused = (entry.flushed, snap["version"] if entry.in_doubt else entry.version, message)
+        if entry.in_doubt:  # another batch of it is still to be settled: only what this one held goes
+            unsettle(entry, snap)
+        else:  # nothing of it left to write: forgotten like a saved object when memory is short
+            entry.deltas.clear()
+            entry.changed.clear()
+            entry.dirty_since, entry.replace, entry.stale, entry.error = None, False, True, None
         for _, future in entry.waiters:
             if not future.done() and not future.get_loop().is_closed():
                 future.set_exception(WriteRefused(self.name, key, message))
@@ -156,7 +167,7 @@ class BatchWriter:
                         continue
                     if page[key].in_db:
                         refresh(page[key], row, self.counters)
-                    else:
+                    elif absent(page[key]):  # still nothing of its own (no change nor delete during the read)
                         adopt(page[key], row)
 
     def _failed_transiently(self, batch: list[tuple[Key, Entry, dict[str, Any]]], exc: BaseException) -> None:
@@ -168,6 +179,11 @@ class BatchWriter:
             logger.warning(message, self.name, len(batch), backoff, safe(exc, 200))
         for _, entry, _ in batch:
             entry.not_before = time.monotonic() + backoff
+
+
+def derived(token: str, half: str) -> str:
+    """The token of one half of a split batch: the same whenever that batch is split."""
+    return hashlib.sha256(f"{token}:{half}".encode()).hexdigest()[:32]
 
 
 def absent(entry: Entry) -> bool:

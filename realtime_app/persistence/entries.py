@@ -9,7 +9,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-__all__ = ["Accepted", "Batch", "Entry", "Key", "WriteRefused", "adopt", "evictable", "residual", "settle", "snapshot"]
+__all__ = [
+    "Accepted",
+    "Batch",
+    "Entry",
+    "Key",
+    "WriteRefused",
+    "adopt",
+    "combine",
+    "evictable",
+    "residual",
+    "settle",
+    "snapshot",
+    "unsettle",
+]
 
 Key = tuple[Any, ...]
 
@@ -30,7 +43,7 @@ class Entry:
     waiters: list[tuple[int, asyncio.Future[None]]] = field(default_factory=list)
     generation: int = 0  # bumped by each delete: what an older snapshot took is moot
     replace: bool = False  # deleted since the last write: the next one writes the whole row
-    in_doubt: bool = False  # in a batch whose outcome is not known yet
+    in_doubt: int = 0  # batches holding it whose outcome is not known yet
     stale: bool = False  # refused: read again from the database at the next use
     refused: tuple[int, int, str] | None = None  # the versions (after, up to] last refused, and why
 
@@ -122,6 +135,33 @@ def refresh(entry: Entry, row: dict[str, Any], counters: frozenset[str]) -> None
         entry.state[name] = row[name] + entry.deltas.get(name, 0)
 
 
+def combine(before: dict[str, Any] | None, snap: dict[str, Any]) -> dict[str, Any]:
+    """Two in-doubt snapshots of one object, oldest first, as one: their deltas summed,
+    their field changes merged (a later generation replaces an earlier one)."""
+    if before is None or before["generation"] != snap["generation"]:
+        return snap
+    deltas = dict(before["deltas"])
+    for name, delta in snap["deltas"].items():
+        deltas[name] = deltas.get(name, 0) + delta
+    return {**snap, "deltas": deltas, "changed": {**before["changed"], **snap["changed"]}}
+
+
+def unsettle(entry: Entry, snap: dict[str, Any]) -> None:
+    """A batch holding ``snap`` of ``entry`` is refused while another of its batches is
+    still in doubt: take off what this one held, and nothing else."""
+    if entry.generation != snap["generation"]:
+        return
+    for name, delta in snap["deltas"].items():
+        left = entry.deltas.get(name, 0) - delta
+        if left:
+            entry.deltas[name] = left
+        else:
+            entry.deltas.pop(name, None)
+    for name, changed_at in snap["changed"].items():
+        if entry.changed.get(name) == changed_at:
+            del entry.changed[name]
+
+
 def adopt(entry: Entry, row: dict[str, Any]) -> None:
     """An object held before its row existed, with nothing of its own to write: the row
     another process made is now its state."""
@@ -136,7 +176,7 @@ def settle(entry: Entry, snap: dict[str, Any], row: dict[str, Any] | None, count
     processes' deltas included) and wake who waited for it. True: a row was written
     (False: deleted)."""
     version = snap["version"]
-    entry.in_doubt = False
+    entry.in_doubt = max(0, entry.in_doubt - 1)
     if entry.generation == snap["generation"]:  # else deleted since: its deltas are gone
         for name, delta in snap["deltas"].items():
             left = entry.deltas.get(name, 0) - delta

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 from realtime_app.observability.logsafe import safe
 from realtime_app.persistence import journal
-from realtime_app.persistence.entries import Batch, Entry, Key, residual, snapshot
+from realtime_app.persistence.entries import Batch, Entry, Key, combine, residual, snapshot
 from realtime_app.persistence.journal import JournalFile
 
 __all__ = ["Handover"]
@@ -66,7 +66,7 @@ class Handover:
                         entry.deltas[name] = entry.deltas.get(name, 0) + delta
                     entry.changed.update(snap["changed"])
                     entry.replace = entry.replace or bool(snap["replace"])
-                    entry.in_doubt = True
+                    entry.in_doubt += 1
                     entry.dirty_since = now - delay_s  # due now
                     batch.append((key, entry, snap))
                     self.replayed += 1
@@ -93,11 +93,11 @@ class Handover:
         the objects kept, each then forgotten here. An ERROR says how many changes are lost
         if even that fails."""
         batches: list[tuple[str, list[tuple[Key, dict[str, Any]]]]] = []
-        covered: dict[Key, dict[str, Any]] = {}  # the newest in-doubt snapshot of each key
+        covered: dict[Key, dict[str, Any]] = {}  # every in-doubt snapshot of each key, as one
         for token, batch in in_doubt:
             batches.append((token, [(key, snap) for key, _, snap in batch]))
             for key, _, snap in batch:
-                covered[key] = snap
+                covered[key] = combine(covered.get(key), snap)
         rest = []
         for key, entry in entries.items():
             if entry.dirty_since is None:
@@ -113,7 +113,7 @@ class Handover:
             return 0
         try:
             path = journal.write(self.name, batches, journal.identity(self.table.model))
-        except OSError as exc:
+        except Exception as exc:  # a disk, a directory, or a value JSON cannot carry
             logger.error(
                 "store %s: %d accepted object(s) LOST: the database and the journal both failed (%s)",
                 self.name,
@@ -125,7 +125,7 @@ class Handover:
         in_doubt.clear()
         for entry in entries.values():  # handed over: never journaled (or written) twice
             if entry.dirty_since is not None or entry.in_doubt:
-                entry.dirty_since, entry.in_doubt = None, False
+                entry.dirty_since, entry.in_doubt = None, 0
                 entry.deltas.clear()
                 entry.changed.clear()
         self.journaled += objects

@@ -62,17 +62,22 @@ def identity(model: Any) -> dict[str, Any]:
     from django.db import connections, router
 
     alias = router.db_for_write(model)
+    vendor = connections[alias].vendor
     db = connections[alias].settings_dict
     name = str(db.get("NAME") or "")
-    if connections[alias].vendor == "sqlite" and name and "memory" not in name:
+    if vendor == "sqlite" and name and "memory" not in name:
         name = str(Path(name).resolve())
-    database = {
-        "vendor": connections[alias].vendor,
-        "name": name,
-        "host": str(db.get("HOST") or ""),
-        "port": str(db.get("PORT") or ""),
-    }
+    host = str(db.get("HOST") or "").lower()
+    if host in LOCAL_HOSTS:  # one server, however a process names it
+        host = "localhost"
+    port = str(db.get("PORT") or DEFAULT_PORTS.get(vendor, ""))
+    database = {"vendor": vendor, "name": name, "host": host, "port": port}
     return {"site": _site(), "database": database}
+
+
+#: Names of this host's own server (an empty HOST is its socket: the same server).
+LOCAL_HOSTS = {"", "localhost", "127.0.0.1", "::1", "[::1]"}
+DEFAULT_PORTS = {"postgresql": "5432", "mysql": "3306", "oracle": "1521"}
 
 
 def default_dir() -> Path:
@@ -226,11 +231,11 @@ def claim(store: str, owner: dict[str, Any], decode: Decode, directory: Path | N
     if why is not None:
         logger.error("store %s: journals not taken over: %s", store, why)
         return []
-    stem = _stem(store)
+    mine = re.compile(re.escape(_stem(store)) + r"\.\d+\.[0-9a-f]{8}\.json(\.claimed-\d+)?")
     claimed: list[JournalFile] = []
     for path in sorted(directory.iterdir()):
         name = path.name
-        if not name.startswith(stem + ".") or name.endswith(".malformed"):
+        if not mine.fullmatch(name):  # another store's (``a.b`` is not ``a.b.c``), or aside
             continue
         if ".claimed-" in name:
             owner_pid = name.rsplit(".claimed-", 1)[1]
@@ -238,7 +243,10 @@ def claim(store: str, owner: dict[str, Any], decode: Decode, directory: Path | N
                 continue
         elif not name.endswith(".json"):
             continue
-        unsafe = _unsafe(path)
+        try:
+            unsafe = _unsafe(path)
+        except FileNotFoundError:
+            continue  # taken by a process starting beside this one
         if unsafe is not None:
             if str(path) not in _reported:
                 _reported.add(str(path))

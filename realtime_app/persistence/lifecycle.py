@@ -132,7 +132,10 @@ async def flush_all() -> int:
             written += await store.aflush_all()
         except Exception:
             logger.exception("store %s: final flush failed", store.name)
-        store.journal_unsaved()
+        try:
+            store.journal_unsaved()
+        except Exception:  # one store's failure is not every other store's loss
+            logger.exception("store %s: its unsaved changes could not be journaled", store.name)
     return written
 
 

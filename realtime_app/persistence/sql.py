@@ -121,10 +121,11 @@ class Table(Generic[M]):
             pks = self._locked_pks([key for key, _ in kept])
             # Deleted, then created again: the whole row, counters as values. Missing (new,
             # or deleted behind the store's back): the row at its base, the deltas added below.
-            self._insert(
+            theirs = self._insert(
                 [(key, snap, False) for key, snap in replaced]
                 + [(key, snap, True) for key, snap in kept if key not in pks]
             )
+            pks.update(self._locked_pks(theirs))  # made by another process meanwhile: updated like the others
             groups: dict[frozenset[str], list[tuple[Key, dict[str, Any]]]] = {}
             for key, snap in kept:  # only the plain fields each object changed, rows that were there
                 names = frozenset(snap["changed"]) - self.counters
@@ -187,12 +188,14 @@ class Table(Generic[M]):
         )
         return {tuple(row[1:]): row[0] for row in rows}
 
-    def _insert(self, rows: list[tuple[Key, dict[str, Any], bool]]) -> None:
-        """Insert the rows that are not there, each as ``create`` allows. A row another
-        process inserted meanwhile is left to it (the deltas are added to it after); any
-        other refusal propagates, naming the object."""
+    def _insert(self, rows: list[tuple[Key, dict[str, Any], bool]]) -> list[Key]:
+        """Insert the rows that are not there, each as ``create`` allows (in key order: two
+        processes inserting the same rows do not deadlock); returns the keys another
+        process inserted meanwhile (the changes are written to those rows after, as to
+        any other). Any other refusal propagates, naming the object."""
         if not rows:
-            return
+            return []
+        rows = sorted(rows, key=lambda row: repr(row[0]))
         if self.create is False:
             raise Refused(f"{rows[0][0]!r}: no such row, and the store does not create rows (create=False)")
         manager = self.model._default_manager
@@ -200,9 +203,10 @@ class Table(Generic[M]):
         try:
             with transaction.atomic():  # a savepoint: a refusal leaves the batch's transaction usable
                 manager.bulk_create(instances)
-            return
+            return []
         except IntegrityError:
             pass
+        theirs = []
         for (key, _, _), instance in zip(rows, instances, strict=True):  # one by one: who is at fault
             try:
                 with transaction.atomic():
@@ -210,6 +214,8 @@ class Table(Generic[M]):
             except IntegrityError:
                 if not self._locked_pks([key]):  # not inserted by another process: refused
                     raise
+                theirs.append(key)
+        return theirs
 
     def _mark(self, token: str, journaled: bool = False) -> bool:
         """Write the batch's token; False if it is there already (committed before). On
@@ -302,7 +308,9 @@ async def with_retries(attempt: Callable[[], Any], retries: int, retried: Callab
     for n in range(retries + 1):
         try:
             return await attempt()
-        except (IntegrityError, DataError, Refused, ValidationError) as exc:
+        except (IntegrityError, DataError, Refused, ValidationError, ValueError, TypeError, ArithmeticError) as exc:
+            # a constraint, or a value its field cannot take (raised while the SQL is built,
+            # before anything reaches the database): rolled back, and no retry would differ
             raise Permanent(exc) from exc
         except (OperationalError, InterfaceError, DatabaseError) as exc:
             if not transient(exc) or n == retries:

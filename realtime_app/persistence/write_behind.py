@@ -228,6 +228,7 @@ class WriteBehindStore(BatchWriter, Generic[M]):
         fresh = await self._load(key)
         if entry.stale and entry.dirty_since is None and not entry.in_doubt:
             entry.state, entry.in_db, entry.durable, entry.stale = fresh.state, fresh.in_db, fresh.durable, False
+            entry.error = None  # what the database holds now: it may be forgotten like any saved object
 
     async def _load(self, key: Key) -> Entry:
         from channels.db import database_sync_to_async
