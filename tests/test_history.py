@@ -220,6 +220,53 @@ async def test_past_max_concurrent_resumes_a_resume_is_refused_to_come_back_and_
             await hub.aclose()
 
 
+async def test_one_identity_holds_at_most_its_share_of_the_resume_slots():
+    """Found: one address held all 8 resume slots by pipelining resumes into a socket it
+    never read; a signed-in user's resume waited 21-25 s. An identity now holds at most
+    MAX_RESUMES_PER_IDENTITY (2) of them: its third is refused, another identity's is
+    admitted at once."""
+    from realtime_app.hub import get_hub
+    from tests.support.waiting import eventually
+
+    GatedHistory.gate, GatedHistory.reading = asyncio.Event(), asyncio.Event()
+    config = {**get_config(), "BACKPLANE": "tests.testapp.backplanes.GatedHistory"}
+    with override_settings(REALTIME_APP=config):
+        hub = await get_hub()
+        try:
+            GatedHistory.gate.set()
+            async with Client() as c:
+                first = (await c.call("subscribe", {"channel": "demo:events"}))["result"]
+            await hub.publish("demo:events", 0)
+            since = {"seq": first["seq"], "epoch": first["epoch"]}
+            resume = {"channel": "demo:events", "since": since}
+            GatedHistory.gate.clear()
+            hog = [Client(address="10.66.0.1") for _ in range(3)]
+            for client in hog:
+                await client.__aenter__()
+            try:
+                async with Client(address="10.77.0.1") as other:
+                    await hog[0].call_nowait("subscribe", resume)
+                    await hog[1].call_nowait("subscribe", resume)
+                    await eventually(lambda: hub.replays.resuming == 2, 5, "the hog's two resumes replaying")
+                    refused = await hog[2].call("subscribe", resume)
+                    assert refused["error"]["data"] == {
+                        "reason": "too_many_resumes",
+                        "limit": 2,
+                        "retry_after_ms": refused["error"]["data"]["retry_after_ms"],
+                    }
+                    await other.call_nowait("subscribe", resume)
+                    await eventually(lambda: hub.replays.resuming == 3, 5, "another identity's resume admitted")
+                    GatedHistory.gate.set()
+                    assert [f["data"] for f in await other.frames(1)] == [0]
+                    assert (await other.recv())["result"]["recovered"] is True
+            finally:
+                for client in hog:
+                    await client.__aexit__(None, None, None)
+            await eventually(lambda: hub.replays.resuming == 0 and not hub.replays.resuming_by, 5, "slots given back")
+        finally:
+            await hub.aclose()
+
+
 async def test_the_probe_and_metrics_show_histories_and_resumes(hub):
     from realtime_app.observability.metrics import render
 

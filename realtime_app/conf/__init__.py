@@ -97,6 +97,8 @@ DEFAULTS: dict[str, Any] = {
     # Resumes (subscribe with since) replaying at once in a process; past it -32003
     # too_many_resumes with retry_after_ms (clients retry). 0 = unlimited.
     "MAX_CONCURRENT_RESUMES": 8,
+    # Of those, at most this many for one identity (a user, or an address): 0 = no share.
+    "MAX_RESUMES_PER_IDENTITY": 2,
     # HTTP concurrency pools (docs/http-limiter.md), used by ConcurrencyLimitMiddleware:
     # {"reports": {"max_concurrent": 2, "max_waiting": 50, "wait_timeout_ms": 10000,
     #              "paths": ["/reports/*"]}}; requests that match no pool pass untouched.

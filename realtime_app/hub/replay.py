@@ -76,6 +76,7 @@ class Replays:
         self.buffers = fanout.buffers  # per channel, per connection being replayed
         self.recoveries: dict[str, int] = {"served": 0, "failed": 0, "deferred": 0}
         self.resuming = 0  # resumes replaying now (MAX_CONCURRENT_RESUMES)
+        self.resuming_by: dict[tuple[str, str] | None, int] = {}  # per identity (MAX_RESUMES_PER_IDENTITY)
         self.replayed = 0  # publications sent again from a history
 
     async def subscribe_kept(
@@ -85,19 +86,30 @@ class Replays:
         Returns the channel's position ``{"epoch", "seq"}`` and, with ``since``,
         ``recovered`` and ``replayed``, or ``reason`` when the gap was not filled;
         ``delta`` when ``deltas`` were asked for and granted (replayed frames go whole)."""
+        who = conn.identity
         if since is not None:
-            limit = get_config()["MAX_CONCURRENT_RESUMES"]
-            if limit and self.resuming >= limit:
-                self.recoveries["deferred"] += 1
-                raise RPCError(
-                    OVERLOADED, "Too many resumes", "too_many_resumes", limit=limit, retry_after_ms=RESUME_RETRY_MS
-                )
+            config = get_config()
+            # one identity's share first: an address pipelining resumes into a socket it
+            # never reads holds its own slots, not every other client's
+            for limit, taken in (
+                (config["MAX_RESUMES_PER_IDENTITY"], self.resuming_by.get(who, 0)),
+                (config["MAX_CONCURRENT_RESUMES"], self.resuming),
+            ):
+                if limit and taken >= limit:
+                    self.recoveries["deferred"] += 1
+                    raise RPCError(
+                        OVERLOADED, "Too many resumes", "too_many_resumes", limit=limit, retry_after_ms=RESUME_RETRY_MS
+                    )
             self.resuming += 1
+            self.resuming_by[who] = self.resuming_by.get(who, 0) + 1
         try:
             return await self._subscribe_kept(conn, spec, since, deltas)
         finally:
             if since is not None:
                 self.resuming -= 1
+                left = self.resuming_by.pop(who, 1) - 1
+                if left:
+                    self.resuming_by[who] = left
 
     async def _subscribe_kept(
         self, conn: Connection, spec: ChannelSpec, since: Since | None, deltas: bool
