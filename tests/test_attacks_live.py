@@ -376,3 +376,40 @@ async def test_the_address_cap_closes_with_1008_and_the_handshake_rate_with_1013
             assert await closed_with(server.ws) == (1013, "too many handshakes")
     finally:
         server.stop()
+
+
+async def test_many_addresses_stop_at_the_process_ceiling_and_a_signed_in_user_still_gets_in(database):
+    """Found: with per-address caps only, 400 loopback addresses opened 19,976 sockets and
+    a user's login then got a connection reset. Here 4 addresses of 5 sockets each against
+    a ceiling of 20 with a quarter reserved: 15 open, the rest closed 1013 "server full"
+    (one log line), and a signed-in user opens a socket and is answered."""
+    server = start(
+        database,
+        MAX_CONNECTIONS=20,
+        SIGNED_IN_RESERVE=0.25,
+        MAX_CONNECTIONS_PER_ADDRESS=5,
+        HANDSHAKES_PER_S=0,
+        MAX_ANONYMOUS_HANDSHAKES_PER_S=0,
+    )
+    held: list[RPC] = []
+    try:
+        codes = []
+        for n in range(20):
+            rpc = RPC(server.ws, address=f"198.51.100.{n // 5}")
+            await rpc.__aenter__()
+            try:
+                await asyncio.wait_for(rpc.call("ping"), 5)
+                held.append(rpc)
+            except (websockets.ConnectionClosed, TimeoutError):
+                codes.append(rpc.ws.close_code)
+                await rpc.__aexit__(None, None, None)
+        assert len(held) == 15 and codes == [1013] * 5, codes
+        cookie = login(server.http, "demo", "demo")
+        async with RPC(server.ws, cookie=cookie) as user:
+            assert (await user.call("ping"))["result"] == "pong"
+        output = server.output()
+        assert output.count("refused: server full") == 1, output[-2000:]
+    finally:
+        for rpc in held:
+            await rpc.__aexit__(None, None, None)
+        server.stop()

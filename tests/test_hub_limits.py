@@ -322,3 +322,48 @@ async def test_a_paused_redis_answers_a_resume_and_a_publish_with_backplane_unav
         finally:
             private_redis.resume()
             await hub.aclose()
+
+
+def test_the_process_ceiling_keeps_a_reserve_for_signed_in_users():
+    """Found: caps were per address only — 400 addresses opened 19,976 sockets and a user's
+    login got a reset. Many anonymous identities together now stop at the ceiling less the
+    signed-in reserve ("server full"), and a signed-in user still gets in."""
+    from realtime_app.hub.gate import Gate
+
+    with settings_with(MAX_CONNECTIONS=10, SIGNED_IN_RESERVE=0.2, MAX_CONNECTIONS_PER_ADDRESS=50):
+        gate = Gate()
+        admitted = [gate.enter(("address", f"10.0.0.{i}")) for i in range(12)]
+        assert admitted == [None] * 8 + ["server full"] * 4  # 10 less the reserve of 2
+        assert [gate.enter(("user", str(i))) for i in range(3)] == [None, None, "server full"]
+        gate.leave(("address", "10.0.0.0"))
+        assert gate.enter(("address", "10.0.0.99")) is None  # a place given back is taken again
+        assert gate.refused["server_full"] == 5
+        assert gate.enter(("address", "10.0.0.1")) == "server full"  # the process before its own cap
+
+
+def test_anonymous_handshakes_share_one_process_bucket_signed_in_ones_do_not():
+    from realtime_app.hub.gate import Gate
+
+    with settings_with(MAX_ANONYMOUS_HANDSHAKES_PER_S=5, HANDSHAKES_PER_S=0):
+        gate = Gate()
+        burst = [gate.handshake(("address", f"10.1.0.{i}")) for i in range(12)]
+        assert burst.count(True) == 10 and burst[-1] is False  # twice the rate, from any number of addresses
+        assert all(gate.handshake(("user", str(i))) for i in range(12))  # the reserve: not this bucket
+        assert gate.refused["process_handshakes"] == 2
+
+
+@pytest.mark.parametrize(
+    ("address", "v4", "v6", "expected"),
+    [
+        ("198.51.100.7", 32, 64, "198.51.100.7"),
+        ("2001:db8:1:2:aaaa::1", 32, 64, "2001:db8:1:2::/64"),
+        ("2001:db8:1:2:bbbb::9", 32, 64, "2001:db8:1:2::/64"),  # the same host's other address
+        ("198.51.100.7", 24, 64, "198.51.100.0/24"),
+        ("2001:db8::1", 32, 128, "2001:db8::1"),
+        ("unknown", 32, 64, "unknown"),
+    ],
+)
+def test_anonymous_clients_are_counted_by_network(address, v4, v6, expected):
+    from realtime_app.endpoint.addresses import client_network
+
+    assert client_network(address, v4, v6) == expected

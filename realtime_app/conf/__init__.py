@@ -69,6 +69,19 @@ DEFAULTS: dict[str, Any] = {
     # with 1013 (clients back off). 0 = unlimited.
     "HANDSHAKES_PER_S": 10.0,
     "HANDSHAKE_BURST": 30,
+    # The process's own ceilings, whatever the number of identities (many addresses):
+    # connections open at once — the last SIGNED_IN_RESERVE of them for signed-in users,
+    # which anonymous sockets cannot take — and anonymous handshakes per second (bursts of
+    # twice that). Past either, the socket is closed with 1013 "server full" / "too many
+    # handshakes" (clients back off). 0 = unlimited. Sized from about 35 KB and 1.4 % of a
+    # core per 1,000 idle connections (docs/deployment.md).
+    "MAX_CONNECTIONS": 10_000,
+    "SIGNED_IN_RESERVE": 0.1,
+    "MAX_ANONYMOUS_HANDSHAKES_PER_S": 200.0,
+    # Anonymous clients are grouped by network: one identity per IPv4 address (/32) and
+    # per IPv6 /64 (one host is handed a /64: each of its addresses is not a new client).
+    "ADDRESS_PREFIX_V4": 32,
+    "ADDRESS_PREFIX_V6": 64,
     # Reverse proxies whose forwarding headers (Forwarded, X-Forwarded-For) name the client:
     # addresses or networks, e.g. ["127.0.0.1", "10.0.0.0/8"]. Headers from anyone else
     # are ignored (docs/deployment.md).

@@ -50,10 +50,15 @@ _INT_SETTINGS = {
     "ADMISSION_MAX_PER_IDENTITY": 0,
     "HANDSHAKE_BURST": 0,
     "MAX_CONCURRENT_RESUMES": 0,
+    "MAX_CONNECTIONS": 0,
+    "ADDRESS_PREFIX_V4": 0,
+    "ADDRESS_PREFIX_V6": 0,
     "MAX_RESUMES_PER_IDENTITY": 0,
 }
 
-_NUMBER_SETTINGS = ("HANDSHAKES_PER_S", "ADMISSION_ERROR_COST")
+_NUMBER_SETTINGS = ("HANDSHAKES_PER_S", "ADMISSION_ERROR_COST", "MAX_ANONYMOUS_HANDSHAKES_PER_S", "SIGNED_IN_RESERVE")
+#: Upper bounds of some of them.
+_MAXIMUM = {"ADDRESS_PREFIX_V4": 32, "ADDRESS_PREFIX_V6": 128, "SIGNED_IN_RESERVE": 0.99}
 
 
 @register(Tags.compatibility)
@@ -94,6 +99,12 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                     hint="See docs/configuration.md for its unit and what 0 means.",
                     id="realtime_app.E002",
                 )
+            )
+    for key, high in _MAXIMUM.items():
+        value = config[key]
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > high:
+            messages.append(
+                Error(f"REALTIME_APP[{key!r}] must be at most {high}, got {value!r}.", id="realtime_app.E002")
             )
     if config["HANDSHAKES_PER_S"] and not config["HANDSHAKE_BURST"]:
         messages.append(

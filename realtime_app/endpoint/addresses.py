@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from typing import Any
 
-__all__ = ["FORWARDED_HEADERS", "client_address", "parse_networks", "trusted_networks"]
+__all__ = ["FORWARDED_HEADERS", "client_address", "client_network", "parse_networks", "trusted_networks"]
 
 #: The forwarding headers a proxy may be configured to write (``FORWARDED_HEADER``).
 FORWARDED_HEADERS = ("X-Forwarded-For", "Forwarded", "X-Real-IP")
@@ -73,6 +73,19 @@ def _forwarded_for(value: str) -> list[str]:
             if key.strip().lower() == "for":
                 hops.append(item.strip().strip('"'))
     return hops
+
+
+def client_network(address: str, v4_prefix: int = 32, v6_prefix: int = 64) -> str:
+    """The network an anonymous client is counted by: its IPv4 address (``/32``) and its
+    IPv6 ``/64`` by default — one host holds a whole /64, each address of it is not a new
+    client. Anything that is not an address is itself."""
+    ip = _ip(address)
+    if ip is None:
+        return address
+    prefix = v4_prefix if ip.version == 4 else v6_prefix
+    if prefix >= ip.max_prefixlen:
+        return str(ip)
+    return str(ipaddress.ip_network(f"{ip}/{prefix}", strict=False))
 
 
 def client_address(scope: dict[str, Any], trusted: Sequence[Network] = (), header: str = "X-Forwarded-For") -> str:

@@ -21,10 +21,10 @@ from realtime_app.channels.policies import allowed
 from realtime_app.channels.registry import ChannelSpec, registry
 from realtime_app.channels.sessions import current_user, needs_user
 from realtime_app.conf import get_config
-from realtime_app.endpoint.addresses import client_address, trusted_networks
+from realtime_app.endpoint.addresses import client_address, client_network, trusted_networks
 from realtime_app.endpoint.auth import AUTH_UNAVAILABLE
 from realtime_app.endpoint.methods import BUILTIN_COSTS, Method, encodable, method_costs, methods, rpc_method
-from realtime_app.endpoint.refusals import log_auth_outage, log_unsupported_once, refuse
+from realtime_app.endpoint.refusals import log_auth_outage, log_refused_connection, log_unsupported_once, refuse
 from realtime_app.endpoint.replies import Pending, Reply
 from realtime_app.exceptions import (
     NO_USER_HINT,
@@ -106,7 +106,9 @@ class RealtimeConsumer:
         if user is not None and getattr(user, "is_authenticated", False):
             return ("user", str(user.pk))
         trusted = trusted_networks(tuple(get_config()["TRUSTED_PROXIES"]))
-        return ("address", client_address(self.scope, trusted, get_config()["FORWARDED_HEADER"]))
+        config = get_config()
+        address = client_address(self.scope, trusted, config["FORWARDED_HEADER"])
+        return ("address", client_network(address, config["ADDRESS_PREFIX_V4"], config["ADDRESS_PREFIX_V6"]))
 
     # -- ASGI -----------------------------------------------------------------------
 
@@ -144,10 +146,12 @@ class RealtimeConsumer:
             conn.closed = True
             conn.guard.close(CloseCode.TRY_AGAIN_LATER, "too many handshakes")
             return
-        if not hub.add_connection(conn, identity):
-            logger.info("connection %s refused: too many connections of one %s", conn.id, identity[0])
+        refused = hub.add_connection(conn, identity)
+        if refused is not None:  # its own cap: 1008, do not come back; the process's: 1013, later
+            log_refused_connection(refused, identity[0])
             conn.closed = True
-            conn.guard.close(CloseCode.POLICY_VIOLATION, "too many connections")
+            full = refused == "server full"
+            conn.guard.close(CloseCode.TRY_AGAIN_LATER if full else CloseCode.POLICY_VIOLATION, refused)
             return
         try:
             while True:

@@ -13,7 +13,7 @@ from realtime_app.outbound.base import UnsupportedServer
 from realtime_app.outbound.guard import Guard
 from realtime_app.wire.protocol import CloseCode
 
-__all__ = ["log_auth_outage", "log_unsupported_once", "refuse"]
+__all__ = ["log_auth_outage", "log_refused_connection", "log_unsupported_once", "refuse"]
 
 logger = logging.getLogger("realtime_app.consumers")
 
@@ -43,6 +43,20 @@ def log_unsupported_once(exc: UnsupportedServer) -> None:
     if not _unsupported_logged:
         _unsupported_logged = True
         logger.error("refusing WebSocket connections: %s", exc)
+
+
+_refused: dict[str, list[float]] = {}  # reason -> [when last logged, refused since]
+
+
+def log_refused_connection(reason: str, kind: str) -> None:
+    """One INFO line a minute per reason (``server full``, ``too many connections``), with
+    the count since: a flood of sockets is counted, not logged socket by socket."""
+    now = time.monotonic()
+    seen = _refused.setdefault(reason, [float("-inf"), 0])
+    seen[1] += 1
+    if now - seen[0] >= AUTH_OUTAGE_LOG_S:
+        logger.info("%d connection(s) refused: %s (the last of one %s; counted in the probe)", seen[1], reason, kind)
+        seen[0], seen[1] = now, 0
 
 
 def log_auth_outage(why: str) -> None:

@@ -174,14 +174,16 @@ class Hub:
 
     # -- connections and subscriptions --------------------------------------------------
 
-    def add_connection(self, conn: Connection, identity: tuple[str, str] | None = None) -> bool:
-        """Count ``conn`` in; False (and not added) when its identity is over its cap."""
+    def add_connection(self, conn: Connection, identity: tuple[str, str] | None = None) -> str | None:
+        """Count ``conn`` in; why not (and not added) when its identity is over its cap or
+        the process over its ceiling (:meth:`Gate.enter`)."""
         if identity is not None:
-            if not self.gate.enter(identity):
-                return False
+            refused = self.gate.enter(identity)
+            if refused is not None:
+                return refused
             conn.identity = identity
         self.connections.add(conn)
-        return True
+        return None
 
     async def remove_connection(self, conn: Connection) -> None:
         """Forget a connection and everything it subscribed, locally and at once; the

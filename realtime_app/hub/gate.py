@@ -65,7 +65,9 @@ class Gate:
         self.handshakes = Admission(handshake_limits())  # its buckets only: handshakes per identity
         self.pool = RequestPool(self.admission, get_config()["ADMISSION_MAX_RUNNING"], _execute)
         self.identities: dict[Identity, int] = {}  # open connections per identity
-        self.refused: dict[str, int] = {"connections": 0, "handshakes": 0}
+        self.open = {"user": 0, "address": 0}  # open connections, signed-in and anonymous
+        self.refused: dict[str, int] = {"connections": 0, "handshakes": 0, "server_full": 0, "process_handshakes": 0}
+        self._anonymous_handshakes = (0.0, 0.0)  # the process bucket: (tokens, when; 0: full, never drawn)
         self.refusal_closes = 0  # connections closed (1008) for ignoring their refusals
         self._refusing: set[Identity] = set()  # identities whose handshakes are refused now
         self._bucket_fallback: str | None = None  # why users' buckets are local now, if they are
@@ -76,6 +78,9 @@ class Gate:
         """Count one handshake of ``identity``; False past ``HANDSHAKES_PER_S`` (reconnect
         churn: every reconnect of an identity draws on the same bucket)."""
         self.handshakes.forget_idle()  # memory follows the identities that connect now
+        if identity[0] != "user" and not self._anonymous_handshake():
+            self.refused["process_handshakes"] += 1
+            return False
         if not self.handshakes.limits.bucket_capacity or self.handshakes.charge(identity, 1.0) is None:
             self._refusing.discard(identity)
             return True
@@ -91,15 +96,42 @@ class Gate:
             )
         return False
 
-    def enter(self, identity: Identity) -> bool:
-        """Count one open connection of ``identity``; False when it is over its cap."""
+    def _anonymous_handshake(self) -> bool:
+        """One anonymous handshake from the process's bucket (``MAX_ANONYMOUS_HANDSHAKES_PER_S``,
+        bursts of twice that): many addresses together cannot take every handshake."""
+        rate = float(get_config()["MAX_ANONYMOUS_HANDSHAKES_PER_S"])
+        if not rate:
+            return True
+        tokens, then = self._anonymous_handshakes
+        now = time.monotonic()
+        tokens = min(2 * rate, tokens + (now - then) * rate) if then else 2 * rate
+        if tokens < 1:
+            self._anonymous_handshakes = (tokens, now)
+            return False
+        self._anonymous_handshakes = (tokens - 1, now)
+        return True
+
+    def enter(self, identity: Identity) -> str | None:
+        """Count one open connection of ``identity``; why not, when it may not open one:
+        ``"too many connections"`` (its own cap: 1008) or ``"server full"`` (the process's
+        ceiling, or the share anonymous sockets may take of it: 1013)."""
         config = get_config()
-        cap = config["MAX_CONNECTIONS_PER_USER" if identity[0] == "user" else "MAX_CONNECTIONS_PER_ADDRESS"]
+        kind = "user" if identity[0] == "user" else "address"
+        ceiling = int(config["MAX_CONNECTIONS"])
+        if ceiling:
+            allowed = ceiling if kind == "user" else int(ceiling * (1 - float(config["SIGNED_IN_RESERVE"])))
+            if self.open["user"] + self.open["address"] >= ceiling or (
+                kind == "address" and self.open["address"] >= allowed
+            ):
+                self.refused["server_full"] += 1
+                return "server full"
+        cap = config["MAX_CONNECTIONS_PER_USER" if kind == "user" else "MAX_CONNECTIONS_PER_ADDRESS"]
         if cap and self.identities.get(identity, 0) >= cap:
             self.refused["connections"] += 1
-            return False
+            return "too many connections"
         self.identities[identity] = self.identities.get(identity, 0) + 1
-        return True
+        self.open[kind] += 1
+        return None
 
     def leave(self, identity: Identity) -> None:
         left = self.identities.get(identity, 1) - 1
@@ -107,6 +139,8 @@ class Gate:
             self.identities[identity] = left
         else:
             self.identities.pop(identity, None)
+        kind = "user" if identity[0] == "user" else "address"
+        self.open[kind] = max(0, self.open[kind] - 1)
 
     async def admit(self, identity: Identity, cost: float, *, merged: bool = False) -> Refusal | None:
         """Admit one request: the caps here, then the bucket — the cluster's for a user on
