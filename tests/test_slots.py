@@ -34,10 +34,10 @@ class PoolBooks(RuleBasedStateMachine):
     connection closes and process stops, in any order: the admission books always equal
     what the pool holds, and end at zero."""
 
-    @initialize(max_running=st.integers(0, 3), per_identity=st.integers(0, 4))
-    def setup(self, max_running: int, per_identity: int) -> None:
+    @initialize(max_running=st.integers(0, 3), per_identity=st.integers(0, 4), anonymous_share=st.integers(0, 2))
+    def setup(self, max_running: int, per_identity: int, anonymous_share: int) -> None:
         self.admission = Admission(AdmissionLimits(max_pending=6, max_per_identity=per_identity, bucket_capacity=0))
-        self.core: PoolCore[Ticket] = PoolCore(self.admission, max_running)
+        self.core: PoolCore[Ticket] = PoolCore(self.admission, max_running, anonymous_share)
         self.started: list[Job[Ticket]] = []  # jobs whose task has not ended
         self.tickets: list[Ticket] = []
         self.closed = False
@@ -47,7 +47,7 @@ class PoolBooks(RuleBasedStateMachine):
 
     @rule(
         owner=st.sampled_from("abc"),
-        identity=st.sampled_from(["u1", "u2", ("address", "x")]),
+        identity=st.sampled_from(["u1", "u2", ("address", "x"), ("address", "y")]),
         key=st.sampled_from([None, "k1", "k2"]),
         sync=st.booleans(),
     )
@@ -103,11 +103,18 @@ class PoolBooks(RuleBasedStateMachine):
         # A serial key never runs twice at once...
         serial = [job.key for job in self.core.running if job.serial]
         assert len(serial) == len(set(serial))
+        # Anonymous identities together never run past their share...
+        anonymous = sum(1 for job in self.core.running if isinstance(job.identity, tuple))
+        assert anonymous == self.core.anonymous_running
+        if self.core.anonymous_share:
+            assert anonymous <= self.core.anonymous_share
         # ...and nothing waits that could run: with room in the pool, every waiting
-        # identity's next job is a serial one whose key runs.
+        # identity's next job is a serial one whose key runs, or an anonymous one while
+        # their share is taken.
         if not self.closed and (self.core.max_running == 0 or len(self.core.running) < self.core.max_running):
-            for queue in self.core.queue._queues.values():
-                assert self.core.queue.blocked(queue[0])
+            full = bool(self.core.anonymous_share) and anonymous >= self.core.anonymous_share
+            for identity, queue in self.core.queue._queues.items():
+                assert self.core.queue.blocked(queue[0]) or (full and isinstance(identity, tuple))
 
     def teardown(self) -> None:
         if not hasattr(self, "core"):
@@ -186,3 +193,21 @@ async def test_a_job_whose_execution_raises_is_answered_and_released():
     ok, error = await asyncio.wait_for(call.future, 5)
     assert not ok and error["code"] == -32603
     assert admission.pending == 0 and pool.running == 0
+
+
+def test_anonymous_identities_together_keep_to_their_share_of_the_pool():
+    """Found: ten addresses calling a 5 s method filled the 64-slot pool, and a signed-in
+    user's calls waited behind them (fair among identities, but ten outweigh one). With
+    a share of 2 of 3 slots, the third address waits and a user runs at once."""
+    admission = Admission(AdmissionLimits(max_pending=10, max_per_identity=0, bucket_capacity=0))
+    core: PoolCore[Ticket] = PoolCore(admission, 3, anonymous_share=2)
+    started = []
+    for n in range(3):
+        identity = ("address", str(n))
+        assert admission.admit(identity, 1.0) is None
+        started += core.submit(Ticket(f"c{n}", identity, False))
+    assert [job.identity for job in started] == [("address", "0"), ("address", "1")]  # the third waits
+    assert admission.admit("user", 1.0) is None
+    [user_job] = core.submit(Ticket("u", "user", False))
+    assert user_job.identity == "user"  # the reserved slot
+    assert [job.identity for job in core.finished(started[0])] == [("address", "2")]

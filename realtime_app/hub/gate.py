@@ -63,7 +63,10 @@ class Gate:
         self.backplane: Backplane | None = None  # set when the hub starts
         self.admission = Admission(admission_limits())
         self.handshakes = Admission(handshake_limits())  # its buckets only: handshakes per identity
-        self.pool = RequestPool(self.admission, get_config()["ADMISSION_MAX_RUNNING"], _execute)
+        config = get_config()
+        running = config["ADMISSION_MAX_RUNNING"]
+        anonymous = max(1, int(running * (1 - float(config["SIGNED_IN_RESERVE"])))) if running else 0
+        self.pool = RequestPool(self.admission, running, _execute, anonymous)
         self.identities: dict[Identity, int] = {}  # open connections per identity
         self.open = {"user": 0, "address": 0}  # open connections, signed-in and anonymous
         self.refused: dict[str, int] = {"connections": 0, "handshakes": 0, "server_full": 0, "process_handshakes": 0}

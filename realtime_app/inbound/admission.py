@@ -353,12 +353,15 @@ class CoalescingQueue(Generic[T]):
             self._open[key] = job  # the newest waiting job of this key takes the next merges
         return job, False
 
-    def pop(self, busy: Callable[[Hashable], int] | None = None) -> Job[T] | None:
-        """The next job by turn (see the class), now running: nothing merges into it any more."""
+    def pop(
+        self, busy: Callable[[Hashable], int] | None = None, skip: Callable[[Hashable], bool] | None = None
+    ) -> Job[T] | None:
+        """The next job by turn (see the class), now running: nothing merges into it any
+        more. ``skip(identity)``: that identity's jobs wait (its class is at its share)."""
         chosen: Hashable = None
         fewest = None
         for identity, waiting in self._queues.items():
-            if self.blocked(waiting[0]):
+            if self.blocked(waiting[0]) or skip is not None and skip(identity):
                 continue
             running = busy(identity) if busy is not None else 0
             if fewest is None or running < fewest:

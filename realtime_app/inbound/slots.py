@@ -43,9 +43,13 @@ class PoolCore(Generic[C]):
     """Which admitted requests wait, which run (at most ``max_running``; 0 = no bound),
     and the release of their slots."""
 
-    def __init__(self, admission: Admission, max_running: int) -> None:
+    def __init__(self, admission: Admission, max_running: int, anonymous_share: int = 0) -> None:
         self.admission = admission
         self.max_running = max_running
+        #: Jobs of anonymous identities (``("address", ...)``) running at once, all of them
+        #: together (0: no share of their own): many addresses cannot take every slot.
+        self.anonymous_share = anonymous_share
+        self.anonymous_running = 0
         self.queue: CoalescingQueue[C] = CoalescingQueue()
         self.running: dict[Job[C], None] = {}  # started jobs whose task has not ended
         self._busy: dict[Hashable, int] = {}  # running jobs per identity (the fair turn)
@@ -82,11 +86,13 @@ class PoolCore(Generic[C]):
     def _take(self) -> list[Job[C]]:
         started: list[Job[C]] = []
         while not self.max_running or len(self.running) < self.max_running:
-            job = self.queue.pop(self.busy)
+            full = bool(self.anonymous_share) and self.anonymous_running >= self.anonymous_share
+            job = self.queue.pop(self.busy, _anonymous if full else None)
             if job is None:
                 break
             self.running[job] = None
             self._busy[job.identity] = self._busy.get(job.identity, 0) + 1
+            self.anonymous_running += _anonymous(job.identity)
             started.append(job)
         return started
 
@@ -97,6 +103,7 @@ class PoolCore(Generic[C]):
             raise ValueError("finished() for a job that is not running")
         del self.running[job]
         self.queue.ended(job)
+        self.anonymous_running -= _anonymous(job.identity)
         left = self._busy[job.identity] - 1
         if left:
             self._busy[job.identity] = left
@@ -142,3 +149,7 @@ class PoolCore(Generic[C]):
         call.released = True
         self.released += 1
         self.admission.release(call.identity, merged=call.merged)
+
+
+def _anonymous(identity: Hashable) -> bool:
+    return isinstance(identity, tuple) and bool(identity) and identity[0] == "address"

@@ -94,9 +94,9 @@ class RequestPool:
     """The process's queue of admitted requests and the tasks that run them: the asyncio
     shell around :class:`~realtime_app.inbound.slots.PoolCore`, which keeps the books."""
 
-    def __init__(self, admission: Admission, max_running: int, execute: Execute) -> None:
+    def __init__(self, admission: Admission, max_running: int, execute: Execute, anonymous_share: int = 0) -> None:
         self.admission = admission
-        self.core: PoolCore[Call] = PoolCore(admission, max_running)
+        self.core: PoolCore[Call] = PoolCore(admission, max_running, anonymous_share)
         self.execute = execute
         self._tasks: dict[Job[Call], asyncio.Task[None]] = {}
         self.completed = 0
