@@ -16,7 +16,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
-from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.urls import Resolver404, resolve
 
@@ -119,7 +119,7 @@ class ConcurrencyLimitMiddleware:
         if pool is None:
             return self.get_response(request)
         try:
-            slot = pool.acquire()
+            slot = pool.acquire(_client(request))
         except Busy as exc:
             return _busy(exc)
         started = time.monotonic()
@@ -135,7 +135,8 @@ class ConcurrencyLimitMiddleware:
         if pool is None:
             return await self.get_response(request)
         try:
-            slot = await pool.aacquire()  # cancelled when the client disconnects while waiting
+            client = await sync_to_async(_client)(request)  # the session may need the database
+            slot = await pool.aacquire(client)  # cancelled when the client disconnects while waiting
         except Busy as exc:
             return _busy(exc)
         started = time.monotonic()
@@ -145,6 +146,26 @@ class ConcurrencyLimitMiddleware:
         finally:
             _hand_over(pool, slot, response, started)
         return response
+
+
+def _client(request: HttpRequest) -> tuple[str, str]:
+    """Whose request this is, for the pool's turns: the signed-in user (as the session
+    says), else the client's network (its address read through ``TRUSTED_PROXIES``)."""
+    from realtime_app.endpoint.addresses import client_address, client_network, trusted_networks
+
+    session = getattr(request, "session", None)
+    user = session.get("_auth_user_id") if session is not None else None
+    if user is not None:
+        return ("user", str(user))
+    config = get_config()
+    header = config["FORWARDED_HEADER"]
+    value = request.META.get("HTTP_" + header.upper().replace("-", "_"))
+    scope = {
+        "client": (request.META.get("REMOTE_ADDR") or "unknown", 0),
+        "headers": [(header.lower().encode("latin-1"), str(value).encode("latin-1", "replace"))] if value else [],
+    }
+    address = client_address(scope, trusted_networks(tuple(config["TRUSTED_PROXIES"])), header)
+    return ("address", client_network(address, config["ADDRESS_PREFIX_V4"], config["ADDRESS_PREFIX_V6"]))
 
 
 def _hand_over(pool: ConcurrencyPool, slot: Slot, response: HttpResponse | None, started: float) -> None:

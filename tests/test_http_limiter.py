@@ -228,3 +228,38 @@ async def test_a_waiter_whose_time_is_up_when_a_slot_frees_gets_503_not_a_late_s
     fresh = await pool.aacquire()
     assert fresh.waited_ms == 0.0
     fresh.release()
+
+
+async def test_the_queue_serves_clients_in_turn_and_a_full_one_sheds_the_busiest_clients_newest():
+    """Found: one client of the limiter got another's 11 of 13 requests answered 503 (one
+    FIFO for everyone, and a full queue refused whoever came next). Each client now has
+    its own FIFO, served in turn, and a lighter client takes the busiest one's newest place."""
+    import asyncio
+
+    from realtime_app.inbound.limiter import Busy, ConcurrencyPool, PoolSettings
+
+    pool = ConcurrencyPool("fair", PoolSettings(max_concurrent=1, max_waiting=3, wait_timeout_ms=10_000))
+    first = await pool.aacquire(("address", "a"))
+    order: list[str] = []
+
+    async def request(client: str, tag: str) -> str:
+        try:
+            slot = await pool.aacquire(("address", client))
+        except Busy as busy:
+            return f"{tag}:{busy.reason}"
+        order.append(tag)
+        await asyncio.sleep(0)
+        slot.release()
+        return tag
+
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(request("a", f"a{i}")) for i in range(1, 4)]  # a fills the queue
+    await eventually(lambda: pool.waiting == 3, 5, "a's three requests waiting")
+    tasks.append(loop.create_task(request("b", "b1")))  # full: a's newest place goes to b
+    await eventually(lambda: tasks[2].done(), 5, "a's newest answered queue_full")
+    assert pool.waiting == 3
+    first.release()
+    results = await asyncio.gather(*tasks)
+    assert results == ["a1", "a2", "a3:queue_full", "b1"]
+    assert order == ["a1", "b1", "a2"]  # in turn, not a's whole backlog first
+    assert pool.refused["queue_full"] == 1 and pool.running == 0 and pool.waiting == 0

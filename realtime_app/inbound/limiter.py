@@ -1,11 +1,16 @@
-"""Concurrency pools for HTTP requests: at most N run at once, the rest wait in FIFO order.
+"""Concurrency pools for HTTP requests: at most N run at once, the rest wait — in FIFO order
+per client, the clients served in turn.
 
 A pool is shared by the threads and the event loop of one process, so one class serves
 Django's sync path (WSGI servers with threads: a waiter blocks on a
 :class:`threading.Event`) and its async path (ASGI: a waiter awaits an
 :class:`asyncio.Event` woken thread-safely). A slot freed by a finished request passes
-straight to the oldest waiter — it is never released and re-taken, so a newcomer cannot
-overtake the queue.
+straight to a waiter — it is never released and re-taken, so a newcomer cannot overtake
+the queue. **Fair per client** (its user, or its address): each client has its own FIFO
+and a freed slot goes to the next client in turn, so one client's backlog delays another
+client by at most one request; when the queue is full, a client with fewer waiters than
+the busiest one takes the busiest one's newest place (that one is answered 503
+``queue_full``) instead of being refused.
 
 Every way out is counted exactly once: a slot given back (:meth:`Slot.release` is
 idempotent), a waiter that timed out, one whose client went away, one refused because
@@ -18,7 +23,8 @@ import asyncio
 import math
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -55,13 +61,15 @@ class Busy(Exception):
 
 
 class _Waiter:
-    __slots__ = ("event", "granted_at", "loop", "since", "state")
+    __slots__ = ("client", "event", "granted_at", "loop", "since", "state")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop | None, client: Hashable = None) -> None:
         self.loop = loop
+        self.client = client
         self.event: asyncio.Event | threading.Event = asyncio.Event() if loop is not None else threading.Event()
         # -> "granted" (a slot was passed to it), "expired" (its time was up when a slot
-        # came: it is answered 503, the slot goes on) or "gone" (it left the queue)
+        # came: it is answered 503, the slot goes on), "shed" (its place went to another
+        # client's request: 503 queue_full) or "gone" (it left the queue)
         self.state = "waiting"
         self.since = time.monotonic()
         self.granted_at = 0.0
@@ -96,7 +104,7 @@ class ConcurrencyPool:
         self.name = name
         self.settings = settings
         self.running = 0
-        self._waiters: deque[_Waiter] = deque()
+        self._queues: OrderedDict[Hashable, deque[_Waiter]] = OrderedDict()  # per client, in turn
         self._lock = threading.Lock()
         self.admitted = 0
         self.refused: dict[str, int] = {"queue_full": 0, "timeout": 0, "client_gone": 0}
@@ -105,30 +113,45 @@ class ConcurrencyPool:
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        return sum(len(queue) for queue in self._queues.values())
 
     # -- taking a slot ----------------------------------------------------------------
 
-    def _enter(self, loop: asyncio.AbstractEventLoop | None) -> Slot | _Waiter:
-        """Under the lock: a slot now, a place in the queue, or Busy(queue_full)."""
-        if self.running < self.settings.max_concurrent and not self._waiters:
+    def _enter(self, loop: asyncio.AbstractEventLoop | None, client: Hashable = None) -> Slot | _Waiter:
+        """Under the lock: a slot now, a place in the queue (maybe the busiest client's
+        newest), or Busy(queue_full)."""
+        if self.running < self.settings.max_concurrent and not self._queues:
             self.running += 1
             self.admitted += 1
             self._waits.append(0.0)
             return Slot(self, 0.0)
-        if len(self._waiters) >= self.settings.max_waiting:
+        if self.waiting >= self.settings.max_waiting:
+            mine = len(self._queues.get(client, ()))
+            busiest = max(self._queues, key=lambda c: len(self._queues[c]), default=None)
+            if busiest is None or busiest == client or len(self._queues[busiest]) <= mine + 1:
+                self.refused["queue_full"] += 1
+                raise Busy(self.name, "queue_full", self._retry_after_s())
+            shed = self._queues[busiest].pop()  # the busiest client's newest: its place goes to this one
+            if not self._queues[busiest]:
+                del self._queues[busiest]
+            shed.state = "shed"
             self.refused["queue_full"] += 1
-            raise Busy(self.name, "queue_full", self._retry_after_s())
-        waiter = _Waiter(loop)
-        self._waiters.append(waiter)
+            shed.wake()
+        waiter = _Waiter(loop, client)
+        self._queues.setdefault(client, deque()).append(waiter)
         return waiter
 
     def _leave(self, waiter: _Waiter, reason: Reason) -> Slot | None:
         """Under the lock: a waiter gives up. If a slot reached it meanwhile it owns it."""
         if waiter.state == "granted":
             return self._granted(waiter)
+        if waiter.state == "shed":  # refused (and counted) when its place went to another client
+            return None
         if waiter.state == "waiting":
-            self._waiters.remove(waiter)
+            queue = self._queues[waiter.client]
+            queue.remove(waiter)
+            if not queue:
+                del self._queues[waiter.client]
         waiter.state = "gone"
         self.refused[reason] += 1
         return None
@@ -141,10 +164,11 @@ class ConcurrencyPool:
         self._waits.append(waited_ms)
         return Slot(self, waited_ms)
 
-    def acquire(self) -> Slot:
-        """Take a slot, waiting at most ``wait_timeout_ms`` (a blocking call: sync code)."""
+    def acquire(self, client: Hashable = None) -> Slot:
+        """Take a slot for ``client``, waiting at most ``wait_timeout_ms`` (a blocking call:
+        sync code)."""
         with self._lock:
-            entered = self._enter(None)
+            entered = self._enter(None, client)
         if isinstance(entered, Slot):
             return entered
         assert isinstance(entered.event, threading.Event)
@@ -153,13 +177,13 @@ class ConcurrencyPool:
             if entered.state == "granted":
                 return self._granted(entered)
             self._leave(entered, "timeout")
-        raise Busy(self.name, "timeout", self._retry_after_s())  # its time was up
+        raise Busy(self.name, _why(entered), self._retry_after_s())  # its time was up, or its place went
 
-    async def aacquire(self) -> Slot:
-        """Take a slot, waiting at most ``wait_timeout_ms``. Cancelled while waiting (the
-        client went away): the place is given up at once, or the slot passed on."""
+    async def aacquire(self, client: Hashable = None) -> Slot:
+        """Take a slot for ``client``, waiting at most ``wait_timeout_ms``. Cancelled while
+        waiting (the client went away): the place is given up at once, or the slot passed on."""
         with self._lock:
-            entered = self._enter(asyncio.get_running_loop())
+            entered = self._enter(asyncio.get_running_loop(), client)
         if isinstance(entered, Slot):
             return entered
         assert isinstance(entered.event, asyncio.Event)
@@ -171,7 +195,7 @@ class ConcurrencyPool:
                 slot = self._leave(entered, "timeout")
             if slot is not None:
                 return slot  # granted in the same instant: take it
-            raise Busy(self.name, "timeout", self._retry_after_s()) from None
+            raise Busy(self.name, _why(entered), self._retry_after_s()) from None
         except asyncio.CancelledError:
             with self._lock:
                 slot = self._leave(entered, "client_gone")
@@ -182,7 +206,7 @@ class ConcurrencyPool:
             if entered.state == "granted":
                 return self._granted(entered)
             self._leave(entered, "timeout")  # expired: its time was up when the slot came
-        raise Busy(self.name, "timeout", self._retry_after_s())
+        raise Busy(self.name, _why(entered), self._retry_after_s())
 
     # -- giving it back ---------------------------------------------------------------
 
@@ -190,8 +214,13 @@ class ConcurrencyPool:
         with self._lock:
             now = time.monotonic()
             timeout_s = self.settings.wait_timeout_ms / 1000
-            while self._waiters:
-                waiter = self._waiters.popleft()
+            while self._queues:
+                client, queue = next(iter(self._queues.items()))  # the next client in turn
+                waiter = queue.popleft()
+                if queue:
+                    self._queues.move_to_end(client)
+                else:
+                    del self._queues[client]
                 if waiter.state != "waiting":
                     continue
                 if now - waiter.since >= timeout_s:
@@ -212,7 +241,7 @@ class ConcurrencyPool:
         """When a place is likely free again: the queue ahead times the typical run time,
         spread over the slots; at least one second (``Retry-After`` counts seconds)."""
         typical = sorted(self._service)[len(self._service) // 2] if self._service else 1.0
-        ahead = len(self._waiters) + 1
+        ahead = self.waiting + 1
         return max(1, math.ceil(ahead * typical / self.settings.max_concurrent))
 
     # -- probe ------------------------------------------------------------------------
@@ -227,8 +256,14 @@ class ConcurrencyPool:
             "max_concurrent": self.settings.max_concurrent,
             "max_waiting": self.settings.max_waiting,
             "running": self.running,
-            "waiting": len(self._waiters),
+            "waiting": self.waiting,
             "admitted": self.admitted,
             "refused": dict(self.refused),
             "wait_ms": {"p50": pct(50), "p99": pct(99)},
         }
+
+
+def _why(waiter: _Waiter) -> Reason:
+    """Why a waiter that got no slot is answered 503: its place went to another client's
+    request, or its time was up."""
+    return "queue_full" if waiter.state == "shed" else "timeout"
