@@ -467,3 +467,47 @@ async def test_a_merged_job_whose_first_caller_left_still_holds_a_global_slot(hu
         hub.pool.abandon(first)  # the caller that held the job's global slot leaves
         assert calls[1].merged is False and hub.admission.pending == 2  # the job keeps one
     await eventually(lambda: hub.admission.pending == 0)
+
+
+def test_a_methods_own_limits_in_flight_and_per_second_with_a_clock():
+    from realtime_app.inbound.method_limits import MethodLimits
+
+    now = [100.0]
+    limits = MethodLimits(clock=lambda: now[0])
+    alice, bob = ("user", "1"), ("user", "2")
+    assert limits.take("export", alice, max_in_flight=1) is None
+    refused = limits.take("export", alice, max_in_flight=1)
+    assert refused is not None and (refused.code, refused.reason, refused.limit) == (-32004, "too_many_in_flight", 1)
+    assert limits.take("export", bob, max_in_flight=1) is None  # another identity: its own
+    limits.done("export", alice)
+    assert limits.take("export", alice, max_in_flight=1) is None  # given back when it ended
+    assert [limits.take("search", alice, rate=2.0, burst=2) is None for _ in range(3)] == [True, True, False]
+    refused = limits.take("search", alice, rate=2.0, burst=2)
+    assert refused is not None and refused.reason == "rate_limited" and refused.retry_after_ms == 500
+    now[0] += 0.5
+    assert limits.take("search", alice, rate=2.0, burst=2) is None  # exactly when it said
+
+
+async def test_a_method_limited_to_one_call_in_flight_refuses_the_second_and_frees_its_place(hub):
+    from tests.support.asgi_client import Client
+
+    async with Client() as client, Client() as other:
+        first = await client.call_nowait("test.one_at_a_time", {"seconds": 0.5})
+        second = await client.call("test.one_at_a_time", {})
+        assert second["error"]["code"] == -32004 and second["error"]["data"]["reason"] == "too_many_in_flight"
+        assert second["error"]["data"]["limit"] == 1
+        assert (await other.call("test.one_at_a_time", {}))["result"] == "done"  # another identity's own
+        answer = await client.recv(5)
+        assert answer["id"] == first and answer["result"] == "done"
+        assert (await client.call("test.one_at_a_time", {}))["result"] == "done"  # its place came back
+    assert hub.gate.methods.in_flight == {}
+
+
+async def test_a_method_limited_per_second_answers_when_to_come_back(hub):
+    from tests.support.asgi_client import Client
+
+    async with Client() as client:
+        answers = [await client.call("test.twice_a_second", {}) for _ in range(3)]
+    assert [a.get("result") for a in answers[:2]] == ["done", "done"]
+    assert answers[2]["error"]["code"] == -32005 and answers[2]["error"]["data"]["reason"] == "rate_limited"
+    assert 0 < answers[2]["error"]["data"]["retry_after_ms"] <= 500

@@ -235,7 +235,17 @@ class RealtimeConsumer:
         if method is not None and method.coalesce is not None:
             key, units = self._coalescing(method.coalesce, identity, request)
         merged = method is not None and hub.pool.would_merge(key, units, method.coalesce.cap if method.coalesce else 0)
+        limited = method is not None and bool(method.max_in_flight or method.rate)
+        if limited:
+            assert method is not None
+            refusal = hub.gate.methods.take(request.method, identity, method.max_in_flight, method.rate, method.burst)
+            if refusal is not None:
+                if not await self._refused_again(hub, refusal):
+                    return None
+                return await self._refused(request, method, refusal)
         refusal = await hub.gate.admit(identity, cost, merged=merged)
+        if refusal is not None and limited:
+            hub.gate.methods.done(request.method, identity)
         if refusal is not None:
             if not await self._refused_again(hub, refusal):
                 return None
@@ -246,6 +256,9 @@ class RealtimeConsumer:
             finally:
                 hub.admission.release(identity)
         call = Call(self, request.method, request.params, identity, merged, method.coalesce, method.is_async)
+        if limited and method.max_in_flight:  # its in-flight place is given back however it ends
+            name, methods_limits = request.method, hub.gate.methods
+            call.future.add_done_callback(lambda _: methods_limits.done(name, identity))
         coalesce = method.coalesce
         hub.pool.submit(call, key, units, coalesce.cap if coalesce else 0.0, bool(coalesce and coalesce.serial))
         return Pending(request.id, call.future)

@@ -33,6 +33,9 @@ class Method:
     snapshot: Snapshot | None = None
     coalesce: Coalesce | None = None
     is_async: bool = True
+    max_in_flight: int = 0  # calls of this method one identity may have in flight (0: no limit of its own)
+    rate: float = 0.0  # calls a second one identity may make of it (0: none), in bursts of ``burst``
+    burst: int = 0
 
 
 _methods: dict[str, Method] = {}
@@ -55,7 +58,14 @@ BUILTIN_COSTS: dict[str, float] = {"ping": 0.1, "subscribe": 0.25, "unsubscribe"
 
 
 def rpc_method(
-    name: str, *, cost: float = 1.0, coalesce: Coalesce | None = None, snapshot: Snapshot | None = None
+    name: str,
+    *,
+    cost: float = 1.0,
+    coalesce: Coalesce | None = None,
+    snapshot: Snapshot | None = None,
+    max_in_flight: int = 0,
+    rate: float = 0.0,
+    burst: int = 0,
 ) -> Callable[[Handler], Handler]:
     """Register an application JSON-RPC method: ``handler(consumer, params) -> result``.
 
@@ -66,8 +76,11 @@ def rpc_method(
     pool (``ADMISSION_MAX_RUNNING`` at once): an ``async def`` handler runs on the event
     loop, a plain ``def`` one in a worker thread (it may use the ORM). ``coalesce``
     (:class:`~realtime_app.inbound.workers.Coalesce`) lets compatible waiting calls merge into one
-    execution. Raise :class:`~realtime_app.exceptions.RPCError` to answer an error; any
-    other exception answers -32603 and is logged.
+    execution. ``max_in_flight`` and ``rate`` (calls a second, in bursts of ``burst``,
+    default the rate rounded up) limit this method for each identity on its own: past them
+    a call is refused -32004 ``too_many_in_flight`` / -32005 ``rate_limited``. Raise
+    :class:`~realtime_app.exceptions.RPCError` to answer an error; any other exception
+    answers -32603 and is logged.
     """
     if callable(name):  # a bare @rpc_method
         fn = getattr(name, "__name__", "handler")
@@ -83,6 +96,11 @@ def rpc_method(
         raise ValueError(f"method {name!r}: cost must be a number >= 0, got {cost!r}")
     if coalesce is not None and not isinstance(coalesce, Coalesce):
         raise ValueError(f"method {name!r}: coalesce must be a realtime_app.Coalesce")
+    for option, value in (("max_in_flight", max_in_flight), ("burst", burst)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"method {name!r}: {option} must be an int >= 0, got {value!r}")
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < float("inf"):
+        raise ValueError(f"method {name!r}: rate must be calls a second >= 0, got {rate!r}")
 
     def register(handler: Handler) -> Handler:
         existing = _methods.get(name)
@@ -92,7 +110,7 @@ def rpc_method(
                 f"{_where(handler)}. Give one of them another name."
             )
         is_async = inspect.iscoroutinefunction(handler)
-        _methods[name] = Method(handler, float(cost), snapshot, coalesce, is_async)
+        _methods[name] = Method(handler, float(cost), snapshot, coalesce, is_async, max_in_flight, float(rate), burst)
         return handler
 
     return register

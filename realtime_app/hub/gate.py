@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from realtime_app.conf import get_config
 from realtime_app.inbound.admission import Admission, AdmissionLimits, Refusal, RefusalBudget
+from realtime_app.inbound.method_limits import MethodLimits
 from realtime_app.inbound.workers import RequestPool
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ class Gate:
         running = config["ADMISSION_MAX_RUNNING"]
         anonymous = max(1, int(running * (1 - float(config["SIGNED_IN_RESERVE"])))) if running else 0
         self.pool = RequestPool(self.admission, running, _execute, anonymous)
+        self.methods = MethodLimits()  # per method and identity (rpc_method(max_in_flight=, rate=))
         self.identities: dict[Identity, int] = {}  # open connections per identity
         self.open = {"user": 0, "address": 0}  # open connections, signed-in and anonymous
         self.refused: dict[str, int] = {"connections": 0, "handshakes": 0, "server_full": 0, "process_handshakes": 0}

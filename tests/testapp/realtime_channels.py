@@ -215,3 +215,16 @@ async def publish_burst(consumer: Any, params: Any) -> int:
             published += 1
         await asyncio.sleep(0)
     return published
+
+
+@realtime_app.rpc_method("test.one_at_a_time", max_in_flight=1)
+async def one_at_a_time(consumer: Any, params: Any) -> str:
+    """At most one call in flight per identity (``rpc_method(max_in_flight=1)``)."""
+    await asyncio.sleep(float(params.get("seconds", 0)) if isinstance(params, dict) else 0)
+    return "done"
+
+
+@realtime_app.rpc_method("test.twice_a_second", rate=2.0, burst=2)
+async def twice_a_second(consumer: Any, params: Any) -> str:
+    """Two calls a second per identity, in bursts of two (``rpc_method(rate=2, burst=2)``)."""
+    return "done"
