@@ -413,3 +413,33 @@ async def test_many_addresses_stop_at_the_process_ceiling_and_a_signed_in_user_s
         for rpc in held:
             await rpc.__aexit__(None, None, None)
         server.stop()
+
+
+async def test_on_uvicorn_a_refused_handshake_is_an_http_503_before_any_socket_and_the_client_comes_back(database):
+    """Refusals before the accept where the server allows it (uvicorn's
+    ``websocket.http.response``): no socket is opened for a refused client, it is told when
+    to come back (Retry-After), and the Python client takes the 503 as the 1013 it stands
+    for — it backs off and connects once there is room."""
+    from realtime_app.client import RealtimeClient
+
+    overrides = {"MAX_CONNECTIONS": 2, "SIGNED_IN_RESERVE": 0.5, "HANDSHAKES_PER_S": 0}
+    server = Server(
+        {**database, "REDIS_URL": "", "REALTIME_TEST_OVERRIDES": json.dumps(overrides)}, server="uvicorn"
+    ).start()
+    try:
+        async with RPC(server.ws, address="198.51.100.1") as first:
+            assert (await first.call("ping"))["result"] == "pong"
+            with pytest.raises(websockets.InvalidStatus) as refused:
+                await RPC(server.ws, address="198.51.100.2").__aenter__()
+            response = refused.value.response
+            assert response.status_code == 503 and response.headers["Retry-After"] == "2"
+            assert json.loads(response.body) == {"error": "server full", "close_code": 1013, "retry_after_s": 2}
+            client = RealtimeClient(server.ws, headers={"X-Forwarded-For": "198.51.100.3"}, backoff_initial=0.2)
+            client_task = asyncio.get_running_loop().create_task(client.connect(timeout=30))
+            await eventually(lambda: client.last_close == (1013, "handshake refused (503)"), 15, "the 503 as 1013")
+            assert client.state == "reconnecting"
+        await client_task  # the first socket gone: there is room, and it comes back by itself
+        assert (await client.call("ping")) == "pong"
+        await client.close()
+    finally:
+        server.stop()

@@ -187,10 +187,10 @@ class RealtimeClient:
                     code, reason = ws.close_code or 1006, ws.close_reason or ""
             except websockets.ConnectionClosed as closed:
                 code, reason = (closed.rcvd.code, closed.rcvd.reason) if closed.rcvd else (1006, "")
-            except websockets.InvalidStatus as refused:
-                code, reason = 4000 + refused.response.status_code, "handshake refused"
-            except (websockets.InvalidHandshake, OSError, EOFError) as error:
-                # Unreachable, or cut during the handshake (``InvalidMessage``): try again.
+            except websockets.InvalidStatus as refused:  # 503 / 429: the server's 1013, before the accept
+                status = refused.response.status_code
+                code, reason = (1013 if status in (429, 503) else 4000 + status), f"handshake refused ({status})"
+            except (websockets.InvalidHandshake, OSError, EOFError) as error:  # unreachable, or cut: again
                 code, reason = 1006, f"{type(error).__name__}: {error}"
             finally:
                 self._ws = None

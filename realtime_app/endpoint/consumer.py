@@ -24,7 +24,7 @@ from realtime_app.conf import get_config
 from realtime_app.endpoint.addresses import client_address, client_network, trusted_networks
 from realtime_app.endpoint.auth import AUTH_UNAVAILABLE
 from realtime_app.endpoint.methods import BUILTIN_COSTS, Method, encodable, method_costs, methods, rpc_method
-from realtime_app.endpoint.refusals import log_auth_outage, log_refused_connection, log_unsupported_once, refuse
+from realtime_app.endpoint.refusals import deny, log_auth_outage, log_refused_connection, log_unsupported_once, refuse
 from realtime_app.endpoint.replies import Pending, Reply
 from realtime_app.exceptions import (
     NO_USER_HINT,
@@ -120,23 +120,23 @@ class RealtimeConsumer:
         message = await receive()
         if message["type"] != "websocket.connect":
             return
+        # Refusals come before the accept: an HTTP answer where the server can give one
+        # (503 or 429 with Retry-After, 403), else accepted and closed with the code.
         if scope.get(AUTH_UNAVAILABLE):  # the session could not be read: come back, rights intact
             log_auth_outage(scope[AUTH_UNAVAILABLE])
-            return await refuse(send, CloseCode.TRY_AGAIN_LATER, "database unavailable")
+            return await deny(send, scope, CloseCode.TRY_AGAIN_LATER, "database unavailable")
         if not await self.accept_connection():
             await send({"type": "websocket.close"})
             return
         try:
             hub = await get_hub()
         except BackplaneUnavailable:  # logged by the hub, once per outage: the client retries later
-            return await refuse(send, CloseCode.TRY_AGAIN_LATER, "backplane unavailable")
+            return await deny(send, scope, CloseCode.TRY_AGAIN_LATER, "backplane unavailable")
         try:
             conn = Connection(send, scope)
         except UnsupportedServer as exc:
             log_unsupported_once(exc)  # accepted, then closed: the client sees 1011 and why, not a bare 403
             return await refuse(send, CloseCode.INTERNAL_ERROR, "unsupported server")
-        await send({"type": "websocket.accept"})
-        self.connection = conn
         config = get_config()
         conn.address = client_address(
             scope, trusted_networks(tuple(config["TRUSTED_PROXIES"])), config["FORWARDED_HEADER"]
@@ -144,15 +144,15 @@ class RealtimeConsumer:
         identity = self.admission_identity()
         if not hub.gate.handshake(identity):  # logged by the hub, once while it lasts
             conn.closed = True
-            conn.guard.close(CloseCode.TRY_AGAIN_LATER, "too many handshakes")
-            return
+            return await deny(send, scope, CloseCode.TRY_AGAIN_LATER, "too many handshakes", conn.guard)
         refused = hub.add_connection(conn, identity)
         if refused is not None:  # its own cap: 1008, do not come back; the process's: 1013, later
             log_refused_connection(refused, identity[0])
             conn.closed = True
-            full = refused == "server full"
-            conn.guard.close(CloseCode.TRY_AGAIN_LATER if full else CloseCode.POLICY_VIOLATION, refused)
-            return
+            code = CloseCode.TRY_AGAIN_LATER if refused == "server full" else CloseCode.POLICY_VIOLATION
+            return await deny(send, scope, code, refused, conn.guard)
+        await send({"type": "websocket.accept"})
+        self.connection = conn
         try:
             while True:
                 message = await receive()

@@ -4,6 +4,7 @@ and their log lines, once per outage rather than once per socket."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -13,7 +14,11 @@ from realtime_app.outbound.base import UnsupportedServer
 from realtime_app.outbound.guard import Guard
 from realtime_app.wire.protocol import CloseCode
 
-__all__ = ["log_auth_outage", "log_refused_connection", "log_unsupported_once", "refuse"]
+__all__ = ["deny", "log_auth_outage", "log_refused_connection", "log_unsupported_once", "refuse"]
+
+#: The HTTP answer of a refused handshake, by close code, where the server can give one
+#: (the ASGI ``websocket.http.response`` extension: uvicorn): status and Retry-After (s).
+HTTP_ANSWERS = {CloseCode.TRY_AGAIN_LATER: (503, 2), CloseCode.POLICY_VIOLATION: (403, 0)}
 
 logger = logging.getLogger("realtime_app.consumers")
 
@@ -34,6 +39,31 @@ async def refuse(send: Callable[[dict[str, Any]], Awaitable[None]], code: CloseC
         await send({"type": "websocket.accept"})
         await send({"type": "websocket.close", "code": int(code), "reason": reason})
         return
+    await send({"type": "websocket.accept"})
+    guard.close(int(code), reason)
+
+
+async def deny(
+    send: Callable[[dict[str, Any]], Awaitable[None]],
+    scope: dict[str, Any],
+    code: CloseCode,
+    reason: str,
+    guard: Guard | None = None,
+) -> None:
+    """Refuse a handshake before it is accepted: an HTTP answer where the server allows one
+    (503 with ``Retry-After`` for what passes, 403 for what does not: no socket, no frame,
+    nothing held), else accepted and closed with ``code`` (``guard``: the connection's own)."""
+    if "websocket.http.response" in (scope.get("extensions") or {}) and code in HTTP_ANSWERS:
+        status, retry_after = HTTP_ANSWERS[code]
+        body = json.dumps({"error": reason, "close_code": int(code), "retry_after_s": retry_after}).encode()
+        headers = [(b"content-type", b"application/json")]
+        if retry_after:
+            headers.append((b"retry-after", str(retry_after).encode()))
+        await send({"type": "websocket.http.response.start", "status": status, "headers": headers})
+        await send({"type": "websocket.http.response.body", "body": body})
+        return
+    if guard is None:
+        return await refuse(send, code, reason)
     await send({"type": "websocket.accept"})
     guard.close(int(code), reason)
 
