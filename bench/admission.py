@@ -19,20 +19,39 @@
   can, reconnecting a second after a close;
 * ``resume``   — 10 sockets resuming a history of 1,000 events of 60 KB (on a private
   Redis, filled first) ``since`` its start, again and again; the phase also reports the
-  longest command in Redis' slow log.
+  longest command in Redis' slow log;
+* ``addresses`` — many addresses (``--addresses``, 40) each opening up to 50 sockets and
+  holding them, opening again a second after the server closes one: the process ceiling
+  (``MAX_CONNECTIONS``, 1,000 here, with its signed-in reserve) against per-address caps
+  alone;
+* ``nesting``  — frames whose params nest 500 levels deep around a lone surrogate, as fast
+  as the socket takes them (on: refused ``too_deep`` by an iterative scan; there is no
+  "off" for it: the off phase shows the same server);
+* ``slowcalls`` — ten addresses each keeping 10 ``demo.sleep 5000`` outstanding: their
+  class's share of the pool against fairness among identities alone;
+* ``resumehog`` — one address pipelining resumes of the large history into sockets it
+  never reads: ``MAX_RESUMES_PER_IDENTITY`` against the process's resume slots alone.
 
-It prints, per phase: well-behaved ping p50/p99 and p99 over ``idle``'s, what the attackers
-got done and refused, how often the server closed them, the server's peak RSS and, for
-``resume``, Redis' longest command.
+Beside the anonymous well-behaved pingers, a **signed-in user** calls ``demo.echo`` (a pool
+method, unlike ping) every 100 ms, and signs in again on a new socket every 2 s (its
+handshake too must get through).
 
-Usage: python bench/admission.py [--seconds 15] [--attacks sleepers,churn,unknown,resume]
-       [--abusers 100] [--polite 20] [--sleep-ms 200] [--window 50] [--json FILE] [--plot FILE.png]
+It prints, per phase: well-behaved ping p50/p99 and p99 over ``idle``'s, the signed-in
+user's call p99 and how many of its calls and handshakes failed, what the attackers got
+done and refused, how often the server closed them, the server's peak RSS and, for the
+resume attacks, Redis' longest command.
+
+Usage: python bench/admission.py [--seconds 15]
+       [--attacks sleepers,churn,unknown,resume,addresses,nesting,slowcalls,resumehog]
+       [--abusers 100] [--addresses 200] [--polite 20] [--sleep-ms 200] [--window 50]
+       [--json FILE] [--plot FILE.png]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import itertools
 import json
@@ -57,6 +76,7 @@ ON = {  # the defaults, with the clients' addresses read from the bench's header
     "TRUSTED_PROXIES": ["127.0.0.1"],
     "MAX_CONNECTIONS_PER_ADDRESS": 50,
     "HANDSHAKES_PER_S": 10.0,
+    "MAX_CONNECTIONS": 1000,  # a ceiling a bench of a few thousand sockets reaches (10,000 by default)
 }
 OFF = {
     "TRUSTED_PROXIES": ["127.0.0.1"],
@@ -69,8 +89,14 @@ OFF = {
     "MAX_CONNECTIONS_PER_ADDRESS": 0,
     "HANDSHAKES_PER_S": 0,
     "MAX_CONCURRENT_RESUMES": 0,
+    "MAX_RESUMES_PER_IDENTITY": 0,
+    "MAX_CONNECTIONS": 0,
+    "SIGNED_IN_RESERVE": 0.0,
+    "MAX_ANONYMOUS_HANDSHAKES_PER_S": 0,
 }
-ATTACKS = ("sleepers", "churn", "unknown", "resume")
+OFF_KEEPING_THE_POOL = {**OFF, "ADMISSION_MAX_RUNNING": 64}  # slowcalls: the pool's share is what is measured
+ATTACKS = ("sleepers", "churn", "unknown", "resume", "addresses", "nesting", "slowcalls", "resumehog")
+RESUMES = ("resume", "resumehog")
 HISTORY = "bench:big-history"
 
 
@@ -211,19 +237,150 @@ async def resume(url: str, stop: asyncio.Event, args: argparse.Namespace, stats:
             stats["closed"] += 1
 
 
+async def addresses(url: str, stop: asyncio.Event, args: argparse.Namespace, stats: dict[str, Any]) -> None:
+    """One address of ``--addresses``: opens up to 50 sockets and holds them, opening
+    again as the server closes them."""
+    n = stats.setdefault("_next", 0)
+    stats["_next"] = n + 1
+    address = f"198.18.{n // 256}.{n % 256}"
+    held: list[Any] = []
+    while not stop.is_set():
+        closed = [ws for ws in held if ws.close_code is not None]
+        held = [ws for ws in held if ws.close_code is None]
+        if closed:  # closed by the server: open again a second later, as the other attackers do
+            stats["closed"] += len(closed)
+            await asyncio.sleep(1.0)
+        if len(held) < 50:
+            try:
+                ws = await connect(url, address, max_queue=None).__aenter__()
+                held.append(ws)
+                stats["completed"] += 1
+            except (OSError, websockets.WebSocketException):
+                stats["refused"] += 1
+                await asyncio.sleep(0.5)
+        else:
+            await asyncio.sleep(0.2)
+    for ws in held:
+        with contextlib.suppress(Exception):
+            await ws.close()
+
+
+async def nesting(url: str, stop: asyncio.Event, args: argparse.Namespace, stats: dict[str, Any]) -> None:
+    """Frames of params nested 500 deep around a lone surrogate, as fast as they go."""
+    deep = "[" * 500 + '"\\ud800"' + "]" * 500
+    while not stop.is_set():
+        try:
+            async with connect(url, args.attack_address, max_queue=None) as ws:
+                for i in itertools.count():
+                    if stop.is_set():
+                        break
+                    await ws.send(f'{{"jsonrpc":"2.0","method":"demo.echo","id":{i},"params":{deep}}}')
+                    answer = json.loads(await ws.recv())
+                    stats["refused" if "error" in answer else "completed"] += 1
+        except (OSError, websockets.WebSocketException):
+            stats["closed"] += 1
+            await asyncio.sleep(0.2)
+
+
+async def slowcalls(url: str, stop: asyncio.Event, args: argparse.Namespace, stats: dict[str, Any]) -> None:
+    """One address of ten: keeps 10 ``demo.sleep 5000`` outstanding."""
+    n = stats.setdefault("_next", 0)
+    stats["_next"] = n + 1
+    while not stop.is_set():
+        try:
+            async with connect(url, f"198.19.0.{n}", max_queue=None) as ws:
+                request = functools.partial(sleep_request, itertools.count(), {"ms": 5000})
+                for _ in range(10):
+                    await ws.send(request())
+                while not stop.is_set():
+                    try:
+                        answer = json.loads(await asyncio.wait_for(ws.recv(), 1.0))
+                    except TimeoutError:
+                        continue
+                    count(stats, answer)
+                    await ws.send(request())
+        except (OSError, websockets.WebSocketException):
+            stats["closed"] += 1
+        if not stop.is_set():
+            await asyncio.sleep(1.0)
+
+
+async def signed_in(
+    url: str, cookie: str, stop: asyncio.Event, latencies: list[float], failures: dict[str, int]
+) -> None:
+    """A signed-in user: ``demo.echo`` (a pool method) every 100 ms, on a new socket every
+    2 s (its handshake must get through too); a call or handshake that fails is counted."""
+    origin = url.replace("ws://", "http://").split("/realtime")[0]
+    ids = itertools.count()
+    while not stop.is_set():
+        try:
+            async with websockets.connect(url, origin=origin, additional_headers={"Cookie": cookie}) as ws:
+                until = time.monotonic() + 2
+                while not stop.is_set() and time.monotonic() < until:
+                    request_id = next(ids)
+                    started = time.perf_counter()
+                    request = {"jsonrpc": "2.0", "method": "demo.echo", "params": {"text": "x"}, "id": request_id}
+                    await ws.send(json.dumps(request))
+                    while (answer := json.loads(await asyncio.wait_for(ws.recv(), 30))).get("id") != request_id:
+                        pass
+                    if "result" in answer:
+                        latencies.append((time.perf_counter() - started) * 1000)
+                    else:
+                        failures["calls"] += 1
+                    await asyncio.sleep(0.1)
+        except (OSError, TimeoutError, websockets.WebSocketException):
+            failures["handshakes"] += 1
+            await asyncio.sleep(0.5)
+
+
+async def resumehog(url: str, stop: asyncio.Event, args: argparse.Namespace, stats: dict[str, Any]) -> None:
+    """Pipelines resumes of the large history into a socket it never reads."""
+    since = json.loads(args.since)
+    while not stop.is_set():
+        try:
+            async with connect(url, args.attack_address, max_size=None, max_queue=1) as ws:
+                ws.transport.pause_reading()
+                for i in range(20):
+                    request = {"channel": HISTORY, "since": since}
+                    await ws.send(json.dumps({"jsonrpc": "2.0", "method": "subscribe", "params": request, "id": i}))
+                    stats["completed"] += 1
+                await asyncio.wait_for(stop.wait(), args.seconds)
+        except (OSError, TimeoutError, websockets.WebSocketException):
+            stats["closed"] += 1
+
+
 async def attackers_main(args: argparse.Namespace) -> None:
     """``--role attackers``: the attack in a process of its own (so that its event loop does
     not delay the well-behaved clients' measurements); prints its stats."""
     stop = asyncio.Event()
     stats: dict[str, Any] = {"completed": 0, "refused": 0, "closed": 0, "replayed": 0}
-    attack = {"sleepers": sleepers, "churn": churn, "unknown": unknown, "resume": resume}[args.kind]
-    n = {"sleepers": args.abusers, "churn": 40, "unknown": 2, "resume": 10}[args.kind]
+    attack = {
+        "sleepers": sleepers,
+        "churn": churn,
+        "unknown": unknown,
+        "resume": resume,
+        "addresses": addresses,
+        "nesting": nesting,
+        "slowcalls": slowcalls,
+        "resumehog": resumehog,
+    }[args.kind]
+    n = {
+        "sleepers": args.abusers,
+        "churn": 40,
+        "unknown": 2,
+        "resume": 10,
+        "addresses": args.addresses,
+        "nesting": 2,
+        "slowcalls": 10,
+        "resumehog": 8,
+    }[args.kind]
     tasks = [asyncio.create_task(attack(args.url, stop, args, stats)) for _ in range(n)]
     await asyncio.sleep(args.seconds)
     stop.set()
     await asyncio.wait(tasks, timeout=10)
     for task in tasks:
         task.cancel()
+    stats.pop("_next", None)
     print(json.dumps(stats), flush=True)
 
 
@@ -249,10 +406,17 @@ async def phase(
                 sys.executable, __file__, "--role", "attackers", "--kind", kind, "--url", url,
                 "--abusers", str(args.abusers), "--seconds", str(args.seconds + 1.0), "--sleep-ms", str(args.sleep_ms),
                 "--window", str(args.window), "--attack-address", args.attack_address, "--since", args.since,
+                "--addresses", str(args.addresses),
                 stdout=asyncio.subprocess.PIPE,
             )  # fmt: skip
             await asyncio.sleep(1.0)
         tasks = [asyncio.create_task(polite(url, n, stop, latencies)) for n in range(args.polite)]
+        from tests.servers import login
+
+        cookie = await asyncio.to_thread(login, f"http://127.0.0.1:{port}", "demo", "demo")
+        user_latencies: list[float] = []
+        failures = {"calls": 0, "handshakes": 0}
+        tasks.append(asyncio.create_task(signed_in(url, cookie, stop, user_latencies, failures)))
         peak = 0
         t0 = time.monotonic()
         series: list[tuple[float, int]] = []
@@ -276,6 +440,8 @@ async def phase(
         "ping_p50_ms": percentile(latencies, 50),
         "ping_p99_ms": percentile(latencies, 99),
         "pings": len(latencies),
+        "user_p99_ms": percentile(user_latencies, 99) if user_latencies else float("nan"),
+        "user_failed": failures["calls"] + failures["handshakes"],
         **stats,
         "redis_longest_ms": None if longest is None else longest / 1000,
         "rss_start_mib": series[0][1] / MIB,
@@ -338,6 +504,7 @@ async def main() -> None:
         "--attacks", default=",".join(ATTACKS), help="a comma-separated subset of " + ", ".join(ATTACKS)
     )
     parser.add_argument("--abusers", type=int, default=100)
+    parser.add_argument("--addresses", type=int, default=40)
     parser.add_argument("--polite", type=int, default=20)
     parser.add_argument("--sleep-ms", type=int, default=200)
     parser.add_argument("--window", type=int, default=50)
@@ -373,7 +540,7 @@ async def main() -> None:
         for kind in attacks:
             redis_url = None
             phase_on, phase_off = on, off
-            if kind == "resume":
+            if kind in RESUMES:
                 from tests.private_redis import PrivateRedis
 
                 redis_server = PrivateRedis().start()
@@ -383,6 +550,8 @@ async def main() -> None:
                 extra = {"REDIS_URL": redis_url, "REALTIME_KEY_PREFIX": "bench-admission"}
                 phase_on, phase_off = {**on, **extra}, {**off, **extra}
             results.append(await phase("on", kind, phase_on, args, redis_url))
+            if kind == "slowcalls":  # the pool as by default: its anonymous share is what is off
+                phase_off = {**phase_off, "REALTIME_BENCH_OVERRIDES": json.dumps(OFF_KEEPING_THE_POOL)}
             results.append(await phase("off", kind, phase_off, args, redis_url))
     finally:
         if redis_server is not None:
@@ -393,14 +562,15 @@ async def main() -> None:
         f"from one; {args.seconds:.0f} s per phase"
     )
     print(
-        f"{'attack':<10}{'phase':<6}{'ping p50':>9}{'p99 ms':>8}{'p99/idle':>9}{'done':>9}{'refused':>9}"
-        f"{'closed':>8}{'RSS peak MiB':>13}{'Redis max ms':>13}"
+        f"{'attack':<10}{'phase':<6}{'ping p50':>9}{'p99 ms':>8}{'p99/idle':>9}{'user p99':>9}{'failed':>7}"
+        f"{'done':>9}{'refused':>9}{'closed':>8}{'RSS peak MiB':>13}{'Redis max ms':>13}"
     )
     for row in results:
         longest = "" if row["redis_longest_ms"] is None else f"{row['redis_longest_ms']:.1f}"
         print(
             f"{row['attack'] or '-':<10}{row['phase']:<6}{row['ping_p50_ms']:>9.1f}{row['ping_p99_ms']:>8.1f}"
-            f"{row['ping_p99_ms'] / idle_p99:>9.2f}{row['completed']:>9}{row['refused']:>9}{row['closed']:>8}"
+            f"{row['ping_p99_ms'] / idle_p99:>9.2f}{row['user_p99_ms']:>9.1f}{row['user_failed']:>7}"
+            f"{row['completed']:>9}{row['refused']:>9}{row['closed']:>8}"
             f"{row['rss_peak_mib']:>13.0f}{longest:>13}"
         )
     if args.json:

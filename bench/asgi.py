@@ -13,7 +13,7 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.urls import path  # noqa: E402
 
 from realtime_app.channels.registry import registry  # noqa: E402
-from realtime_app.routing import websocket_urlpatterns  # noqa: E402
+from realtime_app.routing import AuthMiddlewareStack, websocket_urlpatterns  # noqa: E402
 
 if "bench:events" not in registry.exact:  # demo:events without history, for bench/history.py
     registry.add_channel("bench:events", "event")
@@ -89,7 +89,11 @@ class BaselineConsumer(AsyncWebsocketConsumer):
 application = ProtocolTypeRouter(
     {
         "http": django_asgi_app,
-        "websocket": URLRouter([*websocket_urlpatterns, path("baseline/", BaselineConsumer.as_asgi())]),
+        # users from the session, as in the demo (bench/admission.py's signed-in user); both
+        # endpoints behind it, so that a comparison of the two pays it on both sides
+        "websocket": AuthMiddlewareStack(
+            URLRouter([*websocket_urlpatterns, path("baseline/", BaselineConsumer.as_asgi())])
+        ),
     }
 )
 

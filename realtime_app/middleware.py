@@ -16,7 +16,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
-from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.urls import Resolver404, resolve
 
@@ -135,8 +135,7 @@ class ConcurrencyLimitMiddleware:
         if pool is None:
             return await self.get_response(request)
         try:
-            client = await sync_to_async(_client)(request)  # the session may need the database
-            slot = await pool.aacquire(client)  # cancelled when the client disconnects while waiting
+            slot = await pool.aacquire(_client(request))  # cancelled when the client disconnects while waiting
         except Busy as exc:
             return _busy(exc)
         started = time.monotonic()
@@ -149,14 +148,10 @@ class ConcurrencyLimitMiddleware:
 
 
 def _client(request: HttpRequest) -> tuple[str, str]:
-    """Whose request this is, for the pool's turns: the signed-in user (as the session
-    says), else the client's network (its address read through ``TRUSTED_PROXIES``)."""
+    """Whose request this is, for the pool's turns: the client's network (its address read
+    through ``TRUSTED_PROXIES``). Never the session: a pool answers without the database."""
     from realtime_app.endpoint.addresses import client_address, client_network, trusted_networks
 
-    session = getattr(request, "session", None)
-    user = session.get("_auth_user_id") if session is not None else None
-    if user is not None:
-        return ("user", str(user))
     config = get_config()
     header = config["FORWARDED_HEADER"]
     value = request.META.get("HTTP_" + header.upper().replace("-", "_"))

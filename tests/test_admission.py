@@ -511,3 +511,48 @@ async def test_a_method_limited_per_second_answers_when_to_come_back(hub):
     assert [a.get("result") for a in answers[:2]] == ["done", "done"]
     assert answers[2]["error"]["code"] == -32005 and answers[2]["error"]["data"]["reason"] == "rate_limited"
     assert 0 < answers[2]["error"]["data"]["retry_after_ms"] <= 500
+
+
+async def test_a_call_cancelled_while_it_is_admitted_gives_its_methods_place_back(hub, monkeypatch):
+    """Review: a call of a method with max_in_flight whose task was cancelled while its
+    admission was answered (a user's bucket is a Redis round trip) kept its place for good:
+    every later call of that identity was refused too_many_in_flight."""
+    import asyncio
+
+    from tests.support.asgi_client import Client
+    from tests.support.waiting import eventually
+
+    held, entered = asyncio.Event(), asyncio.Event()
+    real_admit = hub.gate.admit
+
+    async def slow_admit(identity, cost, *, merged=False):
+        entered.set()
+        await held.wait()
+        return await real_admit(identity, cost, merged=merged)
+
+    monkeypatch.setattr(hub.gate, "admit", slow_admit)
+    client = Client(address="192.0.2.77")
+    await client.__aenter__()
+    await client.call_nowait("test.one_at_a_time", {})
+    await eventually(entered.is_set, 5, "the call inside its admission")
+    await client.comm.disconnect(timeout=0.2)  # the server gives up on the task: cancelled there
+    monkeypatch.setattr(hub.gate, "admit", real_admit)
+    assert hub.gate.methods.in_flight == {}
+    async with Client(address="192.0.2.77") as again:
+        assert (await again.call("test.one_at_a_time", {}))["result"] == "done"
+
+
+def test_a_sweep_forgets_each_bucket_at_its_own_methods_rate(monkeypatch):
+    """Review: a sweep run by a fast method used its rate for every bucket, forgetting a
+    slow method's empty one (its caller let through early)."""
+    from realtime_app.inbound import method_limits
+    from realtime_app.inbound.method_limits import MethodLimits
+
+    monkeypatch.setattr(method_limits, "SWEEP_OVER", 2)
+    now = [0.0]
+    limits = MethodLimits(clock=lambda: now[0])
+    assert limits.take("export", "alice", rate=0.01, burst=1) is None  # one a hundred seconds
+    now[0] += 1
+    for who in ("a", "b", "c"):  # a fast method's calls fill the books past the sweep
+        assert limits.take("echo", who, rate=100, burst=1) is None
+    assert limits.take("export", "alice", rate=0.01, burst=1) is not None  # still empty

@@ -361,9 +361,30 @@ def test_anonymous_handshakes_share_one_process_bucket_signed_in_ones_do_not():
         ("198.51.100.7", 24, 64, "198.51.100.0/24"),
         ("2001:db8::1", 32, 128, "2001:db8::1"),
         ("unknown", 32, 64, "unknown"),
+        ("::ffff:198.51.100.7", 32, 64, "198.51.100.7"),  # review: a dual-stack bind's IPv4 clients were one /64
+        ("::ffff:203.0.113.9", 32, 64, "203.0.113.9"),
     ],
 )
 def test_anonymous_clients_are_counted_by_network(address, v4, v6, expected):
     from realtime_app.endpoint.addresses import client_network
 
     assert client_network(address, v4, v6) == expected
+
+
+def test_one_address_over_its_own_handshake_rate_takes_nothing_from_the_others():
+    """Review: the process bucket was drawn before the address's own, so the handshakes one
+    address was refused anyway emptied it for every other anonymous client."""
+    from realtime_app.hub.gate import Gate
+
+    with settings_with(MAX_ANONYMOUS_HANDSHAKES_PER_S=5, HANDSHAKES_PER_S=1.0, HANDSHAKE_BURST=1):
+        gate = Gate()
+        flood = [gate.handshake(("address", "203.0.113.9")) for _ in range(20)]
+        assert flood.count(True) == 1
+        assert gate.handshake(("address", "198.51.100.1"))  # the others' bucket is untouched
+
+
+def test_a_process_handshake_rate_under_one_still_admits_one():
+    from realtime_app.hub.gate import Gate
+
+    with settings_with(MAX_ANONYMOUS_HANDSHAKES_PER_S=0.2, HANDSHAKES_PER_S=0):
+        assert Gate().handshake(("address", "198.51.100.1"))

@@ -82,6 +82,8 @@ def client_network(address: str, v4_prefix: int = 32, v6_prefix: int = 64) -> st
     ip = _ip(address)
     if ip is None:
         return address
+    if ip.version == 6 and ip.ipv4_mapped is not None:  # an IPv4 client of a dual-stack bind
+        ip = ip.ipv4_mapped
     prefix = v4_prefix if ip.version == 4 else v6_prefix
     if prefix >= ip.max_prefixlen:
         return str(ip)

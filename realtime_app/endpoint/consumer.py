@@ -120,8 +120,6 @@ class RealtimeConsumer:
         message = await receive()
         if message["type"] != "websocket.connect":
             return
-        # Refusals come before the accept: an HTTP answer where the server can give one
-        # (503 or 429 with Retry-After, 403), else accepted and closed with the code.
         if scope.get(AUTH_UNAVAILABLE):  # the session could not be read: come back, rights intact
             log_auth_outage(scope[AUTH_UNAVAILABLE])
             return await deny(send, scope, CloseCode.TRY_AGAIN_LATER, "database unavailable")
@@ -151,9 +149,9 @@ class RealtimeConsumer:
             conn.closed = True
             code = CloseCode.TRY_AGAIN_LATER if refused == "server full" else CloseCode.POLICY_VIOLATION
             return await deny(send, scope, code, refused, conn.guard)
-        await send({"type": "websocket.accept"})
-        self.connection = conn
         try:
+            await send({"type": "websocket.accept"})
+            self.connection = conn
             while True:
                 message = await receive()
                 kind = message["type"]
@@ -235,17 +233,20 @@ class RealtimeConsumer:
         if method is not None and method.coalesce is not None:
             key, units = self._coalescing(method.coalesce, identity, request)
         merged = method is not None and hub.pool.would_merge(key, units, method.coalesce.cap if method.coalesce else 0)
-        limited = method is not None and bool(method.max_in_flight or method.rate)
-        if limited:
-            assert method is not None
+        limited = bool(method and (method.max_in_flight or method.rate))
+        if method is not None and limited:  # the method's own limits first: no tokens spent on a refusal
             refusal = hub.gate.methods.take(request.method, identity, method.max_in_flight, method.rate, method.burst)
             if refusal is not None:
                 if not await self._refused_again(hub, refusal):
                     return None
                 return await self._refused(request, method, refusal)
-        refusal = await hub.gate.admit(identity, cost, merged=merged)
-        if refusal is not None and limited:
-            hub.gate.methods.done(request.method, identity)
+        answer: Any = ...  # until admit answers
+        try:
+            answer = await hub.gate.admit(identity, cost, merged=merged)
+        finally:  # refused, or cancelled while the shared bucket answered: the method's place back
+            if limited and answer is not None:
+                hub.gate.methods.done(request.method, identity)
+        refusal = answer
         if refusal is not None:
             if not await self._refused_again(hub, refusal):
                 return None

@@ -18,7 +18,9 @@ __all__ = ["deny", "log_auth_outage", "log_refused_connection", "log_unsupported
 
 #: The HTTP answer of a refused handshake, by close code, where the server can give one
 #: (the ASGI ``websocket.http.response`` extension: uvicorn): status and Retry-After (s).
-HTTP_ANSWERS = {CloseCode.TRY_AGAIN_LATER: (503, 2), CloseCode.POLICY_VIOLATION: (403, 0)}
+#: Only for what passes: a browser sees any HTTP refusal as 1006 and comes back, so a
+#: 1008 ("do not come back") is still accepted and closed with its code.
+HTTP_ANSWERS = {CloseCode.TRY_AGAIN_LATER: (503, 2)}
 
 logger = logging.getLogger("realtime_app.consumers")
 
@@ -50,9 +52,9 @@ async def deny(
     reason: str,
     guard: Guard | None = None,
 ) -> None:
-    """Refuse a handshake before it is accepted: an HTTP answer where the server allows one
-    (503 with ``Retry-After`` for what passes, 403 for what does not: no socket, no frame,
-    nothing held), else accepted and closed with ``code`` (``guard``: the connection's own)."""
+    """Refuse a handshake before it is accepted: an HTTP 503 with ``Retry-After`` where the
+    server allows one and the refusal passes (1013: no socket, no frame, nothing held),
+    else accepted and closed with ``code`` (``guard``: the connection's own)."""
     if "websocket.http.response" in (scope.get("extensions") or {}) and code in HTTP_ANSWERS:
         status, retry_after = HTTP_ANSWERS[code]
         body = json.dumps({"error": reason, "close_code": int(code), "retry_after_s": retry_after}).encode()

@@ -143,7 +143,12 @@ class Hub:
                 logger.info("hub %s started after the backplane came back", self.instance_id)
                 self._failed = None
             self.reconciler.subscribed(CONTROL_CHANNEL, ticker=False)  # wanted as long as the hub runs
-            await self.convergence.converge(CONTROL_CHANNEL)
+            try:
+                await self.convergence.converge(CONTROL_CHANNEL)
+            except BaseException:  # cancelled (a request that started it went away), or failed:
+                with contextlib.suppress(Exception):  # nothing of this start is left running
+                    await self.backplane.stop()
+                raise
             loops = [
                 (self.tickers.publisher(), "realtime-publisher"),
                 (self.convergence.maintain(), "realtime-maintain"),

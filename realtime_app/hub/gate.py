@@ -83,11 +83,12 @@ class Gate:
         """Count one handshake of ``identity``; False past ``HANDSHAKES_PER_S`` (reconnect
         churn: every reconnect of an identity draws on the same bucket)."""
         self.handshakes.forget_idle()  # memory follows the identities that connect now
-        if identity[0] != "user" and not self._anonymous_handshake():
-            self.refused["process_handshakes"] += 1
-            return False
         if not self.handshakes.limits.bucket_capacity or self.handshakes.charge(identity, 1.0) is None:
             self._refusing.discard(identity)
+            # its own bucket first: what one address may not open never draws on the others'
+            if identity[0] != "user" and not self._anonymous_handshake():
+                self.refused["process_handshakes"] += 1
+                return False
             return True
         self.refused["handshakes"] += 1
         if identity not in self._refusing:  # once until it slows down, not once per handshake
@@ -109,7 +110,8 @@ class Gate:
             return True
         tokens, then = self._anonymous_handshakes
         now = time.monotonic()
-        tokens = min(2 * rate, tokens + (now - then) * rate) if then else 2 * rate
+        capacity = max(1.0, 2 * rate)
+        tokens = min(capacity, tokens + (now - then) * rate) if then else capacity
         if tokens < 1:
             self._anonymous_handshakes = (tokens, now)
             return False

@@ -34,7 +34,7 @@ class MethodLimits:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.in_flight: dict[Key, int] = {}
-        self.buckets: dict[Key, tuple[float, float]] = {}  # (tokens, when)
+        self.buckets: dict[Key, tuple[float, float, float, float]] = {}  # (tokens, when, rate, capacity)
 
     def take(
         self, method: str, identity: Hashable, max_in_flight: int = 0, rate: float = 0.0, burst: int = 0
@@ -47,14 +47,14 @@ class MethodLimits:
         if rate:
             capacity = float(burst or max(1, math.ceil(rate)))
             now = self.clock()
-            tokens, then = self.buckets.get(key, (capacity, now))
+            tokens, then, _, _ = self.buckets.get(key, (capacity, now, rate, capacity))
             tokens = min(capacity, tokens + (now - then) * rate)
             if tokens < 1:
-                self.buckets[key] = (tokens, now)
+                self.buckets[key] = (tokens, now, rate, capacity)
                 return Refusal(RATE_LIMITED, "rate_limited", math.ceil((1 - tokens) / rate * 1000), capacity)
-            self.buckets[key] = (tokens - 1, now)
+            self.buckets[key] = (tokens - 1, now, rate, capacity)
             if len(self.buckets) > SWEEP_OVER:
-                self._sweep(now, rate, capacity)
+                self._sweep(now)
         if max_in_flight:
             self.in_flight[key] = self.in_flight.get(key, 0) + 1
         return None
@@ -68,8 +68,9 @@ class MethodLimits:
         else:
             self.in_flight.pop(key, None)
 
-    def _sweep(self, now: float, rate: float, capacity: float) -> None:
-        """Forget the buckets that have refilled (a forgotten bucket starts full)."""
-        for key, (tokens, then) in list(self.buckets.items()):
+    def _sweep(self, now: float) -> None:
+        """Forget the buckets that have refilled, each at its own method's rate (a
+        forgotten bucket starts full)."""
+        for key, (tokens, then, rate, capacity) in list(self.buckets.items()):
             if tokens + (now - then) * rate >= capacity:
                 del self.buckets[key]

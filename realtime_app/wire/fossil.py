@@ -134,6 +134,7 @@ def create_delta(
         collide[at // NHASH] = landmark[slot]
         landmark[slot] = at // NHASH
     start = 0  # everything before target[start] is encoded
+    steps = 0  # candidates tried: the clock is read every 16
     while start + NHASH < len_out:
         a, b = _window_hash(target, start)
         i = 0
@@ -149,7 +150,8 @@ def create_delta(
                 while back + 1 < source and back + 1 <= i and base[source - back - 1] == target[start + i - back - 1]:
                     back += 1
                 budget -= 1 + back + forward // 64
-                if not budget % 64:
+                steps += 1
+                if not steps % 16:
                     in_time()
                 if budget < 0:
                     raise TooCostly(f"more than {work_per_byte} steps per byte of a {len_out}-byte target")
