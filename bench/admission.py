@@ -481,18 +481,22 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     attacks = [row["attack"] for row in results if row["phase"] == "on"]
-    idle = results[0]["ping_p99_ms"]
-    on = [next(r["ping_p99_ms"] for r in results if r["attack"] == a and r["phase"] == "on") for a in attacks]
-    off = [next(r["ping_p99_ms"] for r in results if r["attack"] == a and r["phase"] == "off") for a in attacks]
-    fig, ax = plt.subplots(figsize=(8, 3.6))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.6))
     xs = range(len(attacks))
-    ax.bar([x - 0.2 for x in xs], on, width=0.4, label="admission on", color="#2a7")
-    ax.bar([x + 0.2 for x in xs], off, width=0.4, label="admission off", color="#c33")
-    ax.axhline(idle, color="#888", linestyle="--", label=f"idle ({idle:.1f} ms)")
-    ax.set_xticks(list(xs), attacks)
-    ax.set_yscale("log")
-    ax.set_ylabel("well-behaved ping p99, ms (log)")
-    ax.legend()
+    for ax, field, label in (
+        (axes[0], "ping_p99_ms", "well-behaved ping p99, ms (log)"),
+        (axes[1], "user_p99_ms", "signed-in user's call p99, ms (log)"),
+    ):
+        idle = results[0][field]
+        on = [next(r[field] for r in results if r["attack"] == a and r["phase"] == "on") for a in attacks]
+        off = [next(r[field] for r in results if r["attack"] == a and r["phase"] == "off") for a in attacks]
+        ax.bar([x - 0.2 for x in xs], on, width=0.4, label="protection on", color="#2a7")
+        ax.bar([x + 0.2 for x in xs], off, width=0.4, label="protection off", color="#c33")
+        ax.axhline(idle, color="#888", linestyle="--", label=f"idle ({idle:.1f} ms)")
+        ax.set_xticks(list(xs), attacks, rotation=30)
+        ax.set_yscale("log")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
