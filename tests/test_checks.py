@@ -274,3 +274,13 @@ def test_a_decorated_view_needs_its_pool_and_pools_need_the_middleware():
     middleware = [m for m in settings.MIDDLEWARE if "ConcurrencyLimit" not in m]
     with override_settings(MIDDLEWARE=middleware):
         assert ids(check_http_pools()) == ["realtime_app.W031"]
+
+
+def test_the_online_backplane_check_runs_only_when_asked():
+    """Plain ``check`` (and every command that runs the checks) stays offline; the tag or
+    ``--deploy`` asks for the check that connects to Redis."""
+    from realtime_app.cluster.online_checks import asked
+
+    assert not asked(["manage.py", "check"]) and not asked(["manage.py", "migrate"])
+    assert asked(["manage.py", "check", "--tag", "realtime_backplane"])
+    assert asked(["manage.py", "check", "--tag=realtime_backplane"]) and asked(["manage.py", "check", "--deploy"])

@@ -2,30 +2,41 @@
 reached, asked ``PING`` and whether it is a plain Redis — so that an unreachable,
 misspelled or wrong-kind host is found before deploying, not by the first page.
 
-A deployment check: ``manage.py check --deploy`` (or, for this one alone,
-``manage.py check --deploy --tag realtime_backplane``); plain ``check`` stays offline.
+Asked for by its tag (``manage.py check --tag realtime_backplane``) or with ``--deploy``;
+plain ``check`` — and every command that runs the checks — stays offline. Django's check
+framework tells a check neither, so the command line says it (a check registered with
+``deploy=True`` would not answer to its tag alone).
 Ids in docs/checks.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any
 
 from django.core.checks import CheckMessage, Error, register
 
 from realtime_app.conf import get_config
 
-__all__ = ["TAG", "check_backplane_servers"]
+__all__ = ["TAG", "asked", "check_backplane_servers"]
 
 TAG = "realtime_backplane"
 #: How long each server may take to answer, seconds (at most the backplane's own timeout).
 TIMEOUT_S = 3.0
 
 
-@register(TAG, deploy=True)
+def asked(argv: list[str] | None = None) -> bool:
+    """Whether the command line asks for the online check: ``--deploy``, or its tag."""
+    argv = sys.argv if argv is None else argv
+    return "--deploy" in argv or TAG in argv or f"--tag={TAG}" in argv
+
+
+@register(TAG)
 def check_backplane_servers(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """E012: a configured Redis server that does not answer, or is a Redis Cluster node."""
+    if not asked():
+        return []
     from realtime_app.cluster.factory import backplane_class
     from realtime_app.cluster.redis import RedisBackplane, host_label, shard_hosts
 
