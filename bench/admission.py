@@ -547,6 +547,8 @@ async def main() -> None:
             if kind in RESUMES:
                 from tests.private_redis import PrivateRedis
 
+                if redis_server is not None:  # one private Redis at a time: the last one's history is not reused
+                    redis_server.close()
                 redis_server = PrivateRedis().start()
                 redis_url = redis_server.url
                 progress("resume: filling a history of 1,000 events of 60 KB")
