@@ -150,15 +150,17 @@ def sleep_request(ids: Iterator[int], params: dict[str, Any]) -> str:
     return json.dumps({"jsonrpc": "2.0", "method": "demo.sleep", "params": params, "id": next(ids)})
 
 
-async def sleepers(url: str, stop: asyncio.Event, args: argparse.Namespace, stats: dict[str, Any]) -> None:
-    """Keeps ``window`` demo.sleep requests outstanding, sending again as soon as one is
-    answered — refused or not; closed by the server, it connects again a second later."""
+async def keep_sleeping(
+    url: str, address: str, ms: int, window: int, stop: asyncio.Event, stats: dict[str, Any]
+) -> None:
+    """Keeps ``window`` ``demo.sleep {ms}`` requests outstanding from ``address``, sending
+    again as soon as one is answered — refused or not; closed by the server, it connects
+    again a second later."""
     while not stop.is_set():
         try:
-            async with connect(url, args.attack_address, max_queue=None) as ws:
-                request = functools.partial(sleep_request, itertools.count(), {"ms": args.sleep_ms})
-
-                for _ in range(args.window):
+            async with connect(url, address, max_queue=None) as ws:
+                request = functools.partial(sleep_request, itertools.count(), {"ms": ms})
+                for _ in range(window):
                     await ws.send(request())
                 while not stop.is_set():
                     try:
@@ -171,6 +173,11 @@ async def sleepers(url: str, stop: asyncio.Event, args: argparse.Namespace, stat
             stats["closed"] += 1
         if not stop.is_set():
             await asyncio.sleep(1.0)
+
+
+async def sleepers(url: str, stop: asyncio.Event, args: argparse.Namespace, stats: dict[str, Any]) -> None:
+    """One of the sleepers, all from the attacking address."""
+    await keep_sleeping(url, args.attack_address, args.sleep_ms, args.window, stop, stats)
 
 
 async def churn(url: str, stop: asyncio.Event, args: argparse.Namespace, stats: dict[str, Any]) -> None:
@@ -286,23 +293,7 @@ async def slowcalls(url: str, stop: asyncio.Event, args: argparse.Namespace, sta
     """One address of ten: keeps 10 ``demo.sleep 5000`` outstanding."""
     n = stats.setdefault("_next", 0)
     stats["_next"] = n + 1
-    while not stop.is_set():
-        try:
-            async with connect(url, f"198.19.0.{n}", max_queue=None) as ws:
-                request = functools.partial(sleep_request, itertools.count(), {"ms": 5000})
-                for _ in range(10):
-                    await ws.send(request())
-                while not stop.is_set():
-                    try:
-                        answer = json.loads(await asyncio.wait_for(ws.recv(), 1.0))
-                    except TimeoutError:
-                        continue
-                    count(stats, answer)
-                    await ws.send(request())
-        except (OSError, websockets.WebSocketException):
-            stats["closed"] += 1
-        if not stop.is_set():
-            await asyncio.sleep(1.0)
+    await keep_sleeping(url, f"198.19.0.{n}", 5000, 10, stop, stats)
 
 
 async def signed_in(

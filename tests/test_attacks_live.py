@@ -25,7 +25,7 @@ from tests.private_redis import PrivateRedis
 from tests.servers import ROOT, Server, login
 from tests.support.health import Probe
 from tests.support.waiting import eventually
-from tests.wsclient import RPC
+from tests.wsclient import RPC, closed_with
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -343,17 +343,6 @@ async def test_ten_resumers_of_a_large_history_never_hold_redis(database):
         if server is not None:
             server.stop()
         redis_server.close()
-
-
-async def closed_with(url: str) -> tuple[int, str]:
-    """Open a socket and read until the server closes it: the close code and reason."""
-    async with websockets.connect(url, origin="http://" + url.split("/")[2]) as ws:
-        try:
-            await asyncio.wait_for(ws.recv(), 15)
-        except websockets.ConnectionClosed as closed:
-            assert closed.rcvd is not None
-            return closed.rcvd.code, closed.rcvd.reason
-    raise AssertionError("a frame came instead of the close")
 
 
 async def test_the_address_cap_closes_with_1008_and_the_handshake_rate_with_1013(database):

@@ -19,7 +19,7 @@ import websockets
 from tests.postgres import TcpProxy, with_port
 from tests.servers import ROOT, Server, login
 from tests.support.waiting import eventually, eventually_sync
-from tests.wsclient import RPC
+from tests.wsclient import RPC, closed_with
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -33,19 +33,6 @@ def get(url: str, cookie: str | None = None) -> tuple[int, str]:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as error:
         return error.code, error.read().decode()
-
-
-async def handshake_close(url: str, cookie: str | None = None) -> tuple[int, str]:
-    """Open a WebSocket and read until the server closes it: its code and reason."""
-    headers = {"Cookie": cookie} if cookie else {}
-    origin = "http://" + url.split("/")[2]
-    async with websockets.connect(url, additional_headers=headers, origin=origin) as ws:
-        try:
-            await asyncio.wait_for(ws.recv(), 30)
-        except websockets.ConnectionClosed as closed:
-            assert closed.rcvd is not None
-            return closed.rcvd.code, closed.rcvd.reason
-    raise AssertionError("a frame came instead of the close")
 
 
 def backplane_check(redis_url: str) -> subprocess.CompletedProcess[str]:
@@ -79,7 +66,7 @@ async def test_with_redis_down_every_page_answers_and_realtime_says_what_is_down
         assert "backplane unavailable" in page
         status, body = get(server.http + "/realtime/api/health", cookie)
         assert status == 503 and "unavailable" in json.loads(body)
-        assert await handshake_close(server.ws, cookie) == (1013, "backplane unavailable"), server.output()[-3000:]
+        assert await closed_with(server.ws, cookie) == (1013, "backplane unavailable"), server.output()[-3000:]
         assert "Traceback" not in server.output()
         check = await asyncio.to_thread(backplane_check, redis_url)
         assert check.returncode != 0 and "realtime_app.E012" in check.stderr
@@ -121,7 +108,7 @@ async def test_a_database_outage_refuses_signed_in_handshakes_with_1013_and_logs
             sockets.append(rpc)
         proxy.cut()
         for _ in range(20):
-            assert await handshake_close(server.ws, cookie) == (1013, "database unavailable")
+            assert await closed_with(server.ws, cookie) == (1013, "database unavailable")
         log = server.output
 
         def revalidation_lines() -> list[str]:

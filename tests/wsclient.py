@@ -102,3 +102,17 @@ async def close_code(ws: Any, timeout: float = 30) -> int:
     except TimeoutError:
         pass
     raise AssertionError(f"still open after {timeout} s")
+
+
+async def closed_with(url: str, cookie: str | None = None, timeout: float = 30) -> tuple[int, str]:
+    """Open a WebSocket (signed in with ``cookie``) and read until the server closes it:
+    its close code and reason. Fails if a frame comes instead."""
+    origin = "http://" + url.split("/")[2]
+    headers = {"Cookie": cookie} if cookie else {}
+    async with websockets.connect(url, origin=origin, additional_headers=headers) as ws:
+        try:
+            await asyncio.wait_for(ws.recv(), timeout)
+        except websockets.ConnectionClosed as closed:
+            assert closed.rcvd is not None
+            return closed.rcvd.code, closed.rcvd.reason
+    raise AssertionError("a frame came instead of the close")

@@ -149,8 +149,13 @@ def combine(before: dict[str, Any] | None, snap: dict[str, Any]) -> dict[str, An
 def unsettle(entry: Entry, snap: dict[str, Any]) -> None:
     """A batch holding ``snap`` of ``entry`` is refused while another of its batches is
     still in doubt: take off what this one held, and nothing else."""
-    if entry.generation != snap["generation"]:
-        return
+    if entry.generation == snap["generation"]:  # else deleted since: its deltas are gone
+        _take_off(entry, snap)
+
+
+def _take_off(entry: Entry, snap: dict[str, Any]) -> None:
+    """What ``snap`` held of ``entry``'s unsaved deltas and field changes, taken off: what
+    changed since stays."""
     for name, delta in snap["deltas"].items():
         left = entry.deltas.get(name, 0) - delta
         if left:
@@ -178,15 +183,7 @@ def settle(entry: Entry, snap: dict[str, Any], row: dict[str, Any] | None, count
     version = snap["version"]
     entry.in_doubt = max(0, entry.in_doubt - 1)
     if entry.generation == snap["generation"]:  # else deleted since: its deltas are gone
-        for name, delta in snap["deltas"].items():
-            left = entry.deltas.get(name, 0) - delta
-            if left:
-                entry.deltas[name] = left
-            else:
-                entry.deltas.pop(name, None)
-        for name, changed_at in snap["changed"].items():
-            if entry.changed.get(name) == changed_at:
-                del entry.changed[name]
+        _take_off(entry, snap)
         if snap["replace"]:
             entry.replace = False
     if snap["state"] is None:
