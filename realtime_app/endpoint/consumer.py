@@ -257,7 +257,7 @@ class RealtimeConsumer:
             finally:
                 hub.admission.release(identity)
         call = Call(self, request.method, request.params, identity, merged, method.coalesce, method.is_async)
-        if limited and method.max_in_flight:  # its in-flight place is given back however it ends
+        if limited:  # its place in the method's books is given back however it ends
             name, methods_limits = request.method, hub.gate.methods
             call.future.add_done_callback(lambda _: methods_limits.done(name, identity))
         coalesce = method.coalesce

@@ -24,11 +24,10 @@ HTTP_ANSWERS = {CloseCode.TRY_AGAIN_LATER: (503, 2)}
 
 logger = logging.getLogger("realtime_app.consumers")
 
-#: At most one WARNING this often while signed-in handshakes are refused for the database.
-AUTH_OUTAGE_LOG_S = 60.0
+#: At most one line this often for each kind of refused handshake, with the count since.
+LOG_EVERY_S = 60.0
 
 _unsupported_logged = False
-_auth_outage = {"since": float("-inf"), "refused": 0}
 
 
 async def refuse(send: Callable[[dict[str, Any]], Awaitable[None]], code: CloseCode, reason: str) -> None:
@@ -77,25 +76,29 @@ def log_unsupported_once(exc: UnsupportedServer) -> None:
         logger.error("refusing WebSocket connections: %s", exc)
 
 
-_refused: dict[str, list[float]] = {}  # reason -> [when last logged, refused since]
+_counts: dict[str, list[float]] = {}  # what is counted -> [when last logged, how many since]
+
+
+def _count_then_log(key: str) -> int:
+    """Count one more ``key``; the count since the last line when one is due (at most one a
+    minute per key: a flood is counted, not logged socket by socket), else 0."""
+    now = time.monotonic()
+    seen = _counts.setdefault(key, [float("-inf"), 0])
+    seen[1] += 1
+    if now - seen[0] < LOG_EVERY_S:
+        return 0
+    count = int(seen[1])
+    seen[0], seen[1] = now, 0
+    return count
 
 
 def log_refused_connection(reason: str, kind: str) -> None:
-    """One INFO line a minute per reason (``server full``, ``too many connections``), with
-    the count since: a flood of sockets is counted, not logged socket by socket."""
-    now = time.monotonic()
-    seen = _refused.setdefault(reason, [float("-inf"), 0])
-    seen[1] += 1
-    if now - seen[0] >= AUTH_OUTAGE_LOG_S:
-        logger.info("%d connection(s) refused: %s (the last of one %s; counted in the probe)", seen[1], reason, kind)
-        seen[0], seen[1] = now, 0
+    """``server full``, ``too many connections``: one INFO line a minute per reason."""
+    if count := _count_then_log(reason):
+        logger.info("%d connection(s) refused: %s (the last of one %s; counted in the probe)", count, reason, kind)
 
 
 def log_auth_outage(why: str) -> None:
-    """One WARNING per minute of a database outage, with the handshakes refused since."""
-    now = time.monotonic()
-    _auth_outage["refused"] += 1
-    if now - _auth_outage["since"] >= AUTH_OUTAGE_LOG_S:
-        count = _auth_outage["refused"]
+    """One WARNING a minute of a database outage, with the handshakes refused since."""
+    if count := _count_then_log("database unavailable"):
         logger.warning("%d signed-in handshake(s) closed with 1013: the database does not answer (%s)", count, why)
-        _auth_outage.update(since=now, refused=0)

@@ -41,6 +41,15 @@ def admission_limits() -> AdmissionLimits:
     )
 
 
+def anonymous_handshake_limits() -> AdmissionLimits:
+    """The process's bucket of anonymous handshakes (``MAX_ANONYMOUS_HANDSHAKES_PER_S``,
+    bursts of twice that, one at least)."""
+    rate = float(get_config()["MAX_ANONYMOUS_HANDSHAKES_PER_S"])
+    return AdmissionLimits(
+        max_pending=0, max_per_identity=0, bucket_capacity=max(1.0, 2 * rate) if rate else 0.0, refill_per_s=rate
+    )
+
+
 def handshake_limits() -> AdmissionLimits:
     """The handshake bucket of each identity (``HANDSHAKES_PER_S``, ``HANDSHAKE_BURST``)."""
     config = get_config()
@@ -72,7 +81,8 @@ class Gate:
         self.identities: dict[Identity, int] = {}  # open connections per identity
         self.open = {"user": 0, "address": 0}  # open connections, signed-in and anonymous
         self.refused: dict[str, int] = {"connections": 0, "handshakes": 0, "server_full": 0, "process_handshakes": 0}
-        self._anonymous_handshakes = (0.0, 0.0)  # the process bucket: (tokens, when; 0: full, never drawn)
+        # the anonymous handshakes of every address together: one bucket, drawn as one identity
+        self._anonymous = Admission(anonymous_handshake_limits())
         self.refusal_closes = 0  # connections closed (1008) for ignoring their refusals
         self._refusing: set[Identity] = set()  # identities whose handshakes are refused now
         self._bucket_fallback: str | None = None  # why users' buckets are local now, if they are
@@ -103,20 +113,9 @@ class Gate:
         return False
 
     def _anonymous_handshake(self) -> bool:
-        """One anonymous handshake from the process's bucket (``MAX_ANONYMOUS_HANDSHAKES_PER_S``,
-        bursts of twice that): many addresses together cannot take every handshake."""
-        rate = float(get_config()["MAX_ANONYMOUS_HANDSHAKES_PER_S"])
-        if not rate:
-            return True
-        tokens, then = self._anonymous_handshakes
-        now = time.monotonic()
-        capacity = max(1.0, 2 * rate)
-        tokens = min(capacity, tokens + (now - then) * rate) if then else capacity
-        if tokens < 1:
-            self._anonymous_handshakes = (tokens, now)
-            return False
-        self._anonymous_handshakes = (tokens - 1, now)
-        return True
+        """One anonymous handshake from the process's bucket: many addresses together
+        cannot take every handshake."""
+        return self._anonymous.charge("anonymous", 1.0) is None
 
     def enter(self, identity: Identity) -> str | None:
         """Count one open connection of ``identity``; why not, when it may not open one:

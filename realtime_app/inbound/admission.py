@@ -236,6 +236,10 @@ class Admission:
             del self._identities[identity]
         return len(stale)
 
+    def pending_by_identity(self) -> dict[Hashable, int]:
+        """The identities with requests admitted and not yet answered, and how many."""
+        return {identity: state.pending for identity, state in self._identities.items() if state.pending}
+
     def in_flight(self, identity: Hashable) -> int:
         """Requests of ``identity`` admitted and not yet answered (its cap counts these)."""
         state = self._identities.get(identity)
