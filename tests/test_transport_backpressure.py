@@ -307,8 +307,13 @@ async def test_a_conflated_state_channel_converges_to_its_latest_value_where_dro
             while True:
                 message = await slow.recv(1.0)
                 if message.get("method") == "message":
-                    last[message["params"]["channel"]] = message["params"]["data"]["n"]
-        assert last[dropped] < 149 and last[events] < 149, last  # dropped ones stay behind for good
+                    params = message["params"]
+                    last[params["channel"]] = params["data"]["n"]
+                    seqs.setdefault(params["channel"], []).append(params["seq"])
+        # The dropped ones lost frames for good, the latest among them whenever it did not fit
+        # (the drop rule lets one frame in three through over the threshold: the last may be
+        # one of those, so their last value is not asserted)
+        assert all(len(seqs.get(channel, [])) < 150 for channel in (dropped, events)), seqs
         gaps = [b - a for a, b in zip(seqs[conflated], seqs[conflated][1:], strict=False)]
         assert max(gaps) > 1  # the seq jump shows what was conflated
     finally:

@@ -105,13 +105,15 @@ def create_delta(
 ) -> bytes:
     """The delta that makes ``target`` out of ``base``; :class:`TooCostly` when the search
     needs more than ``work_per_byte`` candidate checks (and bytes compared) per target byte,
-    or — with ``max_seconds`` — longer than that: a bound on the time it holds its thread
+    or — with ``max_seconds`` — more CPU time than that: a bound on the time it holds its thread
     (the event loop's, for the fan-out), whatever the input's shape or size."""
     budget = work_per_byte * len(target) + 4096
-    deadline = None if max_seconds is None else time.perf_counter() + max_seconds
+    # CPU time of this thread (the event loop's): what the input costs, not a preemption by
+    # another process on a loaded machine
+    deadline = None if max_seconds is None else time.thread_time() + max_seconds
 
     def in_time() -> None:
-        if deadline is not None and time.perf_counter() >= deadline:
+        if deadline is not None and time.thread_time() >= deadline:
             raise TooCostly(f"longer than {max_seconds} s for a {len(target)}-byte target")
 
     out = bytearray()
