@@ -12,6 +12,8 @@ urlpatterns = [
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
     path("realtime/", include("realtime_app.urls")),
+    path("demo/room/<slug:name>/", views.room, name="demo-room"),
+    path("demo/lot/<int:lot_id>/", views.lot, name="demo-lot"),
     path("demo/heavy/", views.heavy, name="heavy"),  # in the pool "heavy" (settings.REALTIME_APP)
     path("demo/heavy-unlimited/", views.heavy, name="heavy-unlimited"),
 ]

@@ -22,6 +22,7 @@ REALTIME_APP = {
         *REALTIME_APP["POLICIES"],  # noqa: F405
         {"pattern": "test:staff", "staff": True},
         {"pattern": "test:perm", "permission": "auth.view_user"},
+        {"pattern": "test:secret:<slug:name>", "check": "tests.testapp.realtime_channels.secret_check"},
     ],
     "HTTP_POOLS": {
         **REALTIME_APP["HTTP_POOLS"],  # noqa: F405

@@ -16,7 +16,16 @@ from realtime_app.observability.schema import Counter, Gauge, ProcessProbe, Show
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The blocks Prometheus reads field by field (metrics.SECTIONS and metrics.KEYED).
-METRIC_BLOCKS = {"", ".backpressure", ".admission", ".history", ".backplane", ".http_pools[]", ".write_behind[]"}
+METRIC_BLOCKS = {
+    "",
+    ".backpressure",
+    ".admission",
+    ".history",
+    ".backplane",
+    ".http_pools[]",
+    ".write_behind[]",
+    ".templates[]",
+}
 
 
 def is_block(kind: Any) -> bool:

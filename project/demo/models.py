@@ -22,3 +22,24 @@ class InventoryItem(models.Model):
 
     def __str__(self) -> str:
         return f"{self.user_id} {self.item}: {self.shots}"
+
+
+class AuctionLot(models.Model):
+    """One lot of the demo auction (ids 1..1000, made by the migration): its channel is
+    ``demo:lot:<id>``, an app-fed state channel published on every bid."""
+
+    price = models.PositiveIntegerField(default=0)
+    bids = models.PositiveIntegerField(default=0)
+
+    def state(self) -> dict[str, int]:
+        """The channel's value: ``{"lot", "price", "bids"}``."""
+        return {"lot": self.pk, "price": self.price, "bids": self.bids}
+
+
+class RoomMessage(models.Model):
+    """A message posted in a demo chat room (``demo:room:<name>``)."""
+
+    room = models.SlugField(max_length=64, db_index=True)
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE)
+    text = models.CharField(max_length=500)
+    created = models.DateTimeField(auto_now_add=True)

@@ -11,7 +11,7 @@ from typing import Any
 import realtime_app
 from realtime_app.channels.registry import ChannelSpec
 
-from . import inventory  # noqa: F401  (its RPC methods register on import)
+from . import auction, inventory  # noqa: F401  (their channels and RPC methods register on import)
 
 FLOOD_PAYLOAD_BYTES = 32 * 1024
 

@@ -1,13 +1,30 @@
 import asyncio
+import json
 import mmap
 
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
+
+from project.demo.auction import lot_state
 
 
 def dashboard(request: HttpRequest) -> HttpResponse:
     """The demo dashboard: live channel values over the realtime WebSocket."""
     return render(request, "demo/dashboard.html")
+
+
+def room(request: HttpRequest, name: str) -> HttpResponse:
+    """A chat room on its own channel, ``demo:room:<name>``."""
+    other = "garden" if name == "lobby" else "lobby"
+    return render(request, "demo/room.html", {"name": name, "name_json": json.dumps(name), "other": other})
+
+
+def lot(request: HttpRequest, lot_id: int) -> HttpResponse:
+    """An auction lot on its own app-fed channel, ``demo:lot:<id>:<ms>``."""
+    state = lot_state(lot_id)
+    if state is None:
+        raise Http404("no such lot")
+    return render(request, "demo/lot.html", {"lot": state, "other": lot_id % 1000 + 1})
 
 
 #: What one heavy request allocates and how long it holds it (SPEC §10).

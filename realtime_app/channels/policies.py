@@ -5,7 +5,9 @@ A rule is a dict: ``{"pattern": "atelier:", "authenticated": True}``. Patterns:
 * without ``*?[``: matches the name itself, and names that continue it after a ``:``
   (``atelier:load`` matches ``atelier:load`` and ``atelier:load:2000``, not
   ``atelier:loader``); a pattern ending in ``:`` is a plain prefix;
-* with ``*?[``: a glob (``fnmatchcase``).
+* with ``*?[``: a glob (``fnmatchcase``);
+* with ``<converter:name>``: a channel template (``lot:<int:id>``), matching its
+  instances (and their cadences) as a name without ``*?[`` matches its own.
 
 A cadenced channel is also checked against the rules of its family's base, so a rule
 on the base always guards every cadence. The most specific matching rule wins: an exact
@@ -16,9 +18,11 @@ explicit opt-in to open some cadences of a guarded family wider than its base.
 
 Requirements: ``authenticated``, ``staff``, ``superuser`` (bools), ``permission`` (a
 permission name or a list), ``check`` (a callable ``(user, channel, action) -> bool`` or its
-dotted path). Top-level requirements apply to subscribing; ``subscribe`` and ``publish``
-sub-dicts govern each action (``"publish": True`` allows anyone; ``False`` nobody).
-Clients may publish only where a rule says so.
+dotted path; for an instance of a template, ``channel.params`` holds its values). Top-level
+requirements apply to subscribing; ``subscribe`` and ``publish`` sub-dicts govern each
+action (``"publish": True`` allows anyone; ``False`` nobody). Clients may publish only
+where a rule says so. A template declared with ``owner="id"`` is only its user's
+(``user:<int:id>`` for the user whose pk is ``id``), whatever the rules say.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from typing import Any, Literal, TypeAlias
 
 from django.utils.module_loading import import_string
 
+from realtime_app.channels.templates import ChannelName, Template, compile_template, is_template
+
 __all__ = [
     "Action",
     "Requirement",
@@ -44,6 +50,7 @@ __all__ = [
     "compile_rules",
     "evaluate",
     "matching_rule",
+    "owns",
     "requirement_for",
 ]
 
@@ -115,17 +122,29 @@ class Rule:
     index: int  # position in settings, for messages
     override_family: bool = False  # may open cadences wider than the family's own rule
     backpressure: str | None = None  # "drop" | "close" | "conflate" for the channels it matches
+    template: Template | None = None  # the pattern is a channel template
 
     @property
     def is_glob(self) -> bool:
-        return any(c in _GLOB_CHARS for c in self.pattern)
+        return self.template is None and any(c in _GLOB_CHARS for c in self.pattern)
 
     def literal_length(self) -> int:
         """Characters matched literally: ``[...]`` counts as none, like ``?``."""
+        if self.template is not None:
+            return self.template.literal_length()
         return sum(1 for c in _BRACKETS.sub("", self.pattern) if c not in "*?")
 
     def matches(self, name: str) -> bool:
         p = self.pattern
+        if self.template is not None:  # the instance, or a name that continues it after a ":"
+            if self.template.match(name) is not None:
+                return True
+            head = name
+            while ":" in head:
+                head = head.rpartition(":")[0]
+                if self.template.match(head) is not None:
+                    return True
+            return False
         if self.is_glob:
             return fnmatch.fnmatchcase(name, p)
         if p.endswith(":"):
@@ -133,7 +152,10 @@ class Rule:
         return name == p or name.startswith(p + ":")
 
     def specificity(self, name: str) -> tuple[int, int, int]:
-        return (int(name == self.pattern), self.literal_length(), int(not self.is_glob))
+        """Exact name first, then the most literal text, then a template (it names
+        instances) over a prefix, over a glob."""
+        rank = 2 if self.template is not None else int(not self.is_glob)
+        return (int(name == self.pattern), self.literal_length(), rank)
 
     def requirement(self, action: Action) -> Requirement:
         return self.subscribe if action == "subscribe" else self.publish
@@ -181,7 +203,14 @@ def compile_rules(raw: Iterable[Any]) -> list[Rule]:
         pattern = spec.get("pattern")
         if not isinstance(pattern, str) or not pattern:
             raise ValueError(f"{where}: 'pattern' must be a non-empty string, got {pattern!r}")
-        _require_balanced(pattern, where)
+        template = None
+        if is_template(pattern):
+            try:
+                template = compile_template(pattern)
+            except Exception as exc:
+                raise ValueError(f"{where}: {exc}") from None
+        else:
+            _require_balanced(pattern, where)
         override = spec.get("override_family", False)
         if not isinstance(override, bool):
             raise ValueError(f"{where}: 'override_family' must be a bool, got {override!r}")
@@ -197,7 +226,7 @@ def compile_rules(raw: Iterable[Any]) -> list[Rule]:
         base = _requirement(top, where)
         subscribe = _requirement(spec["subscribe"], f"{where}.subscribe") if "subscribe" in spec else base
         publish = _requirement(spec["publish"], f"{where}.publish") if "publish" in spec else Requirement(allowed=False)
-        rules.append(Rule(pattern, subscribe, publish, index, override, backpressure))
+        rules.append(Rule(pattern, subscribe, publish, index, override, backpressure, template))
     return rules
 
 
@@ -287,13 +316,30 @@ def active_rules() -> list[Rule]:
 
 
 async def allowed(user: Any, name: str, base: str | None, action: Action) -> bool:
-    """Whether ``user`` may ``action`` the channel ``name`` (of family ``base``)."""
+    """Whether ``user`` may ``action`` the channel ``name`` (of family ``base``): its
+    template's owner only, if it names one, and as the rules say. A ``check`` is given
+    the name as a :class:`ChannelName` (``channel.params``)."""
+    from realtime_app.channels.registry import registry
+
+    spec = registry.find(name)
+    channel: str = name
+    if spec is not None and spec.declared is not None:
+        if spec.declared.owner is not None and not owns(user, spec.params[spec.declared.owner]):
+            return False
+        channel = ChannelName(name, spec.params, spec.declared.pattern)
     req = requirement_for(active_rules(), name, base, action)
     if req.needs_database:
         from channels.db import database_sync_to_async
 
-        return bool(await database_sync_to_async(evaluate)(req, user, name, action))
-    return evaluate(req, user, name, action)
+        return bool(await database_sync_to_async(evaluate)(req, user, channel, action))
+    return evaluate(req, user, channel, action)
+
+
+def owns(user: Any, value: Any) -> bool:
+    """Whether ``value`` (an ``owner`` parameter) is this signed-in, active user's pk."""
+    if not getattr(user, "is_authenticated", False) or not getattr(user, "is_active", True):
+        return False
+    return str(user.pk) == str(value)
 
 
 def backpressure_policy(name: str, base: str | None = None) -> str | None:

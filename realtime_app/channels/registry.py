@@ -1,42 +1,55 @@
-"""Which channels exist: cadenced families, exact state channels, event channels.
+"""Which channels exist: cadenced families, exact state channels, event channels, and
+templates of each (a channel per object).
 
 A **family** owns ``base`` and every ``base:<ms>``; its factory is called when one of
 those channels gets its first subscriber in the cluster and its cleanup after the last
-leaves. An **exact** channel is one fixed state channel with an optional factory. An
-**event** channel is published by application code only and never cadenced.
+leaves. An **app-fed** family has no factory: the application sets its value
+(``publish(base, value)``) and each cadence delivers the latest at most once a period.
+An **exact** channel is one fixed state channel with an optional factory. An **event**
+channel is published by application code only and never cadenced.
 
-Registration happens at import time of each app's ``realtime_channels`` module.
+Any of them may be a **template** (``lot:<int:id>``, :mod:`~realtime_app.channels.templates`):
+its instances are resolved by name when used, never listed; ``exists`` says which are
+real, ``owner`` names the parameter that must be the subscriber's user id.
+
+Registration happens at import time of each app's ``realtime_channels`` module, with the
+functions of :mod:`~realtime_app.channels.declare`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
+from realtime_app.channels.templates import Template, compile_template, is_template
 from realtime_app.exceptions import ConfigurationError, UnknownChannel
 from realtime_app.wire.history import HistoryPolicy
 from realtime_app.wire.rate import RateBounds, is_rate_channel, parse_rate, rate_channel
 
 __all__ = [
+    "FED_PREFIX",
+    "STATE_TTL_S",
     "ChannelKind",
     "ChannelSpec",
+    "Declared",
     "Family",
     "Registry",
-    "event_channel",
-    "family",
+    "fed_channel",
     "registry",
-    "state_channel",
-    "ticker",
 ]
 
 logger = logging.getLogger("realtime_app.registry")
 
 #: The backplane channel of the cluster's own control messages (``hub.CONTROL_CHANNEL``).
 RESERVED = "realtime.control"
+#: Names the cluster uses for itself: never a client's channel.
+RESERVED_PREFIX = "realtime."
+#: The backplane channel that carries an app-fed family's value (``fed_channel``).
+FED_PREFIX = "realtime.fed:"
+#: How long the backplane keeps an app-fed value after it was last set, by default.
+STATE_TTL_S = 86_400
 
 Publish: TypeAlias = Callable[[Any], None]
 Cleanup: TypeAlias = Callable[[], Any]
@@ -58,14 +71,23 @@ class ChannelSpec:
     factory: Factory | None = field(default=None, compare=False, repr=False)
     history: HistoryPolicy | None = None  # event channels that keep their past (docs/recovery.md)
     max_bytes: int = 0  # an event channel's own bound on a publication (0: MAX_PUBLICATION_BYTES)
+    fed: HistoryPolicy | None = None  # app-fed: how its value is kept (one, ``ttl_s``) on the backplane
+    params: dict[str, Any] = field(default_factory=dict, compare=False)  # a template instance's values
+    declared: Declared | None = field(default=None, compare=False, repr=False)  # its template
 
     def __str__(self) -> str:
         return self.name
 
     @property
     def has_ticker(self) -> bool:
-        """True when a factory runs (one per cluster) while the channel has subscribers."""
-        return self.factory is not None
+        """True when something runs (one per cluster) while the channel has subscribers:
+        a factory, or an app-fed cadence's pacing."""
+        return self.factory is not None or self.fed is not None
+
+    @property
+    def template(self) -> str | None:
+        """The template this channel is an instance of (``"lot:<int:id>"``), if any."""
+        return self.declared.template.pattern if self.declared is not None else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,14 +96,67 @@ class Family:
 
     base: str
     bounds: RateBounds
-    factory: Factory
+    factory: Factory | None
+    fed: HistoryPolicy | None = None
+    params: dict[str, Any] = field(default_factory=dict, compare=False)
+    declared: Declared | None = field(default=None, compare=False, repr=False)
 
     def resolve(self, name: str) -> ChannelSpec | None:
         ms = parse_rate(name, self.base, self.bounds)
         if ms is None:
             return None
         canonical = rate_channel(self.base, ms, self.bounds.default)
-        return ChannelSpec(canonical, "state", self.base, ms, self.factory)
+        return ChannelSpec(
+            canonical, "state", self.base, ms, self.factory, fed=self.fed, params=self.params, declared=self.declared
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Declared:
+    """A template declaration: what each of its instances is, and which exist."""
+
+    template: Template
+    kind: ChannelKind
+    bounds: RateBounds | None = None  # cadenced (a family)
+    factory: Factory | None = field(default=None, compare=False)
+    fed: HistoryPolicy | None = None
+    history: HistoryPolicy | None = None
+    max_bytes: int = 0
+    exists: Callable[[dict[str, Any]], Any] | None = field(default=None, compare=False)
+    owner: str | None = None  # the parameter that must equal the subscriber's user id
+    max_instances: int = 0  # 0: MAX_INSTANCES_PER_TEMPLATE
+
+    @property
+    def pattern(self) -> str:
+        return self.template.pattern
+
+    def family(self, name: str) -> Family | None:
+        """The instance family ``name`` is the base or a cadence of (cadenced templates)."""
+        if self.bounds is None:
+            return None
+        params = self.template.match(name)
+        base = name
+        if params is None:
+            base, sep, _ = name.rpartition(":")
+            params = self.template.match(base) if sep and is_rate_channel(name, base) else None
+            if params is None:
+                return None
+        return Family(base, self.bounds, self.factory, self.fed, params, self)
+
+    def resolve(self, name: str) -> ChannelSpec | None:
+        """The instance ``name`` names, canonicalised, or None."""
+        if self.bounds is not None:
+            fam = self.family(name)
+            return fam.resolve(name) if fam is not None else None
+        params = self.template.match(name)
+        if params is None:
+            return None
+        return ChannelSpec(
+            name, self.kind, name, None, self.factory, self.history, self.max_bytes, params=params, declared=self
+        )
+
+    def covers(self, name: str) -> bool:
+        return self.resolve(name) is not None
 
 
 class Registry:
@@ -90,24 +165,38 @@ class Registry:
     def __init__(self) -> None:
         self.families: dict[str, Family] = {}
         self.exact: dict[str, ChannelSpec] = {}
+        self.templates: dict[str, Declared] = {}
 
     def clear(self) -> None:
         self.families.clear()
         self.exact.clear()
+        self.templates.clear()
 
     def _check_free(self, name: str) -> None:
         if not isinstance(name, str) or not name or name != name.strip():
             raise ConfigurationError(f"channel name must be a non-empty string without outer spaces, got {name!r}")
-        if name in self.families or name in self.exact:
+        if name in self.families or name in self.exact or name in self.templates:
             raise ConfigurationError(f"channel {name!r} is already registered")
-        if name == RESERVED:
-            raise ConfigurationError(f"channel name {name!r} is reserved for the cluster's control messages")
+        if name == RESERVED or name.startswith(RESERVED_PREFIX):
+            raise ConfigurationError(f"channel names beginning {RESERVED_PREFIX!r} are the cluster's own, got {name!r}")
         base, _, suffix = name.rpartition(":")
         if base in self.families and suffix.isascii() and suffix.isdigit():
             raise ConfigurationError(f"channel {name!r} is a cadence of family {base!r}")
 
-    def add_family(self, base: str, factory: Factory, *, default: int, min: int, max: int) -> Family:
-        """Register a cadenced family; ``default``, ``min``, ``max`` in milliseconds."""
+    def add_family(
+        self,
+        base: str,
+        factory: Factory | None,
+        *,
+        default: int,
+        min: int,
+        max: int,
+        fed: HistoryPolicy | None = None,
+        **instances: Any,
+    ) -> Family | Declared:
+        """Register a cadenced family (a template of families when ``base`` has
+        parameters); ``default``, ``min``, ``max`` in milliseconds. ``factory`` None and
+        ``fed`` set: an app-fed family."""
         self._check_free(base)
         for key, value in (("default", default), ("min", min), ("max", max)):
             if isinstance(value, bool) or not isinstance(value, int):
@@ -118,9 +207,13 @@ class Registry:
             raise ConfigurationError(
                 f"family {base!r}: need 0 < min <= default <= max, got min={min} default={default} max={max}"
             )
-        if not callable(factory):
+        if (factory is None) == (fed is None) or (factory is not None and not callable(factory)):
             raise ConfigurationError(f"family {base!r}: factory must be callable, got {factory!r}")
-        fam = Family(base, RateBounds(default, min, max), factory)
+        bounds = RateBounds(default, min, max)
+        if is_template(base):
+            return self._add_template(base, "state", bounds=bounds, factory=factory, fed=fed, **instances)
+        _no_instance_options(base, instances)
+        fam = Family(base, bounds, factory, fed)
         self.families[base] = fam
         return fam
 
@@ -131,20 +224,50 @@ class Registry:
         factory: Factory | None = None,
         history: HistoryPolicy | None = None,
         max_bytes: int = 0,
-    ) -> ChannelSpec:
+        **instances: Any,
+    ) -> ChannelSpec | Declared:
         """Register an exact state channel (optional factory) or an event channel (none,
-        optional history)."""
+        optional history); a template of either when ``name`` has parameters."""
         self._check_free(name)
         if kind == "event" and factory is not None:
             raise ConfigurationError(f"event channel {name!r} cannot have a factory: application code publishes it")
         if history is not None and kind != "event":
             raise ConfigurationError(f"channel {name!r}: only event channels keep a history")
+        if is_template(name):
+            return self._add_template(name, kind, factory=factory, history=history, max_bytes=max_bytes, **instances)
+        _no_instance_options(name, instances)
         spec = ChannelSpec(name, kind, name, None, factory, history, max_bytes)
         self.exact[name] = spec
         return spec
 
+    def _add_template(
+        self,
+        pattern: str,
+        kind: ChannelKind,
+        *,
+        exists: Callable[[dict[str, Any]], Any] | None = None,
+        owner: str | None = None,
+        max_instances: int = 0,
+        **what: Any,
+    ) -> Declared:
+        template = compile_template(pattern)
+        names = [parameter for parameter, _ in template.converters]
+        if exists is not None and not callable(exists):
+            raise ConfigurationError(f"channel template {pattern!r}: exists must be callable, got {exists!r}")
+        if owner is not None and owner not in names:
+            raise ConfigurationError(f"channel template {pattern!r}: owner {owner!r} is none of its parameters {names}")
+        if isinstance(max_instances, bool) or not isinstance(max_instances, int) or max_instances < 0:
+            raise ConfigurationError(
+                f"channel template {pattern!r}: max_instances must be an integer >= 0, got {max_instances!r}"
+            )
+        declared = Declared(template, kind, exists=exists, owner=owner, max_instances=max_instances, **what)
+        self.templates[pattern] = declared
+        return declared
+
     def resolve(self, name: str) -> ChannelSpec:
-        """The channel ``name`` refers to, canonicalised; raises :class:`UnknownChannel`."""
+        """The channel ``name`` refers to, canonicalised; raises :class:`UnknownChannel`.
+        A template's instance is resolved by name only: whether it exists is
+        :func:`~realtime_app.channels.instances.exists`' to say."""
         spec = self.exact.get(name)
         if spec is not None:
             return spec
@@ -156,123 +279,80 @@ class Registry:
             resolved = fam.resolve(name)
             if resolved is not None:
                 return resolved
+        for declared in self.templates.values():
+            resolved = declared.resolve(name)
+            if resolved is not None:
+                return resolved
         raise UnknownChannel(name)
+
+    def find(self, name: str) -> ChannelSpec | None:
+        """:meth:`resolve`, or None for a name nobody declared."""
+        try:
+            return self.resolve(name)
+        except UnknownChannel:
+            return None
 
     def family_of(self, name: str) -> Family | None:
         """The family whose base or cadence (``base:<ASCII digits>``) ``name`` is, if any;
-        ``base:chat`` is not a cadence, so not of the family (its rules do not apply)."""
+        ``base:chat`` is not a cadence, so not of the family (its rules do not apply).
+        For a cadenced template, the family of the instance (``lot:42`` of ``lot:<int:id>``)."""
         if name in self.families:
             return self.families[name]
         base, sep, _ = name.rpartition(":")
         fam = self.families.get(base) if sep else None
-        return fam if fam is not None and is_rate_channel(name, base) else None
+        if fam is not None:
+            return fam if is_rate_channel(name, base) else None
+        if name in self.exact:
+            return None
+        for declared in self.templates.values():
+            found = declared.family(name)
+            if found is not None:
+                return found
+        return None
+
+    def declarations(self) -> list[tuple[str, Callable[[str], bool], list[str]]]:
+        """Every declaration as ``(name, covers(name) -> bool, sample names)``: what the
+        collision check compares (a family's samples include a cadence)."""
+        out: list[tuple[str, Callable[[str], bool], list[str]]] = []
+        for name, spec in self.exact.items():
+            out.append((name, spec.name.__eq__, [name]))
+        for base, fam in self.families.items():
+            out.append((base, _covers(fam), [base, f"{base}:{fam.bounds.max}"]))
+        for pattern, declared in self.templates.items():
+            samples = list(declared.template.samples())
+            if declared.bounds is not None:
+                samples += [f"{s}:{declared.bounds.max}" for s in samples]
+            out.append((pattern, declared.covers, samples))
+        return out
+
+    def collisions(self) -> list[tuple[str, str, str]]:
+        """Pairs of declarations that both claim one name: ``(first, second, name)``."""
+        found = []
+        declared = self.declarations()
+        for i, (first, covers_first, first_samples) in enumerate(declared):
+            for second, covers_second, second_samples in declared[i + 1 :]:
+                name = next((s for s in first_samples if covers_second(s)), None)
+                if name is None:
+                    name = next((s for s in second_samples if covers_first(s)), None)
+                if name is not None:
+                    found.append((first, second, name))
+        return found
+
+
+def _covers(fam: Family) -> Callable[[str], bool]:
+    return lambda name: fam.resolve(name) is not None
+
+
+def _no_instance_options(name: str, options: dict[str, Any]) -> None:
+    """``exists``, ``owner`` and ``max_instances`` belong to templates."""
+    given = sorted(k for k, v in options.items() if v not in (None, 0))
+    if given:
+        raise ConfigurationError(f"channel {name!r}: {given} apply to channel templates (a name with <parameters>)")
 
 
 registry = Registry()
 
 
-def family(base: str, *, default: int = 1000, min: int = 100, max: int = 60000) -> Callable[[Factory], Factory]:
-    """Decorator: register ``factory(channel, publish) -> cleanup | None`` for a cadenced family.
-
-    The factory is called once per cadence channel in the whole cluster, when that
-    channel gets its first subscriber; ``channel.interval_ms`` is the cadence. It must not
-    capture the connection that triggered it.
-    """
-
-    def register(factory: Factory) -> Factory:
-        registry.add_family(base, factory, default=default, min=min, max=max)
-        return factory
-
-    return register
-
-
-def ticker(
-    base: str, *, default: int = 1000, min: int = 100, max: int = 60000
-) -> Callable[[Callable[[ChannelSpec], Any]], Callable[[ChannelSpec], Any]]:
-    """Decorator: a cadenced family whose frames are ``tick(channel)`` every cadence.
-
-    ``tick`` may be sync (keep it quick: it runs on the event loop) or async. It runs on
-    one process of the cluster, on a drift-free schedule; a slow tick skips missed beats
-    instead of bursting.
-    """
-
-    def register(tick: Callable[[ChannelSpec], Any]) -> Callable[[ChannelSpec], Any]:
-        def factory(channel: ChannelSpec, publish: Publish) -> Cleanup:
-            task = asyncio.get_running_loop().create_task(_run_ticker(channel, tick, publish))
-            return task.cancel
-
-        factory.__name__ = f"ticker_{getattr(tick, '__name__', 'tick')}"
-        registry.add_family(base, factory, default=default, min=min, max=max)
-        return tick
-
-    return register
-
-
-async def _run_ticker(channel: ChannelSpec, tick: Callable[[ChannelSpec], Any], publish: Publish) -> None:
-    assert channel.interval_ms is not None
-    period = channel.interval_ms / 1000
-    loop = asyncio.get_running_loop()
-    deadline = loop.time()
-    failing = False
-    while True:
-        try:
-            data = tick(channel)
-            if inspect.isawaitable(data):
-                data = await data
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            if not failing:  # log once per failure streak, not once per beat
-                logger.exception("tick of %s failed", channel.name)
-            failing = True
-            report = getattr(publish, "failed", None)  # the probe shows the ticker failing
-            if report is not None:
-                report(exc)
-        else:
-            failing = False
-            publish(data)
-        deadline += period
-        now = loop.time()
-        if deadline < now:  # late: skip the missed beats
-            deadline = now + period - ((now - deadline) % period)
-        await asyncio.sleep(deadline - now)
-
-
-def state_channel(name: str) -> Callable[[Factory], Factory]:
-    """Decorator: an exact (uncadenced) state channel served by ``factory(channel, publish)``."""
-
-    def register(factory: Factory) -> Factory:
-        registry.add_channel(name, "state", factory)
-        return factory
-
-    return register
-
-
-#: Most publications one channel may keep (each is kept whole, on the backplane).
-MAX_HISTORY_SIZE = 100_000
-
-
-def event_channel(name: str, *, history_size: int = 0, history_ttl_s: int = 300, max_bytes: int = 0) -> ChannelSpec:
-    """Register an event channel: every message counts, published with ``publish()``.
-
-    ``history_size`` > 0 keeps the last that many publications, none older than
-    ``history_ttl_s``, so that a client that missed some (a drop, a 1013, a reconnect)
-    gets them again by subscribing ``since`` the last it saw (docs/recovery.md).
-    ``max_bytes`` > 0 bounds this channel's publications (their whole frame) below
-    ``MAX_PUBLICATION_BYTES``: what a history holds is then at most ``history_size ×
-    max_bytes`` — worth setting on a channel that clients may publish on.
-    """
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
-        raise ConfigurationError(f"event channel {name!r}: max_bytes must be an integer >= 0, got {max_bytes!r}")
-    history = None
-    if isinstance(history_size, bool) or not isinstance(history_size, int) or not 0 <= history_size <= MAX_HISTORY_SIZE:
-        raise ConfigurationError(
-            f"event channel {name!r}: history_size must be an integer 0..{MAX_HISTORY_SIZE}, got {history_size!r}"
-        )
-    if history_size:
-        if isinstance(history_ttl_s, bool) or not isinstance(history_ttl_s, int) or history_ttl_s < 1:
-            raise ConfigurationError(
-                f"event channel {name!r}: history_ttl_s must be a positive integer, got {history_ttl_s!r}"
-            )
-        history = HistoryPolicy(history_size, history_ttl_s)
-    return registry.add_channel(name, "event", history=history, max_bytes=max_bytes)
+def fed_channel(base: str) -> str:
+    """The backplane channel that carries the value of the app-fed family ``base``."""
+    return FED_PREFIX + base

@@ -23,7 +23,7 @@ import logging
 from importlib import import_module
 from typing import Any
 
-from realtime_app.channels.policies import Action, active_rules, evaluate, requirement_for
+from realtime_app.channels.policies import Action, active_rules, allowed, requirement_for
 from realtime_app.channels.registry import registry
 from realtime_app.conf import get_config
 from realtime_app.hub.core import BACKGROUND_LOOPS, CONTROL_HANDLERS, Connection, Hub
@@ -44,7 +44,11 @@ def session_digest(session_key: str) -> str:
 
 
 def needs_user(channel: str, action: Action = "subscribe") -> bool:
-    """True when ``action`` on ``channel`` depends on who the user is (not open to anyone)."""
+    """True when ``action`` on ``channel`` depends on who the user is (not open to anyone,
+    or a template's owner's)."""
+    spec = registry.find(channel)
+    if spec is not None and spec.declared is not None and spec.declared.owner is not None:
+        return True
     family = registry.family_of(channel)
     req = requirement_for(active_rules(), channel, family.base if family else None, action)
     identified = req.authenticated or req.staff or req.superuser or bool(req.permissions)
@@ -123,17 +127,9 @@ async def revalidate(conn: Connection) -> int | None:
     user = await current_user(conn.scope)
     if was_authenticated and not getattr(user, "is_authenticated", False):
         return int(CloseCode.SESSION_ENDED)  # also for application methods that read the user
-    from channels.db import database_sync_to_async
-
-    rules = active_rules()
     for channel in guarded:
         family = registry.family_of(channel)
-        req = requirement_for(rules, channel, family.base if family else None, "subscribe")
-        if req.needs_database:
-            ok = await database_sync_to_async(evaluate)(req, user, channel, "subscribe")
-        else:
-            ok = evaluate(req, user, channel, "subscribe")
-        if not ok:
+        if not await allowed(user, channel, family.base if family else None, "subscribe"):
             return int(CloseCode.RIGHTS_REVOKED)
     conn.scope["user"] = user  # the next checks start from the fresh user
     return None

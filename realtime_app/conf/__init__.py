@@ -62,6 +62,11 @@ DEFAULTS: dict[str, Any] = {
     # anonymous client address (past it the socket is closed with 1008); 0 = unlimited.
     "MAX_CADENCES_PER_FAMILY": 16,
     "MAX_TICKERS": 1000,
+    # Instances of channel templates (``lot:<int:id>``) live in a process at once: in all,
+    # and of one template (a template's ``max_instances`` overrides the latter). Past
+    # either, subscribing to a new instance gets -32003 too_many_instances; 0 = unlimited.
+    "MAX_INSTANCES": 100_000,
+    "MAX_INSTANCES_PER_TEMPLATE": 20_000,
     "MAX_CONNECTIONS_PER_USER": 100,
     "MAX_CONNECTIONS_PER_ADDRESS": 50,
     # WebSocket handshakes per second of one identity (a user, or an anonymous client's

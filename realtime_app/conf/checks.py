@@ -17,7 +17,7 @@ from realtime_app.channels.registry import Family, registry
 from realtime_app.conf import DEFAULTS, get_config
 from realtime_app.conf.backplane_checks import check_backplane, check_shards
 
-__all__ = ["check_layer", "check_policies", "check_server_versions", "check_settings"]
+__all__ = ["check_channels", "check_layer", "check_policies", "check_server_versions", "check_settings"]
 
 _INT_SETTINGS = {
     "MAX_FRAME_BYTES": 0,
@@ -38,6 +38,8 @@ _INT_SETTINGS = {
     "MAX_PUBLICATION_BYTES": 0,
     "MAX_CADENCES_PER_FAMILY": 0,
     "MAX_TICKERS": 0,
+    "MAX_INSTANCES": 0,
+    "MAX_INSTANCES_PER_TEMPLATE": 0,
     "MAX_CONNECTIONS_PER_USER": 0,
     "MAX_CONNECTIONS_PER_ADDRESS": 0,
     "PROBE_TOP_CHANNELS": 1,
@@ -290,9 +292,10 @@ def check_policies(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                         id="realtime_app.W011",
                     )
                 )
-    if registry.exact or registry.families:
+    if registry.exact or registry.families or registry.templates:
+        samples = [s for d in registry.templates.values() for s in itertools.islice(d.template.samples(), 8)]
         for rule in rules[:user_count]:
-            if any(rule.matches(name) for name in [*registry.exact, *registry.families]):
+            if any(rule.matches(name) for name in [*registry.exact, *registry.families, *samples]):
                 continue
             if any(next(_cadences_matched(rule, fam), None) for fam in registry.families.values()):
                 continue
@@ -335,6 +338,22 @@ def check_policies(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                     )
                 )
     return messages
+
+
+@register(Tags.compatibility)
+def check_channels(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Two declarations that claim one name (a template and a listed channel, two
+    templates, a template and a family's cadence): which one serves it is unknowable."""
+    return [
+        Error(
+            f"channels {first!r} and {second!r} both match {name!r}.",
+            hint="Give one of them a literal part of its own (e.g. 'room:<slug:name>' and 'room-id:<int:id>'), "
+            "or a converter that cannot match what the other does.",
+            obj=first,
+            id="realtime_app.E013",
+        )
+        for first, second, name in registry.collisions()
+    ]
 
 
 #: Versions whose private transport internals realtime_app.outbound.transports was written against.

@@ -26,6 +26,7 @@ from realtime_app.endpoint.auth import AUTH_UNAVAILABLE
 from realtime_app.endpoint.methods import BUILTIN_COSTS, Method, encodable, method_costs, methods, rpc_method
 from realtime_app.endpoint.refusals import deny, log_auth_outage, log_refused_connection, log_unsupported_once, refuse
 from realtime_app.endpoint.replies import Pending, Reply
+from realtime_app.endpoint.subscribing import bounded, existing
 from realtime_app.exceptions import (
     NO_USER_HINT,
     BackplaneUnavailable,
@@ -43,7 +44,6 @@ from realtime_app.wire import protocol
 from realtime_app.wire.deltas import FOSSIL
 from realtime_app.wire.history import Since
 from realtime_app.wire.protocol import CloseCode, Request, Response
-from realtime_app.wire.rate import nearest_cadence, rate_channel
 
 __all__ = ["RealtimeConsumer", "method_costs", "rpc_method"]
 
@@ -70,6 +70,7 @@ class RealtimeConsumer:
         self._fresh: tuple[float, Any] | None = None  # (when, user) of the last re-read
         self._identity: tuple[str, str] | None = None
         self._errors: dict[str, int] = {}  # bad requests of this connection by reason (logged once)
+        self._current: list[ChannelSpec] = []  # state channels subscribed by this frame: their value after the answer
 
     @classmethod
     def as_asgi(cls, **initkwargs: Any) -> Callable[..., Awaitable[None]]:
@@ -210,6 +211,8 @@ class RealtimeConsumer:
             if not request.is_notification:
                 reply.add(outcome)
         reply.seal()
+        while self._current:  # after the answer, which tells the client the channel's canonical name
+            await hub.send_current(self.connection, self._current.pop(0))
 
     def admission_identity(self) -> tuple[str, str]:
         """Whose bucket and cap a request draws on: the user's (shared by all of its
@@ -405,7 +408,7 @@ class RealtimeConsumer:
 
     async def rpc_subscribe(self, params: Any) -> dict[str, Any]:
         name = self._channel_param(params)
-        spec = registry.resolve(name)
+        spec = await existing(name)
         await self._require(spec, "subscribe")
         assert self.connection is not None
         config = get_config()
@@ -420,12 +423,13 @@ class RealtimeConsumer:
             raise _invalid(f'Invalid params: "delta" must be "{FOSSIL}"', "invalid_delta")
         hub = await get_hub()
         if spec.name not in hub.subscribers:
-            spec = await self._bounded(hub, spec, config)
+            spec = await bounded(hub, spec, config, partial(self._require, action="subscribe"))
         answer: dict[str, Any] = {"channel": spec.name, "kind": spec.kind, "interval_ms": spec.interval_ms}
         if spec.history is not None:  # a resume replays full frames, then deltas go on
             answer.update(await hub.subscribe_kept(self.connection, spec, since, deltas=delta is not None))
             return answer
         await hub.subscribe(self.connection, spec)
+        self._current.append(spec)  # a state channel's value now, not a period later
         if delta is not None:  # granted: a full frame first (also on a subscribe again); never on a conflated channel
             answer["delta"] = FOSSIL if hub.fanout.want_deltas(self.connection, spec.name) else False
         if since is not None:  # nothing kept to resume from: the application resyncs
@@ -449,27 +453,6 @@ class RealtimeConsumer:
         if not await allowed(user, spec.name, family.base if family else None, action):
             raise ForbiddenChannel(spec.name, action, None if "user" in self.scope else NO_USER_HINT)
 
-    async def _bounded(self, hub: Any, spec: ChannelSpec, config: dict[str, Any]) -> ChannelSpec:
-        """Keep what clients can start bounded: past ``MAX_CADENCES_PER_FAMILY`` the nearest
-        running cadence instead of a new one; past ``MAX_TICKERS`` a refusal."""
-        family = registry.family_of(spec.name)
-        cap = config["MAX_CADENCES_PER_FAMILY"]
-        if family is not None and spec.interval_ms is not None and cap:
-            running = hub.running_cadences(family.base)
-            if len(running) >= cap:
-                ms = nearest_cadence(spec.interval_ms, running)
-                spec = registry.resolve(rate_channel(family.base, ms, family.bounds.default))
-                await self._require(spec, "subscribe")
-                hub.count_refusal("cadences")
-                return spec
-        tickers = config["MAX_TICKERS"]
-        if spec.has_ticker and tickers and hub.ticker_count() >= tickers:
-            hub.count_refusal("tickers")
-            raise RPCError(
-                protocol.OVERLOADED, "Too many tickers", "too_many_tickers", limit=tickers, retry_after_ms=5000
-            )
-        return spec
-
     async def rpc_unsubscribe(self, params: Any) -> dict[str, Any]:
         name = self._channel_param(params)
         spec = registry.resolve(name)
@@ -487,7 +470,7 @@ class RealtimeConsumer:
         name = self._channel_param(params)
         if not isinstance(params, dict) or "data" not in params:
             raise _invalid('Invalid params: expected {"channel": name, "data": ...}', "missing_data")
-        spec = registry.resolve(name)
+        spec = await existing(name)
         if spec.kind != "event":
             raise ForbiddenChannel(spec.name, "publish")
         await self._require(spec, "publish")

@@ -31,24 +31,27 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from realtime_app.cancellation import cancel_and_wait
-from realtime_app.channels.registry import RESERVED, ChannelSpec, registry
+from realtime_app.channels.instances import InstanceBook
+from realtime_app.channels.registry import FED_PREFIX, RESERVED, ChannelSpec, registry
 from realtime_app.cluster.base import Backplane, Delivery
 from realtime_app.cluster.factory import make_backplane
 from realtime_app.exceptions import BackplaneUnavailable
 from realtime_app.hub.connections import Connection
 from realtime_app.hub.convergence import Convergence
+from realtime_app.hub.current import CurrentValues
 from realtime_app.hub.envelope import encode_publication
 from realtime_app.hub.fanout import Fanout
+from realtime_app.hub.fed import FedStates
 from realtime_app.hub.gate import Gate
 from realtime_app.hub.ordering import Ordering
-from realtime_app.hub.probe import process_probe
+from realtime_app.hub.probe import process_probe, process_start
 from realtime_app.hub.reconciler import Reconciler
 from realtime_app.hub.replay import Replays
 from realtime_app.hub.tickers import Tickers
 from realtime_app.inbound.admission import Admission
 from realtime_app.inbound.workers import RequestPool
 from realtime_app.persistence.write_behind import start_all as start_stores
-from realtime_app.wire.history import Since
+from realtime_app.wire.history import HistoryPolicy, Since
 from realtime_app.wire.protocol import CloseCode, encode
 
 if TYPE_CHECKING:
@@ -75,7 +78,7 @@ class Hub:
 
     def __init__(self) -> None:
         self.instance_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-        self.started_at = _process_start()
+        self.started_at = process_start()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread_id = threading.get_ident()
         self.backplane: Backplane | None = None
@@ -84,14 +87,18 @@ class Hub:
         self.subscribers: dict[str, set[Connection]] = {}
         self.specs: dict[str, ChannelSpec] = {}  # channels with local subscribers
         self.last_seq: dict[str, int] = {}  # highest seq seen per subscribed channel: the floor
+        self.instances = InstanceBook()  # live instances of templates
+        self.template_published: dict[str, int] = {}  # publications per template, from this process
         self.published = 0
-        self.refused: dict[str, int] = {"tickers": 0, "cadences": 0, "revoked": 0}
+        self.refused: dict[str, int] = {"tickers": 0, "cadences": 0, "instances": 0, "revoked": 0}
         # The rooms, each the owner of its state.
         self.gate = Gate()
         self.fanout = Fanout(self.subscribers, self.connections, self.forget)
         self.ordering = Ordering(self.fanout.fanout)
         self.replays = Replays(self, self.fanout, self.ordering, self.gate.admission)
         self.tickers = Tickers(self)
+        self.fed = FedStates(self)
+        self.current = CurrentValues(self)  # the newest frame of each subscribed state channel
         self.convergence = Convergence(self)
         self._tasks: list[asyncio.Task[Any]] = []
         self._background: set[asyncio.Task[Any]] = set()
@@ -218,9 +225,12 @@ class Hub:
         if subs:
             return False
         del self.subscribers[channel]
-        self.specs.pop(channel, None)
+        spec = self.specs.pop(channel, None)
+        if spec is not None and spec.declared is not None:
+            self.instances.remove(spec.declared.pattern, spec.base, channel)
         self.ordering.forget(channel)
         self.last_seq.pop(channel, None)
+        self.current.forget(channel)
         self.tickers.book.failing.discard(channel)
         self.reconciler.unsubscribed(channel)
         return True
@@ -230,11 +240,13 @@ class Hub:
         return sorted(s.interval_ms for s in self.specs.values() if s.base == base and s.interval_ms is not None)
 
     def ticker_count(self) -> int:
-        """Ticker channels with local subscribers (each may run a ticker somewhere)."""
-        return sum(1 for s in self.specs.values() if s.has_ticker)
+        """Ticker channels with local subscribers (each may run a ticker somewhere); app-fed
+        cadences, which run no factory, are bounded as instances instead."""
+        return sum(1 for s in self.specs.values() if s.factory is not None)
 
     def count_refusal(self, reason: str) -> None:
-        """A subscription refused for ``reason`` (``tickers``, ``cadences``): the probe's ``refused``."""
+        """A subscription refused for ``reason`` (``tickers``, ``cadences``, ``instances``):
+        the probe's ``refused``."""
         self.refused[reason] += 1
 
     async def subscribe(self, conn: Connection, spec: ChannelSpec) -> bool:
@@ -250,11 +262,21 @@ class Hub:
         if subs is None:
             subs = self.subscribers[channel] = set()
             self.specs[channel] = spec
+            if spec.declared is not None:
+                self.instances.add(spec.declared.pattern, spec.base, channel)
             self.reconciler.subscribed(channel, ticker=spec.has_ticker)
         subs.add(conn)
         conn.subscriptions.add(channel)
         await self.convergence.converge(channel)
         return True
+
+    async def converge(self, channel: str) -> None:
+        """Carry out what the reconciler wants of ``channel`` now (see :class:`Convergence`)."""
+        await self.convergence.converge(channel)
+
+    async def send_current(self, conn: Connection, spec: ChannelSpec) -> bool:
+        """A new subscriber's current value at once (:class:`CurrentValues`)."""
+        return await self.current.send(conn, spec)
 
     async def subscribe_kept(
         self, conn: Connection, spec: ChannelSpec, since: Since | None = None, deltas: bool = False
@@ -281,11 +303,16 @@ class Hub:
         channel = delivery.channel
         if delivery.kind == "frame" and channel == CONTROL_CHANNEL:
             self._on_control(delivery.text)
+        elif delivery.kind == "frame" and channel.startswith(FED_PREFIX):
+            self.fed.delivered(channel, delivery.text, delivery.seq)
         elif delivery.kind == "frame":
             if channel not in self.subscribers:
                 return
             if delivery.seq and delivery.seq > self.last_seq.get(channel, 0):
                 self.last_seq[channel] = delivery.seq
+            spec = self.specs.get(channel)
+            if spec is not None and spec.kind == "state":
+                self.current.seen(channel, delivery.text)
             if delivery.epoch:
                 self.ordering.frame(channel, delivery.text, delivery.seq, delivery.epoch)
             else:
@@ -342,8 +369,9 @@ class Hub:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def publish(self, channel: str, data: Any) -> int:
-        """Publish one message on ``channel``; returns its ``seq``.
+    async def publish(self, channel: str, data: Any, history: HistoryPolicy | None = None) -> int:
+        """Publish one message on ``channel``; returns its ``seq``. ``history``: how the
+        backplane keeps it, when not the channel's own (an app-fed value's).
 
         Raises :class:`PublicationError` when ``data`` is not JSON,
         :class:`PublicationTooLarge` when the frame would exceed ``MAX_PUBLICATION_BYTES``
@@ -355,8 +383,9 @@ class Hub:
         backplane = self.backplane
         assert backplane is not None
         data_json = encode_publication(channel, data)
-        spec = self.specs.get(channel) or registry.exact.get(channel)
-        history = spec.history if spec is not None else None
+        spec = self.specs.get(channel) or registry.find(channel.removeprefix(FED_PREFIX))
+        if history is None and spec is not None:
+            history = spec.history
         try:
             seq = await backplane.publish(channel, data_json, self.last_seq.get(channel, 0), history)
         except backplane.errors as exc:
@@ -366,6 +395,9 @@ class Hub:
         if channel in self.subscribers and seq > self.last_seq.get(channel, 0):
             self.last_seq[channel] = seq
         self.published += 1
+        if spec is not None and spec.declared is not None:
+            pattern = spec.declared.pattern
+            self.template_published[pattern] = self.template_published.get(pattern, 0) + 1
         return seq
 
     # -- probe -------------------------------------------------------------------------
@@ -385,16 +417,6 @@ def _log_death(task: asyncio.Task[Any]) -> None:
     """A background loop must never end while the hub runs: say so loudly if one does."""
     if not task.cancelled() and task.exception() is not None:
         logger.error("%s stopped: %r", task.get_name(), task.exception(), exc_info=task.exception())
-
-
-def _process_start() -> float:
-    """When this process started (uptime is the process's, not the hub's)."""
-    try:
-        import psutil
-
-        return float(psutil.Process().create_time())
-    except Exception:
-        return time.time()
 
 
 #: How often the conflated frames held back are offered to the connections that hold them.

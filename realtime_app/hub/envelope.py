@@ -27,7 +27,7 @@ def encode_publication(channel: str, data: Any) -> str:
     except (ValueError, TypeError) as exc:
         raise PublicationError(channel, f"data is not JSON ({exc})") from None
     limit, bound = get_config()["MAX_PUBLICATION_BYTES"], "MAX_PUBLICATION_BYTES"
-    spec = registry.exact.get(channel)
+    spec = registry.find(channel)
     if spec is not None and spec.max_bytes and (not limit or spec.max_bytes < limit):
         limit, bound = spec.max_bytes, "the channel's max_bytes"
     size = len(data_json) if data_json.isascii() else len(data_json.encode("utf-8"))

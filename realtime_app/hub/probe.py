@@ -13,6 +13,7 @@ import socket
 import time
 from typing import Any, Protocol
 
+from realtime_app.channels.instances import InstanceBook
 from realtime_app.cluster.base import Backplane
 from realtime_app.conf import get_config
 from realtime_app.hub.connections import Connection
@@ -23,7 +24,13 @@ from realtime_app.hub.reconciler import Reconciler
 from realtime_app.hub.replay import Replays
 from realtime_app.hub.tickers import Tickers
 from realtime_app.middleware import pools_probe
-from realtime_app.observability.schema import BackplaneProbe, ConnectionProbe, HistoryProbe, ProcessProbe
+from realtime_app.observability.schema import (
+    BackplaneProbe,
+    ConnectionProbe,
+    HistoryProbe,
+    ProcessProbe,
+    TemplateProbe,
+)
 from realtime_app.persistence.write_behind import stores_probe
 
 __all__ = ["process_probe"]
@@ -45,6 +52,8 @@ class Probed(Protocol):
     replays: Replays
     ordering: Ordering
     tickers: Tickers
+    instances: InstanceBook
+    template_published: dict[str, int]
 
 
 def history_probe(hub: Probed, top: int) -> HistoryProbe:
@@ -139,7 +148,28 @@ def process_probe(hub: Probed) -> ProcessProbe:
         "backpressure": hub.fanout.probe(queued),
         "http_pools": pools_probe(),  # type: ignore[typeddict-item]
         "write_behind": stores_probe(),
+        "templates": templates_probe(hub),
     }
+
+
+#: Instances named per template in the probe (the busiest by subscribers).
+TOP_INSTANCES = 5
+
+
+def templates_probe(hub: Probed) -> dict[str, TemplateProbe]:
+    """Per template: live instances, subscriptions, publications, the busiest instances."""
+    out: dict[str, TemplateProbe] = {}
+    for pattern, bases in hub.instances.live.items():
+        sizes = {base: sum(len(hub.subscribers.get(c, ())) for c in channels) for base, channels in bases.items()}
+        out[pattern] = {
+            "instances": len(bases),
+            "subscribers": sum(sizes.values()),
+            "published": hub.template_published.get(pattern, 0),
+            "busiest": dict(heapq.nlargest(TOP_INSTANCES, sizes.items(), key=lambda item: (item[1], item[0]))),
+        }
+    for pattern, count in hub.template_published.items():
+        out.setdefault(pattern, {"instances": 0, "subscribers": 0, "published": count, "busiest": {}})
+    return out
 
 
 def backplane_probe(backplane: Backplane | None) -> BackplaneProbe:
@@ -147,3 +177,13 @@ def backplane_probe(backplane: Backplane | None) -> BackplaneProbe:
     if backplane is None:
         return {"up": True, "outages": 0, "shards": []}
     return {"up": not backplane.outage.down, "outages": backplane.outage.outages, "shards": backplane.shards_probe()}
+
+
+def process_start() -> float:
+    """When this process started (uptime is the process's, not the hub's)."""
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:
+        return time.time()

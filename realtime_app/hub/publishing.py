@@ -12,7 +12,7 @@ from typing import Any
 
 from asgiref.sync import async_to_sync
 
-from realtime_app.channels.registry import registry
+from realtime_app.channels.registry import fed_channel, registry
 from realtime_app.cluster.factory import make_backplane
 from realtime_app.exceptions import BackplaneUnavailable, ConfigurationError
 from realtime_app.hub.core import hub_of_current_loop, running_hub
@@ -22,31 +22,42 @@ __all__ = ["acontrol", "apublish", "publish"]
 
 
 async def apublish(channel: str, data: Any) -> int:
-    """Publish ``data`` on ``channel`` (an event channel or an exact state channel).
+    """Publish ``data`` on ``channel`` (an event channel, an exact state channel, or the
+    base of an app-fed family: its new value, which each cadence delivers at its pace).
 
-    Returns the publication's ``seq``. Raises :class:`~realtime_app.exceptions.UnknownChannel`
+    An instance of a template is published by name (``"bids:42"``) and not asked whether
+    it exists: application code knows. Returns the publication's ``seq`` (an app-fed
+    value's version). Raises :class:`~realtime_app.exceptions.UnknownChannel`
     for a name nobody registered, :class:`ConfigurationError` for a cadenced channel, whose
-    frames belong to its ticker, :class:`~realtime_app.exceptions.PublicationError` for
+    frames belong to its ticker or its app-fed base, :class:`~realtime_app.exceptions.PublicationError` for
     data that is not JSON and :class:`~realtime_app.exceptions.PublicationTooLarge` for a
     frame over ``MAX_PUBLICATION_BYTES`` (neither takes a ``seq``), and
     :class:`~realtime_app.exceptions.BackplaneUnavailable` when Redis does not answer.
     """
     spec = registry.resolve(channel)
-    if spec.interval_ms is not None:
+    target, history = spec.name, spec.history
+    if spec.fed is not None:
+        if spec.name != spec.base:
+            raise ConfigurationError(
+                f"{channel!r} is a cadence of the app-fed {spec.base!r}: publish the value on {spec.base!r}, "
+                "every cadence delivers it"
+            )
+        target, history = fed_channel(spec.base), spec.fed
+    elif spec.interval_ms is not None:
         raise ConfigurationError(f"{channel!r} is a cadenced channel: its ticker publishes it, not application code")
     hub = hub_of_current_loop()
     if hub is not None:
-        return await hub.publish(spec.name, data)
+        return await hub.publish(target, data, history)
     other = running_hub()
     if other is not None and other.loop is not None:
-        future = asyncio.run_coroutine_threadsafe(other.publish(spec.name, data), other.loop)
+        future = asyncio.run_coroutine_threadsafe(other.publish(target, data, history), other.loop)
         return await asyncio.wrap_future(future)
     # No server in this process (a command, a worker): publish through a short-lived
     # backplane; with one process and no Redis nobody can be listening.
-    data_json = encode_publication(spec.name, data)
+    data_json = encode_publication(target, data)
     backplane = make_backplane()
     try:
-        return await backplane.publish(spec.name, data_json, history=spec.history)
+        return await backplane.publish(target, data_json, history=history)
     except backplane.errors as exc:
         raise BackplaneUnavailable("publish", exc) from exc
     finally:

@@ -23,6 +23,7 @@ from realtime_app.channels.registry import ChannelSpec
 from realtime_app.cluster.base import Backplane
 from realtime_app.conf import get_config
 from realtime_app.exceptions import BackplaneUnavailable, PublicationError
+from realtime_app.hub.fed import FedStates
 from realtime_app.hub.reconciler import Reconciler
 from realtime_app.observability.logsafe import safe
 
@@ -133,6 +134,7 @@ class Publisher(Protocol):
     backplane: Backplane | None
     reconciler: Reconciler
     specs: dict[str, ChannelSpec]
+    fed: FedStates
 
     async def publish(self, channel: str, data: Any) -> int: ...
 
@@ -148,14 +150,18 @@ class Tickers:
         self._wake = asyncio.Event()
 
     async def start(self, channel: str) -> bool:
-        """Call the channel's factory; False (and logged once) when it fails."""
+        """Call the channel's factory (or pace an app-fed cadence); False (and logged
+        once) when it fails."""
         spec = self.hub.specs.get(channel)
-        if spec is None or spec.factory is None:
+        if spec is None or not spec.has_ticker:
             return False
         book = self.book
         book.starting(channel)
         try:
-            result = spec.factory(spec, TickerPublish(self, channel))
+            if spec.factory is None:
+                result: Any = self.hub.fed.start(spec, TickerPublish(self, channel))
+            else:
+                result = spec.factory(spec, TickerPublish(self, channel))
             if inspect.isawaitable(result):
                 result = await result
         except asyncio.CancelledError:

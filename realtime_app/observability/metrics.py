@@ -25,6 +25,7 @@ from realtime_app.observability.schema import (
     PoolProbe,
     ProcessProbe,
     StoreProbe,
+    TemplateProbe,
     fields_of,
 )
 
@@ -40,7 +41,11 @@ SECTIONS: dict[str, type] = {
     "backplane": BackplaneProbe,
 }
 #: The probe's maps of blocks, by the label their keys become.
-KEYED: dict[str, tuple[type, str]] = {"http_pools": (PoolProbe, "pool"), "write_behind": (StoreProbe, "store")}
+KEYED: dict[str, tuple[type, str]] = {
+    "http_pools": (PoolProbe, "pool"),
+    "write_behind": (StoreProbe, "store"),
+    "templates": (TemplateProbe, "template"),
+}
 
 
 def exported(schema: type, section: str) -> dict[str, tuple[str, Gauge | Counter]]:

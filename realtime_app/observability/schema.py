@@ -124,6 +124,18 @@ class PoolProbe(TypedDict):
     wait_ms: Annotated[PoolWait, Shown("realtime_http_pool_wait_ms{quantile}")]
 
 
+class TemplateProbe(TypedDict):
+    """One channel template (``templates``, by pattern): its instances in this process,
+    summed — never a metric per instance; the busiest are named for the drill-down."""
+
+    instances: Annotated[int, Gauge("Live instances of the template in this process", "realtime_template_instances")]
+    subscribers: Annotated[int, Gauge("Subscriptions to the template's instances", "realtime_template_subscribers")]
+    published: Annotated[
+        int, Counter("Publications on the template's instances from this process", "realtime_template_published")
+    ]
+    busiest: Annotated[dict[str, int], Shown("subscribers of its busiest instances (the drill-down)")]
+
+
 class StoreProbe(TypedDict):
     """One write-behind store (``write_behind``, by store name)."""
 
@@ -200,6 +212,7 @@ class ProcessProbe(TypedDict):
     backpressure: BackpressureProbe
     http_pools: dict[str, PoolProbe]
     write_behind: dict[str, StoreProbe]
+    templates: dict[str, TemplateProbe]
 
 
 class ClusterProbe(TypedDict):

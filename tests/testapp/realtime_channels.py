@@ -228,3 +228,43 @@ async def one_at_a_time(consumer: Any, params: Any) -> str:
 async def twice_a_second(consumer: Any, params: Any) -> str:
     """Two calls a second per identity, in bursts of two (``rpc_method(rate=2, burst=2)``)."""
     return "done"
+
+
+# -- channels per object -------------------------------------------------------------
+
+#: Lots that exist for ``test:lot:<int:id>``: its ``exists`` hook reads this (and counts calls).
+LOTS = set(range(1, 101))
+exists_calls: list[dict[str, Any]] = []
+
+
+def lot_exists(params: dict[str, Any]) -> bool:
+    exists_calls.append(dict(params))
+    return params["id"] in LOTS
+
+
+async def bids_exist(params: dict[str, Any]) -> bool:
+    """An async hook (the lot's bids exist when the lot does)."""
+    return params["lot"] in LOTS
+
+
+realtime_app.app_state("test:lot:<int:id>", default=1000, min=50, max=10000, exists=lot_exists)
+realtime_app.event_channel("test:bids:<int:lot>", history_size=20, history_ttl_s=60, exists=bids_exist)
+realtime_app.event_channel("test:feed:<int:id>", owner="id")
+realtime_app.event_channel("test:secret:<slug:name>")
+
+
+@realtime_app.ticker("test:room:<slug:name>:load", default=1000, min=50, max=60000)
+def room_load(channel: ChannelSpec) -> dict[str, Any]:
+    """Each instance and cadence its own counter; the first tick records the start."""
+    n = _room_ticks[channel.name] = _room_ticks.get(channel.name, 0) + 1
+    if n == 1:
+        record("start", channel.name)
+    return {"room": channel.params["name"], "n": n}
+
+
+_room_ticks: dict[str, int] = {}
+
+
+def secret_check(user: Any, channel: Any, action: str) -> bool:
+    """Only a user whose username is the instance's ``name`` reads ``test:secret:<name>``."""
+    return bool(getattr(user, "is_authenticated", False)) and channel.params["name"] == user.get_username()

@@ -8,6 +8,7 @@ const root = document.getElementById("realtime-cluster");
 const cards = document.getElementById("rc-cards");
 const totalsBox = document.getElementById("rc-totals");
 const connectionsBody = root.querySelector("[data-connections] tbody");
+const templatesBody = root.querySelector("[data-templates] tbody");
 const channelsBody = root.querySelector("[data-channels] tbody");
 const GONE_KEEP_MS = 60 * 1000;
 
@@ -132,7 +133,18 @@ function drill() {
     ? `Connections of ${entry.probe.host} · pid ${entry.probe.pid}` : "Connections";
   connectionsBody.replaceChildren();
   channelsBody.replaceChildren();
+  if (templatesBody) templatesBody.replaceChildren();
   if (!entry) return;
+  for (const [pattern, t] of Object.entries(entry.probe.templates || {})) {
+    const tr = document.createElement("tr");
+    tr.dataset.template = pattern;
+    cell(tr, pattern, "channels");
+    cell(tr, t.instances, "num");
+    cell(tr, t.subscribers, "num");
+    cell(tr, t.published, "num");
+    cell(tr, Object.entries(t.busiest || {}).map(([name, n]) => `${name} (${n})`).join(" "), "channels");
+    if (templatesBody) templatesBody.append(tr);
+  }
   const closeUrl = root.dataset.closeUrl;
   for (const c of entry.probe.top_connections || []) {
     const tr = document.createElement("tr");

@@ -1,0 +1,82 @@
+"""What a subscribe may start in this process: which channel a name is (instances of
+templates asked whether they exist), and the bounds on what clients can make it run —
+cadences per family, tickers, live instances of templates."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from realtime_app.channels.instances import exists
+from realtime_app.channels.registry import ChannelSpec, registry
+from realtime_app.exceptions import RPCError, UnknownChannel
+from realtime_app.wire import protocol
+from realtime_app.wire.rate import nearest_cadence, rate_channel
+
+if TYPE_CHECKING:
+    from realtime_app.hub.core import Hub
+
+__all__ = ["INSTANCE_RETRY_MS", "bounded", "existing"]
+
+#: When a subscribe refused for ``too_many_instances`` or ``too_many_tickers`` may come back.
+INSTANCE_RETRY_MS = 5000
+
+
+async def existing(name: str) -> ChannelSpec:
+    """The channel ``name`` names, if it exists: :class:`UnknownChannel` for a name
+    nobody declared and for an instance its template's ``exists`` denies."""
+    spec = registry.resolve(name)
+    if not await exists(spec):
+        raise UnknownChannel(name)
+    return spec
+
+
+async def bounded(
+    hub: Hub,
+    spec: ChannelSpec,
+    config: dict[str, Any],
+    require: Callable[[ChannelSpec], Awaitable[None]],
+) -> ChannelSpec:
+    """Keep what clients can start bounded: past ``MAX_CADENCES_PER_FAMILY`` the nearest
+    running cadence instead of a new one (``require``-d again); past ``MAX_TICKERS``, or
+    the bounds on live instances of templates, a refusal."""
+    family = registry.family_of(spec.name)
+    cap = config["MAX_CADENCES_PER_FAMILY"]
+    if family is not None and spec.interval_ms is not None and cap:
+        running = hub.running_cadences(family.base)
+        if len(running) >= cap:
+            ms = nearest_cadence(spec.interval_ms, running)
+            spec = registry.resolve(rate_channel(family.base, ms, family.bounds.default))
+            await require(spec)
+            hub.count_refusal("cadences")
+            return spec
+    refused = instance_refusal(hub, spec, config)
+    if refused is not None:
+        which, limit = refused
+        hub.count_refusal("instances")
+        raise RPCError(
+            protocol.OVERLOADED,
+            "Too many channel instances",
+            "too_many_instances",
+            limit=limit,
+            bound=which,
+            retry_after_ms=INSTANCE_RETRY_MS,
+        )
+    tickers = config["MAX_TICKERS"]
+    if spec.factory is not None and tickers and hub.ticker_count() >= tickers:
+        hub.count_refusal("tickers")
+        raise RPCError(
+            protocol.OVERLOADED, "Too many tickers", "too_many_tickers", limit=tickers, retry_after_ms=INSTANCE_RETRY_MS
+        )
+    return spec
+
+
+def instance_refusal(hub: Hub, spec: ChannelSpec, config: dict[str, Any]) -> tuple[str, int] | None:
+    """Which bound a new instance of a template would pass in ``hub``'s process
+    (``MAX_INSTANCES``, ``MAX_INSTANCES_PER_TEMPLATE`` or the template's own
+    ``max_instances``), or None."""
+    declared = spec.declared
+    if declared is None:
+        return None
+    per_template = declared.max_instances or config["MAX_INSTANCES_PER_TEMPLATE"]
+    return hub.instances.refusal(declared.pattern, spec.base, per_template, config["MAX_INSTANCES"])

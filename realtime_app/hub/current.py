@@ -1,0 +1,65 @@
+"""A state channel's current value for its new subscribers, at once.
+
+A new subscriber of a state channel should not wait a period (or, for an app-fed channel
+that rarely changes, forever) for its first frame: it is given the newest frame this
+process has seen, else — for an app-fed channel — the value the backplane keeps.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Protocol
+
+from realtime_app.channels.registry import ChannelSpec
+from realtime_app.cluster.base import Backplane
+from realtime_app.hub.connections import Connection
+from realtime_app.hub.fanout import Fanout
+from realtime_app.hub.fed import FedStates
+from realtime_app.wire.protocol import encode, notification_text
+
+__all__ = ["CurrentValues"]
+
+
+class Holder(Protocol):
+    """What current values need of the hub: the values kept, the floor, the sends."""
+
+    backplane: Backplane | None
+    fed: FedStates
+    fanout: Fanout
+    last_seq: dict[str, int]
+
+
+class CurrentValues:
+    """The newest frame of each state channel with local subscribers."""
+
+    def __init__(self, hub: Holder) -> None:
+        self.hub = hub
+        self.frames: dict[str, str] = {}
+
+    def seen(self, channel: str, text: str) -> None:
+        self.frames[channel] = text
+
+    def forget(self, channel: str) -> None:
+        self.frames.pop(channel, None)
+
+    async def send(self, conn: Connection, spec: ChannelSpec) -> bool:
+        """Give ``conn``, a new subscriber of ``spec``, its current value; True if sent."""
+        if spec.kind != "state" or conn.closed or spec.name not in conn.subscriptions:
+            return False
+        hub, channel = self.hub, spec.name
+        text = self.frames.get(channel)
+        backplane = hub.backplane
+        if text is None and spec.fed is not None and backplane is not None:
+            try:
+                current = await hub.fed.current(spec.base)
+            except backplane.errors:
+                return False  # the next frame brings it
+            if current is None or channel in self.frames:  # a live frame came meanwhile: newer
+                return False
+            data = json.loads(current[1])["params"]["data"]
+            text = notification_text(channel, encode(data), hub.last_seq.get(channel, 0), int(time.time() * 1000))
+        if text is None or conn.closed or channel not in conn.subscriptions:
+            return False
+        hub.fanout.push(conn, text.encode("utf-8"), channel=channel)
+        return True

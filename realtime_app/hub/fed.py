@@ -1,0 +1,172 @@
+"""App-fed state: the application sets a value, each cadence delivers the latest.
+
+``publish("lot:42", value)`` keeps the value on the backplane (a history of one, under
+:func:`~realtime_app.channels.registry.fed_channel`) and carries it to the processes that
+pace a cadence of ``lot:42`` — the holders of those cadences' leases, one per cadence in
+the cluster, as for tickers. Each cadence publishes the latest value at most once a period
+and only when it differs from that cadence's last frame; nothing polls. The rule is
+:class:`Pace` (pure); :class:`FedStates` keeps one per cadence run here and its timer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from realtime_app.channels.registry import FED_PREFIX, ChannelSpec, fed_channel
+from realtime_app.cluster.base import Backplane
+from realtime_app.hub.reconciler import Reconciler
+from realtime_app.wire.protocol import encode
+
+__all__ = ["MISSING", "FedStates", "Pace", "fed_value"]
+
+logger = logging.getLogger("realtime_app.hub")
+
+#: What :meth:`Pace.due` returns when nothing is to be sent.
+MISSING: Any = object()
+#: A timer may fire this early (the loop's clock resolution): still on time.
+EARLY_S = 0.001
+
+
+@dataclass(slots=True)
+class Pace:
+    """One cadence of an app-fed family: the newest value known (by ``version``, the
+    backplane's number of the value) and what the cadence last sent, and when."""
+
+    period: float
+    version: int = 0
+    text: str | None = None  # the newest value, encoded (what "changed" compares)
+    value: Any = MISSING
+    sent: str | None = None  # the encoded value of the last frame
+    last_at: float = float("-inf")
+
+    def offer(self, version: int, text: str, value: Any, now: float) -> float | None:
+        """A value numbered ``version``: when to send it (``now``, or when the period since
+        the last frame ends), or None — an older value than one known, or no change."""
+        if version <= self.version:
+            return None
+        self.version, self.text, self.value = version, text, value
+        if text == self.sent:
+            return None
+        return max(now, self.last_at + self.period)
+
+    def due(self, now: float) -> Any:
+        """The value to send now (and it counts as sent), or :data:`MISSING`."""
+        if self.text is None or self.text == self.sent or now + EARLY_S < self.last_at + self.period:
+            return MISSING
+        self.sent, self.last_at = self.text, now
+        return self.value
+
+
+def fed_value(text: str) -> tuple[Any, str]:
+    """The data of a value's ``message`` notification, and its canonical encoding."""
+    data = json.loads(text)["params"]["data"]
+    return data, encode(data)
+
+
+class Joiner(Protocol):
+    """What app-fed pacing needs of the hub: its backplane and the channels it joins."""
+
+    loop: asyncio.AbstractEventLoop | None
+    backplane: Backplane | None
+    reconciler: Reconciler
+
+    async def converge(self, channel: str) -> None: ...
+
+
+class FedStates:
+    """The cadences of app-fed families paced by this process (it holds their leases)."""
+
+    def __init__(self, hub: Joiner) -> None:
+        self.hub = hub
+        self.paces: dict[str, dict[str, tuple[Pace, Callable[[Any], None]]]] = {}  # base -> channel -> pace
+        self.timers: dict[str, asyncio.TimerHandle] = {}
+        self.updates = 0  # values received from the backplane
+
+    async def start(self, spec: ChannelSpec, publish: Callable[[Any], None]) -> Callable[[], None]:
+        """Pace ``spec`` (a cadence): join its family's values, read the current one."""
+        assert spec.interval_ms is not None and spec.fed is not None
+        base, channel = spec.base, spec.name
+        first = base not in self.paces
+        self.paces.setdefault(base, {})[channel] = (Pace(spec.interval_ms / 1000), publish)
+        stopped = False
+
+        def stop() -> None:
+            nonlocal stopped
+            if not stopped:
+                stopped = True
+                self.stop(base, channel)
+
+        try:
+            if first:
+                self.hub.reconciler.subscribed(fed_channel(base), ticker=False)
+                await self.hub.converge(fed_channel(base))
+            current = await self.current(base)
+        except BaseException:
+            stop()
+            raise
+        if current is not None:
+            self.update(base, *current)
+        return stop
+
+    async def current(self, base: str) -> tuple[int, str] | None:
+        """The value kept for ``base`` (``(version, notification text)``), or None."""
+        backplane = self.hub.backplane
+        assert backplane is not None
+        entries = await backplane.history_page(fed_channel(base), 0, 1)
+        return (entries[-1].seq, entries[-1].text) if entries else None
+
+    def stop(self, base: str, channel: str) -> None:
+        timer = self.timers.pop(channel, None)
+        if timer is not None:
+            timer.cancel()
+        channels = self.paces.get(base)
+        if channels is None or channels.pop(channel, None) is None or channels:
+            return
+        del self.paces[base]
+        self.hub.reconciler.unsubscribed(fed_channel(base))
+        loop = self.hub.loop
+        if loop is not None and not loop.is_closed():
+            loop.create_task(self.hub.converge(fed_channel(base)))
+
+    def delivered(self, channel: str, text: str, seq: int) -> None:
+        """A value set by the application arrived (a frame of a fed channel)."""
+        self.updates += 1
+        self.update(channel[len(FED_PREFIX) :], seq, text)
+
+    def update(self, base: str, version: int, text: str) -> None:
+        channels = self.paces.get(base)
+        if not channels:
+            return
+        try:
+            value, encoded = fed_value(text)
+        except (ValueError, KeyError, TypeError):
+            logger.warning("ignoring a malformed value of an app-fed channel")
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for channel, (pace, _) in channels.items():
+            at = pace.offer(version, encoded, value, now)
+            if at is not None and channel not in self.timers:
+                self.timers[channel] = loop.call_at(at, self._fire, base, channel)
+
+    def _fire(self, base: str, channel: str) -> None:
+        self.timers.pop(channel, None)
+        entry = self.paces.get(base, {}).get(channel)
+        if entry is None:
+            return
+        pace, publish = entry
+        loop = asyncio.get_running_loop()
+        value = pace.due(loop.time())
+        if value is MISSING:
+            if pace.text is not None and pace.text != pace.sent:  # woke early: the period ends later
+                self.timers[channel] = loop.call_at(pace.last_at + pace.period, self._fire, base, channel)
+            return
+        if value is not MISSING:
+            with contextlib.suppress(Exception):  # the publisher reports its own failures
+                publish(value)

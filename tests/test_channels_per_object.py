@@ -1,0 +1,212 @@
+"""Channels per object through the endpoint, in one process: instances of templates
+subscribed by name, asked whether they exist, guarded by their owner and by rules that
+read ``channel.params``, bounded in number, forgotten when unused; app-fed state
+delivered at each cadence, only on change, and at once to a new subscriber."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.test import override_settings
+
+import realtime_app
+from realtime_app import ConfigurationError, forget_exists
+from realtime_app.conf import get_config
+from tests.support.asgi_client import Client
+from tests.support.waiting import eventually
+from tests.testapp import realtime_channels as channels
+
+
+def settings_with(**changes):
+    return override_settings(REALTIME_APP={**get_config(), **changes})
+
+
+@pytest.fixture(autouse=True)
+def _fresh_answers():
+    forget_exists()
+    channels.exists_calls.clear()
+    yield
+    forget_exists()
+
+
+async def test_two_instances_keep_their_own_publications_history_and_seq(hub):
+    async with Client() as a, Client() as b, Client() as publisher:
+        first_a = (await a.call("subscribe", {"channel": "test:bids:1"}))["result"]
+        first_b = (await b.call("subscribe", {"channel": "test:bids:2"}))["result"]
+        for n in range(3):
+            await realtime_app.apublish("test:bids:1", {"lot": 1, "n": n})
+        await realtime_app.apublish("test:bids:2", {"lot": 2})
+        got_a, got_b = await a.frames(3), await b.frames(1)
+        assert [f["data"] for f in got_a] == [{"lot": 1, "n": n} for n in range(3)]
+        assert [f["data"] for f in got_b] == [{"lot": 2}]  # nothing of lot 1
+        assert [f["seq"] for f in got_a] == [first_a["seq"] + 1, first_a["seq"] + 2, first_a["seq"] + 3]
+        assert got_b[0]["seq"] == first_b["seq"] + 1
+        await realtime_app.apublish("test:bids:2", {"lot": 2, "n": "next"})
+        assert (await b.frames(1))[0]["data"] == {"lot": 2, "n": "next"}  # lot 1's went elsewhere
+        since = {"seq": got_a[0]["seq"], "epoch": got_a[0]["epoch"]}
+        await publisher.call("ping")
+    async with Client() as again:  # resumes lot 1 from its own seq
+        answer_id = await again.call_nowait("subscribe", {"channel": "test:bids:1", "since": since})
+        replayed = await again.frames(2)
+        answer = await again.recv()
+        assert answer["id"] == answer_id and answer["result"]["recovered"] is True
+        assert [f["data"]["n"] for f in replayed] == [1, 2]
+
+
+async def test_an_instance_that_does_not_exist_is_an_unknown_channel_and_the_answer_is_kept(hub):
+    async with Client() as c:
+        for _ in range(3):
+            error = (await c.call("subscribe", {"channel": "test:lot:5000"}))["error"]
+            assert (error["code"], error["data"]["reason"]) == (-32002, "unknown_channel")
+        assert channels.exists_calls == [{"id": 5000}]  # asked once, then answered from the cache
+        assert "result" in await c.call("subscribe", {"channel": "test:lot:7:250"})
+        assert "result" in await c.call("subscribe", {"channel": "test:lot:7:500"})  # same instance: asked once
+        assert channels.exists_calls == [{"id": 5000}, {"id": 7}]
+        channels.LOTS.add(5000)  # created while the site runs
+        try:
+            forget_exists("test:lot:<int:id>")
+            assert "result" in await c.call("subscribe", {"channel": "test:lot:5000"})
+        finally:
+            channels.LOTS.discard(5000)
+        error = (await c.call("publish", {"channel": "test:bids:9999", "data": 1}))["error"]
+        assert error["data"]["reason"] == "unknown_channel"
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_users_own_channel_is_only_that_users(hub, django_user_model):
+    alice = await sync_to_async(django_user_model.objects.create_user)("alice", password="p")
+    bob = await sync_to_async(django_user_model.objects.create_user)("bob", password="p")
+    async with Client(alice) as a, Client(bob) as b, Client() as anonymous:
+        assert "result" in await a.call("subscribe", {"channel": f"test:feed:{alice.pk}"})
+        for client, name in (
+            (b, f"test:feed:{alice.pk}"),
+            (anonymous, f"test:feed:{alice.pk}"),
+            (a, f"test:feed:{bob.pk}"),
+        ):
+            error = (await client.call("subscribe", {"channel": name}))["error"]
+            assert error["data"]["reason"] == "forbidden_channel", name
+        await realtime_app.apublish(f"test:feed:{alice.pk}", {"for": "alice"})
+        assert (await a.frames(1))[0]["data"] == {"for": "alice"}
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_rule_check_reads_the_instances_params(hub, django_user_model):
+    carol = await sync_to_async(django_user_model.objects.create_user)("carol", password="p")
+    async with Client(carol) as c:
+        assert "result" in await c.call("subscribe", {"channel": "test:secret:carol"})
+        error = (await c.call("subscribe", {"channel": "test:secret:dave"}))["error"]
+        assert error["data"]["reason"] == "forbidden_channel"
+
+
+async def test_a_ticker_template_runs_one_ticker_per_instance_and_cadence_with_its_params(hub):
+    async with Client() as c:
+        for name in ("test:room:red:load:50", "test:room:blue:load:50", "test:room:red:load:100"):
+            assert (await c.call("subscribe", {"channel": name}))["result"]["channel"] == name
+        frames = await c.frames(12, timeout=5)
+        rooms = {(f["channel"], f["data"]["room"]) for f in frames}
+        assert rooms <= {
+            ("test:room:red:load:50", "red"),
+            ("test:room:blue:load:50", "blue"),
+            ("test:room:red:load:100", "red"),
+        }
+        assert sorted(hub.reconciler.running()) == [
+            "test:room:blue:load:50",
+            "test:room:red:load:100",
+            "test:room:red:load:50",
+        ]
+        probe = hub.probe()["templates"]["test:room:<slug:name>:load"]
+        assert (probe["instances"], probe["subscribers"]) == (2, 3)  # red twice (two cadences), blue once
+        assert probe["busiest"] == {"test:room:red:load": 2, "test:room:blue:load": 1}
+
+
+async def test_instances_are_bounded_per_template_and_per_process_and_forgotten_when_unused(hub):
+    with settings_with(MAX_INSTANCES_PER_TEMPLATE=2, MAX_INSTANCES=3):
+        async with Client() as c:
+            for name in ("test:bids:1", "test:bids:2", "test:lot:1:250", "test:lot:1:500"):  # lot 1: one instance
+                assert "result" in await c.call("subscribe", {"channel": name}), name
+            error = (await c.call("subscribe", {"channel": "test:bids:3"}))["error"]
+            assert (error["code"], error["data"]["reason"]) == (-32003, "too_many_instances")
+            assert (
+                error["data"]["limit"] == 2
+                and error["data"]["bound"] == "template"
+                and error["data"]["retry_after_ms"] > 0
+            )
+            error = (await c.call("subscribe", {"channel": "test:lot:2"}))["error"]
+            assert (error["data"]["reason"], error["data"]["bound"], error["data"]["limit"]) == (
+                "too_many_instances",
+                "process",
+                3,
+            )
+            assert "result" in await c.call("subscribe", {"channel": "test:bids:2"})  # a live one always fits
+            assert hub.probe()["refused"]["instances"] == 2
+            await c.call("unsubscribe", {"channel": "test:bids:2"})
+            assert "result" in await c.call("subscribe", {"channel": "test:bids:3"})
+        await eventually(lambda: hub.instances.total == 0 and not hub.specs)  # the connection went: nothing kept
+        assert hub.instances.live == {}
+
+
+async def test_app_fed_state_reaches_each_cadence_at_most_once_a_period_and_only_on_change(hub):
+    async with Client() as fast, Client() as slow:
+        assert "result" in await fast.call("subscribe", {"channel": "test:lot:3:100"})
+        assert "result" in await slow.call("subscribe", {"channel": "test:lot:3:1000"})
+        versions, got, price = [], [], 0
+        for _ in range(5):  # 20 changes, 4 at a time, each burst after a frame
+            for _ in range(4):
+                price += 1
+                versions.append(await realtime_app.apublish("test:lot:3", {"lot": 3, "price": price}))
+            got += await fast.frames(1, timeout=3)
+        assert versions == sorted(versions) and len(set(versions)) == 20
+        while got[-1]["data"]["price"] != 20:
+            got += await fast.frames(1, timeout=3)
+        prices = [f["data"]["price"] for f in got]
+        assert prices == sorted(set(prices))  # only changes, in order
+        gaps = [b["ts"] - a["ts"] for a, b in zip(got, got[1:], strict=False)]
+        assert all(gap >= 90 for gap in gaps), gaps  # at most once per 100 ms (timestamps in ms)
+        assert len(got) < 20  # the cadence's saving
+        slow_got = []
+        while not slow_got or slow_got[-1]["data"]["price"] != 20:
+            slow_got += await slow.frames(1, timeout=3)
+        assert len(slow_got) <= 3
+        await realtime_app.apublish("test:lot:3", {"lot": 3, "price": 20})  # the same value: no frame
+        assert "test:lot:3:100" not in hub.fed.timers and "test:lot:3:1000" not in hub.fed.timers  # none due
+        await realtime_app.apublish("test:lot:3", {"lot": 3, "price": 21})
+        assert (await fast.frames(1))[0]["data"]["price"] == 21  # the next frame is the change
+
+
+async def test_a_new_subscriber_gets_the_current_value_at_once(hub):
+    await realtime_app.apublish("test:lot:4", {"lot": 4, "price": 10})  # nobody subscribed: kept all the same
+    async with Client() as first:
+        started = time.monotonic()
+        assert "result" in await first.call("subscribe", {"channel": "test:lot:4:10000"})
+        frame = (await first.frames(1, timeout=2))[0]  # not 10 s later
+        assert frame["data"] == {"lot": 4, "price": 10} and frame["channel"] == "test:lot:4:10000"
+        assert time.monotonic() - started < 2
+        await realtime_app.apublish("test:lot:4", {"lot": 4, "price": 11})
+        async with Client() as second:  # a frame of this channel is here now: given at once too
+            assert "result" in await second.call("subscribe", {"channel": "test:lot:4:10000"})
+            assert (await second.frames(1, timeout=2))[0]["data"]["price"] in (10, 11)
+
+
+async def test_a_new_subscriber_of_a_running_ticker_gets_its_last_frame_at_once(hub):
+    async with Client() as first:
+        await first.call("subscribe", {"channel": "test:room:green:load:10000"})
+        tick = (await first.frames(1, timeout=3))[0]  # the first tick comes at once
+        async with Client() as second:
+            await second.call("subscribe", {"channel": "test:room:green:load:10000"})
+            assert (await second.frames(1, timeout=2))[0]["data"] == tick["data"]
+
+
+async def test_app_fed_values_are_published_on_the_base_only(hub):
+    with pytest.raises(ConfigurationError, match="publish the value on 'test:lot:3'"):
+        await realtime_app.apublish("test:lot:3:250", {"price": 1})
+    with pytest.raises(ConfigurationError, match="its ticker publishes it"):
+        await realtime_app.apublish("test:room:red:load", {"n": 1})
+    assert await realtime_app.apublish("test:lot:3:1000", {"price": 1}) > 0  # the default cadence names the base
+
+
+async def test_clients_may_not_publish_app_fed_state(hub):
+    async with Client() as c:
+        error = (await c.call("publish", {"channel": "test:lot:3", "data": {"price": 1}}))["error"]
+        assert error["data"]["reason"] == "forbidden_channel"
