@@ -312,7 +312,7 @@ class Hub:
                 self.last_seq[channel] = delivery.seq
             spec = self.specs.get(channel)
             if spec is not None and spec.kind == "state":
-                self.current.seen(channel, delivery.text)
+                self.current.seen(channel, delivery.text, delivery.seq)
             if delivery.epoch:
                 self.ordering.frame(channel, delivery.text, delivery.seq, delivery.epoch)
             else:

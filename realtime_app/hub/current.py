@@ -16,6 +16,7 @@ from realtime_app.cluster.base import Backplane
 from realtime_app.hub.connections import Connection
 from realtime_app.hub.fanout import Fanout
 from realtime_app.hub.fed import FedStates
+from realtime_app.outbound.backpressure import SEND
 from realtime_app.wire.protocol import encode, notification_text
 
 __all__ = ["CurrentValues"]
@@ -35,10 +36,10 @@ class CurrentValues:
 
     def __init__(self, hub: Holder) -> None:
         self.hub = hub
-        self.frames: dict[str, str] = {}
+        self.frames: dict[str, tuple[str, int]] = {}  # channel -> (notification, seq)
 
-    def seen(self, channel: str, text: str) -> None:
-        self.frames[channel] = text
+    def seen(self, channel: str, text: str, seq: int) -> None:
+        self.frames[channel] = (text, seq)
 
     def forget(self, channel: str) -> None:
         self.frames.pop(channel, None)
@@ -48,7 +49,7 @@ class CurrentValues:
         if spec.kind != "state" or conn.closed or spec.name not in conn.subscriptions:
             return False
         hub, channel = self.hub, spec.name
-        text = self.frames.get(channel)
+        text, seq = self.frames.get(channel, (None, 0))
         backplane = hub.backplane
         if text is None and spec.fed is not None and backplane is not None:
             try:
@@ -61,5 +62,7 @@ class CurrentValues:
             text = notification_text(channel, encode(data), hub.last_seq.get(channel, 0), int(time.time() * 1000))
         if text is None or conn.closed or channel not in conn.subscriptions:
             return False
-        hub.fanout.push(conn, text.encode("utf-8"), channel=channel)
-        return True
+        decision = hub.fanout.push(conn, text.encode("utf-8"), channel=channel)  # full, to a delta subscriber
+        if decision is SEND and channel in conn.deltas and seq and hub.fanout.deltas.prime(channel, text, seq):
+            conn.deltas[channel] = seq  # it holds the base of the next delta
+        return decision is SEND

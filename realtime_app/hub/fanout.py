@@ -210,16 +210,17 @@ class Fanout:
 
     def push(
         self, conn: Connection, payload: bytes, frame: bytes | None = None, channel: str = "", policy: Any = _RULE
-    ) -> None:
+    ) -> Decision | None:
         """One frame of ``channel`` to one connection, guarded under the channel's rule (as
         :meth:`fanout` does); to a delta subscriber as its full text (a replayed or
-        held-back frame: the next live one is full too, whatever base the process kept)."""
+        held-back frame: the next live one is full too, whatever base the process kept).
+        Returns what the guard decided (None: the send raised)."""
         if channel in conn.deltas:
             conn.deltas[channel] = -1
             payload = self.deltas.full_only(channel, payload.decode("utf-8")).encode("utf-8")
             frame = None
         self.frames_out += 1
-        self._guarded(conn, payload, frame if frame is not None else text_frame(payload), _rule(channel, policy))
+        return self._guarded(conn, payload, frame if frame is not None else text_frame(payload), _rule(channel, policy))
 
     def _guarded(self, conn: Connection, payload: bytes, frame: bytes, policy: str | None = None) -> Decision | None:
         """One channel frame through ``conn``'s guard under ``policy`` (the channel's rule),

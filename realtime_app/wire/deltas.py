@@ -77,6 +77,14 @@ class ChannelDeltas:
             return DeltaFrames(full, None, -1)
         return DeltaFrames(full, f'{head}{encode(delta.decode("latin-1"))},"delta":true{tail}', previous[0])
 
+    def prime(self, channel: str, text: str, seq: int) -> bool:
+        """Take ``text`` (publication ``seq``) as the base of the next delta when there is
+        none yet (its first delta subscriber just got it whole); True when it is the base."""
+        if channel not in self.last:
+            data_json, _ = split_notification(channel, text)
+            self.last[channel] = (seq, data_json.encode("utf-8"))
+        return self.last[channel][0] == seq
+
     @staticmethod
     def full_only(channel: str, text: str) -> str:
         """The full text frame alone (a conflated channel: no delta is built)."""

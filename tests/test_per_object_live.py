@@ -1,0 +1,110 @@
+"""Channels per object, black-box: two daphne processes of the demo site on Redis, through
+the names of SPEC §12 — rooms isolated with their own history and resume, a lot that does
+not exist refused, a lot's price reaching every subscriber of a cadence on both processes
+at its pace, with the same seqs, from one publisher in the cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+
+import pytest
+import redis
+
+from realtime_app.wire.names import group_name
+from tests.servers import login, prepare_database, servers
+from tests.wsclient import RPC
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
+
+
+@pytest.fixture
+def demo_cluster(redis_url, tmp_path):
+    """Two daphne processes of the demo site on one SQLite file and the real Redis, with
+    a key prefix of their own (deleted after)."""
+    prefix = f"{os.environ['REALTIME_TEST_PREFIX']}-obj-{secrets.token_hex(3)}"
+    env = {**prepare_database(str(tmp_path / "db.sqlite3")), "REDIS_URL": redis_url, "REALTIME_KEY_PREFIX": prefix}
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    with servers(2, env) as procs:
+        yield procs, client, prefix
+    for key in client.scan_iter(match=f"{prefix}*"):
+        client.delete(key)
+    client.close()
+
+
+async def call_honouring_refusals(rpc: RPC, method: str, params: dict) -> dict:
+    """Call ``method``; a refusal with ``retry_after_ms`` is retried then, as clients do."""
+    while True:
+        answer = await rpc.call(method, params, timeout=10)
+        retry = answer.get("error", {}).get("data", {}).get("retry_after_ms")
+        if retry is None:
+            return answer
+        await asyncio.sleep(retry / 1000)
+
+
+async def until(rpc: RPC, predicate, timeout: float = 15) -> list[dict]:
+    """Frames of ``rpc`` until one satisfies ``predicate`` (that one last)."""
+    got: list[dict] = []
+    while not got or not predicate(got[-1]):
+        got += await rpc.frames(1, timeout=timeout)
+    return got
+
+
+async def test_rooms_and_lots_on_two_processes(demo_cluster):
+    (a, b), client, prefix = demo_cluster
+    cookie = login(a.http, "demo", "demo")  # one session, valid on both
+    async with (
+        RPC(a.ws) as lobby_a,
+        RPC(b.ws) as garden_b,
+        RPC(b.ws, cookie=cookie) as poster,
+    ):
+        lobby = await lobby_a.subscribe("demo:room:lobby")
+        await garden_b.subscribe("demo:room:garden")
+        for n in range(3):
+            answer = await poster.call("demo.post", {"room": "lobby", "text": f"hello {n}"})
+            assert answer["result"]["room"] == "lobby", answer
+        garden_post = await poster.call("demo.post", {"room": "garden", "text": "in the garden"})
+        got = await lobby_a.frames(3)
+        assert [f["data"] for f in got] == [{"user": "demo", "text": f"hello {n}"} for n in range(3)]
+        assert [f["seq"] for f in got] == [lobby["seq"] + 1, lobby["seq"] + 2, lobby["seq"] + 3]
+        [garden] = await garden_b.frames(1)  # the garden's first frame is the garden's post: nothing of the lobby
+        assert (
+            garden["data"] == {"user": "demo", "text": "in the garden"}
+            and garden["seq"] == garden_post["result"]["seq"]
+        )
+        since = {"seq": got[0]["seq"], "epoch": got[0]["epoch"]}
+
+        error = (await lobby_a.call("subscribe", {"channel": "demo:lot:5000"}))["error"]
+        assert (error["code"], error["data"]["reason"]) == (-32002, "unknown_channel")
+
+        async with RPC(a.ws) as lot_a, RPC(b.ws) as lot_b:
+            await lot_a.subscribe("demo:lot:7:250")
+            await lot_b.subscribe("demo:lot:7:250")
+            last = None
+            for amount in range(10, 210, 10):  # 20 bids as fast as the server answers them
+                answer = await call_honouring_refusals(poster, "demo.bid", {"lot": 7, "amount": amount})
+                last = answer["result"]
+            assert last == {"lot": 7, "price": 200, "bids": 20}
+            final = lambda frame: frame["data"] == last  # noqa: E731
+            seen_a, seen_b = await asyncio.gather(until(lot_a, final), until(lot_b, final))
+            for seen in (seen_a, seen_b):
+                prices = [f["data"]["price"] for f in seen]
+                assert prices == sorted(set(prices)), prices  # only changes, in order
+                gaps = [y["ts"] - x["ts"] for x, y in zip(seen, seen[1:], strict=False)]
+                assert all(gap >= 200 for gap in gaps), gaps  # at most once per 250 ms (ms timestamps, a margin)
+            published = lambda seen: {f["seq"]: f["data"] for f in seen if f["seq"]}  # noqa: E731
+            common = set(published(seen_a)) & set(published(seen_b))
+            assert max(published(seen_a)) == max(published(seen_b)) in common  # the last frame: one seq on both
+            assert all(published(seen_a)[s] == published(seen_b)[s] for s in common)
+            holders = client.get(f"{prefix}:lease:{group_name('demo:lot:7:250')}")
+            assert holders is not None  # one lease for the instance and cadence, held by one process
+
+            async with RPC(b.ws) as newcomer:  # a new subscriber gets the value at once, not 10 s later
+                await newcomer.subscribe("demo:lot:7:10000")
+                [first] = await newcomer.frames(1, timeout=5)
+                assert first["data"] == last
+
+    async with RPC(b.ws) as again:  # the lobby resumes from its own seq, on the other process
+        answer = await again.call("subscribe", {"channel": "demo:room:lobby", "since": since}, timeout=10)
+        assert answer["result"]["recovered"] is True and answer["result"]["replayed"] == 2
