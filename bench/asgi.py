@@ -86,6 +86,43 @@ class BaselineConsumer(AsyncWebsocketConsumer):
         await self.send(text_data=event["text"])
 
 
+if "bench:room:<int:id>" not in registry.templates:  # bench/instances.py: channels per object vs listed ones
+    import asyncio as _asyncio
+
+    from realtime_app import app_state, apublish, event_channel, rpc_method
+
+    BENCH_LISTED_ROOMS = int(os.environ.get("BENCH_LISTED_ROOMS", "0"))
+    BENCH_LISTED_LOTS = int(os.environ.get("BENCH_LISTED_LOTS", "0"))
+    event_channel("bench:room:<int:id>")
+    for _i in range(BENCH_LISTED_ROOMS):
+        event_channel(f"bench:listed-room-{_i}")
+    app_state("bench:lot:<int:id>", default=1000, min=100, max=10000)
+    for _i in range(BENCH_LISTED_LOTS):
+        app_state(f"bench:listed-lot-{_i}", default=1000, min=100, max=10000)
+
+    @rpc_method("bench.bids", cost=0)
+    async def bench_bids(consumer: object, params: dict) -> dict:
+        """``rate`` bids a second on each of ``lots`` lots for ``seconds`` (each a new
+        price on ``bench:lot:<i>``, or ``bench:listed-lot-<i>`` with ``listed``), on a
+        drift-free schedule of 10 rounds a second; returns what it published."""
+        lots, rate, seconds = int(params["lots"]), float(params["rate"]), float(params["seconds"])
+        name = "bench:listed-lot-{}" if params.get("listed") else "bench:lot:{}"
+        loop = _asyncio.get_running_loop()
+        started = deadline = loop.time()
+        published, price, owed = 0, 0, 0.0
+        while loop.time() - started < seconds:
+            owed += rate / 10
+            price += 1
+            while owed >= 1:
+                owed -= 1
+                for lot in range(lots):
+                    await apublish(name.format(lot), {"lot": lot, "price": price})
+                    published += 1
+            deadline += 0.1
+            await _asyncio.sleep(max(0.0, deadline - loop.time()))
+        return {"published": published, "seconds": round(loop.time() - started, 3)}
+
+
 application = ProtocolTypeRouter(
     {
         "http": django_asgi_app,

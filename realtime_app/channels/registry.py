@@ -48,6 +48,9 @@ RESERVED = "realtime.control"
 RESERVED_PREFIX = "realtime."
 #: The backplane channel that carries an app-fed family's value (``fed_channel``).
 FED_PREFIX = "realtime.fed:"
+#: Names resolved by templates kept per process (each lookup of a subscribe, a publication,
+#: a frame's rule reads it again).
+MAX_RESOLVED = 10_000
 #: How long the backplane keeps an app-fed value after it was last set, by default.
 STATE_TTL_S = 86_400
 
@@ -166,11 +169,13 @@ class Registry:
         self.families: dict[str, Family] = {}
         self.exact: dict[str, ChannelSpec] = {}
         self.templates: dict[str, Declared] = {}
+        self._instances: dict[str, ChannelSpec | None] = {}  # names resolved by a template, bounded
 
     def clear(self) -> None:
         self.families.clear()
         self.exact.clear()
         self.templates.clear()
+        self._instances.clear()
 
     def _check_free(self, name: str) -> None:
         if not isinstance(name, str) or not name or name != name.strip():
@@ -262,6 +267,7 @@ class Registry:
             )
         declared = Declared(template, kind, exists=exists, owner=owner, max_instances=max_instances, **what)
         self.templates[pattern] = declared
+        self._instances.clear()
         return declared
 
     def resolve(self, name: str) -> ChannelSpec:
@@ -279,11 +285,16 @@ class Registry:
             resolved = fam.resolve(name)
             if resolved is not None:
                 return resolved
-        for declared in self.templates.values():
-            resolved = declared.resolve(name)
-            if resolved is not None:
-                return resolved
-        raise UnknownChannel(name)
+        if name in self._instances:
+            resolved = self._instances[name]
+        else:
+            resolved = next((r for d in self.templates.values() if (r := d.resolve(name)) is not None), None)
+            if len(self._instances) >= MAX_RESOLVED:  # names come from clients: bounded
+                self._instances.clear()
+            self._instances[name] = resolved
+        if resolved is None:
+            raise UnknownChannel(name)
+        return resolved
 
     def find(self, name: str) -> ChannelSpec | None:
         """:meth:`resolve`, or None for a name nobody declared."""
@@ -311,11 +322,9 @@ class Registry:
         return None
 
     def declarations(self) -> list[tuple[str, Callable[[str], bool], list[str]]]:
-        """Every declaration as ``(name, covers(name) -> bool, sample names)``: what the
-        collision check compares (a family's samples include a cadence)."""
+        """Every family and template as ``(name, covers(name) -> bool, sample names)``:
+        what the collision check compares (a family's samples include a cadence)."""
         out: list[tuple[str, Callable[[str], bool], list[str]]] = []
-        for name, spec in self.exact.items():
-            out.append((name, spec.name.__eq__, [name]))
         for base, fam in self.families.items():
             out.append((base, _covers(fam), [base, f"{base}:{fam.bounds.max}"]))
         for pattern, declared in self.templates.items():
@@ -326,7 +335,9 @@ class Registry:
         return out
 
     def collisions(self) -> list[tuple[str, str, str]]:
-        """Pairs of declarations that both claim one name: ``(first, second, name)``."""
+        """Pairs of declarations that both claim one name: ``(first, second, name)``. Two
+        listed names never do (one name, one registration); a listed name is compared
+        with each family and template, so thousands of listed channels stay cheap."""
         found = []
         declared = self.declarations()
         for i, (first, covers_first, first_samples) in enumerate(declared):
@@ -336,6 +347,10 @@ class Registry:
                     name = next((s for s in second_samples if covers_first(s)), None)
                 if name is not None:
                     found.append((first, second, name))
+        for name in self.exact:
+            for other, covers, _ in declared:
+                if covers(name):
+                    found.append((name, other, name))
         return found
 
 

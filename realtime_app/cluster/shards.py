@@ -28,7 +28,7 @@ import logging
 from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
-from realtime_app.channels.registry import RESERVED
+from realtime_app.channels.registry import FED_PREFIX, RESERVED
 from realtime_app.cluster.base import Backplane, Deliver
 from realtime_app.cluster.redis import RedisBackplane, shard_hosts
 from realtime_app.observability.logsafe import Outage
@@ -44,9 +44,11 @@ T = TypeVar("T")
 
 
 def shard_of(channel: str, shards: int) -> int:
-    """The shard of ``channel`` among ``shards``: channels-redis' rule, on its group name."""
+    """The shard of ``channel`` among ``shards``: channels-redis' rule, on its group name.
+    An app-fed family's value lives on the shard of the family's base channel."""
     if shards == 1:
         return 0
+    channel = channel.removeprefix(FED_PREFIX)
     bits = binascii.crc32(group_name(channel).encode("utf-8")) & 0xFFF
     return int(bits / (4096 / shards))
 
