@@ -5,10 +5,16 @@ once a period, only when it changed, and never loses the last one."""
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from realtime_app.channels.instances import InstanceBook
+from realtime_app.channels.registry import fed_channel, registry
+from realtime_app.hub.connections import Connection
 from realtime_app.hub.fed import MISSING, Pace
 
 TEMPLATES = ["lot:<int:id>", "bids:<int:lot>"]
@@ -114,3 +120,99 @@ class Pacing(RuleBasedStateMachine):
 
 
 TestPacing = Pacing.TestCase
+
+
+class HubInstances(RuleBasedStateMachine):
+    """The real hub (in-memory backplane, its own loop): connections subscribe to
+    instances and cadences, leave, publish, disconnect. At every step the hub's instances
+    are exactly those its subscriptions name; app-fed pacing and tickers run only for
+    subscribed channels; once every connection is gone nothing is left."""
+
+    NAMES = ["test:lot:1:250", "test:lot:1:500", "test:lot:2", "test:bids:1", "test:bids:2", "test:room:a:load:50"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        from django.test import override_settings
+
+        from realtime_app.conf import get_config
+        from realtime_app.hub.core import Hub
+
+        self.settings = override_settings(REALTIME_APP={**get_config(), "MAX_BACKPRESSURE": 0})  # no transport
+        self.settings.enable()
+        self.loop = asyncio.new_event_loop()
+        self.hub = Hub()
+        self.run(self.hub.start())
+        self.conns = [self.connection() for _ in range(3)]
+
+    def run(self, coro: Any) -> Any:
+        return self.loop.run_until_complete(coro)
+
+    def connection(self) -> Connection:
+        async def send(message: dict[str, Any]) -> None:
+            pass
+
+        conn = Connection(send)
+        self.hub.add_connection(conn)
+        return conn
+
+    @rule(i=st.integers(0, 2), name=st.sampled_from(NAMES))
+    def subscribe(self, i: int, name: str) -> None:
+        spec = registry.resolve(name)
+        if spec.history is not None:
+            self.run(self.hub.subscribe_kept(self.conns[i], spec))
+        else:
+            self.run(self.hub.subscribe(self.conns[i], spec))
+
+    @rule(i=st.integers(0, 2), name=st.sampled_from(NAMES))
+    def unsubscribe(self, i: int, name: str) -> None:
+        self.run(self.hub.unsubscribe(self.conns[i], registry.resolve(name).name))
+
+    @rule(lot=st.integers(1, 3), price=st.integers(0, 3))
+    def publish(self, lot: int, price: int) -> None:
+        spec = registry.resolve(f"test:lot:{lot}")
+        self.run(self.hub.publish(fed_channel(spec.base), {"price": price}, spec.fed))
+        self.run(self.hub.publish(f"test:bids:{lot}", {"price": price}))
+
+    @rule(i=st.integers(0, 2))
+    def disconnect(self, i: int) -> None:
+        self.run(self.hub.remove_connection(self.conns[i]))
+        self.conns[i] = self.connection()
+
+    @rule()
+    def let_the_loop_run(self) -> None:
+        self.run(asyncio.sleep(0.01))
+
+    @invariant()
+    def instances_are_the_subscriptions(self) -> None:
+        hub = self.hub
+        assert set(hub.specs) == set(hub.subscribers)
+        expected: dict[str, dict[str, set[str]]] = {}
+        for channel, spec in hub.specs.items():
+            if spec.declared is not None:
+                expected.setdefault(spec.declared.pattern, {}).setdefault(spec.base, set()).add(channel)
+        assert hub.instances.live == expected  # none leaked, none forgotten while used
+        paced = {channel for channels in hub.fed.paces.values() for channel in channels}
+        assert paced <= set(hub.subscribers)  # pacing only what is subscribed here
+        assert set(hub.tickers.book.tickers) <= set(hub.subscribers)
+
+    def teardown(self) -> None:
+        try:
+            for conn in self.conns:
+                self.run(self.hub.remove_connection(conn))
+            self.run(asyncio.sleep(0.05))
+            hub = self.hub
+            assert hub.instances.live == {} and hub.instances.total == 0
+            assert hub.specs == {} and hub.fed.paces == {} and hub.fed.timers == {}
+            assert hub.tickers.book.tickers == {} and hub.current.frames == {}
+        finally:
+            self.run(self.hub.aclose())
+            left = asyncio.all_tasks(self.loop)  # the write-behind stores the hub started
+            for task in left:
+                task.cancel()
+            self.run(asyncio.gather(*left, return_exceptions=True))
+            self.loop.close()
+            self.settings.disable()
+
+
+TestHubInstances = HubInstances.TestCase
+TestHubInstances.settings = settings(max_examples=25, stateful_step_count=20, deadline=None)

@@ -313,13 +313,13 @@ class Registry:
         fam = self.families.get(base) if sep else None
         if fam is not None:
             return fam if is_rate_channel(name, base) else None
-        if name in self.exact:
+        if name in self.exact or not self.templates:
             return None
-        for declared in self.templates.values():
-            found = declared.family(name)
-            if found is not None:
-                return found
-        return None
+        spec = self.find(name)  # an instance of a cadenced template (resolved once, then cached)
+        declared = spec.declared if spec is not None else None
+        if spec is None or declared is None or declared.bounds is None:
+            return None
+        return Family(spec.base, declared.bounds, declared.factory, declared.fed, spec.params, declared)
 
     def declarations(self) -> list[tuple[str, Callable[[str], bool], list[str]]]:
         """Every family and template as ``(name, covers(name) -> bool, sample names)``:
