@@ -210,3 +210,19 @@ async def test_clients_may_not_publish_app_fed_state(hub):
     async with Client() as c:
         error = (await c.call("publish", {"channel": "test:lot:3", "data": {"price": 1}}))["error"]
         assert error["data"]["reason"] == "forbidden_channel"
+
+
+async def test_an_exists_hook_that_raises_is_a_clear_error_logged_once(hub, caplog):
+    async with Client() as c:
+        for _ in range(3):
+            error = (await c.call("subscribe", {"channel": "test:flaky:0"}))["error"]
+            assert (error["code"], error["data"]["reason"]) == (-32603, "exists_failed")
+        assert "result" in await c.call("subscribe", {"channel": "test:flaky:1"})  # the connection is fine
+    logged = [r for r in caplog.records if "exists hook of test:flaky:<int:id> failed" in r.getMessage()]
+    assert len(logged) == 1
+
+
+async def test_a_huge_id_is_just_no_lot(hub):
+    async with Client() as c:
+        error = (await c.call("subscribe", {"channel": "demo:lot:" + "9" * 30}))["error"]
+        assert error["data"]["reason"] == "unknown_channel"

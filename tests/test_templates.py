@@ -178,3 +178,14 @@ def test_a_channel_name_is_a_string_with_its_params():
     assert (
         name == "lot:42" and name.startswith("lot:") and name.params == {"id": 42} and name.template == "lot:<int:id>"
     )
+
+
+def test_one_object_is_one_channel_whatever_the_spelling():
+    registry = Registry()
+    registry.add_channel("bids:<int:lot>", "event")
+    registry.add_family("lot:<int:id>", None, default=1000, min=100, max=10000, fed=HistoryPolicy(1, 60))
+    registry.add_channel("doc:<uuid:key>", "event")
+    assert registry.resolve("bids:0042").name == "bids:42"
+    assert (registry.resolve("lot:007:250").name, registry.resolve("lot:007").name) == ("lot:7:250", "lot:7")
+    assert registry.resolve("lot:007:250").base == "lot:7" and registry.family_of("lot:007:250").base == "lot:7"
+    assert registry.find("doc:12345678-1234-4678-9234-56781234567A") is None  # Django's uuid: lower case only

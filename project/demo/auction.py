@@ -27,8 +27,9 @@ _SLUG = re.compile(r"[-a-zA-Z0-9_]{1,64}")
 
 
 def lot_exists(params: dict[str, Any]) -> bool:
-    """Whether lot ``params["id"]`` is in the database (asked once per lot per 30 s)."""
-    return AuctionLot.objects.filter(pk=params["id"]).exists()
+    """Whether lot ``params["id"]`` is in the database (asked once per lot per 30 s). An id
+    no database column holds (``lot:99999999999999999999``) is no lot: not a query."""
+    return 0 < params["id"] < 2**63 and AuctionLot.objects.filter(pk=params["id"]).exists()
 
 
 realtime_app.event_channel(ROOM, history_size=100, history_ttl_s=300, max_bytes=4096)

@@ -17,6 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from channels.db import database_sync_to_async
 
+from realtime_app.exceptions import RPCError
+from realtime_app.wire.protocol import INTERNAL_ERROR
+
 if TYPE_CHECKING:
     from realtime_app.channels.registry import ChannelSpec
 
@@ -33,12 +36,14 @@ EXISTS_NO_S = 2.0
 EXISTS_CACHE_SIZE = 10_000
 
 _answers: OrderedDict[tuple[str, str], tuple[float, bool]] = OrderedDict()
+_failing: set[str] = set()  # templates whose hook raised last time (logged once)
 
 
 async def exists(spec: ChannelSpec) -> bool:
     """Whether the instance ``spec`` exists: True for a listed channel and for a template
-    without an ``exists`` hook. The hook's exceptions propagate (the caller answers an
-    internal error); sync hooks run in a worker thread (they may query the database)."""
+    without an ``exists`` hook. A hook that raises is an -32603 ``exists_failed`` (logged
+    once per failure streak, never cached); a sync hook runs in a worker thread (it may
+    query the database)."""
     declared = spec.declared
     if declared is None or declared.exists is None:
         return True
@@ -50,12 +55,19 @@ async def exists(spec: ChannelSpec) -> bool:
         return cached[1]
     hook = declared.exists
     params = dict(spec.params)
-    if inspect.iscoroutinefunction(hook):
-        answer: Any = await hook(params)
-    else:
-        answer = await database_sync_to_async(hook, thread_sensitive=False)(params)
-        if inspect.isawaitable(answer):
-            answer = await answer
+    try:
+        if inspect.iscoroutinefunction(hook):
+            answer: Any = await hook(params)
+        else:
+            answer = await database_sync_to_async(hook, thread_sensitive=False)(params)
+            if inspect.isawaitable(answer):
+                answer = await answer
+    except Exception:
+        if declared.pattern not in _failing:  # once per failure streak, not per request
+            _failing.add(declared.pattern)
+            logger.exception("exists hook of %s failed (logged once until it answers again)", declared.pattern)
+        raise RPCError(INTERNAL_ERROR, "Internal error", "exists_failed") from None
+    _failing.discard(declared.pattern)
     found = bool(answer)
     _answers[key] = (time.monotonic() + (EXISTS_YES_S if found else EXISTS_NO_S), found)
     _answers.move_to_end(key)

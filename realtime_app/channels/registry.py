@@ -103,9 +103,10 @@ class Family:
     fed: HistoryPolicy | None = None
     params: dict[str, Any] = field(default_factory=dict, compare=False)
     declared: Declared | None = field(default=None, compare=False, repr=False)
+    asked: str | None = field(default=None, compare=False, repr=False)  # the base as a name spelt it
 
     def resolve(self, name: str) -> ChannelSpec | None:
-        ms = parse_rate(name, self.base, self.bounds)
+        ms = parse_rate(name, self.asked or self.base, self.bounds)
         if ms is None:
             return None
         canonical = rate_channel(self.base, ms, self.bounds.default)
@@ -138,13 +139,14 @@ class Declared:
         if self.bounds is None:
             return None
         params = self.template.match(name)
-        base = name
+        asked = name
         if params is None:
-            base, sep, _ = name.rpartition(":")
-            params = self.template.match(base) if sep and is_rate_channel(name, base) else None
+            asked, sep, _ = name.rpartition(":")
+            params = self.template.match(asked) if sep and is_rate_channel(name, asked) else None
             if params is None:
                 return None
-        return Family(base, self.bounds, self.factory, self.fed, params, self)
+        base = self.template.name(params)  # canonical: lot:0042 is lot:42
+        return Family(base, self.bounds, self.factory, self.fed, params, self, asked)
 
     def resolve(self, name: str) -> ChannelSpec | None:
         """The instance ``name`` names, canonicalised, or None."""
@@ -154,6 +156,7 @@ class Declared:
         params = self.template.match(name)
         if params is None:
             return None
+        name = self.template.name(params)  # canonical: lot:0042 is lot:42
         return ChannelSpec(
             name, self.kind, name, None, self.factory, self.history, self.max_bytes, params=params, declared=self
         )

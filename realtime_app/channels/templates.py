@@ -71,6 +71,12 @@ class Template:
                 return None
         return params
 
+    def name(self, params: Mapping[str, Any]) -> str:
+        """The canonical name of the instance with ``params`` (each value through its
+        converter's ``to_url``): ``lot:0042`` and ``lot:42`` are one channel, ``lot:42``."""
+        values = iter(str(converter.to_url(params[parameter])) for parameter, converter in self.converters)
+        return _fill(self.pattern, values)
+
     def literal_length(self) -> int:
         """Characters matched literally (for the specificity of a policy rule)."""
         return len(_PARAMETER.sub("", self.pattern))

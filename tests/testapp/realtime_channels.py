@@ -268,3 +268,13 @@ _room_ticks: dict[str, int] = {}
 def secret_check(user: Any, channel: Any, action: str) -> bool:
     """Only a user whose username is the instance's ``name`` reads ``test:secret:<name>``."""
     return bool(getattr(user, "is_authenticated", False)) and channel.params["name"] == user.get_username()
+
+
+def flaky_exists(params: dict[str, Any]) -> bool:
+    """Raises for ``test:flaky:0`` (a hook whose database is down); the rest exist."""
+    if params["id"] == 0:
+        raise ConnectionError("the database is down")
+    return True
+
+
+realtime_app.event_channel("test:flaky:<int:id>", exists=flaky_exists)
