@@ -35,6 +35,9 @@ class AuctionLot(models.Model):
         """The channel's value: ``{"lot", "price", "bids"}``."""
         return {"lot": self.pk, "price": self.price, "bids": self.bids}
 
+    def __str__(self) -> str:
+        return f"lot {self.pk}: {self.price} after {self.bids} bids"
+
 
 class RoomMessage(models.Model):
     """A message posted in a demo chat room (``demo:room:<name>``)."""
@@ -43,3 +46,6 @@ class RoomMessage(models.Model):
     user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE)
     text = models.CharField(max_length=500)
     created = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return f"{self.room}: {self.text[:40]}"
