@@ -31,12 +31,12 @@ class AuctionLot(models.Model):
     price = models.PositiveIntegerField(default=0)
     bids = models.PositiveIntegerField(default=0)
 
+    def __str__(self) -> str:
+        return f"lot {self.pk}: {self.price} after {self.bids} bids"
+
     def state(self) -> dict[str, int]:
         """The channel's value: ``{"lot", "price", "bids"}``."""
         return {"lot": self.pk, "price": self.price, "bids": self.bids}
-
-    def __str__(self) -> str:
-        return f"lot {self.pk}: {self.price} after {self.bids} bids"
 
 
 class RoomMessage(models.Model):
