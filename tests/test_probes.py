@@ -125,6 +125,7 @@ async def test_realtime_probe_command(cluster):
     table = await asyncio.to_thread(probe_command)
     assert table.returncode == 0 and "worst queue" in table.stdout and "rpc run/wait" in table.stdout
     assert "http pools run/wait (503)" in table.stdout and "unsaved (oldest)" in table.stdout
+    assert "instances (subs)" in table.stdout
     assert "heavy 0/0 (0)" in table.stdout
     assert "resumes ok/lost (replayed)" in table.stdout and "0/0 (0)" in table.stdout
     assert str(a.process.pid) in table.stdout and str(b.process.pid) in table.stdout

@@ -34,6 +34,7 @@ COLUMNS: list[tuple[str, Callable[[dict[str, Any]], Any]]] = [
     ("refused", lambda p: _refused(p.get("admission", {}).get("refused", {}))),
     ("http pools run/wait (503)", lambda p: _pools(p.get("http_pools", {}))),
     ("unsaved (oldest)", lambda p: _unsaved(p.get("write_behind", {}))),
+    ("instances (subs)", lambda p: _templates(p.get("templates", {}))),
     ("resumes ok/lost (replayed)", lambda p: _resumes(p.get("history", {}))),
 ]
 
@@ -61,6 +62,11 @@ def _unsaved(stores: dict[str, dict[str, Any]]) -> str:
             text += f", {store['consecutive_failures']} failed flushes"
         parts.append(text + ")")
     return ", ".join(parts) or "–"
+
+
+def _templates(templates: dict[str, dict[str, Any]]) -> str:
+    """``lot:<int:id> 812 (2403)``: live instances (their subscribers) per template."""
+    return ", ".join(f"{name} {t['instances']} ({t['subscribers']})" for name, t in templates.items()) or "–"
 
 
 def _pools(pools: dict[str, dict[str, Any]]) -> str:
