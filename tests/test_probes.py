@@ -186,6 +186,7 @@ async def test_the_operations_screen_at_1280_by_800(cluster):
     try:
         async with RPC(b.ws, cookie=login(b.http, "demo", "demo")) as mine:
             await mine.subscribe("demo:clock:250")
+            await mine.subscribe("demo:room:lobby")  # an instance of a template: the drill-down sums it
             await asyncio.to_thread(log_in, browser, a.http, "admin", "admin")
             await asyncio.to_thread(browser.set_window_size, 1280, 800)
             await asyncio.to_thread(browser.get, f"{a.http}/admin/realtime_app/realtimecluster/")
@@ -206,6 +207,9 @@ async def test_the_operations_screen_at_1280_by_800(cluster):
             row_xpath = "//table[@data-connections]//tr[td[contains(., 'demo:clock:250')]]"
             rows = await until(lambda br: br.find_elements(By.XPATH, row_xpath))
             assert "demo" in rows[0].text  # the user, with its channel
+            template_xpath = "//table[@data-templates]//tr[td[contains(., 'demo:room:<slug:name>')]]"
+            [template] = await until(lambda br: br.find_elements(By.XPATH, template_xpath))
+            assert "demo:room:lobby (1)" in template.text  # its busiest instance, never a row per instance
             button = rows[0].find_element(By.CSS_SELECTOR, "button[data-close]")
             await asyncio.to_thread(button.click)
             await asyncio.to_thread(lambda: browser.switch_to.alert.accept())
