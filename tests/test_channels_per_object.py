@@ -226,3 +226,25 @@ async def test_a_huge_id_is_just_no_lot(hub):
     async with Client() as c:
         error = (await c.call("subscribe", {"channel": "demo:lot:" + "9" * 30}))["error"]
         assert error["data"]["reason"] == "unknown_channel"
+
+
+def test_declaring_channels_per_object_reads_no_database_at_import(tmp_path):
+    """A fresh database (no tables): makemigrations passes and Django never warns of a
+    database access during app initialization — the lots exist only when asked about."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "project.settings", "DATABASE_URL": f"sqlite:///{tmp_path / 'x.db'}"}
+    result = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "manage.py", "makemigrations", "--check", "--dry-run"],
+        cwd=Path(__file__).resolve().parent.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "No changes detected" in result.stdout
+    assert not (tmp_path / "x.db").exists() or (tmp_path / "x.db").stat().st_size == 0
