@@ -216,3 +216,14 @@ class HubInstances(RuleBasedStateMachine):
 
 TestHubInstances = HubInstances.TestCase
 TestHubInstances.settings = settings(max_examples=25, stateful_step_count=20, deadline=None)
+
+
+def test_a_new_epoch_restarts_the_versions_of_an_app_fed_value():
+    """Redis lost the kept value (a restart, a flush): versions count from 1 again under a
+    new epoch, and the cadence takes them instead of waiting for the old numbers."""
+    pace = Pace(1.0)
+    assert pace.offer(500, "a", "a", 0.0, "e1") == 0.0
+    assert pace.due(0.0) == "a"
+    assert pace.offer(3, "b", "b", 5.0, "e1") is None  # an old value of the same epoch: ignored
+    assert pace.offer(1, "b", "b", 5.0, "e2") == 5.0  # a new epoch: taken
+    assert pace.due(5.0) == "b"

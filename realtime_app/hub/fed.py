@@ -40,17 +40,19 @@ class Pace:
 
     period: float
     version: int = 0
+    epoch: str = ""  # the kept value's history epoch: a new one (Redis lost its state) restarts versions
     text: str | None = None  # the newest value, encoded (what "changed" compares)
     value: Any = MISSING
     sent: str | None = None  # the encoded value of the last frame
     last_at: float = float("-inf")
 
-    def offer(self, version: int, text: str, value: Any, now: float) -> float | None:
-        """A value numbered ``version``: when to send it (``now``, or when the period since
-        the last frame ends), or None — an older value than one known, or no change."""
-        if version <= self.version:
+    def offer(self, version: int, text: str, value: Any, now: float, epoch: str = "") -> float | None:
+        """A value numbered ``version`` (of ``epoch``): when to send it (``now``, or when the
+        period since the last frame ends), or None — an older value than one known, or no
+        change. Versions count again from 1 in a new epoch (the backplane lost the value)."""
+        if version <= self.version and epoch == self.epoch:
             return None
-        self.version, self.text, self.value = version, text, value
+        self.version, self.epoch, self.text, self.value = version, epoch, text, value
         if text == self.sent:
             return None
         return max(now, self.last_at + self.period)
@@ -63,10 +65,10 @@ class Pace:
         return self.value
 
 
-def fed_value(text: str) -> tuple[Any, str]:
-    """The data of a value's ``message`` notification, and its canonical encoding."""
-    data = json.loads(text)["params"]["data"]
-    return data, encode(data)
+def fed_value(text: str) -> tuple[Any, str, str]:
+    """The data of a value's ``message`` notification, its canonical encoding, its epoch."""
+    params = json.loads(text)["params"]
+    return params["data"], encode(params["data"]), str(params.get("epoch", ""))
 
 
 class Joiner(Protocol):
@@ -144,14 +146,14 @@ class FedStates:
         if not channels:
             return
         try:
-            value, encoded = fed_value(text)
+            value, encoded, epoch = fed_value(text)
         except (ValueError, KeyError, TypeError):
             logger.warning("ignoring a malformed value of an app-fed channel")
             return
         loop = asyncio.get_running_loop()
         now = loop.time()
         for channel, (pace, _) in channels.items():
-            at = pace.offer(version, encoded, value, now)
+            at = pace.offer(version, encoded, value, now, epoch)
             if at is not None and channel not in self.timers:
                 self.timers[channel] = loop.call_at(at, self._fire, base, channel)
 
