@@ -5,6 +5,7 @@ delivered at each cadence, only on change, and at once to a new subscriber."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -71,7 +72,8 @@ async def test_an_instance_that_does_not_exist_is_an_unknown_channel_and_the_ans
         finally:
             channels.LOTS.discard(5000)
         error = (await c.call("publish", {"channel": "test:bids:9999", "data": 1}))["error"]
-        assert error["data"]["reason"] == "unknown_channel"
+        assert error["data"]["reason"] == "forbidden_channel"  # the policy first: nothing learned of lot 9999
+    assert {"id": 9999} not in channels.exists_calls and {"lot": 9999} not in channels.exists_calls
 
 
 @pytest.mark.django_db(transaction=True)
@@ -248,3 +250,90 @@ def test_declaring_channels_per_object_reads_no_database_at_import(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "No changes detected" in result.stdout
     assert not (tmp_path / "x.db").exists() or (tmp_path / "x.db").stat().st_size == 0
+
+
+async def test_askers_of_one_instance_share_one_question(hub):
+    async with Client() as a, Client() as b, Client() as c:
+        answers = await asyncio.gather(*(x.call("subscribe", {"channel": "test:lot:42:250"}) for x in (a, b, c)))
+        assert all("result" in answer for answer in answers)
+    assert channels.exists_calls == [{"id": 42}]
+
+
+async def test_a_control_character_is_no_instance(hub):
+    async with Client() as c:
+        error = (await c.call("subscribe", {"channel": "test:secret:a\u0000b"}))["error"]
+        assert error["data"]["reason"] == "unknown_channel"
+
+
+async def test_an_app_fed_frame_that_could_not_be_published_is_sent_again(hub):
+    await realtime_app.apublish("test:lot:5", {"price": 1})
+    async with Client() as c:
+        assert "result" in await c.call("subscribe", {"channel": "test:lot:5:100"})
+        while (await c.frames(1))[0]["data"] != {"price": 1}:  # the current value: all that was due
+            pass
+        real, failed = hub.backplane.publish, []
+
+        async def blip(channel, data_json, floor=0, history=None):
+            if channel == "test:lot:5:100" and not failed:  # the cadence's frame, once
+                failed.append(channel)
+                raise OSError("a Redis blip")
+            return await real(channel, data_json, floor, history)
+
+        hub.backplane.publish = blip
+        await realtime_app.apublish("test:lot:5", {"price": 99})
+        got = []
+        while not got or got[-1]["data"] != {"price": 99}:
+            got += await c.frames(1, timeout=3)
+        assert failed  # the first try failed; the value went out at the next period
+
+
+async def test_an_app_fed_value_set_while_this_process_was_not_listening_arrives_when_it_joins_again(hub):
+    await realtime_app.apublish("test:lot:8", {"price": 1})
+    async with Client() as c:
+        assert "result" in await c.call("subscribe", {"channel": "test:lot:8:100"})
+        while (await c.frames(1))[0]["data"] != {"price": 1}:  # the current value: all that was due
+            pass
+        deliver, dropped = hub.backplane._deliver, []
+
+        async def deaf(delivery):  # pub/sub keeps nothing for a process that is away
+            if delivery.channel == "realtime.fed:test:lot:8":
+                dropped.append(delivery)
+                return
+            await deliver(delivery)
+
+        hub.backplane._deliver = deaf
+        await realtime_app.apublish("test:lot:8", {"price": 7})
+        assert dropped
+        hub.backplane._deliver = deliver
+        hub.reconciler.beat(reassert=True)  # what the beat does once the backplane answers again
+        await hub.convergence.converge_all(list(hub.reconciler.pending()))
+        got = []
+        while not got or got[-1]["data"] != {"price": 7}:
+            got += await c.frames(1, timeout=3)
+
+
+async def test_the_current_value_follows_the_answer_of_a_batch(hub):
+    await realtime_app.apublish("test:lot:6", {"lot": 6, "price": 1})
+    async with Client() as c:
+        await c.send(
+            [
+                {"jsonrpc": "2.0", "id": 1, "method": "subscribe", "params": {"channel": "test:lot:0006:10000"}},
+                {"jsonrpc": "2.0", "id": 2, "method": "test.sleep", "params": {"seconds": 0.3}},
+            ]
+        )
+        answer = await c.recv()
+        while not isinstance(answer, list):  # the cadence's own first frame may come first: live
+            answer = await c.recv()
+        assert answer[0]["result"]["channel"] == "test:lot:6:10000"
+        frame = await c.recv()  # and the value follows the answer, which named the channel
+        assert frame["method"] == "message" and frame["params"]["data"] == {"lot": 6, "price": 1}
+
+
+async def test_app_fed_cadences_count_as_tickers(hub):
+    with settings_with(MAX_TICKERS=2):
+        async with Client() as c:
+            assert "result" in await c.call("subscribe", {"channel": "test:lot:1:250"})
+            assert "result" in await c.call("subscribe", {"channel": "test:lot:1:500"})
+            error = (await c.call("subscribe", {"channel": "test:lot:1:750"}))["error"]
+            assert error["data"]["reason"] == "too_many_tickers"  # each cadence holds a lease
+            assert hub.ticker_count() == 2

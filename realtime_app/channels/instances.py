@@ -9,6 +9,7 @@ has a local subscriber — so that their number stays under the settings' bounds
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import time
@@ -21,7 +22,7 @@ from realtime_app.exceptions import RPCError
 from realtime_app.wire.protocol import INTERNAL_ERROR
 
 if TYPE_CHECKING:
-    from realtime_app.channels.registry import ChannelSpec
+    from realtime_app.channels.registry import ChannelSpec, Declared
 
 __all__ = ["EXISTS_CACHE_SIZE", "EXISTS_NO_S", "EXISTS_YES_S", "InstanceBook", "exists", "forget_exists"]
 
@@ -36,14 +37,17 @@ EXISTS_NO_S = 2.0
 EXISTS_CACHE_SIZE = 10_000
 
 _answers: OrderedDict[tuple[str, str], tuple[float, bool]] = OrderedDict()
-_failing: set[str] = set()  # templates whose hook raised last time (logged once)
+_asking: dict[tuple[str, str], asyncio.Task[bool]] = {}  # questions in flight, shared by their askers
+_failed_logged: dict[str, float] = {}  # when each template's hook failure was last logged
+#: A hook that keeps failing is logged at most this often.
+EXISTS_LOG_S = 60.0
 
 
 async def exists(spec: ChannelSpec) -> bool:
     """Whether the instance ``spec`` exists: True for a listed channel and for a template
-    without an ``exists`` hook. A hook that raises is an -32603 ``exists_failed`` (logged
-    once per failure streak, never cached); a sync hook runs in a worker thread (it may
-    query the database)."""
+    without an ``exists`` hook. Concurrent askers of one instance share one call of the
+    hook. A hook that raises is an -32603 ``exists_failed`` (logged at most once a minute,
+    never cached); a sync hook runs in a worker thread (it may query the database)."""
     declared = spec.declared
     if declared is None or declared.exists is None:
         return True
@@ -53,8 +57,24 @@ async def exists(spec: ChannelSpec) -> bool:
     if cached is not None and cached[0] > now:
         _answers.move_to_end(key)
         return cached[1]
+    loop = asyncio.get_running_loop()
+    asking = _asking.get(key)
+    if asking is None or asking.get_loop() is not loop:  # one question per instance at a time
+        asking = _asking[key] = loop.create_task(_ask(declared, key, dict(spec.params)))
+        asking.add_done_callback(lambda done: _asked(key, done))
+    return await asyncio.shield(asking)  # a waiter that goes away does not cancel the others'
+
+
+def _asked(key: tuple[str, str], done: asyncio.Task[bool]) -> None:
+    if _asking.get(key) is done:
+        del _asking[key]
+    if not done.cancelled():
+        done.exception()  # retrieved here: a failure whose askers all went away is no warning
+
+
+async def _ask(declared: Declared, key: tuple[str, str], params: dict[str, Any]) -> bool:
     hook = declared.exists
-    params = dict(spec.params)
+    assert hook is not None
     try:
         if inspect.iscoroutinefunction(hook):
             answer: Any = await hook(params)
@@ -63,11 +83,11 @@ async def exists(spec: ChannelSpec) -> bool:
             if inspect.isawaitable(answer):
                 answer = await answer
     except Exception:
-        if declared.pattern not in _failing:  # once per failure streak, not per request
-            _failing.add(declared.pattern)
-            logger.exception("exists hook of %s failed (logged once until it answers again)", declared.pattern)
+        now = time.monotonic()
+        if now - _failed_logged.get(declared.pattern, -EXISTS_LOG_S) >= EXISTS_LOG_S:  # not once per request
+            _failed_logged[declared.pattern] = now
+            logger.exception("exists hook of %s failed (logged once a minute while it does)", declared.pattern)
         raise RPCError(INTERNAL_ERROR, "Internal error", "exists_failed") from None
-    _failing.discard(declared.pattern)
     found = bool(answer)
     _answers[key] = (time.monotonic() + (EXISTS_YES_S if found else EXISTS_NO_S), found)
     _answers.move_to_end(key)
@@ -87,7 +107,10 @@ def forget_exists(pattern: str | None = None) -> None:
 
 
 class InstanceBook:
-    """Live instances per template in this process: ``template -> base -> channels``.
+    """The channels with local subscribers in this process, counted as the bounds read
+    them — never by a walk over all of them on a subscribe: live instances per template
+    (``template -> base -> channels``), the cadences running per family base, and the
+    channels that hold a lease and run something (a ticker, an app-fed cadence).
 
     An instance (``lot:42``) lives from its first local subscription to any of its
     channels (``lot:42``, ``lot:42:250``) until the last one ends; nothing else keeps it.
@@ -96,6 +119,29 @@ class InstanceBook:
     def __init__(self) -> None:
         self.live: dict[str, dict[str, set[str]]] = {}
         self.total = 0
+        self.cadences: dict[str, set[int]] = {}  # family base -> cadences (ms) with subscribers here
+        self.tickers = 0  # channels with a ticker or an app-fed cadence, subscribed here
+
+    def opened(self, spec: ChannelSpec) -> None:
+        """``spec`` got its first local subscriber."""
+        if spec.declared is not None:
+            self.add(spec.declared.pattern, spec.base, spec.name)
+        if spec.interval_ms is not None:
+            self.cadences.setdefault(spec.base, set()).add(spec.interval_ms)
+        if spec.has_ticker:
+            self.tickers += 1
+
+    def closed(self, spec: ChannelSpec) -> None:
+        """``spec`` lost its last local subscriber."""
+        if spec.declared is not None:
+            self.remove(spec.declared.pattern, spec.base, spec.name)
+        running = self.cadences.get(spec.base)
+        if spec.interval_ms is not None and running is not None:
+            running.discard(spec.interval_ms)
+            if not running:
+                del self.cadences[spec.base]
+        if spec.has_ticker:
+            self.tickers -= 1
 
     def refusal(self, template: str, base: str, per_template: int, per_process: int) -> tuple[str, int] | None:
         """Which bound a new instance ``base`` of ``template`` would pass (``("template",

@@ -4,8 +4,8 @@ A template uses Django's path-converter syntax (``int``, ``slug``, ``uuid``, ``s
 converters registered with :func:`django.urls.register_converter`); the values of an
 instance are converted as a URL's are and become ``channel.params``. A parameter never
 spans a ``:`` — that separator ends a cadence suffix (``lot:42:2000`` is instance 42 at
-2000 ms) — so ``str`` matches ``[^/:]+`` here, and a converter whose pattern accepts a
-``:`` (``path``) is refused.
+2000 ms) — so ``str`` matches one segment here (no ``:``, ``/`` or control character),
+and a converter whose pattern accepts a ``:`` (``path``) is refused.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from realtime_app.exceptions import ConfigurationError
 __all__ = ["ChannelName", "Template", "compile_template", "is_template"]
 
 _PARAMETER = re.compile(r"<(?:(?P<converter>[^>:]+):)?(?P<parameter>[^>]+)>")
-#: What ``str`` means in a channel name: one segment, no ``:`` and no ``/``.
-_SEGMENT = "[^/:]+"
+#: What ``str`` means in a channel name: one segment, no ``:``, no ``/``, no control
+#: character (a NUL reaching a database through an ``exists`` hook is an error there).
+_SEGMENT = "[^/:\x00-\x1f\x7f]+"
 #: Strings with a ``:`` a converter's pattern must refuse.
 _COLONS = (":", "a:b", "1:2", "x:1", "0:0:0", "a-b:c_d")
 #: Candidate values for the collision check (each kept where its converter accepts it).

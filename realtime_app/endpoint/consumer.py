@@ -26,7 +26,7 @@ from realtime_app.endpoint.auth import AUTH_UNAVAILABLE
 from realtime_app.endpoint.methods import BUILTIN_COSTS, Method, encodable, method_costs, methods, rpc_method
 from realtime_app.endpoint.refusals import deny, log_auth_outage, log_refused_connection, log_unsupported_once, refuse
 from realtime_app.endpoint.replies import Pending, Reply
-from realtime_app.endpoint.subscribing import bounded, existing
+from realtime_app.endpoint.subscribing import bounded, require_existing
 from realtime_app.exceptions import (
     NO_USER_HINT,
     BackplaneUnavailable,
@@ -210,9 +210,15 @@ class RealtimeConsumer:
             outcome = await self.handle_request(request)
             if not request.is_notification:
                 reply.add(outcome)
+        if self._current:  # after the answer, which tells the client the channel's canonical name
+            specs, self._current = self._current, []
+            reply.then(lambda: hub.spawn(self._send_current(hub, specs)))
         reply.seal()
-        while self._current:  # after the answer, which tells the client the channel's canonical name
-            await hub.send_current(self.connection, self._current.pop(0))
+
+    async def _send_current(self, hub: Hub, specs: list[ChannelSpec]) -> None:
+        for spec in specs:
+            if self.connection is not None:
+                await hub.send_current(self.connection, spec)
 
     def admission_identity(self) -> tuple[str, str]:
         """Whose bucket and cap a request draws on: the user's (shared by all of its
@@ -408,8 +414,9 @@ class RealtimeConsumer:
 
     async def rpc_subscribe(self, params: Any) -> dict[str, Any]:
         name = self._channel_param(params)
-        spec = await existing(name)
+        spec = registry.resolve(name)
         await self._require(spec, "subscribe")
+        await require_existing(spec)
         assert self.connection is not None
         config = get_config()
         limit = config["MAX_SUBSCRIPTIONS"]
@@ -470,10 +477,11 @@ class RealtimeConsumer:
         name = self._channel_param(params)
         if not isinstance(params, dict) or "data" not in params:
             raise _invalid('Invalid params: expected {"channel": name, "data": ...}', "missing_data")
-        spec = await existing(name)
+        spec = registry.resolve(name)
         if spec.kind != "event":
             raise ForbiddenChannel(spec.name, "publish")
         await self._require(spec, "publish")
+        await require_existing(spec)
         try:
             seq = await apublish(spec.name, params["data"])
         except PublicationTooLarge as exc:

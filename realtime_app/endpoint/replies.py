@@ -32,7 +32,7 @@ class Reply:
     """The responses to one frame, gathered as its requests end (JSON-RPC allows any
     order in a batch; this one keeps the requests')."""
 
-    __slots__ = ("batch", "entries", "pending", "sealed", "send")
+    __slots__ = ("after", "batch", "entries", "pending", "sealed", "send")
 
     def __init__(self, send: Callable[[str], None], batch: bool, errors: list[Response]) -> None:
         self.send = send  # writes one frame to the connection, if it is still open
@@ -40,6 +40,13 @@ class Reply:
         self.entries: list[Response | None] = list(errors)
         self.pending = 0
         self.sealed = False
+        self.after: Callable[[], None] | None = None  # what follows the answer on the wire
+
+    def then(self, after: Callable[[], None]) -> None:
+        """Call ``after`` once the answer is written (or, with nothing to answer, once
+        every request is done): frames that must follow it (a state channel's current
+        value, after the subscribe answer that names the channel)."""
+        self.after = after
 
     def add(self, outcome: Response | Pending | None) -> None:
         if outcome is None:
@@ -67,14 +74,16 @@ class Reply:
         if not self.sealed or self.pending:
             return
         responses = [entry for entry in self.entries if entry is not None]
-        if not responses:
-            return
-        try:
-            text = protocol.encode(responses if self.batch else responses[0])
-        except (TypeError, ValueError):  # a merged caller's answer() made one: answer it all the same
-            responses = [_encodable(response) for response in responses]
-            text = protocol.encode(responses if self.batch else responses[0])
-        self.send(text)
+        if responses:
+            try:
+                text = protocol.encode(responses if self.batch else responses[0])
+            except (TypeError, ValueError):  # a merged caller's answer() made one: answer it all the same
+                responses = [_encodable(response) for response in responses]
+                text = protocol.encode(responses if self.batch else responses[0])
+            self.send(text)
+        after, self.after = self.after, None
+        if after is not None:
+            after()
 
 
 def _encodable(response: Response) -> Response:

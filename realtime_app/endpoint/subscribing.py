@@ -16,19 +16,18 @@ from realtime_app.wire.rate import nearest_cadence, rate_channel
 if TYPE_CHECKING:
     from realtime_app.hub.core import Hub
 
-__all__ = ["INSTANCE_RETRY_MS", "bounded", "existing"]
+__all__ = ["INSTANCE_RETRY_MS", "bounded", "instance_refusal", "require_existing"]
 
 #: When a subscribe refused for ``too_many_instances`` or ``too_many_tickers`` may come back.
 INSTANCE_RETRY_MS = 5000
 
 
-async def existing(name: str) -> ChannelSpec:
-    """The channel ``name`` names, if it exists: :class:`UnknownChannel` for a name
-    nobody declared and for an instance its template's ``exists`` denies."""
-    spec = registry.resolve(name)
+async def require_existing(spec: ChannelSpec) -> None:
+    """:class:`UnknownChannel` for an instance its template's ``exists`` denies. Asked
+    after the policy: who may not see a channel learns nothing of which objects exist,
+    and costs no query."""
     if not await exists(spec):
-        raise UnknownChannel(name)
-    return spec
+        raise UnknownChannel(spec.name)
 
 
 async def bounded(
@@ -63,7 +62,7 @@ async def bounded(
             retry_after_ms=INSTANCE_RETRY_MS,
         )
     tickers = config["MAX_TICKERS"]
-    if spec.factory is not None and tickers and hub.ticker_count() >= tickers:
+    if spec.has_ticker and tickers and hub.ticker_count() >= tickers:
         hub.count_refusal("tickers")
         raise RPCError(
             protocol.OVERLOADED, "Too many tickers", "too_many_tickers", limit=tickers, retry_after_ms=INSTANCE_RETRY_MS

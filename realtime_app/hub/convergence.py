@@ -14,10 +14,12 @@ import logging
 import time
 from typing import Any, Protocol
 
+from realtime_app.channels.registry import FED_PREFIX
 from realtime_app.cluster.base import Backplane
 from realtime_app.conf import get_config
 from realtime_app.hub.beat import BeatRule
 from realtime_app.hub.connections import Connection
+from realtime_app.hub.fed import FedStates
 from realtime_app.hub.reconciler import REMOTE, Action, Reconciler
 from realtime_app.hub.tickers import Tickers
 from realtime_app.observability.logsafe import safe
@@ -35,6 +37,7 @@ class Member(Protocol):
     tickers: Tickers
     subscribers: dict[str, set[Connection]]
     last_seq: dict[str, int]
+    fed: FedStates
 
     def probe(self) -> Any: ...
 
@@ -96,6 +99,8 @@ class Convergence:
     async def _carry_out(self, channel: str, action: Action, backplane: Backplane) -> bool:
         if action is Action.JOIN:
             await backplane.join([channel])
+            if channel.startswith(FED_PREFIX):  # what was set while this process was not listening
+                await self.hub.fed.resync(channel[len(FED_PREFIX) :])
             return True
         if action is Action.LEAVE:
             await backplane.leave(channel)

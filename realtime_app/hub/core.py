@@ -87,7 +87,7 @@ class Hub:
         self.subscribers: dict[str, set[Connection]] = {}
         self.specs: dict[str, ChannelSpec] = {}  # channels with local subscribers
         self.last_seq: dict[str, int] = {}  # highest seq seen per subscribed channel: the floor
-        self.instances = InstanceBook()  # live instances of templates
+        self.instances = InstanceBook()  # live instances of templates, cadences, tickers: counted
         self.template_published: dict[str, int] = {}  # publications per template, from this process
         self.published = 0
         self.refused: dict[str, int] = {"tickers": 0, "cadences": 0, "instances": 0, "revoked": 0}
@@ -226,8 +226,8 @@ class Hub:
             return False
         del self.subscribers[channel]
         spec = self.specs.pop(channel, None)
-        if spec is not None and spec.declared is not None:
-            self.instances.remove(spec.declared.pattern, spec.base, channel)
+        if spec is not None:
+            self.instances.closed(spec)
         self.ordering.forget(channel)
         self.last_seq.pop(channel, None)
         self.current.forget(channel)
@@ -237,12 +237,12 @@ class Hub:
 
     def running_cadences(self, base: str) -> list[int]:
         """Cadences (ms) of family ``base`` with local subscribers in this process."""
-        return sorted(s.interval_ms for s in self.specs.values() if s.base == base and s.interval_ms is not None)
+        return sorted(self.instances.cadences.get(base, ()))
 
     def ticker_count(self) -> int:
-        """Ticker channels with local subscribers (each may run a ticker somewhere); app-fed
-        cadences, which run no factory, are bounded as instances instead."""
-        return sum(1 for s in self.specs.values() if s.factory is not None)
+        """Channels with local subscribers that run something somewhere (a ticker, an
+        app-fed cadence: each holds a lease in the cluster)."""
+        return self.instances.tickers
 
     def count_refusal(self, reason: str) -> None:
         """A subscription refused for ``reason`` (``tickers``, ``cadences``, ``instances``):
@@ -262,8 +262,7 @@ class Hub:
         if subs is None:
             subs = self.subscribers[channel] = set()
             self.specs[channel] = spec
-            if spec.declared is not None:
-                self.instances.add(spec.declared.pattern, spec.base, channel)
+            self.instances.opened(spec)
             self.reconciler.subscribed(channel, ticker=spec.has_ticker)
         subs.add(conn)
         conn.subscriptions.add(channel)
@@ -287,7 +286,7 @@ class Hub:
     def undo_subscribe(self, conn: Connection, channel: str) -> None:
         """Take back a subscription that could not be completed."""
         if self._drop_local(conn, channel):
-            self._spawn(self.convergence.converge(channel))
+            self.spawn(self.convergence.converge(channel))
 
     async def unsubscribe(self, conn: Connection, channel: str) -> bool:
         """Remove ``conn`` from ``channel``; the last one out stops what the channel held."""
@@ -320,7 +319,7 @@ class Hub:
         elif delivery.kind == "released":
             self.reconciler.released_elsewhere(channel)
             if self.reconciler.next_action(channel) is not None:
-                self._spawn(self.convergence.converge(channel))
+                self.spawn(self.convergence.converge(channel))
 
     def _on_control(self, text: str) -> None:
         try:
@@ -361,9 +360,10 @@ class Hub:
     def forget(self, conn: Connection) -> None:
         """Release a connection's subscriptions now, from synchronous code."""
         conn.closed = True
-        self._spawn(self.remove_connection(conn))
+        self.spawn(self.remove_connection(conn))
 
-    def _spawn(self, coro: Any) -> None:
+    def spawn(self, coro: Any) -> None:
+        """Run ``coro`` in a task the hub keeps until it ends (closing waits for none)."""
         assert self.loop is not None
         task = self.loop.create_task(coro)
         self._background.add(task)

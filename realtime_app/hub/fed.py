@@ -50,12 +50,18 @@ class Pace:
         """A value numbered ``version`` (of ``epoch``): when to send it (``now``, or when the
         period since the last frame ends), or None — an older value than one known, or no
         change. Versions count again from 1 in a new epoch (the backplane lost the value)."""
-        if version <= self.version and epoch == self.epoch:
-            return None
+        if epoch < self.epoch or (epoch == self.epoch and version <= self.version):
+            return None  # epochs order as strings (wire.history.new_epoch): an older one is stale
         self.version, self.epoch, self.text, self.value = version, epoch, text, value
         if text == self.sent:
             return None
         return max(now, self.last_at + self.period)
+
+    def undelivered(self) -> float | None:
+        """The last value handed out was not published (the backplane did not answer, the
+        lease was not fresh): it is due again when the period ends, or None (nothing)."""
+        self.sent = None
+        return self.last_at + self.period if self.text is not None else None
 
     def due(self, now: float) -> Any:
         """The value to send now (and it counts as sent), or :data:`MISSING`."""
@@ -79,6 +85,8 @@ class Joiner(Protocol):
     reconciler: Reconciler
 
     async def converge(self, channel: str) -> None: ...
+
+    def spawn(self, coro: Any) -> None: ...
 
 
 class FedStates:
@@ -107,14 +115,34 @@ class FedStates:
         try:
             if first:
                 self.hub.reconciler.subscribed(fed_channel(base), ticker=False)
-                await self.hub.converge(fed_channel(base))
-            current = await self.current(base)
+                await self.hub.converge(fed_channel(base))  # each join reads the value again (resync)
+            if not first:
+                await self.resync(base)
         except BaseException:
             stop()
             raise
+        return stop
+
+    async def resync(self, base: str) -> None:
+        """Read the value kept for ``base`` and offer it to its cadences: after each join
+        (a first one, or again after the backplane lost this process's subscriptions),
+        what was set meanwhile is not lost — pub/sub keeps nothing for the absent."""
+        if not self.paces.get(base):
+            return
+        current = await self.current(base)
         if current is not None:
             self.update(base, *current)
-        return stop
+
+    def undelivered(self, base: str, channel: str) -> None:
+        """The cadence's last frame was not published: send the newest value again at the
+        end of its period."""
+        entry = self.paces.get(base, {}).get(channel)
+        if entry is None:
+            return
+        at = entry[0].undelivered()
+        if at is not None and channel not in self.timers:
+            loop = asyncio.get_running_loop()
+            self.timers[channel] = loop.call_at(max(at, loop.time()), self._fire, base, channel)
 
     async def current(self, base: str) -> tuple[int, str] | None:
         """The value kept for ``base`` (``(version, notification text)``), or None."""
@@ -132,9 +160,7 @@ class FedStates:
             return
         del self.paces[base]
         self.hub.reconciler.unsubscribed(fed_channel(base))
-        loop = self.hub.loop
-        if loop is not None and not loop.is_closed():
-            loop.create_task(self.hub.converge(fed_channel(base)))
+        self.hub.spawn(self.hub.converge(fed_channel(base)))
 
     def delivered(self, channel: str, text: str, seq: int) -> None:
         """A value set by the application arrived (a frame of a fed channel)."""

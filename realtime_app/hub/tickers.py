@@ -218,6 +218,13 @@ class Tickers:
 
                 task.add_done_callback(done)
 
+    def _undelivered(self, channel: str) -> None:
+        """A frame not published: an app-fed cadence sends its newest value again (a
+        ticker's next tick does that by itself)."""
+        spec = self.hub.specs.get(channel)
+        if spec is not None and spec.fed is not None:
+            self.hub.fed.undelivered(spec.base, channel)
+
     async def _publish_tick(self, channel: str, data: Any) -> None:
         hub = self.hub
         backplane = hub.backplane
@@ -225,12 +232,13 @@ class Tickers:
             ttl_s = get_config()["LEASE_TTL_MS"] / 1000
             if not hub.reconciler.lease_fresh(channel, time.monotonic(), ttl_s):
                 self.stale_ticks += 1
+                self._undelivered(channel)
                 return
         book = self.book
         try:
             await hub.publish(channel, data)
         except BackplaneUnavailable:
-            pass  # counted and logged by the outage
+            self._undelivered(channel)  # counted and logged by the outage
         except PublicationError as exc:
             if book.fail(channel):
                 logger.error("ticker of %s: %s", safe(channel), exc)

@@ -244,6 +244,7 @@ def lot_exists(params: dict[str, Any]) -> bool:
 
 async def bids_exist(params: dict[str, Any]) -> bool:
     """An async hook (the lot's bids exist when the lot does)."""
+    exists_calls.append(dict(params))
     return params["lot"] in LOTS
 
 
