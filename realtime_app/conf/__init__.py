@@ -58,8 +58,9 @@ DEFAULTS: dict[str, Any] = {
     "MAX_PUBLICATION_BYTES": 1_000_000,
     # Hostile subscribers: distinct cadences of one family running in a process (past it
     # a subscribe gets the nearest running cadence), ticker channels and app-fed cadences
-    # running in a process (each holds a lease; past it -32003 too_many_tickers), connections per authenticated user and per
-    # anonymous client address (past it the socket is closed with 1008); 0 = unlimited.
+    # running in a process (each holds a lease; past it -32003 too_many_tickers),
+    # connections per authenticated user and per anonymous client address (past it the
+    # socket is closed with 1008); 0 = unlimited.
     "MAX_CADENCES_PER_FAMILY": 16,
     "MAX_TICKERS": 1000,
     # Instances of channel templates (``lot:<int:id>``) live in a process at once: in all,
