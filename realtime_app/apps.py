@@ -29,17 +29,12 @@ class RealtimeAppConfig(AppConfig):
     def ready(self) -> None:
         from django.contrib.auth.signals import user_logged_out
 
+        from realtime_app import checks  # noqa: F401  (registers the checks, the first afternoon's included)
         from realtime_app.channels.policies import reset_rules
-        from realtime_app.channels.sessions import on_logout
         from realtime_app.cluster import online_checks  # noqa: F401  (registers the deployment check)
-        from realtime_app.conf import (
-            apply_json_encoder,
-            checks,  # noqa: F401  (registers the checks)
-            get_config,
-            reset_config,
-            setup_checks,  # noqa: F401  (registers the checks of a first afternoon)
-        )
+        from realtime_app.conf import apply_json_encoder, get_config, reset_config
         from realtime_app.endpoint import operator  # noqa: F401  (its control message)
+        from realtime_app.endpoint.sessions import on_logout
         from realtime_app.persistence import checks as store_checks  # noqa: F401  (registers the store checks)
 
         apply_json_encoder()

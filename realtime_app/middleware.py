@@ -21,7 +21,8 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.urls import Resolver404, resolve
 
 from realtime_app.conf import get_config
-from realtime_app.inbound.limiter import Busy, ConcurrencyPool, PoolSettings, Slot
+from realtime_app.inbound.limiter import Busy, ConcurrencyPool, Slot
+from realtime_app.inbound.pools import decorated_pools, http_pools, pools_probe
 
 __all__ = ["ConcurrencyLimitMiddleware", "concurrency_limit", "http_pools", "pools_probe"]
 
@@ -29,10 +30,6 @@ logger = logging.getLogger("realtime_app.middleware")
 
 V = TypeVar("V", bound=Callable[..., Any])
 
-#: Pools named by a decorator somewhere (checked against the settings by realtime_app.E021).
-decorated_pools: set[str] = set()
-_pools: dict[str, ConcurrencyPool] = {}
-_built_from: dict[str, Any] | None = None
 _NEVER_LIMITED = ("realtime_app:health", "realtime_app:metrics")
 
 
@@ -46,28 +43,6 @@ def concurrency_limit(pool: str) -> Callable[[V], V]:
         return view
 
     return mark
-
-
-def http_pools() -> dict[str, ConcurrencyPool]:
-    """This process's pools, built from the settings on first use (and again if they change)."""
-    global _built_from
-    config = get_config()["HTTP_POOLS"]
-    if config != _built_from:
-        _pools.clear()
-        _built_from = config
-        for name, options in config.items():
-            settings = PoolSettings(
-                max_concurrent=options["max_concurrent"],
-                max_waiting=options.get("max_waiting", 100),
-                wait_timeout_ms=options.get("wait_timeout_ms", 10_000),
-            )
-            _pools[name] = ConcurrencyPool(name, settings)
-    return _pools
-
-
-def pools_probe() -> dict[str, dict[str, Any]]:
-    """Every pool's counters (the probe's ``http_pools``)."""
-    return {name: pool.probe() for name, pool in sorted(http_pools().items())}
 
 
 def _pool_for(request: HttpRequest) -> ConcurrencyPool | None:

@@ -11,7 +11,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, JsonR
 
 from realtime_app.conf import get_config
 from realtime_app.exceptions import BackplaneUnavailable
-from realtime_app.middleware import pools_probe
+from realtime_app.inbound.pools import pools_probe
 from realtime_app.observability.logsafe import safe
 from realtime_app.observability.probes import cluster_probe
 from realtime_app.persistence.write_behind import stores_probe

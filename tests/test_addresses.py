@@ -67,7 +67,7 @@ def test_only_the_configured_header_is_read(header, headers, expected):
 
 
 def test_an_unknown_forwarded_header_is_a_check_error(settings):
-    from realtime_app.conf.checks import check_settings
+    from realtime_app.checks.configuration import check_settings
 
     settings.REALTIME_APP = {"FORWARDED_HEADER": "X-Client-IP"}
     assert [m.id for m in check_settings()] == ["realtime_app.E007"]

@@ -2,7 +2,7 @@ import pytest
 from django.core.checks import Error
 from django.test import override_settings
 
-from realtime_app.conf.checks import check_policies, check_settings
+from realtime_app.checks.configuration import check_policies, check_settings
 
 
 def ids(messages):
@@ -165,7 +165,7 @@ def test_publishing_on_state_channels_is_flagged():
 
 
 def test_tested_server_versions_are_installed():
-    from realtime_app.conf.checks import check_server_versions
+    from realtime_app.checks.configuration import check_server_versions
 
     assert check_server_versions() == []
 
@@ -173,7 +173,7 @@ def test_tested_server_versions_are_installed():
 def test_an_untested_server_version_is_flagged(monkeypatch):
     from importlib import metadata
 
-    from realtime_app.conf.checks import check_server_versions
+    from realtime_app.checks.configuration import check_server_versions
 
     real = metadata.version
     monkeypatch.setattr(metadata, "version", lambda name: "5.0" if name == "daphne" else real(name))
@@ -196,9 +196,9 @@ PUBSUB_LAYER = {
 def test_both_channels_redis_layers_carry_the_cluster(layers):
     """Found: with RedisPubSubChannelLayer, "auto" picked the in-memory backplane: every
     process kept to itself (two tickers per cadence) and check said nothing."""
+    from realtime_app.checks.configuration import check_layer
     from realtime_app.cluster.factory import backplane_class
     from realtime_app.cluster.redis import RedisBackplane
-    from realtime_app.conf.checks import check_layer
 
     with override_settings(CHANNEL_LAYERS=layers):
         assert backplane_class() is RedisBackplane
@@ -208,8 +208,8 @@ def test_both_channels_redis_layers_carry_the_cluster(layers):
 def test_a_layer_the_cluster_cannot_be_carried_on_is_an_error_not_one_process():
     from django.core.exceptions import ImproperlyConfigured
 
+    from realtime_app.checks.configuration import check_layer
     from realtime_app.cluster.factory import backplane_class
-    from realtime_app.conf.checks import check_layer
 
     other = {"default": {"BACKEND": "somewhere.else.RabbitLayer"}}
     with override_settings(CHANNEL_LAYERS=other):
@@ -231,7 +231,7 @@ def test_an_impossible_bucket_is_an_error(values):
 
 
 def test_a_method_costing_more_than_the_bucket_is_a_warning():
-    from realtime_app.conf.checks import check_method_costs
+    from realtime_app.checks.configuration import check_method_costs
 
     assert ids(check_method_costs()) == []  # test.costly costs 6 of 18
     with override_settings(REALTIME_APP={"ADMISSION_BUCKET_CAPACITY": 5.0}):
@@ -254,7 +254,7 @@ def test_a_method_costing_more_than_the_bucket_is_a_warning():
     ],
 )
 def test_impossible_http_pools_are_errors(pool, problem):
-    from realtime_app.conf.checks import check_http_pools
+    from realtime_app.checks.configuration import check_http_pools
 
     with override_settings(REALTIME_APP={"HTTP_POOLS": {"test": {"max_concurrent": 1}, "reports": pool}}):
         messages = check_http_pools()
@@ -264,7 +264,7 @@ def test_impossible_http_pools_are_errors(pool, problem):
 def test_a_decorated_view_needs_its_pool_and_pools_need_the_middleware():
     from django.conf import settings
 
-    from realtime_app.conf.checks import check_http_pools
+    from realtime_app.checks.configuration import check_http_pools
 
     assert check_http_pools() == []  # the test settings: pools, the middleware, the decorated views' pool
     with override_settings(REALTIME_APP={"HTTP_POOLS": {}}):

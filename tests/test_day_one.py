@@ -242,7 +242,7 @@ async def test_an_applications_own_error_is_its_answer_not_a_bad_request(hub, ca
 
 
 def test_a_json_encoder_that_is_not_one_is_e009(settings):
-    from realtime_app.conf.checks import check_settings
+    from realtime_app.checks.configuration import check_settings
 
     for value in ("tests.testapp.encoders.Missing", "json.JSONDecoder", 42):
         settings.REALTIME_APP = {"JSON_ENCODER": value}

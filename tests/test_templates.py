@@ -13,7 +13,7 @@ from realtime_app import ChannelName, ConfigurationError
 from realtime_app.channels.policies import compile_rules, matching_rule
 from realtime_app.channels.registry import Registry
 from realtime_app.channels.templates import compile_template
-from realtime_app.conf.checks import check_channels
+from realtime_app.checks.configuration import check_channels
 from realtime_app.wire.history import HistoryPolicy
 
 
@@ -153,7 +153,7 @@ def test_the_system_check_reports_a_collision(monkeypatch):
     registry.add_channel("room:<slug:name>", "event")
     registry.add_channel("room:<int:id>", "event")
     monkeypatch.setattr(module, "registry", registry)
-    monkeypatch.setattr("realtime_app.conf.checks.registry", registry)
+    monkeypatch.setattr("realtime_app.checks.configuration.registry", registry)
     [error] = check_channels()
     assert error.id == "realtime_app.E013" and "'room:<slug:name>'" in error.msg and "'room:<int:id>'" in error.msg
 

@@ -19,13 +19,13 @@ from channels.db import database_sync_to_async
 
 from realtime_app.channels.policies import allowed
 from realtime_app.channels.registry import ChannelSpec, registry
-from realtime_app.channels.sessions import current_user, needs_user
 from realtime_app.conf import get_config
 from realtime_app.endpoint.addresses import client_address, client_network, trusted_networks
 from realtime_app.endpoint.auth import AUTH_UNAVAILABLE
 from realtime_app.endpoint.methods import BUILTIN_COSTS, Method, encodable, method_costs, methods, rpc_method
 from realtime_app.endpoint.refusals import deny, log_auth_outage, log_refused_connection, log_unsupported_once, refuse
 from realtime_app.endpoint.replies import Pending, Reply
+from realtime_app.endpoint.sessions import current_user, needs_user
 from realtime_app.endpoint.subscribing import bounded, require_existing
 from realtime_app.exceptions import (
     NO_USER_HINT,

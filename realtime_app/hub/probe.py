@@ -23,7 +23,7 @@ from realtime_app.hub.ordering import Ordering
 from realtime_app.hub.reconciler import Reconciler
 from realtime_app.hub.replay import Replays
 from realtime_app.hub.tickers import Tickers
-from realtime_app.middleware import pools_probe
+from realtime_app.inbound.pools import pools_probe
 from realtime_app.observability.schema import (
     BackplaneProbe,
     ConnectionProbe,

@@ -1,5 +1,5 @@
 """Checks of the backplane's settings: which backplane (E003, E005) and its Redis servers
-(E011). Called by :func:`realtime_app.conf.checks.check_settings`."""
+(E011). Called by :func:`realtime_app.checks.configuration.check_settings`."""
 
 from __future__ import annotations
 

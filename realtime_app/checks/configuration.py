@@ -14,8 +14,8 @@ from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
 from realtime_app.channels.policies import Rule, configured_rules, matching_rule
 from realtime_app.channels.registry import Family, registry
+from realtime_app.checks.backplane import check_backplane, check_shards
 from realtime_app.conf import DEFAULTS, get_config
-from realtime_app.conf.backplane_checks import check_backplane, check_shards
 
 __all__ = ["check_channels", "check_layer", "check_policies", "check_server_versions", "check_settings"]
 
@@ -441,7 +441,7 @@ def check_http_pools(app_configs: Any = None, **kwargs: Any) -> list[CheckMessag
             )
             for problem in problems
         ]
-    from realtime_app.middleware import decorated_pools
+    from realtime_app.inbound.pools import decorated_pools
 
     try:  # the URLconf imports the views: their decorators name their pools
         from django.urls import get_resolver
