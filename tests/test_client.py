@@ -161,7 +161,7 @@ def test_refusals_become_a_typed_error(case):
 
 @pytest.mark.parametrize("case", REFUSAL_VECTORS["delays"], ids=lambda c: f"{c['retry_after_ms']}-{c['u']}")
 def test_the_retry_delay_is_jittered_upward_only(case):
-    from realtime_app.inbound.admission import retry_delay_ms
+    from realtime_app.wire.retry import retry_delay_ms
 
     assert retry_delay_ms(case["retry_after_ms"], case["u"]) == case["delay_ms"] >= case["retry_after_ms"]
 

@@ -28,7 +28,7 @@ from realtime_app.cancellation import cancel_and_wait
 from realtime_app.client.cursor import Action, EventCursor
 from realtime_app.client.deltas import DeltaBases, DeltaError
 from realtime_app.exceptions import Refused, RPCError, error_from_response
-from realtime_app.inbound.admission import retry_delay_ms
+from realtime_app.wire.retry import retry_delay_ms
 
 __all__ = ["RECONNECT_CODES", "Handler", "RealtimeClient", "Refused", "is_reconnectable_close_code"]
 
@@ -351,7 +351,7 @@ class RealtimeClient:
         when admission refused it) or ``TimeoutError``.
 
         ``retries``: how many times a refused call is sent again after its
-        ``retry_after_ms`` (jittered by :func:`~realtime_app.inbound.admission.retry_delay_ms`);
+        ``retry_after_ms`` (jittered by :func:`~realtime_app.wire.retry.retry_delay_ms`);
         0 by default — whether a late retry still makes sense is the application's call.
         """
         while True:

@@ -6,14 +6,15 @@ there is no lease to compete for and no other process to tell.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 from realtime_app.cluster.base import Backplane, Deliver, Delivery, now_ms
 from realtime_app.observability.schema import ProcessProbe
-from realtime_app.wire.history import PAGE, PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, MemoryHistory, Since
+from realtime_app.wire.history import PAGE, PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, Since, new_epoch
 from realtime_app.wire.protocol import notification_text
 
-__all__ = ["MemoryBackplane"]
+__all__ = ["MemoryBackplane", "MemoryHistory"]
 
 
 class MemoryBackplane(Backplane):
@@ -91,3 +92,72 @@ class MemoryBackplane(Backplane):
 
     async def cluster_probes(self) -> list[ProcessProbe]:
         return [self._probe] if self._probe else []
+
+
+class _Log:
+    __slots__ = ("entries", "epoch")
+
+    def __init__(self, size: int) -> None:
+        self.epoch = new_epoch()
+        self.entries: deque[HistoryEntry] = deque(maxlen=size)
+
+
+class MemoryHistory:
+    """The histories of one process (the embedded backplane): a bounded deque per channel
+    under an epoch drawn when the process first needs it."""
+
+    def __init__(self) -> None:
+        self._logs: dict[str, _Log] = {}
+
+    def _log(self, channel: str, policy: HistoryPolicy) -> _Log:
+        log = self._logs.get(channel)
+        if log is None or log.entries.maxlen != policy.size:
+            log = self._logs[channel] = _Log(policy.size)
+        return log
+
+    def epoch(self, channel: str, policy: HistoryPolicy) -> str:
+        return self._log(channel, policy).epoch
+
+    def append(self, channel: str, policy: HistoryPolicy, entry: HistoryEntry) -> None:
+        self._log(channel, policy).entries.append(entry)
+
+    def size(self, channel: str) -> int:
+        log = self._logs.get(channel)
+        return len(log.entries) if log is not None else 0
+
+    def read(
+        self,
+        channel: str,
+        policy: HistoryPolicy,
+        top: int,
+        since: Since | None,
+        now_ms: int,
+        count: int,
+        max_bytes: int = PAGE_BYTES,
+    ) -> HistoryRead:
+        log = self._log(channel, policy)
+        oldest = now_ms - policy.ttl_ms
+        while log.entries and log.entries[0].ts < oldest:  # expired: gone, as in Redis
+            log.entries.popleft()
+        entries: list[HistoryEntry] = []
+        if since is not None and since.epoch == log.epoch and 0 < top - since.seq <= policy.size:
+            entries = self.page(channel, since.seq, count, max_bytes)
+        return HistoryRead(log.epoch, top, len(log.entries), entries)
+
+    def page(self, channel: str, after: int, count: int, max_bytes: int = PAGE_BYTES) -> list[HistoryEntry]:
+        """Up to ``count`` kept entries after ``seq`` ``after``, no more than ``max_bytes``
+        of text (at least one entry)."""
+        log = self._logs.get(channel)
+        if log is None:
+            return []
+        out: list[HistoryEntry] = []
+        used = 0
+        for entry in log.entries:
+            if entry.seq > after:
+                used += len(entry.text)
+                if out and used > max_bytes:
+                    break
+                out.append(entry)
+                if len(out) == count:
+                    break
+        return out

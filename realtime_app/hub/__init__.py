@@ -4,8 +4,9 @@
 :mod:`.convergence` (carrying out the :mod:`.reconciler`'s actions, the beat),
 :mod:`.tickers`, :mod:`.ordering`, :mod:`.replay`, :mod:`.fanout`, :mod:`.gate`
 (admission), :mod:`.publishing` and :mod:`.probe`. The rules they follow are pure
-functions or state machines that take ``now`` (:mod:`.lease`, :mod:`.ordering`,
-:mod:`.tickers`, :mod:`.replay`), tested without Redis or an event loop.
+functions or state machines that take ``now`` (:mod:`.reconciler`, :mod:`.beat`,
+:mod:`.ordering`, :mod:`.tickers`, :mod:`.replay`, :mod:`.fed`), tested without Redis or
+an event loop.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ held for ``REORDER_WINDOW_S`` (one wait here instead of a resume by every subscr
 then what was held goes out over the gap, which the subscribers resume. A frame of a
 newer epoch starts the order anew; a late frame of a replaced epoch is dropped; a frame
 older than the next one expected goes out at once, and each connection's position
-decides whether it still needs it (:func:`realtime_app.hub.replay.already_sent`).
+decides whether it still needs it (:func:`realtime_app.wire.history.already_sent`).
 
 :class:`Sequencer` is the rule, pure (it takes ``now`` and says what to fan out and when
 to wake); :class:`Ordering` runs it on the event loop.

@@ -4,7 +4,7 @@ The publications after the client's position are sent first, in order, then the 
 ones, none twice: live frames that arrive meanwhile wait in a buffer for that connection
 and go out after the replay, those the replay carried skipped. The replay is read a page
 at a time, each page after the first paid from the reader's bucket, and paced by the
-connection's send queue (docs/recovery.md). The rules — :func:`already_sent` and
+connection's send queue (docs/recovery.md). The rules — :func:`~realtime_app.wire.history.already_sent` and
 :func:`pace` — are pure; :class:`Replays` carries them out.
 """
 

@@ -41,7 +41,6 @@ __all__ = [
     "Refusal",
     "RefusalBudget",
     "retry_after_ms",
-    "retry_delay_ms",
 ]
 
 T = TypeVar("T")
@@ -70,14 +69,6 @@ class AdmissionLimits:
 def retry_after_ms(seconds: float) -> int:
     """Milliseconds to wait, rounded up: coming back at that time always passes."""
     return max(0, math.ceil(round(seconds * 1000, 6)))
-
-
-def retry_delay_ms(retry_after_ms: float, u: float) -> int:
-    """How long a client waits before retrying a refused request: ``retry_after_ms`` plus
-    up to a quarter more (``u`` uniform in [0, 1)), so that refused clients do not all come
-    back at once — never earlier than the server said. The browser module's
-    ``retryDelayMs`` is the same rule (shared vectors: tests/vectors/refusal.json)."""
-    return math.ceil(retry_after_ms * (1 + 0.25 * u))
 
 
 @dataclass(frozen=True, slots=True)

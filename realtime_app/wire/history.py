@@ -7,14 +7,13 @@ flushed or restarted empty, a key evicted), so that "nothing missed" and "histor
 are never confused. A client that saw ``(epoch, seq)`` asks ``since`` it; the backplane
 reads what followed, and :func:`plan_resume` decides whether that fills the gap.
 
-Pure: no I/O, no Django. :class:`MemoryHistory` is the embedded backplane's store.
+Pure: no I/O, no Django (the embedded backplane's store is :mod:`realtime_app.cluster.memory`'s).
 """
 
 from __future__ import annotations
 
 import secrets
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +24,6 @@ __all__ = [
     "HistoryEntry",
     "HistoryPolicy",
     "HistoryRead",
-    "MemoryHistory",
     "Resume",
     "Since",
     "epoch_suffix",
@@ -156,75 +154,6 @@ def plan_resume(since: Since, read: HistoryRead, policy: HistoryPolicy, now_ms: 
 def follows(entries: list[HistoryEntry], after: int) -> bool:
     """True when ``entries`` are ``after + 1``, ``after + 2``, … with no hole."""
     return all(entry.seq == after + 1 + i for i, entry in enumerate(entries))
-
-
-class _Log:
-    __slots__ = ("entries", "epoch")
-
-    def __init__(self, size: int) -> None:
-        self.epoch = new_epoch()
-        self.entries: deque[HistoryEntry] = deque(maxlen=size)
-
-
-class MemoryHistory:
-    """The histories of one process (the embedded backplane): a bounded deque per channel
-    under an epoch drawn when the process first needs it."""
-
-    def __init__(self) -> None:
-        self._logs: dict[str, _Log] = {}
-
-    def _log(self, channel: str, policy: HistoryPolicy) -> _Log:
-        log = self._logs.get(channel)
-        if log is None or log.entries.maxlen != policy.size:
-            log = self._logs[channel] = _Log(policy.size)
-        return log
-
-    def epoch(self, channel: str, policy: HistoryPolicy) -> str:
-        return self._log(channel, policy).epoch
-
-    def append(self, channel: str, policy: HistoryPolicy, entry: HistoryEntry) -> None:
-        self._log(channel, policy).entries.append(entry)
-
-    def size(self, channel: str) -> int:
-        log = self._logs.get(channel)
-        return len(log.entries) if log is not None else 0
-
-    def read(
-        self,
-        channel: str,
-        policy: HistoryPolicy,
-        top: int,
-        since: Since | None,
-        now_ms: int,
-        count: int,
-        max_bytes: int = PAGE_BYTES,
-    ) -> HistoryRead:
-        log = self._log(channel, policy)
-        oldest = now_ms - policy.ttl_ms
-        while log.entries and log.entries[0].ts < oldest:  # expired: gone, as in Redis
-            log.entries.popleft()
-        entries: list[HistoryEntry] = []
-        if since is not None and since.epoch == log.epoch and 0 < top - since.seq <= policy.size:
-            entries = self.page(channel, since.seq, count, max_bytes)
-        return HistoryRead(log.epoch, top, len(log.entries), entries)
-
-    def page(self, channel: str, after: int, count: int, max_bytes: int = PAGE_BYTES) -> list[HistoryEntry]:
-        """Up to ``count`` kept entries after ``seq`` ``after``, no more than ``max_bytes``
-        of text (at least one entry)."""
-        log = self._logs.get(channel)
-        if log is None:
-            return []
-        out: list[HistoryEntry] = []
-        used = 0
-        for entry in log.entries:
-            if entry.seq > after:
-                used += len(entry.text)
-                if out and used > max_bytes:
-                    break
-                out.append(entry)
-                if len(out) == count:
-                    break
-        return out
 
 
 def already_sent(at: tuple[str, int] | None, epoch: str, seq: int) -> bool:
