@@ -33,7 +33,6 @@ class RealtimeAppConfig(AppConfig):
         from realtime_app.channels.policies import reset_rules
         from realtime_app.cluster import online_checks  # noqa: F401  (registers the deployment check)
         from realtime_app.conf import apply_json_encoder, get_config, reset_config
-        from realtime_app.endpoint import operator  # noqa: F401  (its control message)
         from realtime_app.endpoint.sessions import on_logout
         from realtime_app.persistence import checks as store_checks  # noqa: F401  (registers the store checks)
 

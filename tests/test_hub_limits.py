@@ -388,3 +388,19 @@ def test_a_process_handshake_rate_under_one_still_admits_one():
 
     with settings_with(MAX_ANONYMOUS_HANDSHAKES_PER_S=0.2, HANDSHAKES_PER_S=0):
         assert Gate().handshake(("address", "198.51.100.1"))
+
+
+async def test_a_hub_runs_what_the_wiring_lists_however_it_was_started():
+    """No registration by import: a hub made here, outside Django's ready() and any
+    request, runs the endpoint's loops and answers its control messages."""
+    from realtime_app.endpoint.wiring import parts
+    from realtime_app.hub.core import Hub
+
+    hub = Hub()
+    await hub.start()
+    try:
+        names = {task.get_name() for task in asyncio.all_tasks()}
+        assert {"realtime-revalidate", "realtime-drain-held", "realtime-publisher", "realtime-maintain"} <= names
+        assert set(hub.parts.handlers) == {"logout", "close_connection"} == set(parts().handlers)
+    finally:
+        await hub.aclose()

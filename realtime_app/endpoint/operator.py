@@ -12,11 +12,11 @@ import contextlib
 import logging
 from typing import Any
 
-from realtime_app.hub.core import CONTROL_HANDLERS, Hub
+from realtime_app.hub.core import Hub
 from realtime_app.observability.logsafe import safe
 from realtime_app.wire.protocol import CloseCode
 
-__all__ = ["close_connection"]
+__all__ = ["close_connection", "on_close_message"]
 
 logger = logging.getLogger("realtime_app.consumers")
 
@@ -33,7 +33,8 @@ async def close_connection(instance: str, connection: int, by: str) -> None:
     await acontrol({"kind": "close_connection", "instance": instance, "connection": connection, "by": by})
 
 
-def _on_close_message(hub: Hub, message: dict[str, Any]) -> None:
+def on_close_message(hub: Hub, message: dict[str, Any]) -> None:
+    """A ``close_connection`` control message: close that connection if it is this process's."""
     if message.get("instance") != hub.instance_id:
         return
     wanted = message.get("connection")
@@ -46,6 +47,3 @@ def _on_close_message(hub: Hub, message: dict[str, Any]) -> None:
     with contextlib.suppress(Exception):
         conn.guard.close(CloseCode.CLOSED_BY_OPERATOR, REASON)
     hub.forget(conn)
-
-
-CONTROL_HANDLERS["close_connection"] = _on_close_message

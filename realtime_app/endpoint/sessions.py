@@ -26,11 +26,19 @@ from typing import Any
 from realtime_app.channels.policies import Action, active_rules, allowed, requirement_for
 from realtime_app.channels.registry import registry
 from realtime_app.conf import get_config
-from realtime_app.hub.core import BACKGROUND_LOOPS, CONTROL_HANDLERS, Connection, Hub
+from realtime_app.hub.core import Connection, Hub
 from realtime_app.observability.logsafe import safe
 from realtime_app.wire.protocol import CloseCode
 
-__all__ = ["current_user", "needs_user", "on_logout", "revalidate", "revalidation_loop", "session_digest"]
+__all__ = [
+    "current_user",
+    "needs_user",
+    "on_logout",
+    "on_logout_message",
+    "revalidate",
+    "revalidation_loop",
+    "session_digest",
+]
 
 logger = logging.getLogger("realtime_app.sessions")
 
@@ -204,13 +212,8 @@ def on_logout(sender: Any, request: Any = None, user: Any = None, **kwargs: Any)
         )
 
 
-def _on_logout_message(hub: Hub, message: dict[str, Any]) -> None:
+def on_logout_message(hub: Hub, message: dict[str, Any]) -> None:
+    """A ``logout`` control message: close this process's sockets of that session."""
     closed = close_session(hub, str(message.get("session", "")))
     if closed:
         logger.info("closed %d connection(s) of a session that logged out", closed)
-
-
-# Every hub runs the re-validation and closes the sockets of a session that logged out on
-# any process: the hub learns it from here and imports nothing of this module.
-BACKGROUND_LOOPS["realtime-revalidate"] = revalidation_loop
-CONTROL_HANDLERS["logout"] = _on_logout_message

@@ -12,22 +12,22 @@ an event loop.
 from __future__ import annotations
 
 from realtime_app.hub.core import (
-    BACKGROUND_LOOPS,
     CONTROL_CHANNEL,
-    CONTROL_HANDLERS,
+    HUB_PARTS,
     Connection,
     Hub,
+    HubParts,
     get_hub,
     hub_of_current_loop,
     running_hub,
 )
 
 __all__ = [
-    "BACKGROUND_LOOPS",
     "CONTROL_CHANNEL",
-    "CONTROL_HANDLERS",
+    "HUB_PARTS",
     "Connection",
     "Hub",
+    "HubParts",
     "get_hub",
     "hub_of_current_loop",
     "running_hub",

@@ -28,7 +28,10 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from django.utils.module_loading import import_string
 
 from realtime_app.cancellation import cancel_and_wait
 from realtime_app.channels.instances import InstanceBook
@@ -57,7 +60,7 @@ from realtime_app.wire.protocol import CloseCode, encode
 if TYPE_CHECKING:
     from realtime_app.observability.schema import ProcessProbe
 
-__all__ = ["BACKGROUND_LOOPS", "CONTROL_CHANNEL", "CONTROL_HANDLERS", "Connection", "Hub", "get_hub", "running_hub"]
+__all__ = ["CONTROL_CHANNEL", "HUB_PARTS", "Connection", "Hub", "HubParts", "get_hub", "running_hub"]
 
 logger = logging.getLogger("realtime_app.hub")
 
@@ -66,11 +69,18 @@ logger = logging.getLogger("realtime_app.hub")
 CONTROL_CHANNEL = RESERVED
 #: After a failed start, the callers that waited for it get the same error for this long.
 START_RETRY_S = 2.0
-#: Loops every hub runs beside its own while it is started, by task name: registered by the
-#: modules that own them (sessions' re-validation), so that the hub imports none of them.
-BACKGROUND_LOOPS: dict[str, Callable[[Hub], Coroutine[Any, Any, None]]] = {}
-#: What a control message of each ``kind`` does in every process (sessions' ``logout``).
-CONTROL_HANDLERS: dict[str, Callable[[Hub, dict[str, Any]], None]] = {}
+#: Where a starting hub finds the parts above it that it runs (:class:`HubParts`): named,
+#: not imported, so that the hub knows nothing of the endpoint (docs/architecture.md).
+HUB_PARTS = "realtime_app.endpoint.wiring.parts"
+
+
+@dataclass(frozen=True)
+class HubParts:
+    """What every hub runs beside its own rooms: loops by task name, control handlers by
+    message ``kind`` (:mod:`realtime_app.endpoint.wiring` lists them)."""
+
+    loops: dict[str, Callable[[Hub], Coroutine[Any, Any, None]]] = field(default_factory=dict)
+    handlers: dict[str, Callable[[Hub, dict[str, Any]], None]] = field(default_factory=dict)
 
 
 class Hub:
@@ -106,6 +116,7 @@ class Hub:
         self._failed: tuple[float, BackplaneUnavailable] | None = None  # the last failed start
         self.started = False
         self._closed = False
+        self.parts = HubParts()  # read at start (HUB_PARTS)
 
     @property
     def admission(self) -> Admission:
@@ -160,7 +171,8 @@ class Hub:
                 (self.tickers.publisher(), "realtime-publisher"),
                 (self.convergence.maintain(), "realtime-maintain"),
             ]
-            loops += [(loop(self), name) for name, loop in BACKGROUND_LOOPS.items()]
+            self.parts = import_string(HUB_PARTS)()
+            loops += [(loop(self), name) for name, loop in self.parts.loops.items()]
             for coro, name in loops:
                 task = self.loop.create_task(coro, name=name)
                 task.add_done_callback(_log_death)
@@ -328,7 +340,7 @@ class Hub:
         except (ValueError, KeyError, TypeError):
             logger.warning("ignoring a malformed control message")
             return
-        handler = CONTROL_HANDLERS.get(kind)
+        handler = self.parts.handlers.get(kind)
         if handler is None:
             logger.warning("ignoring a control message of an unknown kind")
             return
@@ -418,22 +430,6 @@ def _log_death(task: asyncio.Task[Any]) -> None:
     if not task.cancelled() and task.exception() is not None:
         logger.error("%s stopped: %r", task.get_name(), task.exception(), exc_info=task.exception())
 
-
-#: How often the conflated frames held back are offered to the connections that hold them.
-DRAIN_INTERVAL_S = 0.05
-
-
-async def drain_held(hub: Hub) -> None:
-    """Write each conflated channel's newest frame once its connection's queue drains:
-    a slow client converges to the latest state within this interval of its socket
-    draining (there is no portable "drained" event across daphne and uvicorn)."""
-    while True:
-        await asyncio.sleep(DRAIN_INTERVAL_S)
-        if hub.fanout.holding:
-            hub.fanout.drain_held()
-
-
-BACKGROUND_LOOPS["realtime-drain-held"] = drain_held
 
 _hubs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Hub] = weakref.WeakKeyDictionary()
 

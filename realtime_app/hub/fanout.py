@@ -8,10 +8,11 @@ does not read its answers stops having its requests run (docs/admission.md).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from realtime_app.channels.policies import frame_policy
 from realtime_app.conf import get_config
@@ -27,7 +28,7 @@ from realtime_app.wire.protocol import CloseCode
 if TYPE_CHECKING:
     from realtime_app.observability.schema import BackpressureProbe
 
-__all__ = ["UNREAD_ANSWER_BYTES", "Fanout", "Held"]
+__all__ = ["DRAIN_INTERVAL_S", "UNREAD_ANSWER_BYTES", "Fanout", "Held", "drain_held"]
 
 logger = logging.getLogger("realtime_app.hub")
 
@@ -352,3 +353,23 @@ class Fanout:
             "conflated": self.conflated,
             "holding": len(self.holding),
         }
+
+
+class HoldsFrames(Protocol):
+    """What the drain loop needs of the hub: its fan-out."""
+
+    fanout: Fanout
+
+
+#: How often the conflated frames held back are offered to the connections that hold them.
+DRAIN_INTERVAL_S = 0.05
+
+
+async def drain_held(hub: HoldsFrames) -> None:
+    """Write each conflated channel's newest frame once its connection's queue drains:
+    a slow client converges to the latest state within this interval of its socket
+    draining (there is no portable "drained" event across daphne and uvicorn)."""
+    while True:
+        await asyncio.sleep(DRAIN_INTERVAL_S)
+        if hub.fanout.holding:
+            hub.fanout.drain_held()
