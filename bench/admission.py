@@ -402,7 +402,7 @@ async def phase(
             )  # fmt: skip
             await asyncio.sleep(1.0)
         tasks = [asyncio.create_task(polite(url, n, stop, latencies)) for n in range(args.polite)]
-        from tests.servers import login
+        from tests.support.servers import login
 
         cookie = await asyncio.to_thread(login, f"http://127.0.0.1:{port}", "demo", "demo")
         user_latencies: list[float] = []
@@ -536,7 +536,7 @@ async def main() -> None:
             redis_url = None
             phase_on, phase_off = on, off
             if kind in RESUMES:
-                from tests.private_redis import PrivateRedis
+                from tests.support.private_redis import PrivateRedis
 
                 if redis_server is not None:  # one private Redis at a time: the last one's history is not reused
                     redis_server.close()

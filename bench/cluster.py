@@ -40,7 +40,7 @@ from bench.capacity import Costs, Load, commands_per_s, process_cpu
 from bench.common import as_new_client, cpu_seconds, daphne, free_port, processes, progress, rss_bytes
 from realtime_app.cluster.shards import shard_of
 from realtime_app.wire.names import group_name
-from tests.private_redis import PrivateRedis
+from tests.support.private_redis import PrivateRedis
 
 
 def redis_stats(server: PrivateRedis) -> dict[str, float]:

@@ -32,7 +32,7 @@ import redis
 import websockets
 
 from bench.common import as_new_client, cpu_seconds, daphne, free_port, percentile, processes, progress
-from tests.private_redis import PrivateRedis
+from tests.support.private_redis import PrivateRedis
 
 PLAIN, KEPT = "bench:events", "demo:events"
 

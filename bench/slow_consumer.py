@@ -76,7 +76,7 @@ def probe_totals(port: int, cookie: str) -> dict[str, Any]:
 
 
 async def phase(name: str, env: dict[str, str], args: argparse.Namespace, dead: int) -> dict[str, Any]:
-    from tests.servers import login
+    from tests.support.servers import login
 
     port = free_port()
     with processes([daphne(port, "project.asgi:application")], [port], env) as procs:

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import websockets
 
 from bench.common import as_new_client, daphne, free_port, prepare_database, processes, progress, rss_bytes
-from tests.private_redis import PrivateRedis
+from tests.support.private_redis import PrivateRedis
 
 MIB = 1024 * 1024
 PREFIX = "soak"

@@ -8,7 +8,7 @@ It starts the demo site (daphne, SQLite, the in-memory layer) on a free port, lo
 the demo user, switches the slow network on until ``atelier:load`` backs off to 2000 ms,
 fires the burst of shots, and takes the dashboard; then logs in as staff and takes the
 admin's Realtime cluster screen. The browser's flags are the test suite's
-(``tests/browser.py``): Debian's chromium, headless, no sandbox, no GPU, no network
+(``tests/support/browser.py``): Debian's chromium, headless, no sandbox, no GPU, no network
 beyond 127.0.0.1.
 """
 
@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 from selenium.webdriver.common.by import By  # noqa: E402
 
-from tests.browser import chromium, log_in, wait  # noqa: E402
-from tests.servers import Server, prepare_database  # noqa: E402
+from tests.support.browser import chromium, log_in, wait  # noqa: E402
+from tests.support.servers import Server, prepare_database  # noqa: E402
 
 
 def text(browser, css: str) -> str:

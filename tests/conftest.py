@@ -42,7 +42,7 @@ async def hub():
 def postgres():
     """This run's own PostgreSQL database (migrated, demo users), dropped at the end:
     ``(server_url, database_url)``."""
-    from tests.postgres import create_database, drop_database, migrate, server_url
+    from tests.support.postgres import create_database, drop_database, migrate, server_url
 
     server = server_url()
     name = os.environ["REALTIME_TEST_PREFIX"].replace("-", "_")
@@ -56,7 +56,7 @@ def postgres():
 def database(tmp_path_factory):
     """A migrated SQLite database of the demo site (users demo and admin) for the servers
     of one test module: ``{"DATABASE_URL": ...}`` to merge into their environment."""
-    from tests.servers import prepare_database
+    from tests.support.servers import prepare_database
 
     return prepare_database(str(tmp_path_factory.mktemp("db") / "db.sqlite3"))
 
@@ -65,7 +65,7 @@ def database(tmp_path_factory):
 def private_redis():
     """A ``redis-server`` of this test's own, on a free port: the one a fault test may
     kill, pause or flush (never the machine's)."""
-    from tests.private_redis import PrivateRedis
+    from tests.support.private_redis import PrivateRedis
 
     server = PrivateRedis().start()
     yield server

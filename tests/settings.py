@@ -15,7 +15,7 @@ REALTIME_APP = {
     # left by another run is taken over.
     "WRITE_BEHIND_JOURNAL_DIR": os.path.join(tempfile.gettempdir(), f"rt-journal-{os.getpid()}"),
     # Test clients are all on 127.0.0.1: one that stands for a client of its own says its
-    # address in X-Forwarded-For (tests/wsclient.py's RPC(address=...)); without that
+    # address in X-Forwarded-For (tests/support/wsclient.py's RPC(address=...)); without that
     # header a socket's address is 127.0.0.1, as in production without a proxy.
     "TRUSTED_PROXIES": ["127.0.0.1"],
     "POLICIES": [

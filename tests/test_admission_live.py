@@ -15,11 +15,11 @@ import pytest
 import websockets
 
 from realtime_app.hub.fanout import UNREAD_ANSWER_BYTES
-from tests.servers import Server, login, prepare_database, servers
 from tests.support.health import Probe
 from tests.support.processes import rss
+from tests.support.servers import Server, login, prepare_database, servers
 from tests.support.waiting import eventually
-from tests.wsclient import RPC, close_code
+from tests.support.wsclient import RPC, close_code
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -21,11 +21,11 @@ from typing import Any
 import pytest
 import websockets
 
-from tests.private_redis import PrivateRedis
-from tests.servers import ROOT, Server, login
 from tests.support.health import Probe
+from tests.support.private_redis import PrivateRedis
+from tests.support.servers import ROOT, Server, login
 from tests.support.waiting import eventually
-from tests.wsclient import RPC, closed_with
+from tests.support.wsclient import RPC, closed_with
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -303,7 +303,7 @@ async def test_ten_resumers_of_a_large_history_never_hold_redis(database):
         env = {"REDIS_URL": redis_server.url, "REALTIME_KEY_PREFIX": "attack"}
         published = await asyncio.to_thread(
             subprocess.run,
-            [sys.executable, "-m", "tests.publisher", "test:big-history", "1000", "0", str(60_000)],
+            [sys.executable, "-m", "tests.support.publisher", "test:big-history", "1000", "0", str(60_000)],
             cwd=ROOT,
             env={**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", **env},
             capture_output=True,

@@ -19,7 +19,7 @@ from realtime_app.cluster.base import Delivery
 from realtime_app.cluster.redis import RedisBackplane, layer_hosts
 from realtime_app.wire.history import HistoryPolicy
 from realtime_app.wire.protocol import notification_text
-from tests.private_redis import PrivateRedis
+from tests.support.private_redis import PrivateRedis
 from tests.support.waiting import eventually
 
 DATA = '{"n":1,"s":"caf\\u00e9"}'

@@ -16,7 +16,7 @@ import pytest
 
 from realtime_app.client import RealtimeClient, bind_adaptive_channel, is_reconnectable_close_code
 from realtime_app.exceptions import RPCError
-from tests.servers import Server
+from tests.support.servers import Server
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.timeout(90)
@@ -314,7 +314,7 @@ async def test_unsubscribing_a_cadence_the_server_moved_leaves_the_one_it_subscr
 async def test_a_delta_subscription_rebuilds_every_publication_across_a_reconnect(server):
     """The Python client applies deltas (docs/protocol.md, "Deltas"): what its handler gets
     equals what a plain subscriber gets, seq by seq, before and after a reconnect."""
-    from tests.wsclient import RPC
+    from tests.support.wsclient import RPC
 
     channel = "test:state-dropped"  # 2 KB, one field changing per publication
     got: dict[int, str] = {}
@@ -349,7 +349,7 @@ async def test_a_delta_subscription_rebuilds_every_publication_across_a_reconnec
 async def test_a_delta_subscription_of_a_channel_with_history_rebuilds_every_publication_across_a_resume(server):
     """Deltas on a channel with history: what was published while the client was away comes
     back whole by the resume, then deltas go on; every publication is rebuilt exactly."""
-    from tests.wsclient import RPC
+    from tests.support.wsclient import RPC
 
     channel = "test:big-history"
     got: dict[int, str] = {}
@@ -390,7 +390,7 @@ async def test_a_slow_delta_subscriber_rebuilds_every_frame_it_gets_across_drops
     """A handler slower than its connection's frames: the server drops frames for it, the
     frame after a drop is full, deltas go on once it reads again; every frame the handler
     gets is exactly the publication."""
-    from tests.wsclient import RPC
+    from tests.support.wsclient import RPC
 
     channel = "test:drift"  # 2 KiB of state, 200 characters new in each, 10 a second
     flood = "demo:flood:10"  # 32 KiB of random text 100 times a second on the same connection
@@ -462,7 +462,7 @@ async def test_the_command_line_client_says_closed_once(server):
     import subprocess
     import sys
 
-    from tests.servers import ROOT
+    from tests.support.servers import ROOT
 
     command = [sys.executable, "-m", "realtime_app.client", server.ws, "demo:clock:100", "--count", "3"]
     done = await asyncio.to_thread(subprocess.run, command, cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -479,7 +479,7 @@ async def test_a_delta_that_does_not_apply_makes_the_client_subscribe_again_for_
     """The resubscribe on a broken chain (no test broke one): a base that is not the one
     the server built against is never patched; the client subscribes again once, gets a
     full frame, and its handler goes on with exactly what a plain subscriber gets."""
-    from tests.wsclient import RPC
+    from tests.support.wsclient import RPC
 
     channel = "test:state-dropped"
     got: dict[int, str] = {}

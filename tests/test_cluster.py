@@ -14,10 +14,10 @@ import pytest
 import redis
 
 from realtime_app.wire.names import group_name
-from tests.servers import servers
 from tests.support.cluster import publish_from_a_command
+from tests.support.servers import servers
 from tests.support.waiting import eventually
-from tests.wsclient import RPC
+from tests.support.wsclient import RPC
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 

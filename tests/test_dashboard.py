@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from selenium.webdriver.common.by import By
 
-from tests.browser import chromium, log_in, wait
-from tests.servers import Server
+from tests.support.browser import chromium, log_in, wait
+from tests.support.servers import Server
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
 
@@ -140,7 +140,7 @@ def test_the_inventory_shows_accepted_at_once_and_durable_after_the_flush(site, 
 def test_the_events_missed_while_offline_are_recovered_once_in_order(site, browser):
     import asyncio
 
-    from tests.wsclient import RPC
+    from tests.support.wsclient import RPC
 
     async def publish(texts):
         async with RPC(site.ws) as rpc:
@@ -171,7 +171,7 @@ def test_the_screenshots_script_takes_the_pages_as_they_are(tmp_path):
     import subprocess
     import sys
 
-    from tests.servers import ROOT
+    from tests.support.servers import ROOT
 
     result = subprocess.run(
         [sys.executable, "scripts/screenshots.py", "--out", str(tmp_path)],
@@ -252,7 +252,7 @@ def test_a_delta_subscription_in_chromium_rebuilds_every_publication_across_drop
     import asyncio
     import json
 
-    from tests.wsclient import RPC
+    from tests.support.wsclient import RPC
 
     async def reference(channel, until_seq, publish):
         """What a plain subscriber reads of ``channel``, as JSON text per seq."""

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from selenium.webdriver.common.by import By
 
-from tests.browser import chromium, log_in, wait
-from tests.servers import Server
+from tests.support.browser import chromium, log_in, wait
+from tests.support.servers import Server
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
 

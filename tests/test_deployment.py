@@ -20,9 +20,9 @@ import psutil
 import pytest
 import redis
 
-from tests.servers import ROOT, free_port, login, prepare_database, servers, wait_listening
+from tests.support.servers import ROOT, free_port, login, prepare_database, servers, wait_listening
 from tests.support.waiting import eventually
-from tests.wsclient import RPC
+from tests.support.wsclient import RPC
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 

@@ -19,12 +19,12 @@ import pytest
 import websockets
 
 from realtime_app.wire.names import group_name
-from tests.private_redis import PrivateRedis
-from tests.servers import ROOT, Server, servers
 from tests.support.cluster import Reader
+from tests.support.private_redis import PrivateRedis
 from tests.support.processes import rss
+from tests.support.servers import ROOT, Server, servers
 from tests.support.waiting import eventually
-from tests.wsclient import RPC
+from tests.support.wsclient import RPC
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
@@ -297,7 +297,7 @@ async def test_a_thousand_concurrent_subscribes_succeed(private_redis):
 
 
 async def test_connections_per_user_are_capped(private_redis):
-    from tests.servers import login, prepare_database
+    from tests.support.servers import login, prepare_database
 
     database = prepare_database(os.path.join(private_redis.dir, "db.sqlite3"))
     with servers(1, {**env_for(private_redis, MAX_CONNECTIONS_PER_USER=3), **database}) as (a,):

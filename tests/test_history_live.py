@@ -18,11 +18,11 @@ import pytest
 import redis
 
 from realtime_app.client import RealtimeClient
-from tests.postgres import TcpProxy
-from tests.private_redis import PrivateRedis
-from tests.servers import ROOT, Server, servers
+from tests.support.postgres import TcpProxy
+from tests.support.private_redis import PrivateRedis
+from tests.support.servers import ROOT, Server, servers
 from tests.support.waiting import eventually
-from tests.wsclient import RPC
+from tests.support.wsclient import RPC
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
@@ -53,7 +53,7 @@ async def publish(env: dict[str, str], count: int, rate: float, channel: str = C
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "tests.publisher",
+        "tests.support.publisher",
         channel,
         str(count),
         str(rate),

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from tests.servers import Server
 from tests.support.health import Probe
+from tests.support.servers import Server
 from tests.support.waiting import eventually, eventually_sync
 
 pytestmark = pytest.mark.timeout(120)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import websockets
 
-from tests.servers import Server, login, prepare_database
-from tests.wsclient import RPC
+from tests.support.servers import Server, login, prepare_database
+from tests.support.wsclient import RPC
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -16,10 +16,10 @@ from urllib.parse import urlparse
 import pytest
 import websockets
 
-from tests.postgres import TcpProxy, with_port
-from tests.servers import ROOT, Server, login
+from tests.support.postgres import TcpProxy, with_port
+from tests.support.servers import ROOT, Server, login
 from tests.support.waiting import eventually, eventually_sync
-from tests.wsclient import RPC, closed_with
+from tests.support.wsclient import RPC, closed_with
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -13,8 +13,8 @@ import pytest
 import redis
 
 from realtime_app.wire.names import group_name
-from tests.servers import login, prepare_database, servers
-from tests.wsclient import RPC
+from tests.support.servers import login, prepare_database, servers
+from tests.support.wsclient import RPC
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 

@@ -15,9 +15,9 @@ import urllib.request
 import pytest
 import redis
 
-from tests.servers import ROOT, login, prepare_database, servers
+from tests.support.servers import ROOT, login, prepare_database, servers
 from tests.support.waiting import eventually
-from tests.wsclient import RPC
+from tests.support.wsclient import RPC
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 
@@ -140,7 +140,7 @@ async def test_the_operations_screen_at_1280_by_800(cluster):
     connection, and closing it from the page (4010, logged with who did it)."""
     from selenium.webdriver.common.by import By
 
-    from tests.browser import chromium, log_in, wait
+    from tests.support.browser import chromium, log_in, wait
 
     (a, b), _ = cluster
     assert get(b.http + "/accounts/login/")[0] == 200  # b joins the cluster view with its first request

@@ -16,8 +16,8 @@ import urllib.request
 
 import pytest
 
-from tests.servers import ROOT, free_port, wait_listening
-from tests.wsclient import RPC
+from tests.support.servers import ROOT, free_port, wait_listening
+from tests.support.wsclient import RPC
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(600)]
 
@@ -177,7 +177,7 @@ def test_health_is_served_to_staff_only(project):
 def test_the_page_in_chromium(project):
     from selenium.webdriver.common.by import By
 
-    from tests.browser import chromium, wait
+    from tests.support.browser import chromium, wait
 
     base, log = project
     browser = chromium()

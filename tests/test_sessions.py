@@ -18,9 +18,9 @@ import urllib.request
 import pytest
 import redis
 
-from tests.servers import ROOT, login, prepare_database, servers
+from tests.support.servers import ROOT, login, prepare_database, servers
 from tests.support.waiting import eventually
-from tests.wsclient import RPC
+from tests.support.wsclient import RPC
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 

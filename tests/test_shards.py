@@ -15,11 +15,11 @@ import pytest
 
 from realtime_app.cluster.shards import shard_of
 from realtime_app.wire.names import group_name
-from tests.private_redis import PrivateRedis
-from tests.servers import free_port, servers
 from tests.support.cluster import Reader, publish_from_a_command
+from tests.support.private_redis import PrivateRedis
+from tests.support.servers import free_port, servers
 from tests.support.waiting import eventually
-from tests.wsclient import RPC
+from tests.support.wsclient import RPC
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
@@ -232,7 +232,7 @@ async def test_a_sentinel_service_is_a_shard(tmp_path):
     import subprocess
 
     from realtime_app.cluster.shards import ShardedBackplane
-    from tests.private_redis import redis_binary
+    from tests.support.private_redis import redis_binary
 
     master, other = PrivateRedis().start(), PrivateRedis().start()
     port = free_port()

@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-from tests.servers import Server
 from tests.support.health import Probe
 from tests.support.processes import rss
+from tests.support.servers import Server
 from tests.support.waiting import eventually
-from tests.wsclient import RPC
+from tests.support.wsclient import RPC
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -169,7 +169,7 @@ async def test_the_same_guard_over_tls(database, tmp_path):
     key_file, cert_file = tmp_path / "key.pem", tmp_path / "cert.pem"
     cert.private_key_pem.write_to_path(key_file)
     cert.cert_chain_pems[0].write_to_path(cert_file)
-    port = __import__("tests.servers", fromlist=["free_port"]).free_port()
+    port = __import__("tests.support.servers", fromlist=["free_port"]).free_port()
     endpoint = f"ssl:{port}:interface=127.0.0.1:privateKey={key_file}:certKey={cert_file}"
     server = Server(
         {

@@ -19,8 +19,8 @@ import time
 import pytest
 
 from realtime_app.client import RealtimeClient, bind_adaptive_channel
-from tests.servers import Server, prepare_database
 from tests.support.health import Probe
+from tests.support.servers import Server, prepare_database
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.timeout(120)

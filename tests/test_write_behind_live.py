@@ -18,10 +18,10 @@ import psycopg
 import pytest
 import websockets
 
-from tests.postgres import TcpProxy, with_port
-from tests.servers import ROOT, Server, login, servers
+from tests.support.postgres import TcpProxy, with_port
+from tests.support.servers import ROOT, Server, login, servers
 from tests.support.waiting import eventually
-from tests.wsclient import RPC
+from tests.support.wsclient import RPC
 
 pytestmark = pytest.mark.timeout(180)
 START = 10_000
@@ -287,7 +287,7 @@ def test_a_management_command_flushes_what_it_accepted_when_it_ends(postgres):
     import subprocess
     import sys
 
-    from tests.servers import ROOT
+    from tests.support.servers import ROOT
 
     _, database = postgres
     reset(database)
@@ -304,7 +304,7 @@ def test_a_management_command_flushes_what_it_accepted_when_it_ends(postgres):
 async def test_the_admin_screen_shows_an_unsaved_backlog_at_a_glance(postgres):
     from selenium.webdriver.common.by import By
 
-    from tests.browser import chromium, log_in, wait
+    from tests.support.browser import chromium, log_in, wait
 
     server_url, database = postgres
     reset(database)

@@ -13,8 +13,8 @@ from typing import Any
 
 import websockets
 
-from tests.servers import ROOT
-from tests.wsclient import RPC
+from tests.support.servers import ROOT
+from tests.support.wsclient import RPC
 
 
 class Reader:

@@ -9,7 +9,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from tests.servers import login
+from tests.support.servers import login
 from tests.support.waiting import eventually
 
 __all__ = ["Probe"]

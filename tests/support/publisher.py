@@ -1,4 +1,4 @@
-"""A publisher process of the cluster for the live tests: ``python -m tests.publisher
+"""A publisher process of the cluster for the live tests: ``python -m tests.support.publisher
 CHANNEL COUNT RATE [PAD]`` publishes ``{"i": 0..COUNT-1}`` (plus ``"pad"``: PAD bytes of
 text) at RATE per second (0: as fast as it can) through a hub of its own, then prints
 ``done <first seq> <last seq>``."""

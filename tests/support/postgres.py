@@ -12,7 +12,7 @@ import sys
 import threading
 from urllib.parse import urlparse, urlunparse
 
-from tests.servers import ROOT, free_port
+from tests.support.servers import ROOT, free_port
 
 
 def server_url() -> str:

@@ -15,7 +15,7 @@ import time
 
 import redis
 
-from tests.servers import free_port
+from tests.support.servers import free_port
 
 
 def redis_binary() -> str:
