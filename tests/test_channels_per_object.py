@@ -337,3 +337,14 @@ async def test_app_fed_cadences_count_as_tickers(hub):
             error = (await c.call("subscribe", {"channel": "test:lot:1:750"}))["error"]
             assert error["data"]["reason"] == "too_many_tickers"  # each cadence holds a lease
             assert hub.ticker_count() == 2
+
+
+async def test_a_ticker_resends_its_last_value_when_asked_at_most_ten_times_a_second(hub):
+    async with Client() as c:
+        await c.call("subscribe", {"channel": "test:room:blue:load:10000"})
+        [tick] = await c.frames(1, timeout=3)
+        assert hub.tickers.resend("test:room:blue:load:10000") is True
+        assert hub.tickers.resend("test:room:blue:load:10000") is False  # a toggling client amplifies nothing
+        [again] = await c.frames(1, timeout=3)
+        assert again["data"] == tick["data"] and again["seq"] > tick["seq"]
+        assert hub.tickers.resend("test:room:none:load:10000") is False  # not run here

@@ -105,6 +105,13 @@ async def test_rooms_and_lots_on_two_processes(demo_cluster):
                 [first] = await newcomer.frames(1, timeout=5)
                 assert first["data"] == last
 
+    async with RPC(a.ws) as first_a, RPC(b.ws) as first_b:  # a slow ticker's value, at once on the other process
+        await first_a.subscribe("demo:clock:60000")
+        [tick] = await first_a.frames(1, timeout=10)  # its first tick comes when it starts
+        await first_b.subscribe("demo:clock:60000")
+        [again_b] = await first_b.frames(1, timeout=10)  # asked of the ticker's process: not 60 s later
+        assert again_b["data"] == tick["data"] and again_b["seq"] > tick["seq"]
+
     async with RPC(b.ws) as again:  # the lobby resumes from its own seq, on the other process
         answer = await again.call("subscribe", {"channel": "demo:room:lobby", "since": since}, timeout=10)
         assert answer["result"]["recovered"] is True and answer["result"]["replayed"] == 2

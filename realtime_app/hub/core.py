@@ -340,6 +340,9 @@ class Hub:
         except (ValueError, KeyError, TypeError):
             logger.warning("ignoring a malformed control message")
             return
+        if kind == "resend":  # the hub's own: a ticker run here publishes its last value again
+            self.tickers.resend(str(message.get("channel", "")))
+            return
         handler = self.parts.handlers.get(kind)
         if handler is None:
             logger.warning("ignoring a control message of an unknown kind")

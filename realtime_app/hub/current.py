@@ -7,12 +7,14 @@ process has seen, else — for an app-fed channel — the value the backplane ke
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 from realtime_app.channels.registry import ChannelSpec
 from realtime_app.cluster.base import Backplane
+from realtime_app.exceptions import BackplaneUnavailable
 from realtime_app.hub.connections import Connection
 from realtime_app.hub.fanout import Fanout
 from realtime_app.hub.fed import FedStates
@@ -30,6 +32,10 @@ class Holder(Protocol):
     fanout: Fanout
     last_seq: dict[str, int]
 
+    def spawn(self, coro: Any) -> None: ...
+
+    async def control(self, message: dict[str, Any]) -> None: ...
+
 
 class CurrentValues:
     """The newest frame of each state channel with local subscribers."""
@@ -43,6 +49,12 @@ class CurrentValues:
 
     def forget(self, channel: str) -> None:
         self.frames.pop(channel, None)
+
+    async def _ask_resend(self, channel: str) -> None:
+        """Ask the process running ``channel``'s ticker to publish its last value again:
+        every subscriber gets it as a frame, this new one within milliseconds."""
+        with contextlib.suppress(BackplaneUnavailable):  # the next tick brings it
+            await self.hub.control({"kind": "resend", "channel": channel})
 
     async def send(self, conn: Connection, spec: ChannelSpec) -> bool:
         """Give ``conn``, a new subscriber of ``spec``, its current value; True if sent."""
@@ -60,6 +72,9 @@ class CurrentValues:
                 return False
             data = json.loads(current[1])["params"]["data"]
             text = notification_text(channel, encode(data), hub.last_seq.get(channel, 0), int(time.time() * 1000))
+        if text is None and spec.factory is not None:  # a ticker running elsewhere: ask for its last value
+            hub.spawn(self._ask_resend(channel))
+            return False
         if text is None or conn.closed or channel not in conn.subscriptions:
             return False
         decision = hub.fanout.push(conn, text.encode("utf-8"), channel=channel)  # full, to a delta subscriber
