@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-__all__ = ["DEFAULTS", "apply_json_encoder", "get_config", "reset_config"]
+__all__ = ["DEFAULTS", "apply_json_encoder", "beat_period_s", "get_config", "reset_config"]
 
 DEFAULTS: dict[str, Any] = {
     # Channel access rules (see docs/configuration.md). The most specific rule wins; a rule
@@ -152,6 +152,12 @@ DEFAULTS: dict[str, Any] = {
     # one Django's JsonResponse uses by default (Decimal, datetime, UUID, Promise).
     "JSON_ENCODER": "django.core.serializers.json.DjangoJSONEncoder",
 }
+
+
+def beat_period_s(config: dict[str, Any]) -> float:
+    """The maintenance beat (renew, compete, retry, re-assert): a third of a lease's life,
+    so that a lease is renewed twice before it can lapse. The one home of that rule."""
+    return float(config["LEASE_TTL_MS"]) / 3000
 
 
 @cache

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from realtime_app.channels.registry import FED_PREFIX
 from realtime_app.cluster.base import Backplane
-from realtime_app.conf import get_config
+from realtime_app.conf import beat_period_s, get_config
 from realtime_app.hub.beat import BeatRule
 from realtime_app.hub.connections import Connection
 from realtime_app.hub.fed import FedStates
@@ -133,7 +133,7 @@ class Convergence:
     async def maintain(self) -> None:
         """The beat, every third of a lease TTL; the probe every third of its TTL."""
         config = get_config()
-        period = config["LEASE_TTL_MS"] / 3000
+        period = beat_period_s(config)
         probe_every = max(1, round(config["PROBE_TTL_MS"] / 3 / (period * 1000)))
         backplane = self.hub.backplane
         assert backplane is not None
@@ -153,7 +153,7 @@ class Convergence:
     async def beat(self, backplane: Backplane) -> None:
         """One beat: check the backplane, then renew, compete, retry — re-asserting
         everything when :class:`BeatRule` says the backplane may have lost it."""
-        period = get_config()["LEASE_TTL_MS"] / 3000
+        period = beat_period_s(get_config())
         unreachable: tuple[type[BaseException], ...] = (*backplane.errors, TimeoutError)
         try:
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that
