@@ -339,12 +339,21 @@ async def test_app_fed_cadences_count_as_tickers(hub):
             assert hub.ticker_count() == 2
 
 
-async def test_a_ticker_resends_its_last_value_when_asked_at_most_ten_times_a_second(hub):
+async def test_a_process_without_a_tickers_frame_is_answered_that_frame_alone(hub):
+    """The ask and the answer of a ticker's last frame, in one process (the cluster test
+    runs them across two): the answer reaches the asker's subscribers with the frame's own
+    seq — nothing is published again — and a second ask within a second is not answered."""
+    channel = "test:room:blue:load:10000"
     async with Client() as c:
-        await c.call("subscribe", {"channel": "test:room:blue:load:10000"})
+        await c.call("subscribe", {"channel": channel})
         [tick] = await c.frames(1, timeout=3)
-        assert hub.tickers.resend("test:room:blue:load:10000") is True
-        assert hub.tickers.resend("test:room:blue:load:10000") is False  # a toggling client amplifies nothing
+        ask = {"kind": "resend", "channel": channel, "instance": hub.instance_id}
+        published = hub.published
+        await hub.control(ask)  # the ticker runs here: it answers (a task), to this instance only
+        hub.current.frames.pop(channel)  # the asker's side: it has no frame when the answer comes
+        await eventually(lambda: channel in hub.current.frames)  # the answer filled it, and was pushed
         [again] = await c.frames(1, timeout=3)
-        assert again["data"] == tick["data"] and again["seq"] > tick["seq"]
-        assert hub.tickers.resend("test:room:none:load:10000") is False  # not run here
+        assert again["seq"] == tick["seq"] and again["data"] == tick["data"] and hub.published == published
+        answered = hub.current.answered[channel]
+        await hub.control(ask)
+        assert hub.current.answered[channel] == answered  # not answered again within ASK_S

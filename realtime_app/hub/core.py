@@ -143,6 +143,7 @@ class Hub:
                 raise self._failed[1]
             self.loop = asyncio.get_running_loop()
             self.thread_id = threading.get_ident()
+            self.parts = import_string(HUB_PARTS)()  # before anything is opened: nothing to undo
             start_stores()  # journals left by ended processes are written first
             self.backplane = self.gate.backplane = make_backplane(self.instance_id)
             try:
@@ -171,7 +172,6 @@ class Hub:
                 (self.tickers.publisher(), "realtime-publisher"),
                 (self.convergence.maintain(), "realtime-maintain"),
             ]
-            self.parts = import_string(HUB_PARTS)()
             loops += [(loop(self), name) for name, loop in self.parts.loops.items()]
             for coro, name in loops:
                 task = self.loop.create_task(coro, name=name)
@@ -340,8 +340,8 @@ class Hub:
         except (ValueError, KeyError, TypeError):
             logger.warning("ignoring a malformed control message")
             return
-        if kind == "resend":  # the hub's own: a ticker run here publishes its last value again
-            self.tickers.resend(str(message.get("channel", "")))
+        if kind in ("resend", "current"):  # the hub's own: a ticker's value for a process that has none
+            self.current.on_control(kind, message)
             return
         handler = self.parts.handlers.get(kind)
         if handler is None:

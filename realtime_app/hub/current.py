@@ -18,17 +18,27 @@ from realtime_app.exceptions import BackplaneUnavailable
 from realtime_app.hub.connections import Connection
 from realtime_app.hub.fanout import Fanout
 from realtime_app.hub.fed import FedStates
+from realtime_app.hub.tickers import Tickers
 from realtime_app.outbound.backpressure import SEND
 from realtime_app.wire.protocol import encode, notification_text
 
-__all__ = ["CurrentValues"]
+__all__ = ["ASK_S", "CurrentValues"]
+
+#: A process asks for a ticker's last frame, and a ticker's process answers, at most this
+#: often a channel: a client that toggles a subscription costs a control message a second.
+ASK_S = 1.0
+#: Channels remembered as asked or answered (the books are emptied past it).
+MAX_ASKING = 10_000
 
 
 class Holder(Protocol):
     """What current values need of the hub: the values kept, the floor, the sends."""
 
     backplane: Backplane | None
+    instance_id: str
     fed: FedStates
+    tickers: Tickers
+    subscribers: dict[str, set[Connection]]
     fanout: Fanout
     last_seq: dict[str, int]
 
@@ -43,6 +53,8 @@ class CurrentValues:
     def __init__(self, hub: Holder) -> None:
         self.hub = hub
         self.frames: dict[str, tuple[str, int]] = {}  # channel -> (notification, seq)
+        self.asked: dict[str, float] = {}  # channel -> when this process asked for its last frame
+        self.answered: dict[str, float] = {}  # channel -> when this process last answered for it
 
     def seen(self, channel: str, text: str, seq: int) -> None:
         self.frames[channel] = (text, seq)
@@ -50,11 +62,54 @@ class CurrentValues:
     def forget(self, channel: str) -> None:
         self.frames.pop(channel, None)
 
-    async def _ask_resend(self, channel: str) -> None:
-        """Ask the process running ``channel``'s ticker to publish its last value again:
-        every subscriber gets it as a frame, this new one within milliseconds."""
+    def _ask(self, channel: str) -> None:
+        """Ask the process running ``channel``'s ticker for its last frame (a control
+        message ``resend``): once per :data:`ASK_S` a channel, never of this process's own
+        ticker (it publishes here by itself)."""
+        hub, now = self.hub, time.monotonic()
+        if channel in hub.tickers.book.tickers or now - self.asked.get(channel, float("-inf")) < ASK_S:
+            return
+        if len(self.asked) >= MAX_ASKING:
+            self.asked.clear()
+        self.asked[channel] = now
+        hub.spawn(self._control({"kind": "resend", "channel": channel, "instance": hub.instance_id}))
+
+    async def _control(self, message: dict[str, Any]) -> None:
         with contextlib.suppress(BackplaneUnavailable):  # the next tick brings it
-            await self.hub.control({"kind": "resend", "channel": channel})
+            await self.hub.control(message)
+
+    def on_control(self, kind: str, message: dict[str, Any]) -> None:
+        """``resend``: if the ticker runs here, answer the asking process alone with its
+        last frame (``current``; once per :data:`ASK_S` a channel). ``current``: the
+        answer; this process's subscribers of the channel, which have no frame of it yet,
+        get it — the same publication, its own ``seq``: nothing is published again."""
+        hub, channel = self.hub, message.get("channel")
+        if not isinstance(channel, str):
+            return
+        if kind == "resend":
+            found = self.frames.get(channel)
+            now = time.monotonic()
+            if found is None or channel not in hub.tickers.book.tickers:
+                return
+            if now - self.answered.get(channel, float("-inf")) < ASK_S:
+                return
+            if len(self.answered) >= MAX_ASKING:
+                self.answered.clear()
+            self.answered[channel] = now
+            text, seq = found
+            answer = {"kind": "current", "channel": channel, "instance": message.get("instance"), "text": text}
+            hub.spawn(self._control({**answer, "seq": seq}))
+            return
+        frame, number = message.get("text"), message.get("seq")
+        if message.get("instance") != hub.instance_id or not isinstance(frame, str) or not isinstance(number, int):
+            return
+        self.asked.pop(channel, None)
+        if channel in self.frames or channel not in hub.subscribers:
+            return  # a live frame came meanwhile (newer), or nobody here wants it any more
+        self.frames[channel] = (frame, number)
+        payload = frame.encode("utf-8")
+        for conn in tuple(hub.subscribers[channel]):
+            hub.fanout.push(conn, payload, channel=channel)
 
     async def send(self, conn: Connection, spec: ChannelSpec) -> bool:
         """Give ``conn``, a new subscriber of ``spec``, its current value; True if sent."""
@@ -72,8 +127,8 @@ class CurrentValues:
                 return False
             data = json.loads(current[1])["params"]["data"]
             text = notification_text(channel, encode(data), hub.last_seq.get(channel, 0), int(time.time() * 1000))
-        if text is None and spec.factory is not None:  # a ticker running elsewhere: ask for its last value
-            hub.spawn(self._ask_resend(channel))
+        if text is None and spec.factory is not None:  # a ticker running elsewhere: ask for its last frame
+            self._ask(channel)
             return False
         if text is None or conn.closed or channel not in conn.subscriptions:
             return False

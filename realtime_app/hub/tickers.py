@@ -31,8 +31,6 @@ __all__ = ["MISSING", "TickerBook", "TickerPublish", "Tickers"]
 
 logger = logging.getLogger("realtime_app.hub")
 
-#: A ticker's value is published again on request at most this often (:meth:`Tickers.resend`).
-RESEND_S = 0.1
 #: What :meth:`TickerBook.take` returns when there is no value to publish.
 MISSING: Any = object()
 
@@ -150,8 +148,6 @@ class Tickers:
         self.stale_ticks = 0  # ticks not published: the lease could not be renewed in time
         self._in_flight: set[str] = set()
         self._wake = asyncio.Event()
-        #: Per ticker run here: when it was last resent, and its last published value.
-        self.last: dict[str, tuple[float, Any]] = {}
 
     async def start(self, channel: str) -> bool:
         """Call the channel's factory (or pace an app-fed cadence); False (and logged
@@ -181,7 +177,6 @@ class Tickers:
         return True
 
     async def stop(self, channel: str) -> None:
-        self.last.pop(channel, None)
         cleanup = self.book.stop(channel)
         if cleanup is None:
             return
@@ -195,21 +190,6 @@ class Tickers:
     def offer(self, channel: str, data: Any) -> None:
         if self.book.offer(channel, data):
             self._wake.set()
-
-    def resend(self, channel: str) -> bool:
-        """Publish the last value of a ticker run here again, now: a process whose first
-        subscriber of ``channel`` has no frame of it asked (a slow cadence would make it
-        wait a period). At most once per :data:`RESEND_S` a channel; True if queued."""
-        last = self.last.get(channel)
-        if last is None or channel not in self.book.tickers or self.book.has_pending(channel):
-            return False  # nothing published yet, or a value on its way: the asker gets that
-        resent, data = last
-        now = time.monotonic()
-        if now - resent < RESEND_S:
-            return False  # resent a moment ago: a client toggling a subscription amplifies nothing
-        self.last[channel] = (now, data)
-        self.offer(channel, data)
-        return True
 
     def tick_failed(self, channel: str) -> None:
         if channel in self.book.tickers:
@@ -267,5 +247,3 @@ class Tickers:
                 logger.exception("publication on %s failed", safe(channel))
         else:
             book.failing.discard(channel)
-            if channel in book.tickers:
-                self.last[channel] = (self.last.get(channel, (float("-inf"), None))[0], data)
