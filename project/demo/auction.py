@@ -87,7 +87,8 @@ def bid(consumer: Any, params: Any) -> dict[str, int]:
         if amount > lot.price:
             lot.price, lot.bids = amount, lot.bids + 1
             lot.save(update_fields=["price", "bids"])
-            realtime_app.publish(f"demo:lot:{lot.pk}", lot.state())
+            state = lot.state()
+            transaction.on_commit(lambda: realtime_app.publish(f"demo:lot:{lot.pk}", state))  # only what was kept
     return lot.state()
 
 
