@@ -19,15 +19,21 @@ from tests.support.wsclient import RPC
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
 
-@pytest.fixture
-def demo_cluster(redis_url, tmp_path):
-    """Two daphne processes of the demo site on one SQLite file and the real Redis, with
-    a key prefix of their own (deleted after)."""
+@pytest.fixture(params=["sqlite", "postgresql"])
+def demo_cluster(redis_url, tmp_path, request):
+    """Two daphne processes of the demo site on one database — an SQLite file, or this
+    run's PostgreSQL database (its constraints: a message's required user, a lot's row
+    lock) — and the real Redis, with a key prefix of their own (deleted after); and the
+    lot the test bids on (one of its own on the shared PostgreSQL database)."""
     prefix = f"{os.environ['REALTIME_TEST_PREFIX']}-obj-{secrets.token_hex(3)}"
-    env = {**prepare_database(str(tmp_path / "db.sqlite3")), "REDIS_URL": redis_url, "REALTIME_KEY_PREFIX": prefix}
+    if request.param == "postgresql":
+        database, lot = {"DATABASE_URL": request.getfixturevalue("postgres")[1]}, 17
+    else:
+        database, lot = prepare_database(str(tmp_path / "db.sqlite3")), 7
+    env = {**database, "REDIS_URL": redis_url, "REALTIME_KEY_PREFIX": prefix}
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     with servers(2, env) as procs:
-        yield procs, client, prefix
+        yield procs, client, prefix, lot
     for key in client.scan_iter(match=f"{prefix}*"):
         client.delete(key)
     client.close()
@@ -52,7 +58,7 @@ async def until(rpc: RPC, predicate, timeout: float = 15) -> list[dict]:
 
 
 async def test_rooms_and_lots_on_two_processes(demo_cluster):
-    (a, b), client, prefix = demo_cluster
+    (a, b), client, prefix, lot = demo_cluster
     cookie = login(a.http, "demo", "demo")  # one session, valid on both
     async with (
         RPC(a.ws) as lobby_a,
@@ -79,13 +85,13 @@ async def test_rooms_and_lots_on_two_processes(demo_cluster):
         assert (error["code"], error["data"]["reason"]) == (-32002, "unknown_channel")
 
         async with RPC(a.ws) as lot_a, RPC(b.ws) as lot_b:
-            await lot_a.subscribe("demo:lot:7:250")
-            await lot_b.subscribe("demo:lot:7:250")
+            await lot_a.subscribe(f"demo:lot:{lot}:250")
+            await lot_b.subscribe(f"demo:lot:{lot}:250")
             last = None
             for amount in range(10, 210, 10):  # 20 bids as fast as the server answers them
-                answer = await call_honouring_refusals(poster, "demo.bid", {"lot": 7, "amount": amount})
+                answer = await call_honouring_refusals(poster, "demo.bid", {"lot": lot, "amount": amount})
                 last = answer["result"]
-            assert last == {"lot": 7, "price": 200, "bids": 20}
+            assert last == {"lot": lot, "price": 200, "bids": 20}
             final = lambda frame: frame["data"] == last  # noqa: E731
             seen_a, seen_b = await asyncio.gather(until(lot_a, final), until(lot_b, final))
             for seen in (seen_a, seen_b):
@@ -97,11 +103,11 @@ async def test_rooms_and_lots_on_two_processes(demo_cluster):
             common = set(published(seen_a)) & set(published(seen_b))
             assert max(published(seen_a)) == max(published(seen_b)) in common  # the last frame: one seq on both
             assert all(published(seen_a)[s] == published(seen_b)[s] for s in common)
-            holders = client.get(f"{prefix}:lease:{group_name('demo:lot:7:250')}")
+            holders = client.get(f"{prefix}:lease:{group_name(f'demo:lot:{lot}:250')}")
             assert holders is not None  # one lease for the instance and cadence, held by one process
 
             async with RPC(b.ws) as newcomer:  # a new subscriber gets the value at once, not 10 s later
-                await newcomer.subscribe("demo:lot:7:10000")
+                await newcomer.subscribe(f"demo:lot:{lot}:10000")
                 [first] = await newcomer.frames(1, timeout=5)
                 assert first["data"] == last
 
