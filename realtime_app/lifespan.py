@@ -7,19 +7,16 @@ has no lifespan and is covered by a shutdown hook instead (docs/write-behind.md)
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 from realtime_app.persistence.write_behind import flush_all, start_all
+from realtime_app.wire.asgi import Receive, Scope, Send
 
 __all__ = ["lifespan_app"]
 
 logger = logging.getLogger("realtime_app.lifespan")
 
 
-async def lifespan_app(
-    scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]], send: Callable[..., Awaitable[None]]
-) -> None:
+async def lifespan_app(scope: Scope, receive: Receive, send: Send) -> None:
     """At startup, start the stores (taking over journals); at shutdown, flush every store
     (journaling what cannot be written) before answering."""
     while True:

@@ -10,8 +10,6 @@ INFO line) instead of Channels' ``ValueError: No route found`` and a 500 with a 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 from django.apps import apps
 from django.core.exceptions import ImproperlyConfigured
@@ -20,6 +18,7 @@ from django.urls import path, re_path
 from realtime_app.endpoint.auth import AuthMiddlewareStack
 from realtime_app.endpoint.consumer import RealtimeConsumer
 from realtime_app.observability.logsafe import safe
+from realtime_app.wire.asgi import Receive, Scope, Send
 
 __all__ = ["AuthMiddlewareStack", "WebSocketNotFound", "not_found_urlpatterns", "websocket_urlpatterns"]
 
@@ -29,9 +28,7 @@ logger = logging.getLogger("realtime_app.consumers")
 class WebSocketNotFound:
     """ASGI app refusing a WebSocket handshake on a path nothing serves."""
 
-    async def __call__(
-        self, scope: dict[str, Any], receive: Callable[[], Awaitable[Any]], send: Callable[[Any], Awaitable[None]]
-    ) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "websocket":
             raise ValueError(f"WebSocketNotFound serves websocket scopes, got {scope['type']!r}")
         message = await receive()

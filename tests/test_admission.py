@@ -3,6 +3,8 @@ identities forgotten, coalescing only into waiting work (a controlled clock, no 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -450,6 +452,10 @@ async def test_a_merged_job_whose_first_caller_left_still_holds_a_global_slot(hu
     from tests.support.asgi_client import Client
 
     method = methods()["inventory.consume"]
+
+    async def answered(name: str, params: Any) -> tuple[bool, Any]:
+        return True, {}
+
     hub.pool.max_running = 1
     async with Client() as blocker, Client() as first, Client() as second:
         await blocker.call_nowait("test.hold", {"seconds": 0.5})
@@ -459,7 +465,13 @@ async def test_a_merged_job_whose_first_caller_left_still_holds_a_global_slot(hu
             merged = hub.pool.would_merge(("k",), 1, 250)
             assert hub.admission.admit(("user", "1"), 0.25, merged=merged) is None
             call = Call(
-                owner, "inventory.consume", {"item": "ammo", "shots": 1}, ("user", "1"), merged, method.coalesce
+                owner,
+                answered,
+                "inventory.consume",
+                {"item": "ammo", "shots": 1},
+                ("user", "1"),
+                merged,
+                method.coalesce,
             )
             hub.pool.submit(call, ("k",), 1, 250)
             calls.append(call)

@@ -86,8 +86,8 @@ async def test_close_codes_decide_the_reconnect(server, code, reconnects):
             await eventually(lambda: client.state == "open")
             assert await client.call("ping") == "pong"
         else:
-            await eventually(lambda: client._runner is not None and client._runner.done())  # the loop ended
-            assert client.state == "closed" and len(closes) == 1 and client._runner.exception() is None
+            await eventually(lambda: client.socket.runner is not None and client.socket.runner.done())  # the loop ended
+            assert client.state == "closed" and len(closes) == 1 and client.socket.runner.exception() is None
     finally:
         await client.close()
 
@@ -336,7 +336,7 @@ async def test_a_delta_subscription_rebuilds_every_publication_across_a_reconnec
         await eventually(lambda: len(got) >= 10, 10, "frames before the reconnect")
         await client.reconnect(100)
         await eventually(lambda: client.state == "open" and client.attempt == 0, 15, "open again")
-        await eventually(lambda: channel in client._deltas, 10, "subscribed again")
+        await eventually(lambda: channel in client.session.deltas, 10, "subscribed again")
         await publish(publisher, 10)
         await eventually(lambda: len(got) >= 20, 15, "frames after the reconnect")
         expected = {f["seq"]: digest(f["data"]) for f in await plain.frames(20)}
@@ -495,7 +495,7 @@ async def test_a_delta_that_does_not_apply_makes_the_client_subscribe_again_for_
         )
         await publish(publisher, 3, 0)
         await eventually(lambda: len(got) >= 3, 10, "the first frames")
-        client._deltas.bases[channel] = b'{"n": 0, "pad": "not what the server holds"}'  # a broken chain
+        client.session.deltas.bases[channel] = b'{"n": 0, "pad": "not what the server holds"}'  # a broken chain
         with caplog.at_level(logging.WARNING, "realtime_app.client"):
             await publish(publisher, 1, 3)  # a delta against the real base: it cannot apply here
             await eventually(lambda: any("subscribing again" in r.getMessage() for r in caplog.records), 10, "again")

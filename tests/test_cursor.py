@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from realtime_app.client.cursor import MAX_HELD, EventCursor
+from realtime_app.wire.cursor import MAX_HELD, EventCursor
 
 CASES = json.loads((Path(__file__).parent / "vectors" / "cursor.json").read_text())["cases"]
 

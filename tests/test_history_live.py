@@ -156,13 +156,13 @@ async def test_events_dropped_or_closed_1013_by_backpressure_are_all_recovered(r
             await c.client.subscribe("demo:flood:10", lambda params: None)
             publisher = asyncio.get_running_loop().create_task(publish(env, 100, 15))  # ~6.5 s
             await eventually(lambda: len(c.messages) >= 10, 15, "events before the stall")
-            c.client._ws.transport.pause_reading()  # a client that stops reading: TCP fills up
+            c.client.socket.ws.transport.pause_reading()  # a client that stops reading: TCP fills up
             if policy == "close":
                 await eventually(lambda: "closed with 1013" in a.output(), 30, "the 1013 close")
             else:
                 await eventually(lambda: drops(env) > 0, 30, "frames dropped by the guard")
                 await asyncio.sleep(0.6)  # stay stalled while ~9 more events are published (and dropped)
-            c.client._ws.transport.resume_reading()
+            c.client.socket.ws.transport.resume_reading()
             await publisher
             await eventually(lambda: len(c.messages) == 100, 30, "every event")
             assert c.items() == list(range(100))
@@ -248,7 +248,7 @@ async def test_resuming_again_and_again_under_a_1_khz_publisher_loses_and_duplic
                 try:
                     await eventually(lambda: len(c.messages) >= 6000, 60, "every publication")
                 except AssertionError:
-                    cur = c.client._cursors.get(CHANNEL)
+                    cur = c.client.session.cursors.get(CHANNEL)
                     state = cur and (cur.epoch, cur.seq, cur.recovering, len(cur._held))
                     print("DIAG", c.subscribe_errors, len(c.messages), final, c.recovered, c.resyncs, c.closes, state)
                     raise

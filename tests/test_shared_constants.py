@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from realtime_app.client import RESUME_TIMEOUT, RealtimeClient, is_reconnectable_close_code
-from realtime_app.client.cursor import MAX_HELD
 from realtime_app.exceptions import REFUSAL_CODES
+from realtime_app.wire.cursor import MAX_HELD
 from realtime_app.wire.history import newer_epoch
 from realtime_app.wire.protocol import CloseCode
 

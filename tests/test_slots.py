@@ -163,16 +163,16 @@ async def test_a_job_cancelled_before_its_first_step_gives_its_slots_back():
     admission = Admission(AdmissionLimits(bucket_capacity=0))
     started = asyncio.Event()
 
-    async def execute(owner: Any, method: str, params: Any) -> tuple[bool, Any]:
+    async def execute(method: str, params: Any) -> tuple[bool, Any]:
         started.set()
         await asyncio.sleep(3600)
         return True, None
 
-    pool = RequestPool(admission, 64, execute)
+    pool = RequestPool(admission, 64)
     owner = object()
     for _ in range(10):
         assert admission.admit(("address", "1.2.3.4")) is None
-        pool.submit(Call(owner, "demo.sleep", {}, ("address", "1.2.3.4"), False))
+        pool.submit(Call(owner, execute, "demo.sleep", {}, ("address", "1.2.3.4"), False))
     assert pool.running == 10 and not started.is_set()  # created, not one step taken
     pool.abandon(owner)  # in the same loop iteration: cancelled before their first step
     await eventually(lambda: pool.running == 0, 5, "the cancelled tasks ended")
@@ -183,12 +183,12 @@ async def test_a_job_cancelled_before_its_first_step_gives_its_slots_back():
 async def test_a_job_whose_execution_raises_is_answered_and_released():
     admission = Admission(AdmissionLimits(bucket_capacity=0))
 
-    async def execute(owner: Any, method: str, params: Any) -> tuple[bool, Any]:
+    async def execute(method: str, params: Any) -> tuple[bool, Any]:
         raise RuntimeError("a bug outside the handler")
 
-    pool = RequestPool(admission, 4, execute)
+    pool = RequestPool(admission, 4)
     assert admission.admit("u") is None
-    call = Call(object(), "m", {}, "u", False)
+    call = Call(object(), execute, "m", {}, "u", False)
     pool.submit(call)
     ok, error = await asyncio.wait_for(call.future, 5)
     assert not ok and error["code"] == -32603

@@ -1,6 +1,6 @@
 """The Python client (asyncio, on ``websockets``) and the rules it shares with the
 browser module: the adaptive cadence (:mod:`.adaptive`), the event cursor
-(:mod:`.cursor`) and the scenario replay (:mod:`.scenarios`). Imports without Django."""
+(:mod:`realtime_app.wire.cursor`) and the scenario replay (:mod:`.scenarios`). Imports without Django."""
 
 from __future__ import annotations
 

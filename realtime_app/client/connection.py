@@ -2,9 +2,10 @@
 
 Same features as ``RealtimeClient`` in ``realtime.js``: JSON-RPC calls with timeouts,
 subscriptions with handlers kept across reconnects (resumed where a channel keeps a
-history), capped jittered exponential backoff on transient close codes. Built on the
-``websockets`` library. The adaptive cadence is :mod:`.adaptive_channel`, the operators'
-CLI :mod:`.cli`.
+history), capped jittered exponential backoff on transient close codes. A thin adapter:
+the protocol's state is the session's (:class:`~realtime_app.wire.session.ClientSession`),
+the socket's the :class:`~realtime_app.client.reconnecting.ReconnectingSocket`'s. The
+adaptive cadence is :mod:`.adaptive_channel`, the operators' CLI :mod:`.cli`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import itertools
-import json
 import logging
 import random
 import time
@@ -21,14 +20,10 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
-import websockets
-from websockets.typing import Origin
-
-from realtime_app.cancellation import cancel_and_wait
-from realtime_app.client.cursor import Action, EventCursor
-from realtime_app.client.deltas import DeltaBases, DeltaError
+from realtime_app.client.reconnecting import RECONNECT_CODES, ReconnectingSocket, is_reconnectable_close_code
 from realtime_app.exceptions import Refused, RPCError, error_from_response
 from realtime_app.wire.retry import retry_delay_ms
+from realtime_app.wire.session import Answer, ClientSession, Deliver, Event, Notify, Recover, Resubscribe
 
 __all__ = ["RECONNECT_CODES", "Handler", "RealtimeClient", "Refused", "is_reconnectable_close_code"]
 
@@ -38,19 +33,30 @@ logger = logging.getLogger("realtime_app.client")
 #: fast as this client reads it.
 RESUME_TIMEOUT = 60.0
 
-#: Close codes after which the client reconnects; 1008 and 4xxx are fatal.
-RECONNECT_CODES = frozenset({1001, 1005, 1006, 1011, 1012, 1013})
-
 Handler = Callable[[dict[str, Any]], Awaitable[None] | None]
-
-
-def is_reconnectable_close_code(code: int | None) -> bool:
-    """True for the transient close codes (1013 included), False for 1008, 4xxx and the rest."""
-    return code in RECONNECT_CODES
 
 
 def now_ms() -> float:
     return time.monotonic() * 1000
+
+
+def _fire(callbacks: list[Callable[..., Any]], what: str, *args: Any) -> None:
+    for callback in list(callbacks):
+        try:
+            callback(*args)
+        except Exception:
+            logger.exception("%s callback failed", what)
+
+
+async def _deliver(handlers: list[tuple[str, Handler]], params: dict[str, Any]) -> None:
+    """Hand a message to each handler in turn (sync or async), in the reading task."""
+    for name, handler in handlers:
+        try:
+            result = handler(params)
+            if inspect.isawaitable(result):
+                await result
+        except Exception:
+            logger.exception("handler of %s failed", name)
 
 
 class RealtimeClient:
@@ -80,24 +86,12 @@ class RealtimeClient:
         **connect_kwargs: Any,
     ) -> None:
         self.url = url
-        host = url.split("/")[2]
-        self.origin = origin or f"{'https' if url.startswith('wss') else 'http'}://{host}"
-        self.headers = headers or {}
+        self.origin = origin or f"{'https' if url.startswith('wss') else 'http'}://{url.split('/')[2]}"
         self.call_timeout = call_timeout
-        self.backoff_initial = backoff_initial
-        self.backoff_max = backoff_max
-        self.connect_kwargs = connect_kwargs
+        self.backoff_initial, self.backoff_max = backoff_initial, backoff_max
         self.state = "closed"
-        self.attempt = 0
-        self.last_close: tuple[int | None, str] | None = None
         self.on_state: list[Callable[[str], None]] = []
         self.on_close: list[Callable[[int | None, str, bool], None]] = []
-        self._ws: Any = None
-        self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[Any]] = {}
-        self._handlers: dict[str, list[Handler]] = {}
-        self._canonical: dict[str, str] = {}
-        self._on_error: dict[str, list[Callable[[Exception], None]]] = {}
         #: Called with ``(channel, error)`` for every refused subscribe, renewals included.
         self.on_subscribe_error: list[Callable[[str, Exception], None]] = []
         #: Channels with history (docs/recovery.md): ``on_resync(channel, {"epoch", "seq",
@@ -107,17 +101,29 @@ class RealtimeClient:
         self.on_recovered: list[Callable[[str, int], None]] = []
         #: Called with the server's answer of every accepted subscribe, renewals included.
         self.on_subscribed: list[Callable[[dict[str, Any]], None]] = []
-        self._cursors: dict[str, EventCursor] = {}  # canonical channel -> place in its history
-        self._on_answer: dict[int, Callable[[Any], Awaitable[None]]] = {}
+        self.session = ClientSession()
+        self.socket = ReconnectingSocket(
+            url,
+            self.origin,
+            headers or {},
+            lambda: (self.backoff_initial, self.backoff_max),
+            connect_kwargs,
+            on_state=self._set_state,
+            on_open=self._resubscribe,
+            on_text=self._on_text,
+            on_closed=self._closed,
+        )
+        self._answers: dict[int, asyncio.Future[Any]] = {}
         self._background: set[asyncio.Task[Any]] = set()
-        self._runner: asyncio.Task[None] | None = None
-        self._open = asyncio.Event()
-        self._stopped = True
-        self._blip_ms: float | None = None  # set by reconnect(): the delay before the new connection
-        self._delta_wanted: set[str] = set()  # requested names subscribed with deltas
-        self._deltas = DeltaBases()  # canonical channels with deltas granted, and their bases
 
-    # -- lifecycle -------------------------------------------------------------------
+    @property
+    def attempt(self) -> int:
+        """Reconnects since the last open connection."""
+        return self.socket.attempt
+
+    @property
+    def last_close(self) -> tuple[int | None, str] | None:
+        return self.socket.last_close
 
     async def __aenter__(self) -> RealtimeClient:
         await self.connect()
@@ -130,161 +136,64 @@ class RealtimeClient:
         if state == self.state == "closed":  # a close after the server's is no news
             return
         self.state = state
-        for callback in self.on_state:
-            callback(state)
+        _fire(self.on_state, "state", state)
 
     async def connect(self, timeout: float = 10.0) -> None:
         """Start the connection loop and wait until the first connection is open."""
-        self._stopped = False
-        if self._runner is None or self._runner.done():
-            self._runner = asyncio.get_running_loop().create_task(self._run(), name="realtime-client")
-        await asyncio.wait_for(self._open.wait(), timeout)
+        self.socket.start()
+        await self.wait_open(timeout)
 
     async def close(self, code: int = 1000) -> None:
         """Close for good (with ``code``): no reconnect."""
-        self._stopped = True
         for task in list(self._background):
             task.cancel()
-        if self._ws is not None:
-            await self._ws.close(code)
-        await cancel_and_wait(self._runner)
+        await self.socket.stop(code)
         self._set_state("closed")
 
     async def reconnect(self, delay_ms: float = 0) -> None:
         """Drop the connection now and open a new one after ``delay_ms``, as after a network
         blip (demos and tests): subscriptions are renewed, channels with history resume."""
-        if self._ws is None:
-            return
-        self._blip_ms = delay_ms
-        await self._ws.close(3000, "reconnect")
+        await self.socket.reconnect(delay_ms)
 
     async def wait_open(self, timeout: float = 30.0) -> None:
-        await asyncio.wait_for(self._open.wait(), timeout)
+        await asyncio.wait_for(self.socket.opened.wait(), timeout)
 
-    async def _run(self) -> None:
-        while not self._stopped:
-            self._set_state("reconnecting" if self.attempt else "connecting")
-            code: int | None = 1006
-            reason = ""
-            try:
-                async with websockets.connect(
-                    self.url,
-                    origin=Origin(self.origin) if self.origin else None,
-                    additional_headers=self.headers,
-                    max_size=None,
-                    **self.connect_kwargs,
-                ) as ws:
-                    self._ws = ws
-                    self.attempt = 0
-                    self._open.set()
-                    self._set_state("open")
-                    resubscribe = asyncio.get_running_loop().create_task(self._resubscribe())
-                    try:
-                        async for text in ws:
-                            await self._on_message(text)
-                    finally:
-                        resubscribe.cancel()
-                    code, reason = ws.close_code or 1006, ws.close_reason or ""
-            except websockets.ConnectionClosed as closed:
-                code, reason = (closed.rcvd.code, closed.rcvd.reason) if closed.rcvd else (1006, "")
-            except websockets.InvalidStatus as refused:  # 503 / 429: the server's 1013, before the accept
-                status = refused.response.status_code
-                code, reason = (1013 if status in (429, 503) else 4000 + status), f"handshake refused ({status})"
-            except (websockets.InvalidHandshake, OSError, EOFError) as error:  # unreachable, or cut: again
-                code, reason = 1006, f"{type(error).__name__}: {error}"
-            finally:
-                self._ws = None
-                self._open.clear()
-                self._on_answer.clear()
-                for cursor in self._cursors.values():
-                    cursor.closed()
-                self._deltas.reset()  # a new connection starts with full frames
-                for future in self._pending.values():
-                    if not future.done():
-                        future.set_exception(ConnectionError(f"connection closed ({code})"))
-                self._pending.clear()
-            self.last_close = (code, reason)
-            blip, self._blip_ms = self._blip_ms, None
-            again = not self._stopped and (is_reconnectable_close_code(code) or blip is not None)
-            for callback in self.on_close:
-                callback(code, reason, again)
-            if not again:
-                self._stopped = True
-                self._set_state("closed")
-                return
-            cap = min(self.backoff_max, self.backoff_initial * 2**self.attempt)
-            self.attempt += 1
-            self._set_state("reconnecting")
-            await asyncio.sleep(blip / 1000 if blip is not None else cap / 2 + random.random() * cap / 2)
+    def _closed(self, code: int | None, reason: str, again: bool) -> None:
+        for request_id in self.session.closed():
+            future = self._answers.pop(request_id, None)
+            if future is not None and not future.done():
+                future.set_exception(ConnectionError(f"connection closed ({code})"))
+        _fire(self.on_close, "close", code, reason, again)
 
     async def _resubscribe(self) -> None:
-        for name in list(self._handlers):
+        for name in list(self.session.handlers):
             with contextlib.suppress(Exception):  # reported by _subscribe_remote
                 await self._subscribe_remote(name, renewal=True)
 
-    # -- messages --------------------------------------------------------------------
+    async def _on_text(self, text: str | bytes) -> None:
+        for event in self.session.receive(text):
+            await self._handle(event)
 
-    async def _on_message(self, text: str | bytes) -> None:
-        try:
-            message = json.loads(text)
-        except ValueError:
-            return
-        for item in message if isinstance(message, list) else [message]:
-            if not isinstance(item, dict):
-                continue
-            if item.get("method") == "message" and isinstance(item.get("params"), dict):
-                await self._deliver(item["params"])
-            elif item.get("id") in self._pending:
-                future = self._pending.pop(item["id"])
-                on_answer = self._on_answer.pop(item["id"], None)
-                if future.done():
-                    continue
-                if on_answer is not None and "result" in item:
-                    await on_answer(item["result"])  # in order with the messages around it
-                if "error" in item:
-                    error = item["error"]
-                    future.set_exception(error_from_response(error if isinstance(error, dict) else {}))
-                else:
-                    future.set_result(item.get("result"))
-
-    async def _deliver(self, params: dict[str, Any]) -> None:
-        channel = params.get("channel")
-        if "delta" in params and isinstance(channel, str):  # only delta subscriptions carry it
-            if channel not in self._deltas:  # its first frame, before the subscribe's answer?
-                if channel not in self._delta_wanted and channel not in self._canonical.values():
-                    return  # still in flight after an unsubscribe
-                self._deltas.granted(channel)
-            try:
-                params = self._deltas.rebuild(channel, params)
-            except DeltaError as exc:  # never applied to another base: a full frame instead
-                if self._deltas.resync(channel):
-                    logger.warning("%s: a delta frame that does not apply (%s): subscribing again", channel, exc)
-                    names = [n for n, c in self._canonical.items() if c == channel] or [channel]
-                    for name in names:
-                        self._spawn(self._subscribe_remote(name))
-                return
-        if "epoch" in params and isinstance(channel, str):  # a channel with history: in order, once
-            cursor = self._cursors.get(channel)
-            if cursor is not None:  # else a frame still in flight after unsubscribe
-                await self._act(channel, cursor.message(params))
-            return
-        await self._hand_over(channel, params)
-
-    async def _act(self, channel: str, actions: list[Action]) -> None:
-        for kind, value in actions:
-            if kind == "deliver":
-                await self._hand_over(channel, value)
-            elif kind == "recover":
-                self._spawn(self._recover(channel))
-            else:
-                callbacks: list[Any] = self.on_recovered if kind == "recovered" else self.on_resync
-                if kind == "resync":
-                    logger.warning("%s: messages missed for good (%s): resync", channel, value["reason"])
-                for callback in list(callbacks):
-                    try:
-                        callback(channel, value)
-                    except Exception:
-                        logger.exception("%s callback of %s failed", kind, channel)
+    async def _handle(self, event: Event) -> None:
+        if isinstance(event, Deliver):
+            await _deliver(self.session.handlers_of(event.channel), event.params)
+        elif isinstance(event, Answer):
+            future = self._answers.pop(event.id, None)
+            if future is not None and not future.done() and event.ok:
+                future.set_result(event.value)
+            elif future is not None and not future.done():
+                future.set_exception(error_from_response(event.value))
+        elif isinstance(event, Notify):
+            if event.kind == "resync":
+                logger.warning("%s: messages missed for good (%s): resync", event.channel, event.value["reason"])
+            callbacks: list[Any] = self.on_recovered if event.kind == "recovered" else self.on_resync
+            _fire(callbacks, event.kind, event.channel, event.value)
+        elif isinstance(event, Recover):
+            self._spawn(self._recover(event.channel))
+        elif isinstance(event, Resubscribe):
+            logger.warning("%s: a delta frame that does not apply: subscribing again", event.channel)
+            for name in event.names:
+                self._spawn(self._subscribe_remote(name))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -294,57 +203,18 @@ class RealtimeClient:
     async def _recover(self, channel: str) -> None:
         """Subscribe again ``since`` the last message: the server replays the gap. Ends
         with its connection, or when the channel is left (a reconnect resumes anew)."""
-        cursor = self._cursors.get(channel)
-        ws = self._ws
-        while cursor is not None and cursor.recovering and ws is not None:
-            if self._ws is not ws or self._cursors.get(channel) is not cursor:
-                return
-            try:
-                params: dict[str, Any] = {"channel": channel, "since": cursor.since()}
-                if channel in self._deltas:
-                    params["delta"] = "fossil"  # the replay comes whole; deltas go on after it
-                await self._call_once(
-                    "subscribe",
-                    params,
-                    max(self.call_timeout, RESUME_TIMEOUT),  # the replay comes first, at the pace we read
-                    self._answered(channel, cursor),
-                )
+        ws, due = self.socket.ws, self.session.recover_request(channel)
+        cursor = due[1] if due else None
+        while due is not None and ws is not None and self.socket.ws is ws and due[1] is cursor:
+            try:  # the replay comes first, at the pace we read
+                await self._call_once("subscribe", due[0], max(self.call_timeout, RESUME_TIMEOUT), (channel, cursor))
                 return
             except Refused as refused:  # try again when admission says
                 await asyncio.sleep(retry_delay_ms(refused.retry_after_ms, random.random()) / 1000)
             except (RPCError, ConnectionError, TimeoutError) as error:
                 logger.warning("resuming %s failed: %s", channel, error)
                 await asyncio.sleep(1.0)
-
-    def _answered(self, channel: str, cursor: EventCursor) -> Callable[[Any], Awaitable[None]]:
-        """The hook that applies a subscribe's answer to the channel's cursor, in order —
-        unless the channel was left (and maybe subscribed again) since it was sent."""
-
-        async def apply(result: Any) -> None:
-            if isinstance(result, dict) and result.get("delta") == "fossil":
-                self._deltas.granted(result["channel"])  # in order with the frames around it
-            if not isinstance(result, dict) or self._cursors.get(channel) is not cursor:
-                return
-            if "epoch" in result:
-                await self._act(channel, cursor.answer(result))
-                return
-            del self._cursors[channel]  # the channel keeps no history (any more)
-            if cursor.epoch is not None and result.get("recovered") is False:
-                info = {"epoch": cursor.epoch, "seq": cursor.seq, "reason": result.get("reason", "no_history")}
-                await self._act(channel, [("resync", info)])
-
-        return apply
-
-    async def _hand_over(self, channel: Any, params: dict[str, Any]) -> None:
-        for name, handlers in list(self._handlers.items()):
-            if self._canonical.get(name, name) == channel:
-                for handler in list(handlers):
-                    try:
-                        result = handler(params)
-                        if inspect.isawaitable(result):
-                            await result
-                    except Exception:
-                        logger.exception("handler of %s failed", name)
+            due = self.session.recover_request(channel)
 
     async def call(self, method: str, params: Any = None, *, timeout: float | None = None, retries: int = 0) -> Any:
         """Call ``method``; returns its result, raises :class:`RPCError` (:class:`Refused`
@@ -363,78 +233,38 @@ class RealtimeClient:
                 retries -= 1
                 await asyncio.sleep(retry_delay_ms(refused.retry_after_ms, random.random()) / 1000)
 
-    async def _call_once(
-        self,
-        method: str,
-        params: Any,
-        timeout: float | None,
-        on_answer: Callable[[Any], Awaitable[None]] | None = None,
-    ) -> Any:
-        if self._ws is None:
+    async def _call_once(self, method: str, params: Any, timeout: float | None, follow: Any = None) -> Any:
+        if self.socket.ws is None:
             raise ConnectionError("not connected")
-        request_id = next(self._ids)
-        if on_answer is not None:
-            self._on_answer[request_id] = on_answer
-        request: dict[str, Any] = {"jsonrpc": "2.0", "method": method, "id": request_id}
-        if params is not None:
-            request["params"] = params
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending[request_id] = future
+        request_id, text = self.session.request(method, params, follow)
+        future = self._answers[request_id] = asyncio.get_running_loop().create_future()
         try:
-            await self._ws.send(json.dumps(request))
+            await self.socket.send(text)
             return await asyncio.wait_for(future, timeout if timeout is not None else self.call_timeout)
         finally:
-            self._pending.pop(request_id, None)
-            self._on_answer.pop(request_id, None)
+            self.session.forget(request_id)
+            self._answers.pop(request_id, None)
 
     async def notify(self, method: str, params: Any = None) -> None:
         """Send a notification (no answer)."""
-        if self._ws is None:
-            raise ConnectionError("not connected")
-        request: dict[str, Any] = {"jsonrpc": "2.0", "method": method}
-        if params is not None:
-            request["params"] = params
-        await self._ws.send(json.dumps(request))
+        await self.socket.send(self.session.notification(method, params))
 
     async def _subscribe_remote(self, name: str, renewal: bool = False) -> dict[str, Any]:
-        canonical = self._canonical.get(name, name)
-        params: dict[str, Any] = {"channel": name}
-        if name in self._delta_wanted or canonical in self._deltas:
-            params["delta"] = "fossil"
-        cursor = self._cursors.get(canonical)
-        if cursor is None:  # dropped again by the answer unless the channel keeps a history
-            cursor = self._cursors[canonical] = EventCursor()
-        since = cursor.since()
-        if since is not None:
-            params["since"] = since  # a resume: the server replays what was missed
-        cursor.resuming()  # what arrives before the answer waits for the position it gives
-        timeout = max(self.call_timeout, RESUME_TIMEOUT) if since is not None else None
+        params, canonical, cursor = self.session.subscribe_request(name)
+        timeout = max(self.call_timeout, RESUME_TIMEOUT) if "since" in params else None
         try:
-            try:
-                answered = self._answered(canonical, cursor)
-                result: dict[str, Any] = await self._call_once("subscribe", params, timeout, answered)
-            except BaseException:
-                if cursor is not None:
-                    cursor.closed()  # no resume running: the next subscribe tries again
-                raise
-        except RPCError as error:
-            if name in self._handlers:
-                callbacks: list[Callable[[Exception], None]] = list(self._on_error.get(name, []))
+            result: dict[str, Any] = await self._call_once("subscribe", params, timeout, (canonical, cursor))
+        except BaseException as error:
+            cursor.closed()  # no resume running: the next subscribe tries again
+            if isinstance(error, RPCError) and name in self.session.handlers:
+                callbacks: list[Callable[..., Any]] = [*self.session.on_error.get(name, [])]
                 callbacks += [partial(f, name) for f in self.on_subscribe_error]
                 if renewal and not callbacks:  # nobody else hears of it: the application awaited none
                     logger.warning("subscribe %s refused: %s", name, error)
-                for callback in callbacks:
-                    try:
-                        callback(error)
-                    except Exception:
-                        logger.exception("error callback of %s failed", name)
+                _fire(callbacks, "error", error)
             raise
-        self._canonical[name] = result["channel"]
-        for subscribed in list(self.on_subscribed):
-            try:
-                subscribed(result)
-            except Exception:
-                logger.exception("subscribed callback of %s failed", name)
+        self.session.subscribed(name, result)
+        _fire(self.on_subscribed, "subscribed", result)
         return result
 
     async def subscribe(
@@ -452,49 +282,27 @@ class RealtimeClient:
         opens: a refusal then, or of a renewal after a reconnect, calls ``on_error(error)``
         and every ``on_subscribe_error(channel, error)`` — logged only when there are none.
         """
-        first = channel not in self._handlers
-        if delta is not None:
-            if delta != "fossil":
-                raise ValueError(f'delta must be "fossil", got {delta!r}')
-            self._delta_wanted.add(channel)
-        self._handlers.setdefault(channel, []).append(handler)
-        if on_error is not None:
-            self._on_error.setdefault(channel, []).append(on_error)
-        if not first and channel in self._canonical:
-            return {"channel": self._canonical[channel]}
-        if self._stopped:  # not connected yet: subscribed when the connection opens
+        if delta is not None and delta != "fossil":
+            raise ValueError(f'delta must be "fossil", got {delta!r}')
+        first = self.session.book(channel, handler, on_error, delta is not None)
+        if not first and channel in self.session.canonical:
+            return {"channel": self.session.canonical[channel]}
+        if self.socket.stopped:  # not connected yet: subscribed when the connection opens
             return {"channel": channel, "pending": True}
-        if self._ws is None:
+        if self.socket.ws is None:
             await self.wait_open(self.call_timeout)
         try:
             return await self._subscribe_remote(channel)
         except Exception:
             if first:
-                self._handlers.pop(channel, None)
-                self._on_error.pop(channel, None)
+                self.session.unbook(channel)
             raise
 
     async def unsubscribe(self, channel: str, handler: Handler | None = None) -> dict[str, Any] | None:
         """Remove ``handler`` (or all) from ``channel``; the last one out unsubscribes the
         channel the server subscribed, and returns its answer."""
-        handlers = self._handlers.get(channel)
-        if handlers is None:
-            return None
-        if handler is not None and handler in handlers:
-            handlers.remove(handler)
-        elif handler is None:
-            handlers.clear()
-        if handlers:
-            return None
-        del self._handlers[channel]
-        self._on_error.pop(channel, None)
-        self._delta_wanted.discard(channel)
-        canonical = self._canonical.pop(channel, channel)
-        if canonical not in self._canonical.values():
-            self._deltas.forget(canonical)
-        if canonical not in self._canonical.values():
-            self._cursors.pop(canonical, None)
-        if canonical not in self._canonical.values() and self._ws is not None:
+        canonical = self.session.unbook(channel, handler)
+        if canonical is not None and self.socket.ws is not None:
             with contextlib.suppress(Exception):  # the channel the server subscribed (a nearer cadence, say)
                 return await self.call("unsubscribe", {"channel": canonical})  # type: ignore[no-any-return]
         return None

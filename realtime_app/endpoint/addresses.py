@@ -19,7 +19,8 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
-from typing import Any
+
+from realtime_app.wire.asgi import Scope
 
 __all__ = ["FORWARDED_HEADERS", "client_address", "client_network", "parse_networks", "trusted_networks"]
 
@@ -57,7 +58,7 @@ def _trusted(address: str, networks: Sequence[Network]) -> bool:
     return ip is not None and any(ip in network for network in networks)
 
 
-def _header(scope: dict[str, Any], name: bytes) -> str | None:
+def _header(scope: Scope, name: bytes) -> str | None:
     values = [value for key, value in scope.get("headers") or () if key.lower() == name]
     if not values:
         return None
@@ -90,7 +91,7 @@ def client_network(address: str, v4_prefix: int = 32, v6_prefix: int = 64) -> st
     return str(ipaddress.ip_network(f"{ip}/{prefix}", strict=False))
 
 
-def client_address(scope: dict[str, Any], trusted: Sequence[Network] = (), header: str = "X-Forwarded-For") -> str:
+def client_address(scope: Scope, trusted: Sequence[Network] = (), header: str = "X-Forwarded-For") -> str:
     """The client's address for ``scope``: the peer's, or — when the peer is a trusted
     proxy — the nearest untrusted hop its forwarding ``header`` names (the leftmost when
     every hop is trusted; any other forwarding header is ignored). A malformed hop ends

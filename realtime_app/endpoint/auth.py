@@ -11,6 +11,7 @@ from channels.sessions import CookieMiddleware, SessionMiddleware
 from django.db import DatabaseError
 
 from realtime_app.observability.logsafe import safe
+from realtime_app.wire.asgi import Scope
 
 __all__ = ["AUTH_UNAVAILABLE", "AuthMiddleware", "AuthMiddlewareStack"]
 
@@ -23,7 +24,7 @@ class AuthMiddleware(ChannelsAuthMiddleware):  # type: ignore[misc]
     anonymous and ``scope[AUTH_UNAVAILABLE]`` says why — :class:`RealtimeConsumer` then
     refuses the handshake with 1013 rather than serve the user with fewer rights."""
 
-    async def resolve_scope(self, scope: dict[str, Any]) -> None:
+    async def resolve_scope(self, scope: Scope) -> None:
         try:
             await super().resolve_scope(scope)
         except DatabaseError as exc:

@@ -1,20 +1,33 @@
-"""Handshakes accepted only to be closed with a code and a reason — the client sees why
-(1013: come back later; 1011: this server cannot serve it), not a bare HTTP 403 or 500 —
-and their log lines, once per outage rather than once per socket."""
+"""Refusals: handshakes accepted only to be closed with a code and a reason — the client
+sees why (1013: come back later; 1011: this server cannot serve it), not a bare HTTP 403
+or 500 — and their log lines, once per outage rather than once per socket; and the
+JSON-RPC answer of a refused request (its reason, ``retry_after_ms``, a snapshot)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
+from realtime_app.hub.core import Connection, Hub
+from realtime_app.inbound.admission import Refusal
 from realtime_app.outbound.base import UnsupportedServer
 from realtime_app.outbound.guard import Guard
-from realtime_app.wire.protocol import CloseCode
+from realtime_app.wire import protocol
+from realtime_app.wire.asgi import Scope, Send
+from realtime_app.wire.protocol import CloseCode, RequestId, Response
 
-__all__ = ["deny", "log_auth_outage", "log_refused_connection", "log_unsupported_once", "refuse"]
+__all__ = [
+    "NO_SNAPSHOT",
+    "deny",
+    "refusal_response",
+    "refused_socket",
+    "log_auth_outage",
+    "log_refused_connection",
+    "log_unsupported_once",
+    "refuse",
+]
 
 #: The HTTP answer of a refused handshake, by close code, where the server can give one
 #: (the ASGI ``websocket.http.response`` extension: uvicorn): status and Retry-After (s).
@@ -29,8 +42,24 @@ LOG_EVERY_S = 60.0
 
 _unsupported_logged = False
 
+#: A refusal without a snapshot (a method's snapshot may be None itself).
+NO_SNAPSHOT: Any = object()
+_MESSAGES = {"overloaded": "Overloaded", "too_many_in_flight": "Too many in flight"}
 
-async def refuse(send: Callable[[dict[str, Any]], Awaitable[None]], code: CloseCode, reason: str) -> None:
+
+def refusal_response(request_id: RequestId, refusal: Refusal, snapshot: Any = NO_SNAPSHOT) -> Response:
+    """The error answering a refused request: its code, reason and ``retry_after_ms``,
+    and the method's snapshot (what the client may show meanwhile) when it has one."""
+    data = refusal.data()
+    if snapshot is not NO_SNAPSHOT:
+        data["snapshot"] = snapshot
+    reason = data.pop("reason")
+    return protocol.error_response(
+        request_id, refusal.code, _MESSAGES.get(refusal.reason, "Rate limited"), reason, **data
+    )
+
+
+async def refuse(send: Send, code: CloseCode, reason: str) -> None:
     """Accept the handshake, then close it with ``code`` and ``reason`` — through the
     transport (the servers' ASGI close takes neither every code nor a reason), or, on a
     server whose transport is not supported, through ASGI."""
@@ -45,8 +74,8 @@ async def refuse(send: Callable[[dict[str, Any]], Awaitable[None]], code: CloseC
 
 
 async def deny(
-    send: Callable[[dict[str, Any]], Awaitable[None]],
-    scope: dict[str, Any],
+    send: Send,
+    scope: Scope,
     code: CloseCode,
     reason: str,
     guard: Guard | None = None,
@@ -90,6 +119,24 @@ def _count_then_log(key: str) -> int:
     count = int(seen[1])
     seen[0], seen[1] = now, 0
     return count
+
+
+async def refused_socket(hub: Hub, conn: Connection, identity: tuple[str, str]) -> bool:
+    """The door of one socket: its identity's handshake rate, then its connection caps.
+    True when refused, the socket closed with why: 1008 past its own cap (do not come
+    back), 1013 past the process's ceiling or the handshake rate (later)."""
+    if not hub.gate.handshake(identity):  # logged by the hub, once while it lasts
+        conn.closed = True
+        await deny(conn.send, conn.scope, CloseCode.TRY_AGAIN_LATER, "too many handshakes", conn.guard)
+        return True
+    refused = hub.add_connection(conn, identity)
+    if refused is None:
+        return False
+    log_refused_connection(refused, identity[0])
+    conn.closed = True
+    code = CloseCode.TRY_AGAIN_LATER if refused == "server full" else CloseCode.POLICY_VIOLATION
+    await deny(conn.send, conn.scope, code, refused, conn.guard)
+    return True
 
 
 def log_refused_connection(reason: str, kind: str) -> None:

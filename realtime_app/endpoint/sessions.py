@@ -28,6 +28,7 @@ from realtime_app.channels.registry import registry
 from realtime_app.conf import get_config
 from realtime_app.hub.core import Connection, Hub
 from realtime_app.observability.logsafe import safe
+from realtime_app.wire.asgi import Scope
 from realtime_app.wire.protocol import CloseCode
 
 __all__ = [
@@ -106,7 +107,7 @@ def _reload_user(user: Any) -> Any:
     return fresh if fresh is not None and getattr(fresh, "is_active", True) else AnonymousUser()
 
 
-async def current_user(scope: dict[str, Any]) -> Any:
+async def current_user(scope: Scope) -> Any:
     """The socket's user as its session and the database say *now* (the handshake's user
     for anonymous sockets: they have no rights to lose)."""
     user = scope.get("user")

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from realtime_app.outbound.guard import Guard
+from realtime_app.wire.asgi import Scope, Send
 
 __all__ = ["Connection"]
 
@@ -19,8 +18,8 @@ _connection_ids = itertools.count(1)
 class Connection:
     """One WebSocket connection: its guarded transport, its identity, its channels."""
 
-    send: Callable[[dict[str, Any]], Any]
-    scope: dict[str, Any] = field(default_factory=dict, repr=False)
+    send: Send
+    scope: Scope = field(default_factory=dict, repr=False)
     id: int = field(default_factory=lambda: next(_connection_ids))
     subscriptions: set[str] = field(default_factory=set)
     closed: bool = False

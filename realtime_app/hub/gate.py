@@ -5,21 +5,24 @@ a connection ignoring its refusals (docs/admission.md)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from realtime_app.conf import get_config
 from realtime_app.inbound.admission import Admission, AdmissionLimits, Refusal, RefusalBudget
 from realtime_app.inbound.method_limits import MethodLimits
-from realtime_app.inbound.workers import RequestPool
+from realtime_app.inbound.workers import Call, Coalesce, RequestPool, Run
 
 if TYPE_CHECKING:
     from realtime_app.cluster.base import Backplane
     from realtime_app.observability.schema import AdmissionProbe
 
-__all__ = ["Gate", "admission_limits", "handshake_limits"]
+__all__ = ["Admitted", "Gate", "Limited", "admission_limits", "handshake_limits"]
 
 logger = logging.getLogger("realtime_app.hub")
 
@@ -62,8 +65,48 @@ def handshake_limits() -> AdmissionLimits:
     )
 
 
-async def _execute(owner: Any, method: str, params: Any) -> Any:
-    return await owner.execute(method, params)
+class Limited(Protocol):
+    """What admission reads of an application method (``endpoint.methods.Method``)."""
+
+    @property
+    def coalesce(self) -> Coalesce | None: ...
+    @property
+    def max_in_flight(self) -> int: ...
+    @property
+    def rate(self) -> float: ...
+    @property
+    def burst(self) -> int: ...
+    @property
+    def is_async(self) -> bool: ...
+
+
+@dataclass(slots=True)
+class Admitted:
+    """A request let in: what its run holds (a global slot unless it merged, a place in
+    its method's books when it has limits) until it ends."""
+
+    identity: Identity
+    name: str
+    method: Limited | None  # None: a built-in, run inline by its connection
+    merged: bool = False
+    key: Hashable | None = None
+    units: float = 1.0
+
+
+def coalescing(method: Limited, name: str, identity: Identity, params: Any) -> tuple[Hashable | None, float]:
+    """A request's merge key and units; ``None`` (runs alone) when its params do not give
+    them — the handler then answers what is wrong with them."""
+    coalesce = method.coalesce
+    if coalesce is None:
+        return None, 1.0
+    try:
+        key = coalesce.key(identity, params)
+        units = float(coalesce.units(params)) if key is not None else 1.0
+    except Exception:
+        return None, 1.0
+    if key is None or not 0 < units <= coalesce.cap:
+        return None, 1.0
+    return (name, key), units
 
 
 class Gate:
@@ -76,7 +119,7 @@ class Gate:
         config = get_config()
         running = config["ADMISSION_MAX_RUNNING"]
         anonymous = max(1, int(running * (1 - float(config["SIGNED_IN_RESERVE"])))) if running else 0
-        self.pool = RequestPool(self.admission, running, _execute, anonymous)
+        self.pool = RequestPool(self.admission, running, anonymous)
         self.methods = MethodLimits()  # per method and identity (rpc_method(max_in_flight=, rate=))
         self.identities: dict[Identity, int] = {}  # open connections per identity
         self.open = {"user": 0, "address": 0}  # open connections, signed-in and anonymous
@@ -147,6 +190,57 @@ class Gate:
             self.identities.pop(identity, None)
         kind = "user" if identity[0] == "user" else "address"
         self.open[kind] = max(0, self.open[kind] - 1)
+
+    async def admit_request(
+        self, identity: Identity, name: str, method: Limited | None, cost: float, params: Any
+    ) -> Admitted | Refusal:
+        """The one door of every request: the method's own limits (no tokens spent on
+        their refusal), then the process's caps and the identity's bucket. A request that
+        merges into a waiting one of the same key holds no global slot of its own."""
+        ticket = Admitted(identity, name, method)
+        limited = bool(method and (method.max_in_flight or method.rate))
+        if method is not None and method.coalesce is not None:
+            ticket.key, ticket.units = coalescing(method, name, identity, params)
+            ticket.merged = self.pool.would_merge(ticket.key, ticket.units, method.coalesce.cap)
+        if method is not None and limited:
+            refusal = self.methods.take(name, identity, method.max_in_flight, method.rate, method.burst)
+            if refusal is not None:
+                return refusal
+        answer: Refusal | None | Any = ...  # until admit answers
+        try:
+            answer = await self.admit(identity, cost, merged=ticket.merged)
+        finally:  # refused, or cancelled while the shared bucket answered: the method's place back
+            if limited and answer is not None:
+                self.methods.done(name, identity)
+        return ticket if answer is None else answer
+
+    def done(self, ticket: Admitted) -> None:
+        """A built-in admitted by :meth:`admit_request` ended."""
+        self.admission.release(ticket.identity)
+
+    def submit(self, ticket: Admitted, owner: Hashable, params: Any, run: Run) -> asyncio.Future[Any]:
+        """Queue an admitted application call in the pool; its future gives ``(ok, result
+        or error)``. Every place it holds is given back however it ends."""
+        method = ticket.method
+        assert method is not None
+        call = Call(owner, run, ticket.name, params, ticket.identity, ticket.merged, method.coalesce, method.is_async)
+        if method.max_in_flight or method.rate:
+            name, identity, books = ticket.name, ticket.identity, self.methods
+            call.future.add_done_callback(lambda _: books.done(name, identity))
+        coalesce = method.coalesce
+        self.pool.submit(
+            call, ticket.key, ticket.units, coalesce.cap if coalesce else 0.0, bool(coalesce and coalesce.serial)
+        )
+        return call.future
+
+    async def charge_error(self, identity: Identity) -> Refusal | None:
+        """An invalid request takes ``ADMISSION_ERROR_COST`` tokens: None when it had them,
+        else the refusal to answer instead of the error (a flood of bad input is refused,
+        then closed, as other floods are)."""
+        refusal = await self.admit(identity, float(get_config()["ADMISSION_ERROR_COST"]))
+        if refusal is None:
+            self.admission.release(identity)
+        return refusal
 
     async def admit(self, identity: Identity, cost: float, *, merged: bool = False) -> Refusal | None:
         """Admit one request: the caps here, then the bucket — the cluster's for a user on

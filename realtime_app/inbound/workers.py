@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,7 @@ from realtime_app.inbound.admission import Admission, Job
 from realtime_app.inbound.slots import PoolCore
 from realtime_app.wire.protocol import INTERNAL_ERROR
 
-__all__ = ["Call", "Coalesce", "RequestPool"]
+__all__ = ["Call", "Coalesce", "RequestPool", "Run"]
 
 logger = logging.getLogger("realtime_app.workers")
 
@@ -71,11 +71,17 @@ class Coalesce:
         return result
 
 
+#: ``run(method, params) -> (ok, result or JSON-RPC error object)``: how an admitted call
+#: runs — its connection's dispatch, which the pool never needs to know more of.
+Run = Callable[[str, Any], Awaitable[tuple[bool, Any]]]
+
+
 @dataclass(eq=False, slots=True)
 class Call:
     """One admitted request waiting for (or in) its execution."""
 
-    owner: Any  # the consumer whose connection sent it
+    owner: Hashable  # the connection that sent it: :meth:`RequestPool.abandon` drops its calls
+    run: Run
     method: str
     params: Any
     identity: Hashable
@@ -86,18 +92,13 @@ class Call:
     released: bool = False  # its admission slots were given back (:mod:`realtime_app.inbound.slots`)
 
 
-#: ``execute(owner, method, params) -> (ok, result or JSON-RPC error object)``
-Execute = Callable[[Any, str, Any], Any]
-
-
 class RequestPool:
     """The process's queue of admitted requests and the tasks that run them: the asyncio
     shell around :class:`~realtime_app.inbound.slots.PoolCore`, which keeps the books."""
 
-    def __init__(self, admission: Admission, max_running: int, execute: Execute, anonymous_share: int = 0) -> None:
+    def __init__(self, admission: Admission, max_running: int, anonymous_share: int = 0) -> None:
         self.admission = admission
         self.core: PoolCore[Call] = PoolCore(admission, max_running, anonymous_share)
-        self.execute = execute
         self._tasks: dict[Job[Call], asyncio.Task[None]] = {}
         self.completed = 0
 
@@ -163,7 +164,7 @@ class RequestPool:
         calls = job.items
         head = calls[0]
         if len(calls) == 1:
-            ok, outcome = await self.execute(head.owner, head.method, head.params)
+            ok, outcome = await head.run(head.method, head.params)
             _resolve(head, ok, outcome)
         else:
             await self._run_merged(job, calls)
@@ -178,7 +179,7 @@ class RequestPool:
             logger.exception("method %s: merging %d requests failed", head.method, len(calls))
             ok, outcome = False, _INTERNAL
         else:
-            ok, outcome = await self.execute(head.owner, head.method, params)
+            ok, outcome = await head.run(head.method, params)
         for call, units in job.entries:
             if ok:
                 try:
@@ -191,7 +192,7 @@ class RequestPool:
             else:
                 _resolve(call, False, outcome)
 
-    def abandon(self, owner: Any) -> int:
+    def abandon(self, owner: Hashable) -> int:
         """``owner``'s connection closed: its waiting calls leave the queue and give their
         slots back; a running async job that only it waited for is cancelled (a sync one
         runs to its end in its thread — it cannot be interrupted — and frees its slot then)."""

@@ -7,10 +7,10 @@ from __future__ import annotations
 import fcntl
 import struct
 import termios
-from collections.abc import Callable
 from typing import Any
 
 from realtime_app.exceptions import RealtimeError
+from realtime_app.wire.asgi import Send
 
 __all__ = ["Transport", "UnsupportedServer", "kernel_queue", "server_send", "text_frame"]
 
@@ -32,7 +32,7 @@ class UnsupportedServer(RealtimeError):
         )
 
 
-def server_send(send: Callable[..., Any]) -> Callable[..., Any]:
+def server_send(send: Send) -> Send:
     """The server's own ``send`` under Channels' middleware wrappers.
 
     ``SessionMiddleware`` (in ``AuthMiddlewareStack``) hands the application a bound

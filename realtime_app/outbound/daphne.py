@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
 from realtime_app.outbound.base import Transport, UnsupportedServer, kernel_queue
+from realtime_app.wire.asgi import Send
 
 __all__ = ["TESTED", "DaphneTransport", "daphne_protocol", "internals_tested", "untested"]
 
@@ -60,7 +60,7 @@ def internals_tested() -> bool:
     return _tested
 
 
-def daphne_protocol(send: Callable[..., Any]) -> Any | None:
+def daphne_protocol(send: Send) -> Any | None:
     """daphne's protocol of a connection, from the server's ``send``; None for another server."""
     if isinstance(send, functools.partial) and send.args:
         protocol = send.args[0]

@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable
-from typing import Any
 
 from realtime_app.outbound.backpressure import (
     CLOSE,
@@ -26,6 +24,7 @@ from realtime_app.outbound.backpressure import (
 )
 from realtime_app.outbound.conflation import Held
 from realtime_app.outbound.transports import Transport, transport_for
+from realtime_app.wire.asgi import Send
 from realtime_app.wire.protocol import CloseCode
 
 __all__ = ["BACKPRESSURE_REASON", "Guard", "GuardedSendMixin", "backpressure_config"]
@@ -49,7 +48,7 @@ class Guard:
     __slots__ = ("closed", "config", "drain_s", "held", "measure", "never_drop_responses", "state", "transport")
 
     def __init__(
-        self, send: Callable[..., Any], config: BackpressureConfig | None = None, transport: Transport | None = None
+        self, send: Send, config: BackpressureConfig | None = None, transport: Transport | None = None
     ) -> None:
         from realtime_app.conf import get_config
 

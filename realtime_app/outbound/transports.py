@@ -26,12 +26,12 @@ runs real servers and breaks if they move. An unknown server raises
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
 from realtime_app.outbound.base import Transport, UnsupportedServer, server_send, text_frame
 from realtime_app.outbound.daphne import DaphneTransport, daphne_protocol
 from realtime_app.outbound.uvicorn import UvicornTransport, uvicorn_protocol
+from realtime_app.wire.asgi import Send
 
 __all__ = ["Transport", "UnsupportedServer", "server_send", "text_frame", "transport_for"]
 
@@ -41,7 +41,7 @@ class QueueTransport(Transport):
 
     kind = "memory"
 
-    def __init__(self, send: Callable[..., Any]) -> None:
+    def __init__(self, send: Send) -> None:
         self.put = send.__self__.put_nowait  # type: ignore[attr-defined]
         self.closed = False
 
@@ -60,12 +60,12 @@ class QueueTransport(Transport):
 class AsgiTransport(Transport):
     """Any other server: plain ASGI messages, nothing measured (the guard cannot run)."""
 
-    def __init__(self, send: Callable[..., Any]) -> None:
+    def __init__(self, send: Send) -> None:
         self.send = send
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def _spawn(self, message: dict[str, Any]) -> None:
-        task = asyncio.get_running_loop().create_task(self.send(message))
+        task = asyncio.ensure_future(self.send(message))  # Send returns an Awaitable, not always a coroutine
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -77,7 +77,7 @@ class AsgiTransport(Transport):
         self._spawn({"type": "websocket.close", "code": int(code), "reason": reason})
 
 
-def transport_for(send: Callable[..., Any], *, require_measurable: bool = False) -> Transport:
+def transport_for(send: Send, *, require_measurable: bool = False) -> Transport:
     """The adapter of the server behind ``send``.
 
     Raises :class:`UnsupportedServer` when ``require_measurable`` (the guard is on) and

@@ -186,7 +186,7 @@ export const RESUME_TIMEOUT_MS = 60000;
 
 /**
  * Where the application is in one channel with history: each message once, in order, or
- * a resync. The twin of realtime_app/client/cursor.py (both pass tests/vectors/cursor.json).
+ * a resync. The twin of realtime_app/wire/cursor.py (both pass tests/vectors/cursor.json).
  * `message(params)` and `answer(result)` return actions: ["deliver", params],
  * ["recover", since] (subscribe again with `since`), ["recovered", replayed],
  * ["resync", {epoch, seq, reason}] (the gap cannot be filled: reload the state).

@@ -1,6 +1,6 @@
 """A client's place in one channel with history: each message once, in order, or a resync.
 
-The clients (:mod:`realtime_app.client.connection` and ``EventCursor`` in the browser module, both
+The clients (the client session, :mod:`realtime_app.wire.session`, and ``EventCursor`` in the browser module, both
 tested against ``tests/vectors/cursor.json``) feed it every ``message`` of the channel and
 every answer to a ``subscribe`` of it, and do what it returns:
 

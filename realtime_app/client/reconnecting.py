@@ -1,0 +1,128 @@
+"""The socket under a :class:`~realtime_app.client.connection.RealtimeClient`: connect,
+read, tell how it closed, wait a capped jittered backoff, again — until stopped.
+
+It knows nothing of JSON-RPC: the client's session (:mod:`realtime_app.wire.session`)
+gets every text frame through ``on_text``, and ``on_closed`` hears each end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import websockets
+from websockets.typing import Origin
+
+from realtime_app.cancellation import cancel_and_wait
+
+__all__ = ["RECONNECT_CODES", "ReconnectingSocket", "is_reconnectable_close_code"]
+
+#: Close codes after which the client reconnects; 1008 and 4xxx are fatal.
+RECONNECT_CODES = frozenset({1001, 1005, 1006, 1011, 1012, 1013})
+
+
+def is_reconnectable_close_code(code: int | None) -> bool:
+    """True for the transient close codes (1013 included), False for 1008, 4xxx and the rest."""
+    return code in RECONNECT_CODES
+
+
+class ReconnectingSocket:
+    """One logical socket: reopened after transient closes until :meth:`stop`."""
+
+    def __init__(
+        self,
+        url: str,
+        origin: str | None,
+        headers: dict[str, str],
+        backoff: Callable[[], tuple[float, float]],
+        connect_kwargs: dict[str, Any],
+        *,
+        on_state: Callable[[str], None],
+        on_open: Callable[[], Coroutine[Any, Any, None]],
+        on_text: Callable[[str | bytes], Awaitable[None]],
+        on_closed: Callable[[int | None, str, bool], None],
+    ) -> None:
+        self.url, self.origin, self.headers = url, origin, headers
+        self.backoff = backoff  # (initial, max) seconds, read at each reconnect
+        self.connect_kwargs = connect_kwargs
+        self._on_state, self._on_open, self._on_text, self._on_closed = on_state, on_open, on_text, on_closed
+        self.ws: Any = None
+        self.attempt = 0
+        self.last_close: tuple[int | None, str] | None = None
+        self.runner: asyncio.Task[None] | None = None
+        self.opened = asyncio.Event()
+        self.stopped = True
+        self._blip_ms: float | None = None  # set by reconnect(): the delay before the new connection
+
+    def start(self) -> None:
+        self.stopped = False
+        if self.runner is None or self.runner.done():
+            self.runner = asyncio.get_running_loop().create_task(self._run(), name="realtime-client")
+
+    async def stop(self, code: int) -> None:
+        self.stopped = True
+        if self.ws is not None:
+            await self.ws.close(code)
+        await cancel_and_wait(self.runner)
+
+    async def reconnect(self, delay_ms: float) -> None:
+        if self.ws is not None:
+            self._blip_ms = delay_ms
+            await self.ws.close(3000, "reconnect")
+
+    async def send(self, text: str) -> None:
+        if self.ws is None:
+            raise ConnectionError("not connected")
+        await self.ws.send(text)
+
+    async def _run(self) -> None:
+        while not self.stopped:
+            self._on_state("reconnecting" if self.attempt else "connecting")
+            code, reason = await self._session()
+            self.last_close = (code, reason)
+            blip, self._blip_ms = self._blip_ms, None
+            again = not self.stopped and (is_reconnectable_close_code(code) or blip is not None)
+            self._on_closed(code, reason, again)
+            if not again:
+                self.stopped = True
+                self._on_state("closed")
+                return
+            initial, ceiling = self.backoff()
+            cap = min(ceiling, initial * 2**self.attempt)
+            self.attempt += 1
+            self._on_state("reconnecting")
+            await asyncio.sleep(blip / 1000 if blip is not None else cap / 2 + random.random() * cap / 2)
+
+    async def _session(self) -> tuple[int | None, str]:
+        """One connection, from the handshake to its close: how it closed."""
+        try:
+            async with websockets.connect(
+                self.url,
+                origin=Origin(self.origin) if self.origin else None,
+                additional_headers=self.headers,
+                max_size=None,
+                **self.connect_kwargs,
+            ) as ws:
+                self.ws = ws
+                self.attempt = 0
+                self.opened.set()
+                self._on_state("open")
+                opening = asyncio.get_running_loop().create_task(self._on_open())
+                try:
+                    async for text in ws:
+                        await self._on_text(text)
+                finally:
+                    opening.cancel()
+                return ws.close_code or 1006, ws.close_reason or ""
+        except websockets.ConnectionClosed as closed:
+            return (closed.rcvd.code, closed.rcvd.reason) if closed.rcvd else (1006, "")
+        except websockets.InvalidStatus as refused:  # 503 / 429: the server's 1013, before the accept
+            status = refused.response.status_code
+            return (1013 if status in (429, 503) else 4000 + status), f"handshake refused ({status})"
+        except (websockets.InvalidHandshake, OSError, EOFError) as error:  # unreachable, or cut: again
+            return 1006, f"{type(error).__name__}: {error}"
+        finally:
+            self.ws = None
+            self.opened.clear()

@@ -1,0 +1,146 @@
+"""The built-in methods every connection may call: ``subscribe``, ``unsubscribe``, ``ping``
+and ``publish`` (docs/protocol.md). Each checks its params, the channel's rules and its
+bounds, then asks the hub; the consumer only routes to them."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any, Literal, Protocol
+
+from realtime_app.channels.policies import allowed
+from realtime_app.channels.registry import ChannelSpec, registry
+from realtime_app.conf import get_config
+from realtime_app.endpoint.sessions import needs_user
+from realtime_app.endpoint.subscribing import bounded, require_existing
+from realtime_app.exceptions import NO_USER_HINT, ForbiddenChannel, PublicationError, PublicationTooLarge, RPCError
+from realtime_app.hub.core import Connection, get_hub
+from realtime_app.wire import protocol
+from realtime_app.wire.asgi import Scope
+from realtime_app.wire.deltas import FOSSIL
+from realtime_app.wire.history import Since
+from realtime_app.wire.session import ServerSession
+
+__all__ = ["BUILTINS", "Caller", "require"]
+
+
+class Caller(Protocol):
+    """What a built-in reads of the connection that calls it (``RealtimeConsumer``)."""
+
+    scope: Scope
+    connection: Connection | None
+    session: ServerSession[ChannelSpec] | None
+
+    @property
+    def user(self) -> Any: ...
+    async def current_user(self) -> Any: ...
+
+
+Builtin = Callable[[Caller, Any], Awaitable[Any]]
+
+
+def _invalid(message: str, reason: str, **data: Any) -> RPCError:
+    return RPCError(protocol.INVALID_PARAMS, message, reason, **data)
+
+
+def channel_param(params: Any) -> str:
+    """``params["channel"]`` (or ``params[0]``): a non-empty name within ``MAX_CHANNEL_NAME``."""
+    if isinstance(params, dict):
+        channel = params.get("channel")
+    elif isinstance(params, list) and len(params) >= 1:
+        channel = params[0]
+    else:
+        raise _invalid('Invalid params: expected {"channel": name}', "missing_channel")
+    if not isinstance(channel, str) or not channel:
+        raise _invalid("Invalid params: 'channel' must be a non-empty string", "invalid_channel")
+    limit = get_config()["MAX_CHANNEL_NAME"]
+    if len(channel) > limit:
+        raise _invalid(
+            f"Invalid params: channel name over {limit} characters", "channel_name_too_long", max_length=limit
+        )
+    return channel
+
+
+def since_param(params: Any) -> Since | None:
+    """``params["since"]``: where a client resumes a channel with history, or None."""
+    if not isinstance(params, dict) or params.get("since") is None:
+        return None
+    try:
+        return Since.parse(params["since"])
+    except ValueError as exc:
+        raise _invalid(f"Invalid params: {exc}", "invalid_since") from None
+
+
+async def require(consumer: Caller, spec: ChannelSpec, action: Literal["subscribe", "publish"]) -> None:
+    """Refuse unless the user may ``action`` the channel — the user as its session and
+    the database say now, for a guarded channel (logout, deactivation, demotion)."""
+    family = registry.family_of(spec.name)
+    user = await consumer.current_user() if needs_user(spec.name, action) else consumer.user
+    if not await allowed(user, spec.name, family.base if family else None, action):
+        raise ForbiddenChannel(spec.name, action, None if "user" in consumer.scope else NO_USER_HINT)
+
+
+async def subscribe(consumer: Caller, params: Any) -> dict[str, Any]:
+    spec = registry.resolve(channel_param(params))
+    await require(consumer, spec, "subscribe")
+    await require_existing(spec)
+    conn = consumer.connection
+    assert conn is not None and consumer.session is not None
+    config = get_config()
+    limit = config["MAX_SUBSCRIPTIONS"]
+    if limit and spec.name not in conn.subscriptions and len(conn.subscriptions) >= limit:
+        raise RPCError(protocol.TOO_MANY_SUBSCRIPTIONS, "Too many subscriptions", "too_many_subscriptions", limit=limit)
+    since = since_param(params)
+    delta = params.get("delta") if isinstance(params, dict) else None
+    if delta is not None and delta != FOSSIL:
+        raise _invalid(f'Invalid params: "delta" must be "{FOSSIL}"', "invalid_delta")
+    hub = await get_hub()
+    if spec.name not in hub.subscribers:
+        spec = await bounded(hub, spec, config, partial(require, consumer, action="subscribe"))
+    answer: dict[str, Any] = {"channel": spec.name, "kind": spec.kind, "interval_ms": spec.interval_ms}
+    if spec.history is not None:  # a resume replays full frames, then deltas go on
+        answer.update(await hub.subscribe_kept(conn, spec, since, deltas=delta is not None))
+        return answer
+    await hub.subscribe(conn, spec)
+    consumer.session.follow_answer(spec)  # a state channel's value now, not a period later
+    if delta is not None:  # granted: a full frame first (also on a subscribe again); never on a conflated channel
+        answer["delta"] = FOSSIL if hub.fanout.want_deltas(conn, spec.name) else False
+    if since is not None:  # nothing kept to resume from: the application resyncs
+        answer.update(recovered=False, reason="no_history")
+    return answer
+
+
+async def unsubscribe(consumer: Caller, params: Any) -> dict[str, Any]:
+    spec = registry.resolve(channel_param(params))
+    assert consumer.connection is not None
+    hub = await get_hub()
+    was = await hub.unsubscribe(consumer.connection, spec.name)
+    return {"channel": spec.name, "unsubscribed": was}
+
+
+async def ping(consumer: Caller, params: Any) -> str:
+    return "pong"
+
+
+async def publish(consumer: Caller, params: Any) -> dict[str, Any]:
+    from realtime_app.hub.publishing import apublish
+
+    name = channel_param(params)
+    if not isinstance(params, dict) or "data" not in params:
+        raise _invalid('Invalid params: expected {"channel": name, "data": ...}', "missing_data")
+    spec = registry.resolve(name)
+    if spec.kind != "event":
+        raise ForbiddenChannel(spec.name, "publish")
+    await require(consumer, spec, "publish")
+    await require_existing(spec)
+    try:
+        seq = await apublish(spec.name, params["data"])
+    except PublicationTooLarge as exc:
+        raise _invalid(f"Invalid params: {exc}", "publication_too_large", limit=exc.limit) from None
+    except PublicationError as exc:
+        raise _invalid(f"Invalid params: {exc.problem}", "invalid_data") from None
+    return {"channel": spec.name, "seq": seq}
+
+
+#: The built-in methods by name (their costs: ``endpoint.methods.BUILTIN_COSTS``).
+BUILTINS: dict[str, Builtin] = {"subscribe": subscribe, "unsubscribe": unsubscribe, "ping": ping, "publish": publish}
