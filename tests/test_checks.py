@@ -205,6 +205,21 @@ def test_both_channels_redis_layers_carry_the_cluster(layers):
         assert check_layer() == []
 
 
+@pytest.mark.parametrize("named", [{"REDIS_URL": "redis://127.0.0.1:1/0"}, {"REDIS_SHARDS": ["redis://127.0.0.1:1/0"]}])
+def test_a_redis_named_in_the_settings_chooses_redis_whatever_the_layer(named):
+    """Found: with ``BACKPLANE="auto"``, ``REDIS_SHARDS`` chose Redis but ``REDIS_URL`` did
+    not (one process each, two tickers per cadence); the rule now lives in one place."""
+    from realtime_app.checks.configuration import check_layer
+    from realtime_app.cluster.factory import backplane_class
+    from realtime_app.cluster.redis import RedisBackplane
+
+    for layers in ({"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}, {}):
+        with override_settings(CHANNEL_LAYERS=layers, REALTIME_APP=named):
+            assert backplane_class() is RedisBackplane and check_layer() == []
+    with override_settings(CHANNEL_LAYERS={"default": {"BACKEND": "somewhere.else.RabbitLayer"}}, REALTIME_APP=named):
+        assert backplane_class() is RedisBackplane and check_layer() == []  # chosen: not one process
+
+
 def test_a_layer_the_cluster_cannot_be_carried_on_is_an_error_not_one_process():
     from django.core.exceptions import ImproperlyConfigured
 

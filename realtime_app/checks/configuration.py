@@ -15,7 +15,7 @@ from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from realtime_app.channels.policies import Rule, configured_rules, matching_rule
 from realtime_app.channels.registry import Family, registry
 from realtime_app.checks.backplane import check_backplane, check_shards
-from realtime_app.conf import DEFAULTS, get_config
+from realtime_app.conf import DEFAULTS, chosen_backplane, get_config
 
 __all__ = ["check_channels", "check_layer", "check_policies", "check_server_versions", "check_settings"]
 
@@ -382,7 +382,7 @@ def check_layer(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
 
     from realtime_app.cluster.redis import REDIS_LAYERS, layer_kind
 
-    if get_config()["BACKPLANE"] != "auto" or layer_kind() != "other":
+    if chosen_backplane(get_config(), layer_kind()) != "unsupported_layer":
         return []
     backend = settings.CHANNEL_LAYERS["default"]["BACKEND"]
     return [

@@ -12,35 +12,25 @@ __all__ = ["backplane_class", "make_backplane", "redis_backplane_class"]
 
 
 def backplane_class() -> type[Backplane]:
-    """The backplane the settings choose (``"auto"``: Redis with either channels-redis layer,
-    one process with the in-memory layer or none, an error with any other)."""
+    """The backplane the settings choose (:func:`realtime_app.conf.chosen_backplane`)."""
+    from django.core.exceptions import ImproperlyConfigured
     from django.utils.module_loading import import_string
 
-    from realtime_app.conf import get_config
+    from realtime_app.cluster.redis import layer_kind
+    from realtime_app.conf import chosen_backplane, get_config
 
-    choice = get_config()["BACKPLANE"]
+    choice = chosen_backplane(get_config(), layer_kind())
     if choice == "memory":
         from realtime_app.cluster.memory import MemoryBackplane
 
         return MemoryBackplane
     if choice == "redis":
         return redis_backplane_class()
-    if choice == "auto":
-        from django.core.exceptions import ImproperlyConfigured
-
-        from realtime_app.cluster.redis import layer_kind
-
-        kind = layer_kind()
-        if kind == "redis" or get_config()["REDIS_SHARDS"]:
-            return redis_backplane_class()
-        if kind == "other":  # never a silent fallback to one process (check E008)
-            raise ImproperlyConfigured(
-                "realtime_app: the default channel layer is neither channels-redis' nor the in-memory one; "
-                "set REALTIME_APP['BACKPLANE'] (see manage.py check, realtime_app.E008)"
-            )
-        from realtime_app.cluster.memory import MemoryBackplane
-
-        return MemoryBackplane
+    if choice == "unsupported_layer":  # never a silent fallback to one process (check E008)
+        raise ImproperlyConfigured(
+            "realtime_app: the default channel layer is neither channels-redis' nor the in-memory one; "
+            "set REALTIME_APP['BACKPLANE'] (see manage.py check, realtime_app.E008)"
+        )
     cls: type[Backplane] = import_string(choice)
     return cls
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-__all__ = ["DEFAULTS", "apply_json_encoder", "beat_period_s", "get_config", "reset_config"]
+__all__ = ["DEFAULTS", "apply_json_encoder", "beat_period_s", "chosen_backplane", "get_config", "reset_config"]
 
 DEFAULTS: dict[str, Any] = {
     # Channel access rules (see docs/configuration.md). The most specific rule wins; a rule
@@ -27,8 +27,9 @@ DEFAULTS: dict[str, Any] = {
     "MAX_CHANNEL_NAME": 200,
     # Subscriptions one connection may hold at once; 0 = unlimited.
     "MAX_SUBSCRIPTIONS": 100,
-    # Backplane: "auto" = Redis when the default channel layer is channels-redis, else
-    # in-process. Or a dotted path to a Backplane class.
+    # Backplane: "auto" = Redis when REDIS_URL or REDIS_SHARDS names one or the default
+    # channel layer is channels-redis', else in-process (chosen_backplane). Or "memory",
+    # "redis", or a dotted path to a Backplane class.
     "BACKPLANE": "auto",
     # Redis URL of the backplane (one server); None = the channel layer's hosts.
     "REDIS_URL": None,
@@ -158,6 +159,21 @@ def beat_period_s(config: dict[str, Any]) -> float:
     """The maintenance beat (renew, compete, retry, re-assert): a third of a lease's life,
     so that a lease is renewed twice before it can lapse. The one home of that rule."""
     return float(config["LEASE_TTL_MS"]) / 3000
+
+
+def chosen_backplane(config: dict[str, Any], layer: str) -> str:
+    """The one rule of which backplane the settings choose: ``"memory"``, ``"redis"``, a
+    dotted path, or ``"unsupported_layer"`` (``"auto"`` with a channel layer no cluster can
+    be carried on: check E008, never a silent single process). ``layer`` is the default
+    channel layer's kind (``cluster.redis.layer_kind``: ``"redis"``, ``"memory"``,
+    ``"other"``). A Redis named in ``REALTIME_APP`` (``REDIS_URL`` or ``REDIS_SHARDS``)
+    chooses Redis as a channels-redis layer does."""
+    choice = str(config["BACKPLANE"])
+    if choice != "auto":
+        return choice
+    if layer == "redis" or config.get("REDIS_URL") or config.get("REDIS_SHARDS"):
+        return "redis"
+    return "unsupported_layer" if layer == "other" else "memory"
 
 
 @cache
