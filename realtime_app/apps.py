@@ -34,12 +34,15 @@ class RealtimeAppConfig(AppConfig):
         from realtime_app.cluster import online_checks  # noqa: F401  (registers the deployment check)
         from realtime_app.conf import apply_json_encoder, get_config, reset_config
         from realtime_app.endpoint.sessions import on_logout
+        from realtime_app.hub.gate import reconfigure_gates
         from realtime_app.persistence import checks as store_checks  # noqa: F401  (registers the store checks)
 
         apply_json_encoder()
 
         setting_changed.connect(reset_config, dispatch_uid="realtime_app.reset_config")
         setting_changed.connect(reset_rules, dispatch_uid="realtime_app.reset_rules")
+        # after reset_config (connected first): the gates read the new settings
+        setting_changed.connect(reconfigure_gates, dispatch_uid="realtime_app.reconfigure_gates")
         user_logged_out.connect(on_logout, dispatch_uid="realtime_app.on_logout")
         request_started.connect(start_hub_with_first_request, dispatch_uid="realtime_app.start_hub")
         # Importing each app's channel module registers its families (no I/O).

@@ -124,3 +124,20 @@ def test_modules_and_classes_stay_small(name: str) -> None:
         if isinstance(node, ast.ClassDef):
             size = (node.end_lineno or node.lineno) - node.lineno + 1
             assert size <= MAX_CLASS_LINES, f"{name}.{node.name}: {size} lines"
+
+
+def test_the_architecture_pages_layers_are_the_contracts_layers() -> None:
+    """docs/architecture.md's layer table is checked, not drawn by hand: the same layers,
+    packages and order as the import-linter contract in pyproject.toml."""
+    import re
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    contract = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][0]
+    layers = [
+        sorted(n.removeprefix("realtime_app.") for n in re.split(r" [:|] ", layer)) for layer in contract["layers"]
+    ]
+    page = (root / "docs" / "architecture.md").read_text()
+    table = page[page.index("| layer | packages |") :].split("\n\n", 1)[0].splitlines()[2:]
+    drawn = [sorted(re.findall(r"`([a-z_.]+)`", row.replace("\\|", " ").split("|")[2])) for row in table]
+    assert drawn == layers

@@ -1,7 +1,9 @@
 """Settings: one ``REALTIME_APP`` dict, defaults here, merged lazily, reset on change.
 
-Read through :func:`get_config` inside functions, never at import time, so that
-``override_settings`` works and pure modules stay importable without Django.
+Read inside functions, never at import time, so that ``override_settings`` works and pure
+modules stay importable without Django: :func:`realtime_app.conf.typed.settings` (typed,
+frozen; its docstring states the reload rule) or :func:`get_config` (the same values as
+a dict, keyed as in ``REALTIME_APP``).
 """
 
 from __future__ import annotations
@@ -191,7 +193,10 @@ def reset_config(*, setting: str, **kwargs: Any) -> None:
     """``setting_changed`` receiver: forget the cached config when the settings change (the
     modules that derive something from it connect receivers of their own)."""
     if setting in ("REALTIME_APP", "CHANNEL_LAYERS"):
+        from realtime_app.conf.typed import settings
+
         get_config.cache_clear()
+        settings.cache_clear()
     if setting == "REALTIME_APP":
         apply_json_encoder()
 

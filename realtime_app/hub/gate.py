@@ -8,12 +8,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from realtime_app.conf import get_config
+from realtime_app.conf.typed import Settings, settings
 from realtime_app.inbound.admission import Admission, AdmissionLimits, Refusal, RefusalBudget
 from realtime_app.inbound.method_limits import MethodLimits
 from realtime_app.inbound.workers import Call, Coalesce, RequestPool, Run
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from realtime_app.cluster.base import Backplane
     from realtime_app.observability.schema import AdmissionProbe
 
-__all__ = ["Admitted", "Gate", "Limited", "admission_limits", "handshake_limits"]
+__all__ = ["Admitted", "Gate", "Limited", "admission_limits", "handshake_limits", "reconfigure_gates"]
 
 logger = logging.getLogger("realtime_app.hub")
 
@@ -33,36 +34,46 @@ MAX_REFUSING = 10_000
 Identity = tuple[str, str]
 
 
-def admission_limits() -> AdmissionLimits:
+def admission_limits(s: Settings) -> AdmissionLimits:
     """The admission limits of ``REALTIME_APP`` (checked by ``realtime_app.E006``)."""
-    config = get_config()
     return AdmissionLimits(
-        max_pending=config["ADMISSION_MAX_PENDING"],
-        max_per_identity=config["ADMISSION_MAX_PER_IDENTITY"],
-        bucket_capacity=float(config["ADMISSION_BUCKET_CAPACITY"]),
-        refill_per_s=float(config["ADMISSION_REFILL_PER_S"]),
+        max_pending=s.admission_max_pending,
+        max_per_identity=s.admission_max_per_identity,
+        bucket_capacity=float(s.admission_bucket_capacity),
+        refill_per_s=float(s.admission_refill_per_s),
     )
 
 
-def anonymous_handshake_limits() -> AdmissionLimits:
+def anonymous_handshake_limits(s: Settings) -> AdmissionLimits:
     """The process's bucket of anonymous handshakes (``MAX_ANONYMOUS_HANDSHAKES_PER_S``,
     bursts of twice that, one at least)."""
-    rate = float(get_config()["MAX_ANONYMOUS_HANDSHAKES_PER_S"])
+    rate = float(s.max_anonymous_handshakes_per_s)
     return AdmissionLimits(
         max_pending=0, max_per_identity=0, bucket_capacity=max(1.0, 2 * rate) if rate else 0.0, refill_per_s=rate
     )
 
 
-def handshake_limits() -> AdmissionLimits:
+def handshake_limits(s: Settings) -> AdmissionLimits:
     """The handshake bucket of each identity (``HANDSHAKES_PER_S``, ``HANDSHAKE_BURST``)."""
-    config = get_config()
-    rate = float(config["HANDSHAKES_PER_S"])
+    rate = float(s.handshakes_per_s)
     return AdmissionLimits(
         max_pending=0,
         max_per_identity=0,
-        bucket_capacity=float(config["HANDSHAKE_BURST"]) if rate else 0.0,
+        bucket_capacity=float(s.handshake_burst) if rate else 0.0,
         refill_per_s=rate,
     )
+
+
+#: Every gate of this process (one per hub, one hub per event loop): what a settings change reaches.
+_gates: weakref.WeakSet[Gate] = weakref.WeakSet()
+
+
+def reconfigure_gates(*, setting: str, **kwargs: Any) -> None:
+    """``setting_changed`` receiver: every running gate takes the new ``REALTIME_APP``
+    limits at once (the reload rule of :mod:`realtime_app.conf.typed`)."""
+    if setting == "REALTIME_APP":
+        for gate in list(_gates):
+            gate.configure(settings())
 
 
 class Limited(Protocol):
@@ -112,25 +123,41 @@ def coalescing(method: Limited, name: str, identity: Identity, params: Any) -> t
 class Gate:
     """Who gets in, and which requests run: the counters of the probe's ``admission``."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: Settings | None = None) -> None:
+        self.settings = limits or settings()
         self.backplane: Backplane | None = None  # set when the hub starts
-        self.admission = Admission(admission_limits())
-        self.handshakes = Admission(handshake_limits())  # its buckets only: handshakes per identity
-        config = get_config()
-        running = config["ADMISSION_MAX_RUNNING"]
-        anonymous = max(1, int(running * (1 - float(config["SIGNED_IN_RESERVE"])))) if running else 0
-        self.pool = RequestPool(self.admission, running, anonymous)
+        self.admission = Admission(admission_limits(self.settings))
+        self.handshakes = Admission(handshake_limits(self.settings))  # its buckets only: handshakes per identity
+        self.pool = RequestPool(self.admission, 0)
         self.methods = MethodLimits()  # per method and identity (rpc_method(max_in_flight=, rate=))
         self.identities: dict[Identity, int] = {}  # open connections per identity
         self.open = {"user": 0, "address": 0}  # open connections, signed-in and anonymous
         self.refused: dict[str, int] = {"connections": 0, "handshakes": 0, "server_full": 0, "process_handshakes": 0}
         # the anonymous handshakes of every address together: one bucket, drawn as one identity
-        self._anonymous = Admission(anonymous_handshake_limits())
+        self._anonymous = Admission(anonymous_handshake_limits(self.settings))
         self.refusal_closes = 0  # connections closed (1008) for ignoring their refusals
         self._refusing: set[Identity] = set()  # identities whose handshakes are refused now
         self._bucket_fallback: str | None = None  # why users' buckets are local now, if they are
         # Per identity, so that reconnecting does not refill it; least recently used first.
         self._refusal_budgets: OrderedDict[Identity, RefusalBudget] = OrderedDict()
+        self.configure(self.settings)
+        _gates.add(self)
+
+    def configure(self, limits: Settings) -> None:
+        """Take new limits (the reload rule, :mod:`realtime_app.conf.typed`): the caps,
+        buckets, pool size and connection ceilings apply from the next request on; what
+        is admitted or open keeps its place, and each identity keeps its tokens."""
+        try:
+            books = admission_limits(limits), handshake_limits(limits), anonymous_handshake_limits(limits)
+        except ValueError as exc:  # reported by the checks (E006): the limits in force stay
+            logger.warning("new admission limits refused, the previous ones stay: %s (see manage.py check)", exc)
+            return
+        self.settings = limits
+        self.admission.limits, self.handshakes.limits, self._anonymous.limits = books
+        running = limits.admission_max_running
+        self.pool.core.anonymous_share = max(1, int(running * (1 - float(limits.signed_in_reserve)))) if running else 0
+        self.pool.max_running = running
+        self._refusal_budgets.clear()  # sized by ADMISSION_CLOSE_AFTER_REFUSALS: started again
 
     def handshake(self, identity: Identity) -> bool:
         """Count one handshake of ``identity``; False past ``HANDSHAKES_PER_S`` (reconnect
@@ -164,17 +191,17 @@ class Gate:
         """Count one open connection of ``identity``; why not, when it may not open one:
         ``"too many connections"`` (its own cap: 1008) or ``"server full"`` (the process's
         ceiling, or the share anonymous sockets may take of it: 1013)."""
-        config = get_config()
+        limits = self.settings
         kind = "user" if identity[0] == "user" else "address"
-        ceiling = int(config["MAX_CONNECTIONS"])
+        ceiling = int(limits.max_connections)
         if ceiling:
-            allowed = ceiling if kind == "user" else int(ceiling * (1 - float(config["SIGNED_IN_RESERVE"])))
+            allowed = ceiling if kind == "user" else int(ceiling * (1 - float(limits.signed_in_reserve)))
             if self.open["user"] + self.open["address"] >= ceiling or (
                 kind == "address" and self.open["address"] >= allowed
             ):
                 self.refused["server_full"] += 1
                 return "server full"
-        cap = config["MAX_CONNECTIONS_PER_USER" if kind == "user" else "MAX_CONNECTIONS_PER_ADDRESS"]
+        cap = limits.max_connections_per_user if kind == "user" else limits.max_connections_per_address
         if cap and self.identities.get(identity, 0) >= cap:
             self.refused["connections"] += 1
             return "too many connections"
@@ -237,7 +264,7 @@ class Gate:
         """An invalid request takes ``ADMISSION_ERROR_COST`` tokens: None when it had them,
         else the refusal to answer instead of the error (a flood of bad input is refused,
         then closed, as other floods are)."""
-        refusal = await self.admit(identity, float(get_config()["ADMISSION_ERROR_COST"]))
+        refusal = await self.admit(identity, float(self.settings.admission_error_cost))
         if refusal is None:
             self.admission.release(identity)
         return refusal
@@ -286,7 +313,7 @@ class Gate:
         budgets = self._refusal_budgets
         budget = budgets.get(identity)
         if budget is None:
-            budget = budgets[identity] = RefusalBudget(float(get_config()["ADMISSION_CLOSE_AFTER_REFUSALS"]))
+            budget = budgets[identity] = RefusalBudget(float(self.settings.admission_close_after_refusals))
             while len(budgets) > MAX_REFUSAL_BUDGETS:
                 budgets.popitem(last=False)
         else:
