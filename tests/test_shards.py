@@ -39,6 +39,40 @@ def test_a_channel_lives_where_channels_redis_would_put_it():
         assert set(shard_of(n, shards) for n in names) == set(range(shards))  # every shard gets some
 
 
+@pytest.mark.parametrize(
+    "hosts",
+    [
+        None,
+        [],
+        ["redis://a:6379/0", "rediss://:pw@b:6380/2"],
+        [("a", 6379), ["b", 6380]],
+        [{"address": "redis://a:6379/0", "db": 1}, {"host": "c", "port": 1}],
+        [{"master_name": "m", "sentinels": [("s", 26379)], "sentinel_kwargs": {"password": "x"}}],
+    ],
+)
+def test_hosts_are_read_as_channels_redis_reads_them(hosts):
+    """The backplane's copy of the host rule (realtime_app.cluster.hosts: channels_redis.utils
+    is not a documented API) gives what the library's gives, on every shape."""
+    from channels_redis.utils import decode_hosts as theirs
+
+    from realtime_app.cluster.hosts import decode_hosts
+
+    assert decode_hosts(hosts) == theirs(hosts)
+    with pytest.raises(ValueError, match="list of Redis hosts"):
+        decode_hosts("redis://a:6379/0")
+
+
+def test_a_sentinel_host_makes_a_pool_of_its_masters_connections():
+    from redis.asyncio.sentinel import SentinelConnectionPool
+
+    from realtime_app.cluster.hosts import sentinel_pool
+
+    host = {"master_name": "m", "sentinels": [("127.0.0.1", 1)], "sentinel_kwargs": {"socket_timeout": 1}, "db": 2}
+    pool = sentinel_pool(host)
+    assert isinstance(pool, SentinelConnectionPool) and pool.service_name == "m"
+    assert pool.connection_kwargs["db"] == 2 and host["master_name"] == "m"  # the settings untouched
+
+
 def cluster_bus_free(port: int) -> bool:
     import socket
 

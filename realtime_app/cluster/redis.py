@@ -87,8 +87,9 @@ def uses_channels_redis() -> bool:
 
 def layer_hosts() -> list[dict[str, Any]]:
     """The default layer's Redis hosts, as channels-redis reads them (``[]`` if none)."""
-    from channels_redis.utils import decode_hosts
     from django.conf import settings
+
+    from realtime_app.cluster.hosts import decode_hosts
 
     layer = (getattr(settings, "CHANNEL_LAYERS", {}) or {}).get("default", {})
     hosts = (layer.get("CONFIG") or {}).get("hosts")
@@ -104,7 +105,7 @@ def shard_hosts(config: dict[str, Any]) -> list[dict[str, Any]]:
     (URLs or host dicts, Sentinel ones included), else ``REDIS_URL``, else every host of
     the default channels-redis layer; more than one shards the channels
     (:mod:`realtime_app.cluster.shards`)."""
-    from channels_redis.utils import decode_hosts
+    from realtime_app.cluster.hosts import decode_hosts
 
     if config.get("REDIS_SHARDS"):
         return list(decode_hosts(config["REDIS_SHARDS"]))
@@ -152,7 +153,7 @@ class RedisBackplane(Backplane):
         self.reassert_ms: int = settings["REASSERT_INTERVAL_MS"]
         host = (hosts or shard_hosts(settings) or [{}])[0]
         self.address = host_label(host)
-        self.redis = redis if redis is not None else _client(settings, host)
+        self.redis = redis if redis is not None else redis_client(settings, host)
         self._owns_pool = redis is None  # a pool made here is closed by stop()
         self._renew = self.redis.register_script(scripts.RENEW)
         self._release = self.redis.register_script(scripts.RELEASE)
@@ -443,7 +444,7 @@ def _delivery(channel: str, data: bytes) -> Delivery:
     raise ValueError(f"unknown backplane message kind {kind!r}")
 
 
-def _client(settings: dict[str, Any], host: dict[str, Any]) -> Any:
+def redis_client(settings: dict[str, Any], host: dict[str, Any]) -> Any:
     """A redis.asyncio client on one host, whatever its shape (URL, host and port, a
     Sentinel service), with the backplane's bounds: at most ``REDIS_MAX_CONNECTIONS``
     (a burst waits for one rather than failing, but with Sentinel), and
@@ -457,14 +458,14 @@ def _client(settings: dict[str, Any], host: dict[str, Any]) -> Any:
     }
     url = host.get("address") if isinstance(host.get("address"), str) else None
     if url:
-        pool = aioredis.BlockingConnectionPool.from_url(url, timeout=timeout_s, **bounds)
+        pool: aioredis.ConnectionPool = aioredis.BlockingConnectionPool.from_url(url, timeout=timeout_s, **bounds)
     elif host.get("master_name"):
-        from channels_redis.utils import create_pool  # the service's master, found by its sentinels
+        from realtime_app.cluster.hosts import sentinel_pool  # the service's master, found by its sentinels
 
         sentinel_kwargs = host.get("sentinel_kwargs") or {
             k: timeout_s for k in ("socket_timeout", "socket_connect_timeout")
         }
-        pool = create_pool({**bounds, **host, "sentinel_kwargs": sentinel_kwargs})
+        pool = sentinel_pool({**bounds, **host, "sentinel_kwargs": sentinel_kwargs})
     elif host.get("host"):
         pool = aioredis.BlockingConnectionPool(timeout=timeout_s, **{**bounds, **host})
     else:

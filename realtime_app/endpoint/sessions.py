@@ -38,6 +38,7 @@ __all__ = [
     "on_logout_message",
     "revalidate",
     "revalidation_loop",
+    "session_auth_hash",
     "session_digest",
 ]
 
@@ -92,10 +93,28 @@ def _load_user(session_key: str | None) -> Any:
     if hasattr(user, "get_session_auth_hash"):
         session_hash = store.get(HASH_SESSION_KEY) or ""
         hashes = [user.get_session_auth_hash()]
-        hashes += [user._get_session_auth_hash(secret=key) for key in getattr(settings, "SECRET_KEY_FALLBACKS", [])]
+        hashes += [session_auth_hash(user, key) for key in getattr(settings, "SECRET_KEY_FALLBACKS", [])]
         if not any(constant_time_compare(session_hash, h) for h in hashes):
             return anonymous
     return user
+
+
+#: Django series whose private ``AbstractBaseUser._get_session_auth_hash`` this module uses.
+TESTED_DJANGO = ((5, 2),)
+_SESSION_HASH_SALT = "django.contrib.auth.models.AbstractBaseUser.get_session_auth_hash"
+
+
+def session_auth_hash(user: Any, secret: str) -> str:
+    """The user's session hash under another secret (a key of ``SECRET_KEY_FALLBACKS``):
+    Django's private method on the tested series, else the same rule through the public
+    ``salted_hmac`` (``tests/test_sessions.py`` holds the two together)."""
+    import django
+    from django.utils.crypto import salted_hmac
+
+    private = getattr(user, "_get_session_auth_hash", None)
+    if private is not None and django.VERSION[:2] in TESTED_DJANGO:
+        return str(private(secret=secret))
+    return str(salted_hmac(_SESSION_HASH_SALT, user.password, secret=secret, algorithm="sha256").hexdigest())
 
 
 def _reload_user(user: Any) -> Any:

@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from realtime_app.observability.schema import StoreProbe
 
 __all__ = [
+    "Store",
     "flush_all",
     "install_shutdown_flush",
     "register",
@@ -24,24 +26,69 @@ __all__ = [
 
 logger = logging.getLogger("realtime_app.write_behind")
 
-_stores: list[Any] = []  # WriteBehindStore instances, in creation order
+
+class _Entry(Protocol):
+    @property
+    def dirty_since(self) -> float | None: ...
 
 
-def stores() -> list[Any]:
+class _Handover(Protocol):
+    @property
+    def journaled(self) -> int: ...
+    @property
+    def replayed(self) -> int: ...
+
+
+class Store(Protocol):
+    """What this module reads of a store (``WriteBehindStore``, which it does not import:
+    the store registers itself here)."""
+
+    name: str
+    last_flush: dict[str, Any] | None
+    consecutive_failures: int
+    retries: int
+    flushes: int
+    flushed_rows: int
+    flushed_deletes: int
+    refused: int
+    evicted: int
+
+    @property
+    def entries(self) -> Mapping[Any, _Entry]: ...
+    @property
+    def failing(self) -> Mapping[Any, Any]: ...
+    @property
+    def handover(self) -> _Handover: ...
+    @property
+    def delay_s(self) -> float: ...
+    @property
+    def in_doubt_rows(self) -> int: ...
+    def for_exit(self) -> None: ...
+    def problems(self) -> list[str]: ...
+    def probe(self) -> StoreProbe: ...
+    def start(self) -> None: ...
+    def journal_unsaved(self) -> int: ...
+    async def aflush_all(self) -> int: ...
+
+
+_stores: list[Store] = []  # WriteBehindStore instances, in creation order
+
+
+def stores() -> list[Store]:
     """Every store of this process (the probe lists them)."""
     return list(_stores)
 
 
-def register(store: Any) -> None:
+def register(store: Store) -> None:
     _stores.append(store)
 
 
-def unregister(store: Any) -> None:
+def unregister(store: Store) -> None:
     if store in _stores:
         _stores.remove(store)
 
 
-def store_probe(store: Any) -> StoreProbe:
+def store_probe(store: Store) -> StoreProbe:
     """One store's counters, read without deciding anything."""
     now = time.monotonic()
     dirty = [e for e in store.entries.values() if e.dirty_since is not None]
@@ -58,7 +105,7 @@ def store_probe(store: Any) -> StoreProbe:
         "flushed_deletes": store.flushed_deletes,
         "failing": dict(list(store.failing.items())[-10:]),
         "refused": store.refused,
-        "in_doubt": sum(len(batch) for _, batch in store._in_doubt),
+        "in_doubt": store.in_doubt_rows,
         "delay_s": store.delay_s,
         "evicted": store.evicted,
         "journaled": store.handover.journaled,
@@ -84,8 +131,7 @@ def _flush_at_exit() -> None:
     import os
 
     for store in stores():
-        store._flush_lock = asyncio.Lock()
-        store._inline = True  # threads can no longer be started at exit
+        store.for_exit()
     # The database is called from the (only) thread left, inside the loop that drives the
     # flush: nothing else runs at this point, so Django's async-safety guard is lifted.
     os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"

@@ -437,6 +437,17 @@ class WriteBehindStore(BatchWriter, Generic[M]):
         """Write everything dirty now (shutdown), retrying transient errors."""
         return await self.flush(everything=True)
 
+    @property
+    def in_doubt_rows(self) -> int:
+        """Rows of batches whose outcome is not known yet (the probe's ``in_doubt``)."""
+        return sum(len(batch) for _, batch in self._in_doubt)
+
+    def for_exit(self) -> None:
+        """The process ends without a server (a command, a script): a lock of the exit's own
+        loop, and writes in the calling thread (threads can no longer be started)."""
+        self._flush_lock = asyncio.Lock()
+        self._inline = True
+
     def probe(self) -> StoreProbe:
         """This store's counters (the probe's ``write_behind``)."""
         return store_probe(self)

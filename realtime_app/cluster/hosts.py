@@ -1,0 +1,49 @@
+"""Redis hosts as channels-redis reads them, and the pool of a Sentinel service — rules of
+this package, on redis-py's public API.
+
+The shapes are channels-redis' (``CONFIG["hosts"]`` of its layers: a URL, a
+``(host, port)`` pair, or a dict of connection keywords, Sentinel services with
+``master_name`` / ``sentinels`` / ``sentinel_kwargs``), so that the backplane reads the
+layer's hosts as the layer does. They are copied here rather than imported from
+``channels_redis.utils``, which is not a documented API; ``tests/test_checks.py`` holds
+them to the library's on every shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from redis import asyncio as aioredis
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+
+__all__ = ["decode_hosts", "sentinel_pool"]
+
+
+def decode_hosts(hosts: Sequence[Any] | None) -> list[dict[str, Any]]:
+    """Each host as connection keywords: ``{"address": url}``, ``{"host", "port"}`` or the
+    dict given; a bare string is refused (a list is needed even for one host)."""
+    if not hosts:
+        return [{"address": "redis://localhost:6379"}]
+    if isinstance(hosts, (str, bytes)):
+        raise ValueError("You must pass a list of Redis hosts, even if there is only one.")
+    result: list[dict[str, Any]] = []
+    for entry in hosts:
+        if isinstance(entry, dict):
+            result.append(entry)
+        elif isinstance(entry, (tuple, list)):
+            result.append({"host": entry[0], "port": entry[1]})
+        else:
+            result.append({"address": entry})
+    return result
+
+
+def sentinel_pool(host: dict[str, Any]) -> aioredis.ConnectionPool:
+    """The pool of a Sentinel service's master (``master_name``, ``sentinels``,
+    ``sentinel_kwargs``; the other keys go to each connection)."""
+    options = dict(host)
+    master_name = options.pop("master_name")
+    sentinels = options.pop("sentinels")
+    sentinel_kwargs = options.pop("sentinel_kwargs", None)
+    sentinel = Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
+    return SentinelConnectionPool(master_name, sentinel, **options)  # type: ignore[no-untyped-call]
