@@ -75,10 +75,13 @@ async def test_rooms_and_lots_on_two_processes(demo_cluster):
         assert [f["data"] for f in got] == [{"user": "demo", "text": f"hello {n}"} for n in range(3)]
         assert [f["seq"] for f in got] == [lobby["seq"] + 1, lobby["seq"] + 2, lobby["seq"] + 3]
         [garden] = await garden_b.frames(1)  # the garden's first frame is the garden's post: nothing of the lobby
-        assert (
-            garden["data"] == {"user": "demo", "text": "in the garden"}
-            and garden["seq"] == garden_post["result"]["seq"]
-        )
+        assert garden["data"] == {"user": "demo", "text": "in the garden"} and garden_post["result"]["id"] > 0
+        # published, then rolled back: never delivered (the next frame is the next kept post)
+        failed = await poster.call("demo.post", {"room": "garden", "text": "never kept", "fail": True})
+        assert failed["error"]["data"]["reason"] == "failed_on_purpose", failed
+        await poster.call("demo.post", {"room": "garden", "text": "kept"})
+        [kept] = await garden_b.frames(1)
+        assert kept["data"]["text"] == "kept" and kept["seq"] == garden["seq"] + 1
         since = {"seq": got[0]["seq"], "epoch": got[0]["epoch"]}
 
         error = (await lobby_a.call("subscribe", {"channel": "demo:lot:5000"}))["error"]

@@ -50,8 +50,9 @@ def _signed_in(consumer: Any) -> Any:
 @realtime_app.rpc_method("demo.post", rate=5, burst=10)
 def post(consumer: Any, params: Any) -> dict[str, Any]:
     """``{"room": name, "text": str}``: save the message and publish
-    ``{"user", "text"}`` on ``demo:room:<name>``, in one transaction. ``"fail": true``
-    raises after publishing, inside the transaction: nothing is saved."""
+    ``{"user", "text"}`` on ``demo:room:<name>``, in one transaction: the publication
+    goes out when it commits. ``"fail": true`` raises after publishing, inside the
+    transaction: nothing is saved, and nothing is delivered."""
     user = _signed_in(consumer)
     if not isinstance(params, dict):
         raise _invalid('expected {"room": name, "text": str}', "invalid_params")
@@ -61,11 +62,11 @@ def post(consumer: Any, params: Any) -> dict[str, Any]:
     if not isinstance(text, str) or not 0 < len(text) <= MAX_TEXT:
         raise _invalid(f"'text' must be a string of 1..{MAX_TEXT} characters", "invalid_text", max=MAX_TEXT)
     with transaction.atomic():
-        RoomMessage.objects.create(room=room, user=user, text=text)
-        seq = realtime_app.publish(f"demo:room:{room}", {"user": user.get_username(), "text": text})
+        message = RoomMessage.objects.create(room=room, user=user, text=text)
+        realtime_app.publish(f"demo:room:{room}", {"user": user.get_username(), "text": text})  # on commit
         if params.get("fail") is True:
             raise RPCError(-32000, "Failed on purpose: nothing was saved", "failed_on_purpose")
-    return {"room": room, "seq": seq}
+    return {"room": room, "id": message.pk}
 
 
 @realtime_app.rpc_method("demo.bid", rate=10, burst=20)
@@ -87,8 +88,7 @@ def bid(consumer: Any, params: Any) -> dict[str, int]:
         if amount > lot.price:
             lot.price, lot.bids = amount, lot.bids + 1
             lot.save(update_fields=["price", "bids"])
-            state = lot.state()
-            transaction.on_commit(lambda: realtime_app.publish(f"demo:lot:{lot.pk}", state))  # only what was kept
+            realtime_app.publish(f"demo:lot:{lot.pk}", lot.state())  # sent on commit: only what was kept
     return lot.state()
 
 

@@ -3,11 +3,20 @@
 Callable from async code (``apublish``), from sync views, signals and tasks
 (``publish``), in a serving process or in any other process of the cluster (a
 management command, a worker) — the backplane carries it to every subscribed process.
+
+**On commit.** Inside ``transaction.atomic()`` a publication is checked at once (its
+channel, its data) and sent when the outermost transaction of its database (``using``)
+commits — never when it rolls back, a savepoint's rollback included: clients never see
+what the database did not keep (docs/transactions.md). Outside a transaction it goes at
+once. ``now=True`` is the escape hatch for the rare publication that must go whatever
+the transaction does (a progress bar of the work inside it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from functools import partial
 from typing import Any
 
 from asgiref.sync import async_to_sync
@@ -18,10 +27,45 @@ from realtime_app.exceptions import BackplaneUnavailable, ConfigurationError
 from realtime_app.hub.core import hub_of_current_loop, running_hub
 from realtime_app.hub.envelope import encode_publication
 
-__all__ = ["acontrol", "apublish", "publish"]
+__all__ = ["acontrol", "apublish", "in_transaction", "publish"]
+
+logger = logging.getLogger("realtime_app.publish")
 
 
-async def apublish(channel: str, data: Any) -> int:
+def in_transaction(using: str | None = None) -> bool:
+    """True inside ``transaction.atomic()`` on database ``using`` in this thread (read
+    without opening a connection: a process that publishes need not use the database)."""
+    from django.db import transaction
+
+    return bool(transaction.get_connection(using).in_atomic_block)
+
+
+def _target(channel: str) -> tuple[str, Any]:
+    """Where a publication of ``channel`` goes, and its history: raises what publishing
+    it would (an unknown name, a cadence of someone else's)."""
+    spec = registry.resolve(channel)
+    if spec.fed is not None:
+        if spec.name != spec.base:
+            raise ConfigurationError(
+                f"{channel!r} is a cadence of the app-fed {spec.base!r}: publish the value on {spec.base!r}, "
+                "every cadence delivers it"
+            )
+        return fed_channel(spec.base), spec.fed
+    if spec.interval_ms is not None:
+        raise ConfigurationError(f"{channel!r} is a cadenced channel: its ticker publishes it, not application code")
+    return spec.name, spec.history
+
+
+def _after_commit(channel: str, data: Any) -> None:
+    """A publication whose transaction committed: sent now. Its failure cannot undo the
+    commit, so it is logged, never raised into the code that committed."""
+    try:
+        async_to_sync(apublish)(channel, data, now=True)
+    except Exception as exc:
+        logger.warning("publication on %s after commit not sent: %s", channel, exc)
+
+
+async def apublish(channel: str, data: Any, *, using: str | None = None, now: bool = False) -> int | None:
     """Publish ``data`` on ``channel`` (an event channel, an exact state channel, or the
     base of an app-fed family: its new value, which each cadence delivers at its pace).
 
@@ -33,18 +77,19 @@ async def apublish(channel: str, data: Any) -> int:
     data that is not JSON and :class:`~realtime_app.exceptions.PublicationTooLarge` for a
     frame over ``MAX_PUBLICATION_BYTES`` (neither takes a ``seq``), and
     :class:`~realtime_app.exceptions.BackplaneUnavailable` when Redis does not answer.
+
+    Inside ``transaction.atomic()`` on ``using`` (and ``now`` not set): checked now, sent
+    when the outermost transaction commits, never on rollback; returns None then.
     """
-    spec = registry.resolve(channel)
-    target, history = spec.name, spec.history
-    if spec.fed is not None:
-        if spec.name != spec.base:
-            raise ConfigurationError(
-                f"{channel!r} is a cadence of the app-fed {spec.base!r}: publish the value on {spec.base!r}, "
-                "every cadence delivers it"
-            )
-        target, history = fed_channel(spec.base), spec.fed
-    elif spec.interval_ms is not None:
-        raise ConfigurationError(f"{channel!r} is a cadenced channel: its ticker publishes it, not application code")
+    target, history = _target(channel)
+    if not now and in_transaction(using):
+        from django.db import transaction
+
+        encode_publication(target, data)  # refused now, not after the commit
+        loop = asyncio.get_running_loop()
+        deliver = partial(loop.call_soon_threadsafe, _spawn_after_commit, channel, data)
+        transaction.on_commit(deliver, using=using)
+        return None
     hub = hub_of_current_loop()
     if hub is not None:
         return await hub.publish(target, data, history)
@@ -64,13 +109,38 @@ async def apublish(channel: str, data: Any) -> int:
         await backplane.stop()
 
 
-def publish(channel: str, data: Any) -> int:
+_after_commit_tasks: set[asyncio.Task[Any]] = set()
+
+
+def _spawn_after_commit(channel: str, data: Any) -> None:
+    async def send() -> None:
+        try:
+            await apublish(channel, data, now=True)
+        except Exception as exc:
+            logger.warning("publication on %s after commit not sent: %s", channel, exc)
+
+    task = asyncio.get_running_loop().create_task(send())
+    _after_commit_tasks.add(task)
+    task.add_done_callback(_after_commit_tasks.discard)
+
+
+def publish(channel: str, data: Any, *, using: str | None = None, now: bool = False) -> int | None:
     """Synchronous :func:`apublish`, for views, signals and tasks (not for async code:
-    there, ``await apublish(...)``)."""
+    there, ``await apublish(...)``). Inside ``transaction.atomic()`` on ``using``: checked
+    now, sent when the outermost transaction commits, never on rollback (returns None);
+    ``now=True`` sends it at once whatever the transaction does."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return int(async_to_sync(apublish)(channel, data))
+        if not now and in_transaction(using):
+            from django.db import transaction
+
+            target, _ = _target(channel)
+            encode_publication(target, data)  # refused now, not after the commit
+            transaction.on_commit(partial(_after_commit, channel, data), using=using)
+            return None
+        seq = async_to_sync(apublish)(channel, data, now=True)
+        return None if seq is None else int(seq)
     raise RuntimeError(
         f"realtime_app.publish({channel!r}, ...) was called from async code, where it would block the event "
         "loop: use `await realtime_app.apublish(channel, data)` there (publish() is for views, signals, tasks)"
