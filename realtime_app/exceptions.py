@@ -27,6 +27,7 @@ __all__ = [
     "ConfigurationError",
     "ForbiddenChannel",
     "NO_USER_HINT",
+    "OutcomeUnknown",
     "PublicationError",
     "PublicationTooLarge",
     "REFUSAL_CODES",
@@ -154,6 +155,12 @@ class Refused(RPCError):
     @property
     def limit(self) -> Any:
         return self.data.get("limit")
+
+
+class OutcomeUnknown(RealtimeError, ConnectionError):
+    """The connection was lost after a call was sent and before its answer came: it may
+    have run or not. Clients retry only calls made ``idempotent`` (with a key the server
+    answers once); any other call raises this, and the application decides."""
 
 
 def error_from_response(error: dict[str, Any]) -> RPCError:

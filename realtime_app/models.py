@@ -33,3 +33,22 @@ class FlushMark(models.Model):
 
     def __str__(self) -> str:
         return str(self.token)
+
+
+class OutboxEntry(models.Model):
+    """A publication of a durable channel made inside a transaction, written in that
+    transaction: published once it committed (in order per channel, each exactly once:
+    its id is its idempotency key on the backplane), then deleted. Rows of a transaction
+    that rolled back never exist (docs/transactions.md)."""
+
+    channel = models.CharField(max_length=200)
+    data = models.TextField()  # the publication's JSON text
+    created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        verbose_name = "outbox entry"
+        verbose_name_plural = "outbox"
+        indexes = [models.Index(fields=["channel", "id"], name="realtime_outbox_channel")]
+
+    def __str__(self) -> str:
+        return f"{self.channel} #{self.pk}"

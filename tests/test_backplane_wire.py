@@ -207,3 +207,33 @@ async def test_stopping_ends_a_receiver_that_swallowed_the_cancel_and_closes_the
     async with asyncio.timeout(30):
         await fast.stop()
     assert not any(connection.is_connected for connection in [*pool._available_connections, *pool._in_use_connections])
+
+
+async def test_calls_that_run_once_keep_their_book_on_redis_for_every_process(redis_url, prefix) -> None:
+    """Two processes' Once rooms on one Redis: a key's first call runs on one, its repeat on
+    the other waits for the answer; a claim lapses with its lease when its process dies."""
+    from realtime_app.conf import DEFAULTS
+    from realtime_app.conf.typed import Settings
+    from realtime_app.hub.once import Once
+
+    settings = Settings.from_config({**DEFAULTS, "LEASE_TTL_MS": 600})
+    runs: list[str] = []
+
+    async def execute(method: str, params: dict) -> tuple[bool, dict]:
+        runs.append(method)
+        await asyncio.sleep(0.3)
+        return True, {"price": 110}
+
+    async with Process(redis_url, prefix) as a, Process(redis_url, prefix) as b:
+        once_a, once_b = Once(settings, lambda: a.backplane), Once(settings, lambda: b.backplane)
+        alice = ("user", "1")
+        answers = await asyncio.gather(
+            once_a.run(alice, "k1", execute, "demo.bid", {}), once_b.run(alice, "k1", execute, "demo.bid", {})
+        )
+        assert answers == [(True, {"price": 110})] * 2 and runs == ["demo.bid"]
+        assert once_a.probe()["ran"] + once_b.probe()["ran"] == 1
+        name = Once.name(alice, "demo.bid", "k2")
+        assert await a.backplane.claim_once(name, "dead", 600) == ("run", None)  # a process that died mid-call
+        assert await b.backplane.claim_once(name, "other", 600) == ("running", None)
+        assert await once_b.run(alice, "k2", execute, "demo.bid", {}) == (True, {"price": 110})  # after its lease
+        assert runs == ["demo.bid", "demo.bid"]

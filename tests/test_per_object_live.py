@@ -124,3 +124,47 @@ async def test_rooms_and_lots_on_two_processes(demo_cluster):
     async with RPC(b.ws) as again:  # the lobby resumes from its own seq, on the other process
         answer = await again.call("subscribe", {"channel": "demo:room:lobby", "since": since}, timeout=10)
         assert answer["result"]["recovered"] is True and answer["result"]["replayed"] == 2
+
+
+def _lot_value(base_url: str, lot: int) -> dict:
+    """The lot as the database has it: its page renders it."""
+    import re
+    import urllib.request
+
+    page = urllib.request.urlopen(f"{base_url}/demo/lot/{lot}/", timeout=10).read().decode()
+    price, bids = (int(re.search(rf'id="{field}">(\d+)<', page).group(1)) for field in ("price", "bids"))
+    return {"lot": lot, "price": price, "bids": bids}
+
+
+async def test_a_bid_sent_twice_with_one_key_runs_once_across_processes_and_after_a_cut(demo_cluster):
+    """``demo.bid`` is idempotent: one key sent on two connections of one user, one on each
+    process, raises the price once and both answers are equal; a connection cut after the
+    server received the bid and before its answer arrived, the Python client sends it again
+    with its key and gets the first answer (the lot shows one bid); a call that is not
+    idempotent is never retried silently: it raises OutcomeUnknown."""
+    from realtime_app.client import RealtimeClient
+    from realtime_app.exceptions import OutcomeUnknown
+    from tests.support.postgres import TcpProxy
+
+    (a, b), _, _, lot = demo_cluster
+    cookie = login(a.http, "demo", "demo")
+    async with RPC(a.ws, cookie=cookie) as on_a, RPC(b.ws, cookie=cookie) as on_b:
+        start = _lot_value(b.http, lot)
+        key, amount = secrets.token_hex(8), start["price"] + 100
+        params = {"lot": lot, "amount": amount, "idempotency_key": key}
+        first, second = await asyncio.gather(on_a.call("demo.bid", params), on_b.call("demo.bid", params))
+        assert first["result"] == second["result"] == {"lot": lot, "price": amount, "bids": start["bids"] + 1}
+
+    proxy = TcpProxy(a.port).restore()
+    url = f"ws://127.0.0.1:{proxy.port}/realtime/"
+    try:
+        async with RealtimeClient(url, headers={"Cookie": cookie}, backoff_initial=0.05, backoff_max=0.2) as client:
+            proxy.drop_before = b'"bids"'  # the bid's answer never arrives: the connection is cut
+            answer = await client.call("demo.bid", {"lot": lot, "amount": amount + 100}, idempotent=True, timeout=30)
+            assert proxy.dropped == 1 and answer == {"lot": lot, "price": amount + 100, "bids": start["bids"] + 2}
+            proxy.drop_before = b'"bids"'
+            with pytest.raises(OutcomeUnknown):
+                await client.call("demo.bid", {"lot": lot, "amount": amount + 200}, timeout=30)
+    finally:
+        proxy.cut()
+    assert _lot_value(b.http, lot) == {"lot": lot, "price": amount + 200, "bids": start["bids"] + 3}

@@ -32,7 +32,7 @@ def lot_exists(params: dict[str, Any]) -> bool:
     return 0 < params["id"] < 2**63 and AuctionLot.objects.filter(pk=params["id"]).exists()
 
 
-realtime_app.event_channel(ROOM, history_size=100, history_ttl_s=300, max_bytes=4096)
+realtime_app.event_channel(ROOM, history_size=100, history_ttl_s=300, max_bytes=4096, durable=True)
 realtime_app.app_state(LOT, default=1000, min=100, max=10000, exists=lot_exists)
 
 
@@ -47,7 +47,7 @@ def _signed_in(consumer: Any) -> Any:
     return user
 
 
-@realtime_app.rpc_method("demo.post", rate=5, burst=10)
+@realtime_app.rpc_method("demo.post", rate=5, burst=10, idempotent=True)
 def post(consumer: Any, params: Any) -> dict[str, Any]:
     """``{"room": name, "text": str}``: save the message and publish
     ``{"user", "text"}`` on ``demo:room:<name>``, in one transaction: the publication
@@ -69,10 +69,12 @@ def post(consumer: Any, params: Any) -> dict[str, Any]:
     return {"room": room, "id": message.pk}
 
 
-@realtime_app.rpc_method("demo.bid", rate=10, burst=20)
+@realtime_app.rpc_method("demo.bid", rate=10, burst=20, idempotent=True)
 def bid(consumer: Any, params: Any) -> dict[str, int]:
     """``{"lot": id, "amount": int}``: raise the lot's price to ``amount`` when it is
-    higher, and publish the lot's new value; returns it (``{"lot", "price", "bids"}``)."""
+    higher, and publish the lot's new value on commit; returns it (``{"lot", "price",
+    "bids"}``). Idempotent: sent again with its ``"idempotency_key"`` (a client's retry
+    after a reconnect), it bids once and answers what the first call answered."""
     _signed_in(consumer)
     if not isinstance(params, dict):
         raise _invalid('expected {"lot": id, "amount": int}', "invalid_params")

@@ -184,6 +184,7 @@ def event_channel(
     exists: Exists | None = None,
     owner: str | None = None,
     max_instances: int = 0,
+    durable: bool = False,
 ) -> ChannelSpec | Declared:
     """Register an event channel: every message counts, published with ``publish()``.
 
@@ -195,7 +196,14 @@ def event_channel(
     max_bytes`` — worth setting on a channel that clients may publish on.
 
     ``name`` may be a template (``"bids:<int:lot>"``): each instance keeps its own history.
+
+    ``durable`` (a history required): a publication made inside a transaction is written
+    to the outbox table in that transaction and published from there once it committed —
+    through a Redis outage, after a process was killed — each exactly once, in order
+    (docs/transactions.md).
     """
+    if durable and not history_size:
+        raise ConfigurationError(f"event channel {name!r}: durable=True needs a history (history_size > 0)")
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
         raise ConfigurationError(f"event channel {name!r}: max_bytes must be an integer >= 0, got {max_bytes!r}")
     history = None
@@ -208,7 +216,7 @@ def event_channel(
             raise ConfigurationError(
                 f"event channel {name!r}: history_ttl_s must be a positive integer, got {history_ttl_s!r}"
             )
-        history = HistoryPolicy(history_size, history_ttl_s)
+        history = HistoryPolicy(history_size, history_ttl_s, durable=bool(durable))
     return registry.add_channel(
         name, "event", history=history, max_bytes=max_bytes, exists=exists, owner=owner, max_instances=max_instances
     )

@@ -16,12 +16,13 @@ import inspect
 import logging
 import random
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
-from realtime_app.client.reconnecting import RECONNECT_CODES, ReconnectingSocket, is_reconnectable_close_code
-from realtime_app.exceptions import Refused, RPCError, error_from_response
+from realtime_app.client.reconnecting import RECONNECT_CODES, Hooks, ReconnectingSocket, is_reconnectable_close_code
+from realtime_app.exceptions import OutcomeUnknown, Refused, RPCError, error_from_response
 from realtime_app.wire.retry import retry_delay_ms
 from realtime_app.wire.session import Answer, ClientSession, Deliver, Event, Notify, Recover, Resubscribe
 
@@ -59,6 +60,14 @@ async def _deliver(handlers: list[tuple[str, Handler]], params: dict[str, Any]) 
             logger.exception("handler of %s failed", name)
 
 
+def _settle(future: asyncio.Future[Any] | None, answer: Answer) -> None:
+    if future is not None and not future.done():
+        if answer.ok:
+            future.set_result(answer.value)
+        else:
+            future.set_exception(error_from_response(answer.value))
+
+
 class RealtimeClient:
     """One logical connection that reconnects by itself until :meth:`close`.
 
@@ -90,6 +99,7 @@ class RealtimeClient:
         self.call_timeout = call_timeout
         self.backoff_initial, self.backoff_max = backoff_initial, backoff_max
         self.state = "closed"
+        self.last_close: tuple[int | None, str] | None = None
         self.on_state: list[Callable[[str], None]] = []
         self.on_close: list[Callable[[int | None, str, bool], None]] = []
         #: Called with ``(channel, error)`` for every refused subscribe, renewals included.
@@ -102,17 +112,9 @@ class RealtimeClient:
         #: Called with the server's answer of every accepted subscribe, renewals included.
         self.on_subscribed: list[Callable[[dict[str, Any]], None]] = []
         self.session = ClientSession()
-        self.socket = ReconnectingSocket(
-            url,
-            self.origin,
-            headers or {},
-            lambda: (self.backoff_initial, self.backoff_max),
-            connect_kwargs,
-            on_state=self._set_state,
-            on_open=self._resubscribe,
-            on_text=self._on_text,
-            on_closed=self._closed,
-        )
+        hooks = Hooks(self._set_state, self._resubscribe, self._on_text, self._closed)
+        backoff = lambda: (self.backoff_initial, self.backoff_max)  # noqa: E731  (read at each reconnect)
+        self.socket = ReconnectingSocket(url, self.origin, headers or {}, backoff, connect_kwargs, hooks)
         self._answers: dict[int, asyncio.Future[Any]] = {}
         self._background: set[asyncio.Task[Any]] = set()
 
@@ -120,10 +122,6 @@ class RealtimeClient:
     def attempt(self) -> int:
         """Reconnects since the last open connection."""
         return self.socket.attempt
-
-    @property
-    def last_close(self) -> tuple[int | None, str] | None:
-        return self.socket.last_close
 
     async def __aenter__(self) -> RealtimeClient:
         await self.connect()
@@ -159,10 +157,11 @@ class RealtimeClient:
         await asyncio.wait_for(self.socket.opened.wait(), timeout)
 
     def _closed(self, code: int | None, reason: str, again: bool) -> None:
+        self.last_close = (code, reason)
         for request_id in self.session.closed():
             future = self._answers.pop(request_id, None)
             if future is not None and not future.done():
-                future.set_exception(ConnectionError(f"connection closed ({code})"))
+                future.set_exception(OutcomeUnknown(f"connection lost, outcome unknown (closed {code})"))
         _fire(self.on_close, "close", code, reason, again)
 
     async def _resubscribe(self) -> None:
@@ -178,11 +177,7 @@ class RealtimeClient:
         if isinstance(event, Deliver):
             await _deliver(self.session.handlers_of(event.channel), event.params)
         elif isinstance(event, Answer):
-            future = self._answers.pop(event.id, None)
-            if future is not None and not future.done() and event.ok:
-                future.set_result(event.value)
-            elif future is not None and not future.done():
-                future.set_exception(error_from_response(event.value))
+            _settle(self._answers.pop(event.id, None), event)
         elif isinstance(event, Notify):
             if event.kind == "resync":
                 logger.warning("%s: messages missed for good (%s): resync", event.channel, event.value["reason"])
@@ -216,22 +211,39 @@ class RealtimeClient:
                 await asyncio.sleep(1.0)
             due = self.session.recover_request(channel)
 
-    async def call(self, method: str, params: Any = None, *, timeout: float | None = None, retries: int = 0) -> Any:
-        """Call ``method``; returns its result, raises :class:`RPCError` (:class:`Refused`
-        when admission refused it) or ``TimeoutError``.
-
-        ``retries``: how many times a refused call is sent again after its
-        ``retry_after_ms`` (jittered by :func:`~realtime_app.wire.retry.retry_delay_ms`);
-        0 by default — whether a late retry still makes sense is the application's call.
-        """
+    async def call(
+        self,
+        method: str,
+        params: Any = None,
+        *,
+        timeout: float | None = None,
+        retries: int = 0,
+        idempotent: bool = False,
+    ) -> Any:
+        """Call ``method``: its result, or :class:`RPCError` (:class:`Refused`: admission
+        refused it), ``TimeoutError``, :class:`OutcomeUnknown` (the connection was lost
+        before the answer: never retried silently). ``retries``: refusals sent again after
+        their jittered ``retry_after_ms`` (0: the application decides). ``idempotent``
+        (methods registered so): the call carries an ``"idempotency_key"`` and is sent
+        again with it after a reconnect, within ``timeout``; the server runs it once."""
+        deadline = asyncio.get_running_loop().time() + (timeout if timeout is not None else self.call_timeout)
+        if idempotent:
+            params = {"idempotency_key": uuid.uuid4().hex, **(params or {})}
         while True:
+            left = deadline - asyncio.get_running_loop().time()
             try:
-                return await self._call_once(method, params, timeout)
+                if idempotent and self.socket.ws is None:
+                    await self.wait_open(max(left, 0.001))
+                return await self._call_once(method, params, max(left, 0.001))
             except Refused as refused:
                 if retries <= 0:
                     raise
                 retries -= 1
                 await asyncio.sleep(retry_delay_ms(refused.retry_after_ms, random.random()) / 1000)
+            except OutcomeUnknown:
+                if not idempotent or self.socket.stopped:
+                    raise
+                logger.info("%s: connection lost before its answer, sent again with its key", method)
 
     async def _call_once(self, method: str, params: Any, timeout: float | None, follow: Any = None) -> Any:
         if self.socket.ws is None:

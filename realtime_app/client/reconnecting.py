@@ -10,14 +10,14 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, NamedTuple
 
 import websockets
 from websockets.typing import Origin
 
 from realtime_app.cancellation import cancel_and_wait
 
-__all__ = ["RECONNECT_CODES", "ReconnectingSocket", "is_reconnectable_close_code"]
+__all__ = ["RECONNECT_CODES", "Hooks", "ReconnectingSocket", "is_reconnectable_close_code"]
 
 #: Close codes after which the client reconnects; 1008 and 4xxx are fatal.
 RECONNECT_CODES = frozenset({1001, 1005, 1006, 1011, 1012, 1013})
@@ -26,6 +26,16 @@ RECONNECT_CODES = frozenset({1001, 1005, 1006, 1011, 1012, 1013})
 def is_reconnectable_close_code(code: int | None) -> bool:
     """True for the transient close codes (1013 included), False for 1008, 4xxx and the rest."""
     return code in RECONNECT_CODES
+
+
+class Hooks(NamedTuple):
+    """What the socket tells its client: its state, an opened connection (a task of its
+    own), each text frame (in the reading task), each close (and whether it reconnects)."""
+
+    on_state: Callable[[str], None]
+    on_open: Callable[[], Coroutine[Any, Any, None]]
+    on_text: Callable[[str | bytes], Awaitable[None]]
+    on_closed: Callable[[int | None, str, bool], None]
 
 
 class ReconnectingSocket:
@@ -38,16 +48,12 @@ class ReconnectingSocket:
         headers: dict[str, str],
         backoff: Callable[[], tuple[float, float]],
         connect_kwargs: dict[str, Any],
-        *,
-        on_state: Callable[[str], None],
-        on_open: Callable[[], Coroutine[Any, Any, None]],
-        on_text: Callable[[str | bytes], Awaitable[None]],
-        on_closed: Callable[[int | None, str, bool], None],
+        hooks: Hooks,
     ) -> None:
         self.url, self.origin, self.headers = url, origin, headers
         self.backoff = backoff  # (initial, max) seconds, read at each reconnect
         self.connect_kwargs = connect_kwargs
-        self._on_state, self._on_open, self._on_text, self._on_closed = on_state, on_open, on_text, on_closed
+        self._on_state, self._on_open, self._on_text, self._on_closed = hooks
         self.ws: Any = None
         self.attempt = 0
         self.last_close: tuple[int | None, str] | None = None

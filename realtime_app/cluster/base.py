@@ -153,3 +153,30 @@ class Backplane:
         taken, else the milliseconds until they will be there. A backplane that shares no
         state between processes raises ``NotImplementedError`` (each process keeps its own)."""
         raise NotImplementedError
+
+    async def claim_once(self, name: str, owner: str, ttl_ms: int) -> tuple[Any, str | None]:
+        """Claim an idempotency key for ``owner`` (``("run", None)``), or say it is
+        ``("running", None)`` or answered (``("answer", text)``): :mod:`realtime_app.hub.once`.
+        A backplane that shares no state raises ``NotImplementedError`` (each process
+        keeps its own book)."""
+        raise NotImplementedError
+
+    async def keep_once(self, name: str, owner: str, answer: str, ttl_ms: int) -> None:
+        """Keep the answer of ``owner``'s claim for ``ttl_ms``."""
+        raise NotImplementedError
+
+    async def renew_once(self, name: str, owner: str, ttl_ms: int) -> None:
+        """Extend ``owner``'s claim: its call still runs."""
+        raise NotImplementedError
+
+    async def free_once(self, name: str, owner: str) -> None:
+        """Give ``owner``'s claim up: the call ended without an answer worth keeping."""
+        raise NotImplementedError
+
+    async def publish_once(
+        self, channel: str, data_json: str, floor: int, history: HistoryPolicy, key: str, window_ms: int
+    ) -> int | None:
+        """Publish a durable channel's outbox row unless a publication with ``key`` was made
+        within ``window_ms``: its ``seq``, or None when it had been published (a drain
+        repeated after a crash). Without a shared book: published (at least once)."""
+        return await self.publish(channel, data_json, floor, history)

@@ -6,6 +6,7 @@ there is no lease to compete for and no other process to tell.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Any
 
@@ -26,6 +27,7 @@ class MemoryBackplane(Backplane):
         self._seq: dict[str, int] = {}
         self._probe: ProcessProbe | None = None
         self._history = MemoryHistory()
+        self._published_once: dict[tuple[str, str], float] = {}  # outbox rows published, oldest first
 
     async def start(self, deliver: Deliver) -> None:
         self._deliver = deliver
@@ -57,6 +59,18 @@ class MemoryBackplane(Backplane):
         if self._deliver is not None:
             await self._deliver(Delivery("frame", channel, text, seq, epoch))
         return seq
+
+    async def publish_once(
+        self, channel: str, data_json: str, floor: int, history: HistoryPolicy, key: str, window_ms: int
+    ) -> int | None:
+        now = time.monotonic()
+        done = self._published_once
+        while done and next(iter(done.values())) < now - window_ms / 1000:  # oldest first: out of the window
+            done.pop(next(iter(done)))
+        if (channel, key) in done:
+            return None
+        done[(channel, key)] = now
+        return await self.publish(channel, data_json, floor, history)
 
     async def history(
         self, channel: str, policy: HistoryPolicy, since: Since | None = None, floor: int = 0

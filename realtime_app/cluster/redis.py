@@ -160,8 +160,10 @@ class RedisBackplane(Backplane):
         self._seq = self.redis.register_script(scripts.SEQ)
         self._reseed = self.redis.register_script(scripts.RESEED)
         self._take = self.redis.register_script(scripts.TAKE)
+        self._once = {name: self.redis.register_script(getattr(scripts, f"{name.upper()}_ONCE")) for name in ONCE}
         self._publish = self.redis.register_script(scripts.PUBLISH)
         self._publish_kept = self.redis.register_script(scripts.PUBLISH_KEPT)
+        self._publish_kept_once = self.redis.register_script(scripts.PUBLISH_KEPT_ONCE)
         self._read_kept = self.redis.register_script(scripts.READ_KEPT)
         self._read_page = self.redis.register_script(scripts.READ_PAGE)
         self._pubsub: Any = None
@@ -327,6 +329,23 @@ class RedisBackplane(Backplane):
         self.histories[channel] = (epoch, min(history.size, kept + 1) if seen == epoch else 1)
         return seq
 
+    async def publish_once(
+        self, channel: str, data_json: str, floor: int, history: HistoryPolicy, key: str, window_ms: int
+    ) -> int | None:
+        ts = now_ms()
+        keep = max(self.seq_ttl_ms, history.ttl_ms, scripts.KEEP_LINEAGE_MS)
+        seq_, epoch_ = await self._publish_kept_once(
+            keys=[*self._kept_keys(channel), self.redis_channel(channel), self.key("outbox-done", channel)],
+            args=[epoch_suffix(), keep, floor, notification_head(channel, data_json), ts, history.size]
+            + [history.ttl_ms, key, ts, window_ms],
+        )
+        if int(seq_) < 0:
+            return None
+        seq, epoch = int(seq_), _text(epoch_)
+        seen, kept = self.histories.get(channel, ("", 0))
+        self.histories[channel] = (epoch, min(history.size, kept + 1) if seen == epoch else 1)
+        return seq
+
     async def history(
         self, channel: str, policy: HistoryPolicy, since: Since | None = None, floor: int = 0
     ) -> HistoryRead:
@@ -415,6 +434,23 @@ class RedisBackplane(Backplane):
         )
         seconds = float(wait.decode() if isinstance(wait, bytes) else wait)
         return retry_after_ms(seconds) if seconds > 0 else None
+
+    async def claim_once(self, name: str, owner: str, ttl_ms: int) -> tuple[Any, str | None]:
+        state, answer = await self._once["claim"](keys=[f"{self.prefix}:{name}"], args=[owner, ttl_ms])
+        return _text(state), _text(answer) if _text(state) == "answer" else None
+
+    async def keep_once(self, name: str, owner: str, answer: str, ttl_ms: int) -> None:
+        await self._once["keep"](keys=[f"{self.prefix}:{name}"], args=[owner, answer, ttl_ms])
+
+    async def renew_once(self, name: str, owner: str, ttl_ms: int) -> None:
+        await self._once["renew"](keys=[f"{self.prefix}:{name}"], args=[owner, ttl_ms])
+
+    async def free_once(self, name: str, owner: str) -> None:
+        await self._once["free"](keys=[f"{self.prefix}:{name}"], args=[owner])
+
+
+#: The scripts of calls that run once (``redis_scripts.CLAIM_ONCE`` …).
+ONCE = ("claim", "keep", "renew", "free")
 
 
 def _entries(raw: list[Any]) -> list[HistoryEntry]:

@@ -186,3 +186,39 @@ redis.call('hset', KEYS[1], 'tokens', string.format('%.17g', tokens), 'stamp', s
 redis.call('pexpire', KEYS[1], ARGV[4])
 return string.format('%.17g', wait)
 """
+# Calls that run once (realtime_app.hub.once): a key holds "r<owner>" while its first call
+# runs (a lease's life, renewed by its owner) and "a<answer>" once it answered.
+CLAIM_ONCE = """
+local v = redis.call('get', KEYS[1])
+if not v then
+  redis.call('set', KEYS[1], 'r' .. ARGV[1], 'PX', ARGV[2])
+  return {'run', ''}
+end
+if string.sub(v, 1, 1) == 'r' then return {'running', ''} end
+return {'answer', string.sub(v, 2)}
+"""
+KEEP_ONCE = """
+local v = redis.call('get', KEYS[1])
+if not v or v == 'r' .. ARGV[1] then redis.call('set', KEYS[1], 'a' .. ARGV[2], 'PX', ARGV[3]) end
+return 1
+"""
+RENEW_ONCE = """
+if redis.call('get', KEYS[1]) == 'r' .. ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end
+return 0
+"""
+FREE_ONCE = """
+if redis.call('get', KEYS[1]) == 'r' .. ARGV[1] then return redis.call('del', KEYS[1]) end
+return 0
+"""
+# A durable channel's outbox row published once (realtime_app.hub.outbox): KEYS[6] holds
+# the rows published within the dedupe window (ARGV[8] the row's key, ARGV[9] now, ARGV[10]
+# the window, ms); a row seen already is not published again (-1).
+PUBLISH_KEPT_ONCE = (
+    """
+redis.call('zremrangebyscore', KEYS[6], '-inf', tonumber(ARGV[9]) - tonumber(ARGV[10]))
+if redis.call('zscore', KEYS[6], ARGV[8]) then return {-1, ''} end
+redis.call('zadd', KEYS[6], ARGV[9], ARGV[8])
+redis.call('pexpire', KEYS[6], ARGV[10])
+"""
+    + PUBLISH_KEPT
+)

@@ -289,6 +289,28 @@ class ShardedBackplane(Backplane):
     async def take_tokens(self, identity: str, cost: float, capacity: float, refill_per_s: float) -> int | None:
         return await self._call(self.home, self.home.take_tokens(identity, cost, capacity, refill_per_s))
 
+    async def publish_once(
+        self, channel: str, data_json: str, floor: int, history: HistoryPolicy, key: str, window_ms: int
+    ) -> int | None:
+        shard = self.shard(channel)
+        return await self._call(shard, shard.publish_once(channel, data_json, floor, history, key, window_ms))
+
+    async def claim_once(self, name: str, owner: str, ttl_ms: int) -> tuple[Any, str | None]:
+        shard = self.shard(name)
+        return await self._call(shard, shard.claim_once(name, owner, ttl_ms))
+
+    async def keep_once(self, name: str, owner: str, answer: str, ttl_ms: int) -> None:
+        shard = self.shard(name)
+        await self._call(shard, shard.keep_once(name, owner, answer, ttl_ms))
+
+    async def renew_once(self, name: str, owner: str, ttl_ms: int) -> None:
+        shard = self.shard(name)
+        await self._call(shard, shard.renew_once(name, owner, ttl_ms))
+
+    async def free_once(self, name: str, owner: str) -> None:
+        shard = self.shard(name)
+        await self._call(shard, shard.free_once(name, owner))
+
     def shards_probe(self) -> list[ShardProbe]:
         """Per shard: its address, up or down, its outages (the probe's ``backplane.shards``)."""
         return [

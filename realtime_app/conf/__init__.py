@@ -121,6 +121,23 @@ DEFAULTS: dict[str, Any] = {
     "MAX_CONCURRENT_RESUMES": 8,
     # Of those, at most this many for one identity (a user, or an address): 0 = no share.
     "MAX_RESUMES_PER_IDENTITY": 2,
+    # Idempotent methods (rpc_method(idempotent=True), docs/transactions.md): how long the
+    # answer of a call with an "idempotency_key" is kept for its repeats, seconds; the
+    # largest answer kept, bytes (a larger one is not: its repeats get -32603
+    # answer_not_kept); and, on one process, the bytes of every answer kept together.
+    "IDEMPOTENCY_TTL_S": 300,
+    "IDEMPOTENCY_MAX_ANSWER_BYTES": 64 * 1024,
+    "IDEMPOTENCY_MAX_BYTES": 64 * 1024 * 1024,
+    # The outbox of durable channels (event_channel(durable=True), docs/transactions.md):
+    # the databases whose outbox the processes drain; rows waiting past which durable
+    # publications are refused (PublicationError "outbox full") and the probe raises its
+    # alarm; the age of the oldest row past which the alarm is raised too, seconds; and how
+    # long a published row's key is remembered on the backplane, so that a drain repeated
+    # after a crash publishes it no second time, seconds.
+    "OUTBOX_DATABASES": ["default"],
+    "OUTBOX_MAX_ROWS": 100_000,
+    "OUTBOX_MAX_AGE_S": 60,
+    "OUTBOX_DEDUPE_WINDOW_S": 3600,
     # HTTP concurrency pools (docs/http-limiter.md), used by ConcurrencyLimitMiddleware:
     # {"reports": {"max_concurrent": 2, "max_waiting": 50, "wait_timeout_ms": 10000,
     #              "paths": ["/reports/*"]}}; requests that match no pool pass untouched.

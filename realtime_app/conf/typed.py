@@ -68,6 +68,13 @@ class Settings:
     admission_close_after_refusals: int
     max_concurrent_resumes: int
     max_resumes_per_identity: int
+    idempotency_ttl_s: int
+    idempotency_max_answer_bytes: int
+    idempotency_max_bytes: int
+    outbox_databases: list[Any]
+    outbox_max_rows: int
+    outbox_max_age_s: int
+    outbox_dedupe_window_s: int
     http_pools: dict[str, Any]
     write_behind_delay_ms: int
     write_behind_journal_dir: str | None

@@ -36,6 +36,7 @@ class Method:
     max_in_flight: int = 0  # calls of this method one identity may have in flight (0: no limit of its own)
     rate: float = 0.0  # calls a second one identity may make of it (0: none), in bursts of ``burst``
     burst: int = 0
+    idempotent: bool = False  # a call with an "idempotency_key" runs once; its repeats get its answer
 
 
 _methods: dict[str, Method] = {}
@@ -66,6 +67,7 @@ def rpc_method(
     max_in_flight: int = 0,
     rate: float = 0.0,
     burst: int = 0,
+    idempotent: bool = False,
 ) -> Callable[[Handler], Handler]:
     """Register an application JSON-RPC method: ``handler(consumer, params) -> result``.
 
@@ -78,7 +80,10 @@ def rpc_method(
     (:class:`~realtime_app.inbound.workers.Coalesce`) lets compatible waiting calls merge into one
     execution. ``max_in_flight`` and ``rate`` (calls a second, in bursts of ``burst``,
     default the rate rounded up) limit this method for each identity on its own: past them
-    a call is refused -32004 ``too_many_in_flight`` / -32005 ``rate_limited``. Raise
+    a call is refused -32004 ``too_many_in_flight`` / -32005 ``rate_limited``.
+    ``idempotent``: a call whose by-name params hold an ``"idempotency_key"`` runs once
+    for its caller's identity; a repeat within ``IDEMPOTENCY_TTL_S``, on any connection or
+    process, gets the first answer, or waits for it (docs/transactions.md). Raise
     :class:`~realtime_app.exceptions.RPCError` to answer an error; any other exception
     answers -32603 and is logged.
     """
@@ -101,6 +106,8 @@ def rpc_method(
             raise ValueError(f"method {name!r}: {option} must be an int >= 0, got {value!r}")
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < float("inf"):
         raise ValueError(f"method {name!r}: rate must be calls a second >= 0, got {rate!r}")
+    if idempotent and coalesce is not None:
+        raise ValueError(f"method {name!r}: a coalescing method cannot be idempotent (merged calls share one run)")
 
     def register(handler: Handler) -> Handler:
         existing = _methods.get(name)
@@ -110,7 +117,9 @@ def rpc_method(
                 f"{_where(handler)}. Give one of them another name."
             )
         is_async = inspect.iscoroutinefunction(handler)
-        _methods[name] = Method(handler, float(cost), snapshot, coalesce, is_async, max_in_flight, float(rate), burst)
+        _methods[name] = Method(
+            handler, float(cost), snapshot, coalesce, is_async, max_in_flight, float(rate), burst, bool(idempotent)
+        )
         return handler
 
     return register

@@ -10,6 +10,7 @@ from realtime_app.endpoint.operator import on_close_message
 from realtime_app.endpoint.sessions import on_logout_message, revalidation_loop
 from realtime_app.hub.core import HubParts
 from realtime_app.hub.fanout import drain_held
+from realtime_app.hub.outbox import drain_outbox
 
 __all__ = ["parts"]
 
@@ -17,6 +18,10 @@ __all__ = ["parts"]
 def parts() -> HubParts:
     """The loops (by task name) and control handlers (by message ``kind``) of every hub."""
     return HubParts(
-        loops={"realtime-drain-held": drain_held, "realtime-revalidate": revalidation_loop},
+        loops={
+            "realtime-drain-held": drain_held,
+            "realtime-revalidate": revalidation_loop,
+            "realtime-outbox": drain_outbox,
+        },
         handlers={"logout": on_logout_message, "close_connection": on_close_message},
     )

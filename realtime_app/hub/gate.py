@@ -12,9 +12,11 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from realtime_app.conf.typed import Settings, settings
+from realtime_app.hub.once import KEY_PARAM, Once
 from realtime_app.inbound.admission import Admission, AdmissionLimits, Refusal, RefusalBudget
 from realtime_app.inbound.method_limits import MethodLimits
 from realtime_app.inbound.workers import Call, Coalesce, RequestPool, Run
@@ -89,6 +91,8 @@ class Limited(Protocol):
     def burst(self) -> int: ...
     @property
     def is_async(self) -> bool: ...
+    @property
+    def idempotent(self) -> bool: ...
 
 
 @dataclass(slots=True)
@@ -140,6 +144,7 @@ class Gate:
         self._bucket_fallback: str | None = None  # why users' buckets are local now, if they are
         # Per identity, so that reconnecting does not refill it; least recently used first.
         self._refusal_budgets: OrderedDict[Identity, RefusalBudget] = OrderedDict()
+        self.once = Once(self.settings, lambda: self.backplane)  # idempotent calls: rpc_method(idempotent=True)
         self.configure(self.settings)
         _gates.add(self)
 
@@ -152,7 +157,7 @@ class Gate:
         except ValueError as exc:  # reported by the checks (E006): the limits in force stay
             logger.warning("new admission limits refused, the previous ones stay: %s (see manage.py check)", exc)
             return
-        self.settings = limits
+        self.settings = self.once.settings = limits
         self.admission.limits, self.handshakes.limits, self._anonymous.limits = books
         running = limits.admission_max_running
         self.pool.core.anonymous_share = max(1, int(running * (1 - float(limits.signed_in_reserve)))) if running else 0
@@ -250,6 +255,9 @@ class Gate:
         or error)``. Every place it holds is given back however it ends."""
         method = ticket.method
         assert method is not None
+        key = params.get(KEY_PARAM) if method.idempotent and isinstance(params, dict) else None
+        if key is not None:  # runs once for its key: every repeat gets the first answer
+            run = partial(self.once.run, ticket.identity, key, run)
         call = Call(owner, run, ticket.name, params, ticket.identity, ticket.merged, method.coalesce, method.is_async)
         if method.max_in_flight or method.rate:
             name, identity, books = ticket.name, ticket.identity, self.methods
@@ -344,4 +352,5 @@ class Gate:
             "identities": self.admission.identities,
             "bucket": self.shared_bucket,
             "closed_for_refusals": self.refusal_closes,
+            **{f"once_{name}": n for name, n in self.once.probe().items()},  # type: ignore[typeddict-item]
         }

@@ -20,6 +20,7 @@ from realtime_app.hub.connections import Connection
 from realtime_app.hub.fanout import Fanout
 from realtime_app.hub.gate import Gate
 from realtime_app.hub.ordering import Ordering
+from realtime_app.hub.outbox import outbox_probe
 from realtime_app.hub.reconciler import Reconciler
 from realtime_app.hub.replay import Replays
 from realtime_app.hub.tickers import Tickers
@@ -149,6 +150,7 @@ def process_probe(hub: Probed) -> ProcessProbe:
         "http_pools": pools_probe(),  # type: ignore[typeddict-item]
         "write_behind": stores_probe(),
         "templates": templates_probe(hub),
+        "outbox": outbox_probe(hub),
     }
 
 

@@ -10,6 +10,11 @@ commits — never when it rolls back, a savepoint's rollback included: clients n
 what the database did not keep (docs/transactions.md). Outside a transaction it goes at
 once. ``now=True`` is the escape hatch for the rare publication that must go whatever
 the transaction does (a progress bar of the work inside it).
+
+**Durable channels** (``event_channel(..., durable=True)``): inside a transaction, the
+publication is a row of the outbox written in that transaction (:mod:`.outbox`): it goes
+out once the transaction committed, through a Redis outage or a process killed meanwhile,
+exactly once and in order.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from asgiref.sync import async_to_sync
 
 from realtime_app.channels.registry import fed_channel, registry
 from realtime_app.cluster.factory import make_backplane
-from realtime_app.exceptions import BackplaneUnavailable, ConfigurationError
+from realtime_app.exceptions import BackplaneUnavailable, ConfigurationError, PublicationError
 from realtime_app.hub.core import hub_of_current_loop, running_hub
 from realtime_app.hub.envelope import encode_publication
 
@@ -54,6 +59,25 @@ def _target(channel: str) -> tuple[str, Any]:
     if spec.interval_ms is not None:
         raise ConfigurationError(f"{channel!r} is a cadenced channel: its ticker publishes it, not application code")
     return spec.name, spec.history
+
+
+def _to_outbox(channel: str, data_json: str, using: str | None) -> None:
+    """A durable channel's publication, written to the outbox in the caller's transaction."""
+    from django.db import DEFAULT_DB_ALIAS
+
+    from realtime_app.conf import get_config
+    from realtime_app.hub.outbox import outbox_full
+    from realtime_app.persistence import outbox
+
+    alias = using or DEFAULT_DB_ALIAS
+    if alias not in get_config()["OUTBOX_DATABASES"]:
+        raise ConfigurationError(
+            f"durable channel {channel!r} published in a transaction of database {alias!r}, whose outbox "
+            "nobody drains: add it to REALTIME_APP['OUTBOX_DATABASES']"
+        )
+    if outbox_full():
+        raise PublicationError(channel, "the outbox is full (OUTBOX_MAX_ROWS): the backplane is down or nothing drains")
+    outbox.write(channel, data_json, alias)
 
 
 def _after_commit(channel: str, data: Any) -> None:
@@ -135,8 +159,11 @@ def publish(channel: str, data: Any, *, using: str | None = None, now: bool = Fa
         if not now and in_transaction(using):
             from django.db import transaction
 
-            target, _ = _target(channel)
-            encode_publication(target, data)  # refused now, not after the commit
+            target, history = _target(channel)
+            data_json = encode_publication(target, data)  # refused now, not after the commit
+            if history is not None and history.durable:  # a row of this transaction: drained once it commits
+                _to_outbox(target, data_json, using)
+                return None
             transaction.on_commit(partial(_after_commit, channel, data), using=using)
             return None
         seq = async_to_sync(apublish)(channel, data, now=True)

@@ -78,6 +78,10 @@ class AdmissionProbe(TypedDict):
     identities: Annotated[int, Gauge("Identities (users, anonymous connections) admission tracks")]
     bucket: Annotated[str, Shown("realtime_admission_shared_bucket (1 while shared)")]
     closed_for_refusals: Annotated[int, Counter("Connections closed with 1008 for ignoring their refusals")]
+    once_ran: Annotated[int, Counter("Idempotent calls run the first time for their key")]
+    once_repeats: Annotated[int, Counter("Repeats of idempotent calls answered with the first answer")]
+    once_waited: Annotated[int, Counter("Repeats that waited for their first call to answer")]
+    once_not_kept: Annotated[int, Counter("Idempotent answers too large to keep for repeats")]
 
 
 class HistoryChannel(TypedDict):
@@ -177,6 +181,20 @@ class ConnectionProbe(TypedDict):
     age_s: float
 
 
+class OutboxProbe(TypedDict):
+    """The outbox of durable channels as this process's drain sees it (``outbox``)."""
+
+    rows: Annotated[int, Gauge("Outbox rows waiting to be published, as last counted", "realtime_outbox_rows")]
+    oldest_s: Annotated[float, Gauge("Age of the oldest outbox row", "realtime_outbox_oldest_seconds")]
+    published: Annotated[int, Counter("Outbox rows published by this process", "realtime_outbox_published")]
+    duplicates: Annotated[
+        int, Counter("Outbox rows the backplane had published already (a drain repeated)", "realtime_outbox_duplicates")
+    ]
+    failures: Annotated[int, Counter("Outbox drain passes stopped by an error", "realtime_outbox_failures")]
+    dropped: Annotated[int, Counter("Outbox rows of channels no longer durable, dropped", "realtime_outbox_dropped")]
+    alarm: Annotated[str, Shown("why the outbox needs attention (too many rows, too old), or empty")]
+
+
 class ProcessProbe(TypedDict):
     """One process: ``GET /realtime/probe``'s ``instances[]``, a health-channel frame's."""
 
@@ -213,6 +231,7 @@ class ProcessProbe(TypedDict):
     http_pools: dict[str, PoolProbe]
     write_behind: dict[str, StoreProbe]
     templates: dict[str, TemplateProbe]
+    outbox: OutboxProbe
 
 
 class ClusterProbe(TypedDict):

@@ -71,10 +71,12 @@ def new_epoch(now_ms: int | None = None) -> str:
 @dataclass(frozen=True, slots=True)
 class HistoryPolicy:
     """How much of a channel's past the backplane keeps: ``size`` publications, each for
-    at most ``ttl_s`` seconds."""
+    at most ``ttl_s`` seconds. ``durable``: publications made in a transaction go through
+    the outbox (docs/transactions.md)."""
 
     size: int
     ttl_s: int
+    durable: bool = False
 
     @property
     def ttl_ms(self) -> int:

@@ -67,11 +67,16 @@ def migrate(database_url: str) -> None:
 
 class TcpProxy:
     """127.0.0.1:port → target, in a thread; :meth:`cut` closes the listener and every
-    connection (the database is unreachable), :meth:`restore` listens again."""
+    connection (the database is unreachable), :meth:`restore` listens again.
+    :attr:`drop_before`: bytes that, seen coming back from the target, cut every open
+    connection instead of being forwarded (once; it is cleared) — a connection lost after
+    the server did the work and before its answer arrived."""
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
         self.port = free_port()
+        self.drop_before: bytes | None = None
+        self.dropped = 0
         self._listener: socket.socket | None = None
         self._sockets: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -101,16 +106,29 @@ class TcpProxy:
                 continue
             with self._lock:
                 self._sockets |= {client, upstream}
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            for a, b, back in ((client, upstream, False), (upstream, client, True)):
+                threading.Thread(target=self._pipe, args=(a, b, back), daemon=True).start()
 
-    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+    def _pipe(self, source: socket.socket, sink: socket.socket, back: bool = False) -> None:
         with contextlib.suppress(OSError):
             while data := source.recv(65536):
+                marker = self.drop_before
+                if back and marker is not None and marker in data:
+                    self.drop_before, self.dropped = None, self.dropped + 1
+                    self._drop_connections()
+                    return
                 sink.sendall(data)
         for s in (source, sink):
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
+
+    def _drop_connections(self) -> None:
+        with self._lock:
+            sockets, self._sockets = self._sockets, set()
+        for s in sockets:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
 
     def cut(self) -> None:
         if self._listener is not None:

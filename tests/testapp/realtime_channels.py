@@ -14,6 +14,7 @@ from typing import Any
 
 import realtime_app
 from realtime_app.channels.registry import ChannelSpec
+from realtime_app.exceptions import RPCError
 
 EVENTS: list[tuple[str, str]] = []
 
@@ -84,6 +85,7 @@ def drift(channel: ChannelSpec) -> dict[str, Any]:
 realtime_app.event_channel("test:events")
 realtime_app.event_channel("test:short-history", history_size=5, history_ttl_s=60)
 realtime_app.event_channel("test:big-history", history_size=1000, history_ttl_s=300)
+realtime_app.event_channel("test:durable", history_size=1000, history_ttl_s=300, durable=True)
 for _n in range(24):  # channels with history that land on every shard of a sharded backplane
     realtime_app.event_channel(f"test:kept-{_n}", history_size=100, history_ttl_s=300)
 
@@ -279,3 +281,35 @@ def flaky_exists(params: dict[str, Any]) -> bool:
 
 
 realtime_app.event_channel("test:flaky:<int:id>", exists=flaky_exists)
+
+
+#: Runs of ``test.once`` by key: what a call that runs once ran.
+once_runs: dict[str, int] = {}
+
+
+@realtime_app.rpc_method("test.once", idempotent=True)
+async def run_once(consumer: Any, params: Any) -> dict[str, Any]:
+    """Count a run per ``idempotency_key``; ``seconds`` inside, ``pad`` bytes of answer,
+    ``crash`` an internal error, ``refuse`` the method's own error."""
+    key = str(params.get("idempotency_key"))
+    once_runs[key] = once_runs.get(key, 0) + 1
+    await asyncio.sleep(float(params.get("seconds", 0)))
+    if params.get("crash"):
+        raise ZeroDivisionError("deliberate")
+    if params.get("refuse"):
+        raise RPCError(-32000, "Refused by the method", "refused_by_method")
+    return {"run": once_runs[key], "pad": "x" * int(params.get("pad", 0))}
+
+
+@realtime_app.rpc_method("test.commit_and_die")
+def commit_and_die(consumer: Any, params: Any) -> None:
+    """Commit ``count`` durable publications of ``channel``, one transaction each, then
+    SIGKILL this process at once: rows committed, their publication anyone's guess."""
+    import signal
+
+    from django.db import transaction
+
+    for n in range(int(params["count"])):
+        with transaction.atomic():
+            realtime_app.publish(params["channel"], {"n": n})
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -151,6 +151,25 @@ export class RefusedError extends RpcError {
   }
 }
 
+/**
+ * The connection was lost after a call was sent and before its answer came: it may have
+ * run or not. Only calls made `{idempotent: true}` are sent again (with their key, which
+ * the server answers once); any other call rejects with this, and the application decides.
+ */
+export class OutcomeUnknownError extends Error {
+  constructor(message) {
+    super(message);
+    this.name = "OutcomeUnknownError";
+  }
+}
+
+/** A fresh idempotency key: 128 random bits, hex. */
+function newKey() {
+  const bytes = new Uint8Array(16);
+  globalThis.crypto.getRandomValues(bytes);
+  return Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
+}
+
 /** The error object of a JSON-RPC error response: a RefusedError for a refusal. */
 export function errorFromResponse(error) {
   const data = (error && error.data) || {};
@@ -383,7 +402,7 @@ export class RealtimeClient extends EventTarget {
     this._resyncing.clear();
     for (const [id, call] of this._pending) {
       clearTimeout(call.timer);
-      call.reject(new Error(`connection closed (${code})`));
+      call.reject(new OutcomeUnknownError(`connection lost, outcome unknown (closed ${code})`));
       this._pending.delete(id);
     }
     const blip = this._blipMs;
@@ -523,23 +542,45 @@ export class RealtimeClient extends EventTarget {
 
   /**
    * Call a method; resolves with its result, rejects with RpcError (RefusedError when
-   * admission refused it) or a timeout Error. `retries`: how many times a refused call is
+   * admission refused it), a timeout Error, or OutcomeUnknownError (the connection was lost
+   * before the answer: never retried silently). `retries`: how many times a refused call is
    * sent again after its `retryAfterMs` (jittered); 0 by default — retrying is the
-   * application's choice (a stale "fire" may be worse than none).
+   * application's choice (a stale "fire" may be worse than none). `idempotent` (methods
+   * registered so): the call carries an `idempotency_key` and is sent again with it after a
+   * reconnect, within `timeoutMs`; the server runs it once and answers each try alike.
    * @param {string} method @param {object|Array} [params]
-   * @param {{timeoutMs?: number, retries?: number}} [options]
+   * @param {{timeoutMs?: number, retries?: number, idempotent?: boolean}} [options]
    */
   async call(method, params, options = {}) {
     let retries = options.retries ?? 0;
+    const deadline = Date.now() + (options.timeoutMs ?? this.callTimeoutMs);
+    if (options.idempotent) params = { idempotency_key: newKey(), ...(params || {}) };
     for (;;) {
+      const left = Math.max(1, deadline - Date.now());
       try {
-        return await this._callOnce(method, params, options);
+        if (options.idempotent && !(this._ws && this._ws.readyState === 1)) await this._opened(left);
+        return await this._callOnce(method, params, { ...options, timeoutMs: left });
       } catch (err) {
+        if (err instanceof OutcomeUnknownError && options.idempotent && !this._stopped) continue;
         if (!(err instanceof RefusedError) || retries <= 0) throw err;
         retries -= 1;
         await new Promise((resolve) => setTimeout(resolve, retryDelayMs(err.retryAfterMs)));
       }
     }
+  }
+
+  /** Resolves when the connection is open, rejects after `timeoutMs`. */
+  _opened(timeoutMs) {
+    return new Promise((resolve, reject) => {
+      const timer = setTimeout(() => { this.removeEventListener("state", onState); reject(new Error("not connected")); }, timeoutMs);
+      const onState = (event) => {
+        if (event.detail !== "open") return;
+        clearTimeout(timer);
+        this.removeEventListener("state", onState);
+        resolve();
+      };
+      this.addEventListener("state", onState);
+    });
   }
 
   _callOnce(method, params, options) {

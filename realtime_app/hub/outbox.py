@@ -1,0 +1,196 @@
+"""The drain of the outbox (durable channels, docs/transactions.md): every process looks
+for committed rows each beat — and at once after a commit of its own — and publishes them
+in id order per channel, each with its row's key so that the backplane publishes it once,
+then deletes them.
+
+One process drains a channel at a time: a lease per channel on the backplane, the
+tickers' own (:meth:`~realtime_app.cluster.base.Backplane.acquire`). While the backplane
+is down the rows wait, in order; after a process was killed between a publication and
+its delete, the next drain finds the rows and the backplane says they went out already.
+The counters (rows waiting, the oldest's age, an alarm) are the probe's ``outbox``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import weakref
+from typing import TYPE_CHECKING
+
+from asgiref.sync import sync_to_async
+
+from realtime_app.channels.registry import registry
+from realtime_app.conf import beat_period_s, get_config
+from realtime_app.exceptions import UnknownChannel
+from realtime_app.persistence import outbox
+from realtime_app.wire.history import HistoryPolicy
+
+if TYPE_CHECKING:
+    from realtime_app.hub.core import Hub
+    from realtime_app.observability.schema import OutboxProbe
+
+__all__ = ["OutboxDrain", "drain_outbox", "outbox_full", "outbox_probe"]
+
+logger = logging.getLogger("realtime_app.outbox")
+
+#: Channels looked at per pass, and rows read at once per channel.
+CHANNELS_PER_PASS = 100
+ROWS_PER_READ = 200
+LEASE_PREFIX = "realtime.outbox:"
+
+
+class OutboxDrain:
+    """One hub's drain: its counters, and its wake-up."""
+
+    def __init__(self, hub: Hub) -> None:
+        self.hub = hub
+        self.woken = asyncio.Event()
+        self.rows = 0  # waiting, as last counted
+        self.oldest: datetime.datetime | None = None
+        self.published = 0
+        self.duplicates = 0  # rows the backplane had published already (a repeated drain)
+        self.failures = 0  # passes stopped by an error
+        self.dropped = 0  # rows of channels no longer declared
+        self._failing = False
+
+    def wake(self) -> None:
+        """From any thread: a commit wrote rows."""
+        loop = self.hub.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self.woken.set)
+
+    async def run(self) -> None:
+        stop = outbox.on_written(self.wake)
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(self.woken.wait(), beat_period_s(get_config()))
+                except TimeoutError:
+                    pass
+                self.woken.clear()
+                await self.drain()
+        finally:
+            stop()
+
+    async def drain(self) -> int:
+        """One pass over every outbox database: rows published. Nothing is read while no
+        durable channel is declared (a project without one pays nothing)."""
+        if not _any_durable():
+            return 0
+        published = 0
+        for alias in get_config()["OUTBOX_DATABASES"]:
+            try:
+                for channel in await sync_to_async(outbox.channels_waiting)(alias, CHANNELS_PER_PASS):
+                    published += await self._drain_channel(alias, channel)
+                self.rows, self.oldest = await sync_to_async(outbox.stats)(alias)
+            except Exception as exc:  # the database or the backplane: the rows wait, in order
+                self.failures += 1
+                if not self._failing:
+                    logger.warning("outbox of %r not drained: %s (the rows wait; retried each beat)", alias, exc)
+                self._failing = True
+                return published
+        if self._failing:
+            logger.info("outbox drained again")
+        self._failing = False
+        return published
+
+    async def _drain_channel(self, alias: str, channel: str) -> int:
+        backplane = self.hub.backplane
+        if backplane is None:
+            return 0
+        history = self._history(channel)
+        if history is None:  # the channel is no longer declared durable: nothing can carry its rows
+            rows = await sync_to_async(outbox.read)(alias, channel, ROWS_PER_READ)
+            await sync_to_async(outbox.delete)(alias, [row.id for row in rows])
+            self.dropped += len(rows)
+            logger.error("outbox: %d row(s) of %r dropped: not a durable channel (any more)", len(rows), channel)
+            return 0
+        lease = LEASE_PREFIX + channel
+        if not await backplane.acquire(lease):
+            return 0  # another process drains it now
+        window_ms = int(get_config()["OUTBOX_DEDUPE_WINDOW_S"]) * 1000
+        published = 0
+        try:
+            while rows := await sync_to_async(outbox.read)(alias, channel, ROWS_PER_READ):
+                floor = self.hub.last_seq.get(channel, 0)
+                for row in rows:
+                    seq = await backplane.publish_once(
+                        channel, row.data, floor, history, f"{alias}:{row.id}", window_ms
+                    )
+                    if seq is None:
+                        self.duplicates += 1
+                    else:
+                        published, self.published, floor = published + 1, self.published + 1, max(floor, seq)
+                await sync_to_async(outbox.delete)(alias, [row.id for row in rows])
+                if not await backplane.renew(lease):  # another process took the channel over
+                    break
+        except backplane.errors as exc:
+            backplane.outage.failed(exc)
+            raise
+        finally:
+            await _release(backplane, lease)
+        return published
+
+    @staticmethod
+    def _history(channel: str) -> HistoryPolicy | None:
+        try:
+            spec = registry.resolve(channel)
+        except UnknownChannel:
+            return None
+        return spec.history if spec.history is not None and spec.history.durable else None
+
+    def probe(self) -> OutboxProbe:
+        config = get_config()
+        now = datetime.datetime.now(datetime.UTC)
+        oldest = (now - self.oldest).total_seconds() if self.oldest is not None else 0.0
+        alarm = ""
+        if self.rows >= int(config["OUTBOX_MAX_ROWS"]):
+            alarm = f"{self.rows} rows waiting (OUTBOX_MAX_ROWS {config['OUTBOX_MAX_ROWS']})"
+        elif oldest > float(config["OUTBOX_MAX_AGE_S"]):
+            alarm = f"the oldest row waits for {oldest:.0f} s (OUTBOX_MAX_AGE_S {config['OUTBOX_MAX_AGE_S']})"
+        return {
+            "rows": self.rows,
+            "oldest_s": round(max(oldest, 0.0), 3),
+            "published": self.published,
+            "duplicates": self.duplicates,
+            "failures": self.failures,
+            "dropped": self.dropped,
+            "alarm": alarm,
+        }
+
+
+def _any_durable() -> bool:
+    histories = [spec.history for spec in registry.exact.values()]
+    histories += [declared.history for declared in registry.templates.values()]
+    return any(history is not None and history.durable for history in histories)
+
+
+async def _release(backplane: object, lease: str) -> None:
+    try:
+        await backplane.release(lease)  # type: ignore[attr-defined]
+    except Exception:  # lapses with its TTL
+        logger.debug("outbox lease %s not released", lease)
+
+
+_drains: weakref.WeakKeyDictionary[Hub, OutboxDrain] = weakref.WeakKeyDictionary()
+
+
+async def drain_outbox(hub: Hub) -> None:
+    """The hub's outbox loop (listed in :mod:`realtime_app.endpoint.wiring`)."""
+    drain = _drains[hub] = OutboxDrain(hub)
+    await drain.run()
+
+
+def outbox_probe(hub: object) -> OutboxProbe:
+    drain: OutboxDrain | None = _drains.get(hub)  # type: ignore[call-overload]
+    if drain is None:
+        return {"rows": 0, "oldest_s": 0.0, "published": 0, "duplicates": 0, "failures": 0, "dropped": 0, "alarm": ""}
+    return drain.probe()
+
+
+def outbox_full() -> bool:
+    """True while the outbox holds ``OUTBOX_MAX_ROWS`` rows or more (as this process's
+    drains last counted): durable publications are refused."""
+    limit = int(get_config()["OUTBOX_MAX_ROWS"])
+    return bool(limit) and any(drain.rows >= limit for drain in list(_drains.values()))

@@ -1,0 +1,94 @@
+"""The outbox of durable channels, in the database: a publication made inside a transaction
+is a row written in that transaction, so it exists if and only if the transaction
+committed; the drain (:mod:`realtime_app.hub.outbox`) publishes the rows and deletes them.
+
+Rows are read in id order per channel; each is published with its database and id as
+its idempotency key, so a drain that ran again after a crash between the publication and
+the delete publishes nothing twice. Everything here is synchronous ORM (the drain calls it
+in a worker thread).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.db import DEFAULT_DB_ALIAS, transaction
+
+__all__ = ["Row", "channels_waiting", "delete", "on_written", "read", "stats", "write"]
+
+_wakers: list[Callable[[], None]] = []
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    id: int
+    channel: str
+    data: str
+
+
+def on_written(wake: Callable[[], None]) -> Callable[[], None]:
+    """Call ``wake`` (from any thread) after each commit that wrote rows: a drain starts at
+    once rather than at its next beat. Returns the function that stops it."""
+    with _lock:
+        _wakers.append(wake)
+
+    def stop() -> None:
+        with _lock:
+            if wake in _wakers:
+                _wakers.remove(wake)
+
+    return stop
+
+
+def _wake_all() -> None:
+    with _lock:
+        wakers = list(_wakers)
+    for wake in wakers:
+        wake()
+
+
+def write(channel: str, data_json: str, using: str | None = None) -> None:
+    """One row in the current transaction of ``using``; the drains are woken when it commits."""
+    from realtime_app.models import OutboxEntry
+
+    alias = using or DEFAULT_DB_ALIAS
+    OutboxEntry.objects.using(alias).create(channel=channel, data=data_json)
+    transaction.on_commit(_wake_all, using=alias)
+
+
+def channels_waiting(alias: str, limit: int) -> list[str]:
+    """Channels with rows, the one waiting longest first (at most ``limit``)."""
+    from django.db.models import Min
+
+    from realtime_app.models import OutboxEntry
+
+    rows = OutboxEntry.objects.using(alias).values("channel").annotate(first=Min("id")).order_by("first")[:limit]
+    return [row["channel"] for row in rows]
+
+
+def read(alias: str, channel: str, limit: int) -> list[Row]:
+    """A channel's first rows, in id order."""
+    from realtime_app.models import OutboxEntry
+
+    rows = OutboxEntry.objects.using(alias).filter(channel=channel).order_by("id")[:limit]
+    return [Row(r.id, r.channel, r.data) for r in rows.only("id", "channel", "data")]
+
+
+def delete(alias: str, ids: list[int]) -> None:
+    from realtime_app.models import OutboxEntry
+
+    OutboxEntry.objects.using(alias).filter(id__in=ids).delete()
+
+
+def stats(alias: str) -> tuple[int, datetime | None]:
+    """Rows waiting and when the oldest was written."""
+    from django.db.models import Count, Min
+
+    from realtime_app.models import OutboxEntry
+
+    got = OutboxEntry.objects.using(alias).aggregate(rows=Count("id"), oldest=Min("created"))
+    return int(got["rows"] or 0), got["oldest"]

@@ -1,0 +1,91 @@
+"""Calls that run once (rpc_method(idempotent=True), realtime_app.hub.once): a key runs
+once per identity, its repeats on any connection get the first answer or wait for it;
+answers are kept bounded; a failure that is not the call's own frees the key."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.test import override_settings
+
+from realtime_app.conf import get_config
+from realtime_app.hub.once import OnceBook
+from tests.support.asgi_client import Client
+from tests.testapp.realtime_channels import once_runs
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+async def _user(django_user_model, name):
+    return await sync_to_async(django_user_model.objects.create_user)(name, password="p")
+
+
+async def test_one_key_runs_once_for_one_user_on_any_connection(hub, django_user_model):
+    alice, bob = await _user(django_user_model, "alice"), await _user(django_user_model, "bob")
+    key = secrets.token_hex(8)
+    async with Client(alice) as a1, Client(alice) as a2, Client(bob) as b:
+        first = await a1.call("test.once", {"idempotency_key": key})
+        again = await a2.call("test.once", {"idempotency_key": key})  # another connection, same user
+        assert first["result"] == again["result"] == {"run": 1, "pad": ""} and once_runs[key] == 1
+        other = await b.call("test.once", {"idempotency_key": key})  # another user's key: its own
+        assert other["result"] == {"run": 2, "pad": ""} and once_runs[key] == 2
+        plain = [await a1.call("test.once", {}) for _ in range(2)]  # no key: every call runs
+        assert [p["result"]["run"] for p in plain] == [1, 2]
+    assert hub.gate.once.probe()["repeats"] == 1
+
+
+async def test_a_repeat_waits_for_the_running_first_call(hub, django_user_model):
+    alice = await _user(django_user_model, "alice")
+    key = secrets.token_hex(8)
+    async with Client(alice) as a1, Client(alice) as a2:
+        answers = await asyncio.gather(
+            a1.call("test.once", {"idempotency_key": key, "seconds": 0.3}),
+            a2.call("test.once", {"idempotency_key": key, "seconds": 0.3}),
+        )
+    assert answers[0]["result"] == answers[1]["result"] and once_runs[key] == 1
+    assert hub.gate.once.probe()["waited"] == 1
+
+
+async def test_the_methods_own_error_is_kept_an_internal_one_frees_the_key(hub, django_user_model):
+    alice = await _user(django_user_model, "alice")
+    refused, crashed = secrets.token_hex(8), secrets.token_hex(8)
+    async with Client(alice) as a:
+        for _ in range(2):
+            error = (await a.call("test.once", {"idempotency_key": refused, "refuse": True}))["error"]
+            assert error["data"]["reason"] == "refused_by_method"
+        assert once_runs[refused] == 1  # its outcome: kept
+        for _ in range(2):
+            error = (await a.call("test.once", {"idempotency_key": crashed, "crash": True}))["error"]
+            assert error["data"]["reason"] == "internal_error"
+        assert once_runs[crashed] == 2  # not its outcome: the retry runs
+        bad = (await a.call("test.once", {"idempotency_key": ""}))["error"]
+        assert (bad["code"], bad["data"]["reason"]) == (-32602, "invalid_idempotency_key")
+
+
+async def test_an_answer_over_the_bound_is_not_kept_and_its_repeats_are_told(hub, django_user_model):
+    alice = await _user(django_user_model, "alice")
+    key = secrets.token_hex(8)
+    with override_settings(REALTIME_APP={**get_config(), "IDEMPOTENCY_MAX_ANSWER_BYTES": 1000}):
+        async with Client(alice) as a:
+            first = await a.call("test.once", {"idempotency_key": key, "pad": 2000})
+            assert len(first["result"]["pad"]) == 2000  # the first caller gets its answer
+            again = (await a.call("test.once", {"idempotency_key": key, "pad": 2000}))["error"]
+    assert again["data"]["reason"] == "answer_not_kept" and once_runs[key] == 1
+
+
+def test_one_process_book_is_bounded_in_bytes_and_forgets_the_oldest_first():
+    now = [0.0]
+    book = OnceBook(max_bytes=300, clock=lambda: now[0])
+    for i in range(10):
+        assert book.claim(f"k{i}", "o", 60_000) == ("run", None)
+        book.keep(f"k{i}", "o", "a" * 40, 60_000)
+    assert book.bytes <= 300 and book.claim("k9", "p", 1000) == ("answer", "a" * 40)
+    assert book.claim("k0", "p", 1000) == ("run", None)  # forgotten: runs again
+    assert book.claim("k0", "q", 1000) == ("running", None)
+    now[0] += 2  # the claim's lease lapsed (its process died): a retry runs
+    assert book.claim("k0", "q", 1000) == ("run", None)
+    book.free("k0", "someone else")
+    assert book.claim("k0", "r", 1000) == ("running", None)  # only its owner frees a claim

@@ -1,0 +1,105 @@
+"""Durable channels (event_channel(durable=True)): a publication made in a transaction is
+an outbox row of that transaction, published once it committed — in order, each exactly
+once, through a backplane that stops answering — and never when it rolled back
+(realtime_app.persistence.outbox, realtime_app.hub.outbox)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.db import transaction
+from django.test import override_settings
+
+import realtime_app
+from realtime_app.conf import get_config
+from realtime_app.exceptions import ConfigurationError
+from realtime_app.models import OutboxEntry
+from tests.support.asgi_client import Client
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+CHANNEL = "test:durable"
+
+
+def _post(texts: list[str], fail: bool = False) -> None:
+    for text in texts:
+        with transaction.atomic():
+            assert realtime_app.publish(CHANNEL, {"text": text}) is None
+            if fail:
+                transaction.set_rollback(True)
+
+
+def _rows() -> int:
+    return OutboxEntry.objects.count()
+
+
+async def test_durable_publications_go_out_after_commit_in_order_once(hub):
+    async with Client() as c:
+        first = (await c.call("subscribe", {"channel": CHANNEL}))["result"]
+        await sync_to_async(_post)(["never"], fail=True)
+        await sync_to_async(_post)([f"m{i}" for i in range(20)])
+        frames = await c.frames(20, timeout=10)
+    assert [f["data"]["text"] for f in frames] == [f"m{i}" for i in range(20)]
+    assert [f["seq"] for f in frames] == list(range(first["seq"] + 1, first["seq"] + 21))
+    await _drained()
+    assert hub.probe()["outbox"]["published"] >= 20 and hub.probe()["outbox"]["alarm"] == ""
+
+
+async def _drained(timeout: float = 10) -> None:
+    """Wait until every row is deleted (polled with a deadline)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while (left := await sync_to_async(_rows)()) > 0:
+        assert asyncio.get_running_loop().time() < deadline, f"{left} outbox rows left"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_drain_repeated_after_a_crash_publishes_nothing_twice(hub):
+    """Rows published, then the process died before deleting them: the next drain finds
+    them, the backplane says they went out already, nothing reaches a client twice."""
+    from realtime_app.hub.outbox import OutboxDrain
+    from realtime_app.wire.protocol import encode
+
+    rows = await sync_to_async(
+        lambda: [OutboxEntry.objects.create(channel=CHANNEL, data=encode({"n": i})) for i in range(3)]
+    )()
+    from realtime_app.channels.registry import registry
+
+    spec = registry.resolve(CHANNEL)
+    async with Client() as c:
+        await c.call("subscribe", {"channel": CHANNEL})
+        for row in rows[:2]:  # published by the process that died
+            await hub.backplane.publish_once(CHANNEL, row.data, 0, spec.history, f"default:{row.id}", 3_600_000)
+        drain = OutboxDrain(hub)
+        await drain.drain()
+        frames = await c.frames(3, timeout=10)
+    assert [f["data"]["n"] for f in frames] == [0, 1, 2]  # 0 and 1 once (by the dead process), 2 by the drain
+    assert (drain.duplicates, drain.published) == (2, 1) and await sync_to_async(_rows)() == 0
+
+
+async def test_rows_wait_while_redis_does_not_answer_and_go_out_in_order_after(private_redis):
+    from realtime_app.hub import get_hub
+
+    config = {**get_config(), "BACKPLANE": "redis", "REDIS_URL": private_redis.url, "KEY_PREFIX": "outbox"}
+    with override_settings(REALTIME_APP=config):
+        hub = await get_hub()
+        try:
+            async with Client() as c:
+                first = (await c.call("subscribe", {"channel": CHANNEL}))["result"]
+                private_redis.pause()
+                await sync_to_async(_post)([f"while down {i}" for i in range(10)])  # the commits do not wait
+                assert await sync_to_async(_rows)() == 10
+                private_redis.resume()
+                frames = await c.frames(10, timeout=30)
+            assert [f["data"]["text"] for f in frames] == [f"while down {i}" for i in range(10)]
+            assert [f["seq"] for f in frames] == list(range(first["seq"] + 1, first["seq"] + 11))
+            await _drained()
+        finally:
+            private_redis.resume()
+            await asyncio.wait_for(hub.aclose(), 20)
+
+
+def test_a_durable_channel_needs_a_history():
+    with pytest.raises(ConfigurationError, match="needs a history"):
+        realtime_app.event_channel("test:durable-without-history", durable=True)
