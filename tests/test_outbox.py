@@ -103,3 +103,17 @@ async def test_rows_wait_while_redis_does_not_answer_and_go_out_in_order_after(p
 def test_a_durable_channel_needs_a_history():
     with pytest.raises(ConfigurationError, match="needs a history"):
         realtime_app.event_channel("test:durable-without-history", durable=True)
+
+
+def test_outbox_checks_name_an_unknown_database_and_an_outbox_nothing_drains():
+    from realtime_app.persistence.checks import check_outbox, check_outbox_databases
+
+    assert check_outbox_databases() == [] and check_outbox(databases=["default"]) == []
+    with override_settings(REALTIME_APP={**get_config(), "OUTBOX_DATABASES": ["default", "reports"]}):
+        [error] = check_outbox_databases()
+        assert error.id == "realtime_app.E032" and "reports" in error.msg
+    OutboxEntry.objects.create(channel=CHANNEL, data="{}")
+    with override_settings(REALTIME_APP={**get_config(), "OUTBOX_MAX_ROWS": 1}):
+        [warning] = check_outbox(databases=["default"])
+    assert warning.id == "realtime_app.W032" and "1 row(s)" in warning.msg
+    assert check_outbox() == []  # without --database, no query

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import time
 import weakref
 from typing import TYPE_CHECKING
 
@@ -53,6 +54,7 @@ class OutboxDrain:
         self.failures = 0  # passes stopped by an error
         self.dropped = 0  # rows of channels no longer declared
         self._failing = False
+        self._counted = 0.0  # when rows were last counted (at most once a beat)
 
     def wake(self) -> None:
         """From any thread: a commit wrote rows."""
@@ -83,7 +85,9 @@ class OutboxDrain:
             try:
                 for channel in await sync_to_async(outbox.channels_waiting)(alias, CHANNELS_PER_PASS):
                     published += await self._drain_channel(alias, channel)
-                self.rows, self.oldest = await sync_to_async(outbox.stats)(alias)
+                if time.monotonic() - self._counted >= beat_period_s(get_config()):
+                    self.rows, self.oldest = await sync_to_async(outbox.stats)(alias)
+                    self._counted = time.monotonic()
             except Exception as exc:  # the database or the backplane: the rows wait, in order
                 self.failures += 1
                 if not self._failing:
