@@ -70,3 +70,17 @@ def test_nominal_path_allocates_nothing():
         s for s in after.compare_to(before, "filename") if "backpressure.py" in str(s.traceback) and s.size_diff > 0
     ]
     assert not grown
+
+
+def test_the_guards_defaults_are_the_settings_defaults():
+    """One home for the defaults: conf.DEFAULTS (the pure rule keeps a copy, so that the
+    clients' twin imports nothing of settings)."""
+    from realtime_app.conf import DEFAULTS
+    from realtime_app.outbound.backpressure import BackpressureConfig
+
+    config = BackpressureConfig()
+    assert (config.max_backpressure, config.policy, config.close_after_drops) == (
+        DEFAULTS["MAX_BACKPRESSURE"],
+        DEFAULTS["BACKPRESSURE_POLICY"],
+        DEFAULTS["CLOSE_AFTER_DROPS"],
+    )

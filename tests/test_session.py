@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -173,3 +174,12 @@ class ClientSessionMachine(RuleBasedStateMachine):
 
 TestClientSession = ClientSessionMachine.TestCase
 TestClientSession.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_an_idempotent_call_gets_a_key_of_its_own_unless_given_and_takes_by_name_params():
+    first, second = ClientSession.keyed({"lot": 1}), ClientSession.keyed(None)
+    assert first["lot"] == 1 and len(first["idempotency_key"]) == 32
+    assert first["idempotency_key"] != second["idempotency_key"]
+    assert ClientSession.keyed({"idempotency_key": "mine"})["idempotency_key"] == "mine"
+    with pytest.raises(ValueError, match="by-name"):
+        ClientSession.keyed([1, 2])

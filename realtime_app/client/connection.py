@@ -16,7 +16,6 @@ import inspect
 import logging
 import random
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
@@ -228,7 +227,7 @@ class RealtimeClient:
         again with it after a reconnect, within ``timeout``; the server runs it once."""
         deadline = asyncio.get_running_loop().time() + (timeout if timeout is not None else self.call_timeout)
         if idempotent:
-            params = {"idempotency_key": uuid.uuid4().hex, **(params or {})}
+            params = self.session.keyed(params)
         while True:
             left = deadline - asyncio.get_running_loop().time()
             try:

@@ -144,9 +144,9 @@ class RedisBackplane(Backplane):
         hosts: list[dict[str, Any]] | None = None,
     ) -> None:
         super().__init__(instance_id=instance_id, config=config)
-        from realtime_app.conf import DEFAULTS
+        from realtime_app.conf import with_defaults
 
-        settings = {**DEFAULTS, **(config or {})}
+        settings = with_defaults(config)
         self.prefix: str = settings["KEY_PREFIX"]
         self.lease_ttl_ms: int = settings["LEASE_TTL_MS"]
         self.seq_ttl_ms: int = settings["SEQ_IDLE_TTL_MS"]

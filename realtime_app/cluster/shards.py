@@ -111,9 +111,9 @@ class ShardedBackplane(Backplane):
         hosts: list[dict[str, Any]] | None = None,
     ) -> None:
         super().__init__(instance_id=instance_id, config=config)
-        from realtime_app.conf import DEFAULTS, beat_period_s
+        from realtime_app.conf import beat_period_s, with_defaults
 
-        settings = {**DEFAULTS, **(config or {})}
+        settings = with_defaults(config)
         hosts = shard_hosts(settings) if hosts is None else hosts
         self.shards = [RedisBackplane(instance_id=instance_id, config=config, hosts=[host]) for host in hosts]
         for index, shard in enumerate(self.shards):

@@ -11,7 +11,15 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-__all__ = ["DEFAULTS", "apply_json_encoder", "beat_period_s", "chosen_backplane", "get_config", "reset_config"]
+__all__ = [
+    "DEFAULTS",
+    "apply_json_encoder",
+    "beat_period_s",
+    "chosen_backplane",
+    "get_config",
+    "reset_config",
+    "with_defaults",
+]
 
 DEFAULTS: dict[str, Any] = {
     # Channel access rules (see docs/configuration.md). The most specific rule wins; a rule
@@ -180,6 +188,12 @@ def beat_period_s(config: dict[str, Any]) -> float:
     return float(config["LEASE_TTL_MS"]) / 3000
 
 
+def with_defaults(config: dict[str, Any] | None) -> dict[str, Any]:
+    """``config`` (a whole ``REALTIME_APP`` or a few keys of one, as a backplane built in a
+    test or a script is given) over :data:`DEFAULTS`: the one place they are merged."""
+    return {**DEFAULTS, **(config or {})}
+
+
 def chosen_backplane(config: dict[str, Any], layer: str) -> str:
     """The one rule of which backplane the settings choose: ``"memory"``, ``"redis"``, a
     dotted path, or ``"unsupported_layer"`` (``"auto"`` with a channel layer no cluster can
@@ -203,7 +217,7 @@ def get_config() -> dict[str, Any]:
     user = getattr(settings, "REALTIME_APP", None) or {}
     if not isinstance(user, dict):  # reported by check E001; the defaults meanwhile
         user = {}
-    return {**DEFAULTS, **user}
+    return with_defaults(user)
 
 
 def reset_config(*, setting: str, **kwargs: Any) -> None:

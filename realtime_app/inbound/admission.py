@@ -31,6 +31,7 @@ from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from realtime_app.conf import DEFAULTS
 from realtime_app.wire.protocol import OVERLOADED, RATE_LIMITED, TOO_MANY_IN_FLIGHT
 
 __all__ = [
@@ -50,10 +51,10 @@ T = TypeVar("T")
 class AdmissionLimits:
     """The limits of one process. ``0`` switches a cap or the bucket off."""
 
-    max_pending: int = 3000  # requests queued + running in the process
-    max_per_identity: int = 10  # requests of one identity in flight or waiting
-    bucket_capacity: float = 18.0  # tokens
-    refill_per_s: float = 9.0  # tokens per second
+    max_pending: int = DEFAULTS["ADMISSION_MAX_PENDING"]  # requests queued + running in the process
+    max_per_identity: int = DEFAULTS["ADMISSION_MAX_PER_IDENTITY"]  # requests of one identity in flight or waiting
+    bucket_capacity: float = DEFAULTS["ADMISSION_BUCKET_CAPACITY"]  # tokens
+    refill_per_s: float = DEFAULTS["ADMISSION_REFILL_PER_S"]  # tokens per second
     idle_s: float = 60.0  # an identity with nothing pending is forgotten after this long
     cap_retry_ms: int = 250  # the retry hint of a cap refusal (when a slot frees is unknown)
 

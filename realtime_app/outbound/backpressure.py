@@ -43,6 +43,8 @@ class BackpressureConfig:
             1013; 0 never closes.
     """
 
+    # The settings' defaults (conf.DEFAULTS, held equal by tests/test_backpressure_rule.py):
+    # not imported, so that the clients' twin of this rule imports nothing of settings.
     max_backpressure: int = 4 * 1024 * 1024
     policy: str = "drop"
     close_after_drops: int = 1000

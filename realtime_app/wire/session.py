@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import uuid
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -193,6 +194,14 @@ class ClientSession(Session):
         if request_id is not None:
             request["id"] = request_id
         return json.dumps(request)
+
+    @staticmethod
+    def keyed(params: Any) -> dict[str, Any]:
+        """An idempotent call's params with its ``idempotency_key`` (a new one unless
+        given): by-name params only."""
+        if params is not None and not isinstance(params, dict):
+            raise ValueError("an idempotent call takes by-name params (a dict): its key is one of them")
+        return {"idempotency_key": uuid.uuid4().hex, **(params or {})}
 
     def forget(self, request_id: int) -> None:
         """The caller stopped waiting (answered, timed out, cancelled)."""
