@@ -1,5 +1,5 @@
-"""Redis hosts as channels-redis reads them, and the pool of a Sentinel service — rules of
-this package, on redis-py's public API.
+"""Redis hosts as channels-redis reads them, the pool of a Sentinel service, and the
+backplane's client on any of them — rules of this package, on redis-py's public API.
 
 The shapes are channels-redis' (``CONFIG["hosts"]`` of its layers: a URL, a
 ``(host, port)`` pair, or a dict of connection keywords, Sentinel services with
@@ -17,7 +17,7 @@ from typing import Any
 from redis import asyncio as aioredis
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 
-__all__ = ["decode_hosts", "sentinel_pool"]
+__all__ = ["decode_hosts", "redis_client", "sentinel_pool"]
 
 
 def decode_hosts(hosts: Sequence[Any] | None) -> list[dict[str, Any]]:
@@ -47,3 +47,30 @@ def sentinel_pool(host: dict[str, Any]) -> aioredis.ConnectionPool:
     sentinel_kwargs = options.pop("sentinel_kwargs", None)
     sentinel = Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
     return SentinelConnectionPool(master_name, sentinel, **options)  # type: ignore[no-untyped-call]
+
+
+def redis_client(settings: dict[str, Any], host: dict[str, Any]) -> Any:
+    """A redis.asyncio client on one host, whatever its shape (URL, host and port, a
+    Sentinel service), with the backplane's bounds: at most ``REDIS_MAX_CONNECTIONS``
+    (a burst waits for one rather than failing, but with Sentinel), and
+    ``REDIS_TIMEOUT_MS`` on every connect, read and wait, so that a server that stops
+    answering fails its calls instead of holding them."""
+    timeout_s = settings["REDIS_TIMEOUT_MS"] / 1000
+    bounds = {
+        "max_connections": settings["REDIS_MAX_CONNECTIONS"],
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+    }
+    url = host.get("address") if isinstance(host.get("address"), str) else None
+    if url:
+        pool: aioredis.ConnectionPool = aioredis.BlockingConnectionPool.from_url(url, timeout=timeout_s, **bounds)
+    elif host.get("master_name"):
+        sentinel_kwargs = host.get("sentinel_kwargs") or {
+            k: timeout_s for k in ("socket_timeout", "socket_connect_timeout")
+        }
+        pool = sentinel_pool({**bounds, **host, "sentinel_kwargs": sentinel_kwargs})  # the master, by its sentinels
+    elif host.get("host"):
+        pool = aioredis.BlockingConnectionPool(timeout=timeout_s, **{**bounds, **host})
+    else:
+        raise ValueError("the Redis backplane needs REDIS_SHARDS, REDIS_URL or a channels-redis layer with hosts")
+    return aioredis.Redis(connection_pool=pool)

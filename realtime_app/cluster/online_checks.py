@@ -67,7 +67,7 @@ async def _ask_all(config: dict[str, Any], hosts: list[dict[str, Any]]) -> list[
 
 async def _ask(config: dict[str, Any], host: dict[str, Any]) -> str | None:
     """Why ``host`` cannot carry the backplane (None: it can)."""
-    from realtime_app.cluster.redis import redis_client
+    from realtime_app.cluster.hosts import redis_client
 
     timeout_ms = min(config["REDIS_TIMEOUT_MS"], int(TIMEOUT_S * 1000))
     client = redis_client({**config, "REDIS_TIMEOUT_MS": timeout_ms}, host)

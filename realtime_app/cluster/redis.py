@@ -31,13 +31,13 @@ import json
 import logging
 from typing import Any
 
-from redis import asyncio as aioredis
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeout
 
 from realtime_app.cancellation import cancel_and_wait
 from realtime_app.cluster import redis_scripts as scripts
 from realtime_app.cluster.base import Backplane, Deliver, Delivery, now_ms
+from realtime_app.cluster.hosts import redis_client
 from realtime_app.inbound.admission import retry_after_ms
 from realtime_app.observability.schema import ProcessProbe, ShardProbe
 from realtime_app.wire.history import PAGE, PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, Since, epoch_suffix
@@ -478,32 +478,3 @@ def _delivery(channel: str, data: bytes) -> Delivery:
     if kind == b"r":
         return Delivery("released", channel, rest.decode())
     raise ValueError(f"unknown backplane message kind {kind!r}")
-
-
-def redis_client(settings: dict[str, Any], host: dict[str, Any]) -> Any:
-    """A redis.asyncio client on one host, whatever its shape (URL, host and port, a
-    Sentinel service), with the backplane's bounds: at most ``REDIS_MAX_CONNECTIONS``
-    (a burst waits for one rather than failing, but with Sentinel), and
-    ``REDIS_TIMEOUT_MS`` on every connect, read and wait, so that a server that stops
-    answering fails its calls instead of holding them."""
-    timeout_s = settings["REDIS_TIMEOUT_MS"] / 1000
-    bounds = {
-        "max_connections": settings["REDIS_MAX_CONNECTIONS"],
-        "socket_timeout": timeout_s,
-        "socket_connect_timeout": timeout_s,
-    }
-    url = host.get("address") if isinstance(host.get("address"), str) else None
-    if url:
-        pool: aioredis.ConnectionPool = aioredis.BlockingConnectionPool.from_url(url, timeout=timeout_s, **bounds)
-    elif host.get("master_name"):
-        from realtime_app.cluster.hosts import sentinel_pool  # the service's master, found by its sentinels
-
-        sentinel_kwargs = host.get("sentinel_kwargs") or {
-            k: timeout_s for k in ("socket_timeout", "socket_connect_timeout")
-        }
-        pool = sentinel_pool({**bounds, **host, "sentinel_kwargs": sentinel_kwargs})
-    elif host.get("host"):
-        pool = aioredis.BlockingConnectionPool(timeout=timeout_s, **{**bounds, **host})
-    else:
-        raise ValueError("the Redis backplane needs REDIS_SHARDS, REDIS_URL or a channels-redis layer with hosts")
-    return aioredis.Redis(connection_pool=pool)

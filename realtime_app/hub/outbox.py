@@ -17,7 +17,7 @@ import datetime
 import logging
 import time
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from asgiref.sync import sync_to_async
 
@@ -28,8 +28,17 @@ from realtime_app.persistence import outbox
 from realtime_app.wire.history import HistoryPolicy
 
 if TYPE_CHECKING:
-    from realtime_app.hub.core import Hub
+    from realtime_app.cluster.base import Backplane
     from realtime_app.observability.schema import OutboxProbe
+
+
+class Hub(Protocol):
+    """What the drain reads of its hub (``hub.core.Hub``, which imports this room)."""
+
+    loop: asyncio.AbstractEventLoop | None
+    backplane: Backplane | None
+    last_seq: dict[str, int]
+
 
 __all__ = ["OutboxDrain", "drain_outbox", "outbox_full", "outbox_probe"]
 
@@ -170,14 +179,14 @@ def _any_durable() -> bool:
     return any(history is not None and history.durable for history in histories)
 
 
-async def _release(backplane: object, lease: str) -> None:
+async def _release(backplane: Backplane, lease: str) -> None:
     try:
-        await backplane.release(lease)  # type: ignore[attr-defined]
+        await backplane.release(lease)
     except Exception:  # lapses with its TTL
         logger.debug("outbox lease %s not released", lease)
 
 
-_drains: weakref.WeakKeyDictionary[Hub, OutboxDrain] = weakref.WeakKeyDictionary()
+_drains: weakref.WeakKeyDictionary[Any, OutboxDrain] = weakref.WeakKeyDictionary()
 
 
 async def drain_outbox(hub: Hub) -> None:
@@ -187,7 +196,7 @@ async def drain_outbox(hub: Hub) -> None:
 
 
 def outbox_probe(hub: object) -> OutboxProbe:
-    drain: OutboxDrain | None = _drains.get(hub)  # type: ignore[call-overload]
+    drain = _drains.get(hub)
     if drain is None:
         return {"rows": 0, "oldest_s": 0.0, "published": 0, "duplicates": 0, "failures": 0, "dropped": 0, "alarm": ""}
     return drain.probe()
