@@ -515,3 +515,17 @@ async def test_a_delta_that_does_not_apply_makes_the_client_subscribe_again_for_
         expected = {f["seq"]: digest(f["data"]) for f in await plain.frames(sent)}
     assert all(got[seq] == expected[seq] for seq in got)  # nothing patched onto the wrong base
     assert len([r for r in caplog.records if "subscribing again" in r.getMessage()]) == 1
+
+
+async def test_a_call_in_flight_fails_at_once_with_outcome_unknown_when_the_client_closes(server):
+    """Found in review: close() stopped the socket's loop before it heard the close, and a
+    call in flight waited for its whole timeout."""
+    from realtime_app.exceptions import OutcomeUnknown
+
+    client = RealtimeClient(server.ws)
+    await client.connect()
+    call = asyncio.ensure_future(client.call("test.sleep", {"seconds": 30}, timeout=60))
+    await eventually(lambda: bool(client.session.in_flight), 5, "the call sent")
+    await client.close()
+    with pytest.raises(OutcomeUnknown, match="outcome unknown"):
+        await asyncio.wait_for(call, 5)

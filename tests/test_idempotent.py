@@ -49,7 +49,9 @@ async def test_a_repeat_waits_for_the_running_first_call(hub, django_user_model)
     assert hub.gate.once.probe()["waited"] == 1
 
 
-async def test_the_methods_own_error_is_kept_an_internal_one_frees_the_key(hub, django_user_model):
+async def test_every_answer_of_a_call_that_ran_is_kept_errors_included(hub, django_user_model):
+    """An internal error may come after the handler committed: its repeat gets the error,
+    it does not run again (found in review: a freed key ran a crashed call twice)."""
     alice = await _user(django_user_model, "alice")
     refused, crashed = secrets.token_hex(8), secrets.token_hex(8)
     async with Client(alice) as a:
@@ -60,7 +62,7 @@ async def test_the_methods_own_error_is_kept_an_internal_one_frees_the_key(hub, 
         for _ in range(2):
             error = (await a.call("test.once", {"idempotency_key": crashed, "crash": True}))["error"]
             assert error["data"]["reason"] == "internal_error"
-        assert once_runs[crashed] == 2  # not its outcome: the retry runs
+        assert once_runs[crashed] == 1  # ran once: its answer stays
         bad = (await a.call("test.once", {"idempotency_key": ""}))["error"]
         assert (bad["code"], bad["data"]["reason"]) == (-32602, "invalid_idempotency_key")
 
@@ -87,5 +89,20 @@ def test_one_process_book_is_bounded_in_bytes_and_forgets_the_oldest_first():
     assert book.claim("k0", "q", 1000) == ("running", None)
     now[0] += 2  # the claim's lease lapsed (its process died): a retry runs
     assert book.claim("k0", "q", 1000) == ("run", None)
-    book.free("k0", "someone else")
-    assert book.claim("k0", "r", 1000) == ("running", None)  # only its owner frees a claim
+    book.keep("k0", "someone else", "theirs", 1000)  # only a claim's owner answers it
+    assert book.claim("k0", "r", 1000) == ("running", None)
+
+
+async def test_a_keyed_call_runs_to_its_end_when_its_connection_closes(hub, django_user_model):
+    """Found in review: the pool cancelled an abandoned async call and its key was freed, so
+    the client's retry ran the handler a second time."""
+    from tests.support.waiting import eventually
+
+    alice = await _user(django_user_model, "alice")
+    key = secrets.token_hex(8)
+    async with Client(alice) as a:
+        await a.call_nowait("test.once", {"idempotency_key": key, "seconds": 0.3})
+        await eventually(lambda: once_runs.get(key) == 1, 5, "the first call running")
+    async with Client(alice) as again:  # the connection closed mid-call; the retry
+        answer = await again.call("test.once", {"idempotency_key": key, "seconds": 0.3})
+    assert answer["result"]["run"] == 1 and once_runs[key] == 1

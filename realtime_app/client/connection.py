@@ -59,9 +59,11 @@ async def _deliver(handlers: list[tuple[str, Handler]], params: dict[str, Any]) 
             logger.exception("handler of %s failed", name)
 
 
-def _settle(future: asyncio.Future[Any] | None, answer: Answer) -> None:
+def _settle(future: asyncio.Future[Any] | None, answer: Answer | Exception) -> None:
     if future is not None and not future.done():
-        if answer.ok:
+        if isinstance(answer, Exception):
+            future.set_exception(answer)
+        elif answer.ok:
             future.set_result(answer.value)
         else:
             future.set_exception(error_from_response(answer.value))
@@ -118,8 +120,7 @@ class RealtimeClient:
         self._background: set[asyncio.Task[Any]] = set()
 
     @property
-    def attempt(self) -> int:
-        """Reconnects since the last open connection."""
+    def attempt(self) -> int:  # reconnects since the last open connection
         return self.socket.attempt
 
     async def __aenter__(self) -> RealtimeClient:
@@ -145,11 +146,11 @@ class RealtimeClient:
         for task in list(self._background):
             task.cancel()
         await self.socket.stop(code)
+        self._lost(code)  # even when the loop was stopped before it heard the close
         self._set_state("closed")
 
     async def reconnect(self, delay_ms: float = 0) -> None:
-        """Drop the connection now and open a new one after ``delay_ms``, as after a network
-        blip (demos and tests): subscriptions are renewed, channels with history resume."""
+        """Drop the connection, open a new one after ``delay_ms``: a blip (resubscribed, resumed)."""
         await self.socket.reconnect(delay_ms)
 
     async def wait_open(self, timeout: float = 30.0) -> None:
@@ -157,11 +158,12 @@ class RealtimeClient:
 
     def _closed(self, code: int | None, reason: str, again: bool) -> None:
         self.last_close = (code, reason)
-        for request_id in self.session.closed():
-            future = self._answers.pop(request_id, None)
-            if future is not None and not future.done():
-                future.set_exception(OutcomeUnknown(f"connection lost, outcome unknown (closed {code})"))
+        self._lost(code)
         _fire(self.on_close, "close", code, reason, again)
+
+    def _lost(self, code: int | None) -> None:  # the connection ended: what was in flight never will be answered
+        for request_id in self.session.closed():
+            _settle(self._answers.pop(request_id, None), OutcomeUnknown(f"connection lost, outcome unknown ({code})"))
 
     async def _resubscribe(self) -> None:
         for name in list(self.session.handlers):
@@ -225,22 +227,22 @@ class RealtimeClient:
         their jittered ``retry_after_ms`` (0: the application decides). ``idempotent``
         (methods registered so): the call carries an ``"idempotency_key"`` and is sent
         again with it after a reconnect, within ``timeout``; the server runs it once."""
-        deadline = asyncio.get_running_loop().time() + (timeout if timeout is not None else self.call_timeout)
+        each = timeout if timeout is not None else self.call_timeout  # every try its full timeout, as ever
+        deadline = asyncio.get_running_loop().time() + each  # an idempotent call is sent again until then
         if idempotent:
             params = self.session.keyed(params)
         while True:
-            left = deadline - asyncio.get_running_loop().time()
             try:
                 if idempotent and self.socket.ws is None:
-                    await self.wait_open(max(left, 0.001))
-                return await self._call_once(method, params, max(left, 0.001))
+                    await self.wait_open(max(deadline - asyncio.get_running_loop().time(), 0.001))
+                return await self._call_once(method, params, each)
             except Refused as refused:
                 if retries <= 0:
                     raise
                 retries -= 1
                 await asyncio.sleep(retry_delay_ms(refused.retry_after_ms, random.random()) / 1000)
             except OutcomeUnknown:
-                if not idempotent or self.socket.stopped:
+                if not idempotent or self.socket.stopped or asyncio.get_running_loop().time() >= deadline:
                     raise
                 logger.info("%s: connection lost before its answer, sent again with its key", method)
 

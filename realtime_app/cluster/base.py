@@ -169,10 +169,6 @@ class Backplane:
         """Extend ``owner``'s claim: its call still runs."""
         raise NotImplementedError
 
-    async def free_once(self, name: str, owner: str) -> None:
-        """Give ``owner``'s claim up: the call ended without an answer worth keeping."""
-        raise NotImplementedError
-
     async def publish_once(
         self, channel: str, data_json: str, floor: int, history: HistoryPolicy, key: str, window_ms: int
     ) -> int | None:

@@ -69,8 +69,9 @@ class MemoryBackplane(Backplane):
             done.pop(next(iter(done)))
         if (channel, key) in done:
             return None
-        done[(channel, key)] = now
-        return await self.publish(channel, data_json, floor, history)
+        seq = await self.publish(channel, data_json, floor, history)
+        done[(channel, key)] = now  # only once it went out
+        return seq
 
     async def history(
         self, channel: str, policy: HistoryPolicy, since: Since | None = None, floor: int = 0

@@ -445,12 +445,9 @@ class RedisBackplane(Backplane):
     async def renew_once(self, name: str, owner: str, ttl_ms: int) -> None:
         await self._once["renew"](keys=[f"{self.prefix}:{name}"], args=[owner, ttl_ms])
 
-    async def free_once(self, name: str, owner: str) -> None:
-        await self._once["free"](keys=[f"{self.prefix}:{name}"], args=[owner])
-
 
 #: The scripts of calls that run once (``redis_scripts.CLAIM_ONCE`` …).
-ONCE = ("claim", "keep", "renew", "free")
+ONCE = ("claim", "keep", "renew")
 
 
 def _entries(raw: list[Any]) -> list[HistoryEntry]:

@@ -206,10 +206,6 @@ RENEW_ONCE = """
 if redis.call('get', KEYS[1]) == 'r' .. ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end
 return 0
 """
-FREE_ONCE = """
-if redis.call('get', KEYS[1]) == 'r' .. ARGV[1] then return redis.call('del', KEYS[1]) end
-return 0
-"""
 # A durable channel's outbox row published once (realtime_app.hub.outbox): KEYS[6] holds
 # the rows published within the dedupe window (ARGV[8] the row's key, ARGV[9] now, ARGV[10]
 # the window, ms); a row seen already is not published again (-1).

@@ -307,10 +307,6 @@ class ShardedBackplane(Backplane):
         shard = self.shard(name)
         await self._call(shard, shard.renew_once(name, owner, ttl_ms))
 
-    async def free_once(self, name: str, owner: str) -> None:
-        shard = self.shard(name)
-        await self._call(shard, shard.free_once(name, owner))
-
     def shards_probe(self) -> list[ShardProbe]:
         """Per shard: its address, up or down, its outages (the probe's ``backplane.shards``)."""
         return [

@@ -158,6 +158,7 @@ class Gate:
             logger.warning("new admission limits refused, the previous ones stay: %s (see manage.py check)", exc)
             return
         self.settings = self.once.settings = limits
+        self.once.local.max_bytes = limits.idempotency_max_bytes
         self.admission.limits, self.handshakes.limits, self._anonymous.limits = books
         running = limits.admission_max_running
         self.pool.core.anonymous_share = max(1, int(running * (1 - float(limits.signed_in_reserve)))) if running else 0
@@ -258,7 +259,9 @@ class Gate:
         key = params.get(KEY_PARAM) if method.idempotent and isinstance(params, dict) else None
         if key is not None:  # runs once for its key: every repeat gets the first answer
             run = partial(self.once.run, ticket.identity, key, run)
-        call = Call(owner, run, ticket.name, params, ticket.identity, ticket.merged, method.coalesce, method.is_async)
+        # A keyed call runs to its end even if its connection closes: its answer is kept for the retry.
+        cancellable = method.is_async and key is None
+        call = Call(owner, run, ticket.name, params, ticket.identity, ticket.merged, method.coalesce, cancellable)
         if method.max_in_flight or method.rate:
             name, identity, books = ticket.name, ticket.identity, self.methods
             call.future.add_done_callback(lambda _: books.done(name, identity))

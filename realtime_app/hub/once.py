@@ -11,8 +11,11 @@ Answers are kept bounded: each at most ``IDEMPOTENCY_MAX_ANSWER_BYTES`` (a large
 not kept: its repeats are told so), and on one process all of them within
 ``IDEMPOTENCY_MAX_BYTES``, the oldest forgotten first.
 
-A call that fails for a reason that is not its own — the process's internal error, the
-backplane gone — keeps no answer: the key is free again, and the client's retry runs.
+Every answer of a call that ran is its answer, errors included (an internal error may come
+after the handler committed: running it again could do the work twice). Only a call that
+never started — its key could not be claimed, the backplane being unreachable — leaves the
+key free for the retry. A call cut short by the process stopping keeps its claim until its
+lease lapses.
 """
 
 from __future__ import annotations
@@ -46,10 +49,6 @@ MAX_KEY_LENGTH = 200
 Claim = tuple[Literal["run", "running", "answer"], str | None]
 Run = Callable[[str, Any], Awaitable[tuple[bool, Any]]]
 
-#: Answers whose outcome is not the call's own: not kept, the key freed for a retry.
-_NOT_KEPT = {protocol.INTERNAL_ERROR}
-_FREED_REASONS = {"backplane_unavailable", "internal_error", "result_not_serializable"}
-
 
 class OnceBook:
     """One process's book of keys (the memory backplane, and the fallback when the
@@ -79,11 +78,11 @@ class OnceBook:
         self._drop(name)
         self._entries[name] = (self.clock() + ttl_ms / 1000, value)
         self.bytes += len(name) + len(value)
-        while self.bytes > self.max_bytes and len(self._entries) > 1:  # the oldest forgotten first
-            oldest = next(iter(self._entries))
-            if oldest == name:
-                break
-            self._drop(oldest)
+        if self.bytes > self.max_bytes:  # the oldest answers forgotten first; a running call's claim never
+            for old in [n for n, (_, v) in self._entries.items() if v.startswith("a") and n != name]:
+                self._drop(old)
+                if self.bytes <= self.max_bytes:
+                    break
 
     def claim(self, name: str, owner: str, ttl_ms: int) -> Claim:
         value = self._get(name)
@@ -100,10 +99,6 @@ class OnceBook:
         value = self._get(name)
         if value == "r" + owner:
             self._set(name, value, ttl_ms)
-
-    def free(self, name: str, owner: str) -> None:
-        if self._get(name) == "r" + owner:
-            self._drop(name)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -149,13 +144,6 @@ class Once:
                 return await self.backplane.renew_once(name, owner, ttl_ms)
         self.local.renew(name, owner, ttl_ms)
 
-    async def _free(self, name: str, owner: str) -> None:
-        if self._shared():
-            assert self.backplane is not None
-            with contextlib.suppress(NotImplementedError):
-                return await self.backplane.free_once(name, owner)
-        self.local.free(name, owner)
-
     @staticmethod
     def name(identity: tuple[str, str], method: str, key: str) -> str:
         """The book's name of a key: the identity's and method's own (a key of one user
@@ -196,21 +184,14 @@ class Once:
         renewing = asyncio.get_running_loop().create_task(self._renewing(name, owner, lease_ms))
         try:
             ok, outcome = await execute(method, params)
-        except BaseException:
+        finally:  # cancelled (the process stops): the claim stays until its lease lapses
             renewing.cancel()
-            with contextlib.suppress(Exception):
-                await self._free(name, owner)
-            raise
-        renewing.cancel()
         await self._settle(name, owner, ok, outcome)
         return ok, outcome
 
     async def _settle(self, name: str, owner: str, ok: bool, outcome: Any) -> None:
-        """Keep the answer for the repeats — unless the failure was not the call's own."""
+        """Keep the answer, whatever it is, for the repeats."""
         try:
-            if not ok and _freed(outcome):
-                await self._free(name, owner)
-                return
             answer = protocol.encode([ok, outcome])
             if len(answer.encode()) > self.settings.idempotency_max_answer_bytes:
                 self.not_kept += 1
@@ -230,13 +211,6 @@ class Once:
 
     def probe(self) -> dict[str, int]:
         return {"ran": self.ran, "repeats": self.repeats, "waited": self.waited, "not_kept": self.not_kept}
-
-
-def _freed(error: Any) -> bool:
-    if not isinstance(error, dict):
-        return False
-    reason = (error.get("data") or {}).get("reason")
-    return error.get("code") in _NOT_KEPT and reason in _FREED_REASONS or reason == "backplane_unavailable"
 
 
 def _unavailable() -> dict[str, Any]:

@@ -19,7 +19,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any, Protocol
 
-from asgiref.sync import sync_to_async
+from channels.db import database_sync_to_async as sync_to_async  # closes broken connections between calls
 
 from realtime_app.channels.registry import registry
 from realtime_app.conf import beat_period_s, get_config
@@ -44,9 +44,11 @@ __all__ = ["OutboxDrain", "drain_outbox", "outbox_full", "outbox_probe"]
 
 logger = logging.getLogger("realtime_app.outbox")
 
-#: Channels looked at per pass, and rows read at once per channel.
+#: Channels looked at per pass, rows read at once per channel, reads per channel per pass
+#: (a busy channel gives the others their turn).
 CHANNELS_PER_PASS = 100
 ROWS_PER_READ = 200
+READS_PER_PASS = 5
 LEASE_PREFIX = "realtime.outbox:"
 
 
@@ -61,9 +63,9 @@ class OutboxDrain:
         self.published = 0
         self.duplicates = 0  # rows the backplane had published already (a repeated drain)
         self.failures = 0  # passes stopped by an error
-        self.dropped = 0  # rows of channels no longer declared
         self._failing = False
         self._counted = 0.0  # when rows were last counted (at most once a beat)
+        self._unknown: set[str] = set()  # channels with rows this process cannot publish (logged once)
 
     def wake(self) -> None:
         """From any thread: a commit wrote rows."""
@@ -113,11 +115,10 @@ class OutboxDrain:
         if backplane is None:
             return 0
         history = self._history(channel)
-        if history is None:  # the channel is no longer declared durable: nothing can carry its rows
-            rows = await sync_to_async(outbox.read)(alias, channel, ROWS_PER_READ)
-            await sync_to_async(outbox.delete)(alias, [row.id for row in rows])
-            self.dropped += len(rows)
-            logger.error("outbox: %d row(s) of %r dropped: not a durable channel (any more)", len(rows), channel)
+        if history is None:  # not durable here (a process of an older deploy): left for one that knows it
+            if channel not in self._unknown and len(self._unknown) < 10_000:
+                self._unknown.add(channel)
+                logger.warning("outbox: rows of %r waiting, not a durable channel in this process", channel)
             return 0
         lease = LEASE_PREFIX + channel
         if not await backplane.acquire(lease):
@@ -125,7 +126,10 @@ class OutboxDrain:
         window_ms = int(get_config()["OUTBOX_DEDUPE_WINDOW_S"]) * 1000
         published = 0
         try:
-            while rows := await sync_to_async(outbox.read)(alias, channel, ROWS_PER_READ):
+            for _ in range(READS_PER_PASS):
+                rows = await sync_to_async(outbox.read)(alias, channel, ROWS_PER_READ)
+                if not rows:
+                    break
                 floor = self.hub.last_seq.get(channel, 0)
                 for row in rows:
                     seq = await backplane.publish_once(
@@ -168,7 +172,6 @@ class OutboxDrain:
             "published": self.published,
             "duplicates": self.duplicates,
             "failures": self.failures,
-            "dropped": self.dropped,
             "alarm": alarm,
         }
 
@@ -198,7 +201,7 @@ async def drain_outbox(hub: Hub) -> None:
 def outbox_probe(hub: object) -> OutboxProbe:
     drain = _drains.get(hub)
     if drain is None:
-        return {"rows": 0, "oldest_s": 0.0, "published": 0, "duplicates": 0, "failures": 0, "dropped": 0, "alarm": ""}
+        return {"rows": 0, "oldest_s": 0.0, "published": 0, "duplicates": 0, "failures": 0, "alarm": ""}
     return drain.probe()
 
 

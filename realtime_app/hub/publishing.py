@@ -20,6 +20,7 @@ exactly once and in order.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from functools import partial
 from typing import Any
@@ -80,16 +81,17 @@ def _to_outbox(channel: str, data_json: str, using: str | None) -> None:
     outbox.write(channel, data_json, alias)
 
 
-def _after_commit(channel: str, data: Any) -> None:
-    """A publication whose transaction committed: sent now. Its failure cannot undo the
-    commit, so it is logged, never raised into the code that committed."""
+def _after_commit(channel: str, data_json: str) -> None:
+    """A publication whose transaction committed: sent now, as it was when published (its
+    JSON text, taken then). Its failure cannot undo the commit, so it is logged, never
+    raised into the code that committed."""
     try:
-        async_to_sync(apublish)(channel, data, now=True)
+        async_to_sync(apublish)(channel, json.loads(data_json))
     except Exception as exc:
         logger.warning("publication on %s after commit not sent: %s", channel, exc)
 
 
-async def apublish(channel: str, data: Any, *, using: str | None = None, now: bool = False) -> int | None:
+async def apublish(channel: str, data: Any) -> int:
     """Publish ``data`` on ``channel`` (an event channel, an exact state channel, or the
     base of an app-fed family: its new value, which each cadence delivers at its pace).
 
@@ -102,18 +104,10 @@ async def apublish(channel: str, data: Any, *, using: str | None = None, now: bo
     frame over ``MAX_PUBLICATION_BYTES`` (neither takes a ``seq``), and
     :class:`~realtime_app.exceptions.BackplaneUnavailable` when Redis does not answer.
 
-    Inside ``transaction.atomic()`` on ``using`` (and ``now`` not set): checked now, sent
-    when the outermost transaction commits, never on rollback; returns None then.
+    Sent at once: async code is never inside a transaction of its own (Django runs them in
+    sync code); a transaction's publications are :func:`publish`'s, in that sync code.
     """
     target, history = _target(channel)
-    if not now and in_transaction(using):
-        from django.db import transaction
-
-        encode_publication(target, data)  # refused now, not after the commit
-        loop = asyncio.get_running_loop()
-        deliver = partial(loop.call_soon_threadsafe, _spawn_after_commit, channel, data)
-        transaction.on_commit(deliver, using=using)
-        return None
     hub = hub_of_current_loop()
     if hub is not None:
         return await hub.publish(target, data, history)
@@ -133,21 +127,6 @@ async def apublish(channel: str, data: Any, *, using: str | None = None, now: bo
         await backplane.stop()
 
 
-_after_commit_tasks: set[asyncio.Task[Any]] = set()
-
-
-def _spawn_after_commit(channel: str, data: Any) -> None:
-    async def send() -> None:
-        try:
-            await apublish(channel, data, now=True)
-        except Exception as exc:
-            logger.warning("publication on %s after commit not sent: %s", channel, exc)
-
-    task = asyncio.get_running_loop().create_task(send())
-    _after_commit_tasks.add(task)
-    task.add_done_callback(_after_commit_tasks.discard)
-
-
 def publish(channel: str, data: Any, *, using: str | None = None, now: bool = False) -> int | None:
     """Synchronous :func:`apublish`, for views, signals and tasks (not for async code:
     there, ``await apublish(...)``). Inside ``transaction.atomic()`` on ``using``: checked
@@ -164,10 +143,9 @@ def publish(channel: str, data: Any, *, using: str | None = None, now: bool = Fa
             if history is not None and history.durable:  # a row of this transaction: drained once it commits
                 _to_outbox(target, data_json, using)
                 return None
-            transaction.on_commit(partial(_after_commit, channel, data), using=using)
+            transaction.on_commit(partial(_after_commit, channel, data_json), using=using)
             return None
-        seq = async_to_sync(apublish)(channel, data, now=True)
-        return None if seq is None else int(seq)
+        return int(async_to_sync(apublish)(channel, data))
     raise RuntimeError(
         f"realtime_app.publish({channel!r}, ...) was called from async code, where it would block the event "
         "loop: use `await realtime_app.apublish(channel, data)` there (publish() is for views, signals, tasks)"

@@ -191,7 +191,6 @@ class OutboxProbe(TypedDict):
         int, Counter("Outbox rows the backplane had published already (a drain repeated)", "realtime_outbox_duplicates")
     ]
     failures: Annotated[int, Counter("Outbox drain passes stopped by an error", "realtime_outbox_failures")]
-    dropped: Annotated[int, Counter("Outbox rows of channels no longer durable, dropped", "realtime_outbox_dropped")]
     alarm: Annotated[str, Shown("why the outbox needs attention (too many rows, too old), or empty")]
 
 

@@ -51,11 +51,25 @@ def _wake_all() -> None:
         wake()
 
 
+#: The advisory-lock class of the outbox's per-channel locks on PostgreSQL ("RTOB").
+LOCK_CLASS = 0x52544F42
+
+
 def write(channel: str, data_json: str, using: str | None = None) -> None:
-    """One row in the current transaction of ``using``; the drains are woken when it commits."""
+    """One row in the current transaction of ``using``; the drains are woken when it commits.
+
+    On PostgreSQL the transaction first takes its channel's advisory lock (released at its
+    end): transactions publishing on one channel commit one after the other, so id order
+    is commit order and the drain publishes in it."""
+    from django.db import connections
+
     from realtime_app.models import OutboxEntry
 
     alias = using or DEFAULT_DB_ALIAS
+    connection = connections[alias]
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", [LOCK_CLASS, channel])
     OutboxEntry.objects.using(alias).create(channel=channel, data=data_json)
     transaction.on_commit(_wake_all, using=alias)
 

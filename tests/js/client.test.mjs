@@ -214,3 +214,29 @@ test("unsubscribing a cadence the server moved leaves the channel the server sub
   await leaving;
   client.close();
 });
+
+import { OutcomeUnknownError } from "../../realtime_app/static/realtime_app/realtime.js";
+
+test("an idempotent call lost with its connection is sent again with the same key; any other call is not", async () => {
+  FakeSocket.instances = [];
+  const client = new RealtimeClient({ url: "ws://x/realtime/", WebSocket: FakeSocket, backoffInitialMs: 1, backoffMaxMs: 2 });
+  client.connect();
+  FakeSocket.instances[0].open();
+  const bid = client.call("demo.bid", { lot: 7, amount: 120 }, { idempotent: true });
+  const other = client.call("demo.bid", { lot: 7, amount: 130 });
+  await until(() => FakeSocket.instances[0].sent.length === 2);
+  const [first] = FakeSocket.instances[0].sent;
+  assert.match(first.params.idempotency_key, /^[0-9a-f]{32}$/);
+  FakeSocket.instances[0].close(1006); // lost before either answer
+  await assert.rejects(other, (e) => e instanceof OutcomeUnknownError);
+  await until(() => FakeSocket.instances.length === 2);
+  const again = FakeSocket.instances[1];
+  again.open();
+  await until(() => again.sent.some((r) => r.method === "demo.bid"));
+  const resent = again.sent.find((r) => r.method === "demo.bid");
+  assert.deepEqual(resent.params, first.params); // the same key: the server runs it once
+  again.onmessage({ data: JSON.stringify({ jsonrpc: "2.0", id: resent.id, result: { lot: 7, price: 120, bids: 1 } }) });
+  assert.deepEqual(await bid, { lot: 7, price: 120, bids: 1 });
+  await assert.rejects(client.call("demo.bid", [7, 120], { idempotent: true }), TypeError);
+  client.close();
+});

@@ -553,15 +553,19 @@ export class RealtimeClient extends EventTarget {
    */
   async call(method, params, options = {}) {
     let retries = options.retries ?? 0;
-    const deadline = Date.now() + (options.timeoutMs ?? this.callTimeoutMs);
-    if (options.idempotent) params = { idempotency_key: newKey(), ...(params || {}) };
+    const deadline = Date.now() + (options.timeoutMs ?? this.callTimeoutMs); // resends of an idempotent call, until then
+    if (options.idempotent) {
+      if (params !== undefined && (typeof params !== "object" || Array.isArray(params))) {
+        throw new TypeError("an idempotent call takes by-name params (an object): its key is one of them");
+      }
+      params = { idempotency_key: newKey(), ...(params || {}) };
+    }
     for (;;) {
-      const left = Math.max(1, deadline - Date.now());
       try {
-        if (options.idempotent && !(this._ws && this._ws.readyState === 1)) await this._opened(left);
-        return await this._callOnce(method, params, { ...options, timeoutMs: left });
+        if (options.idempotent && !(this._ws && this._ws.readyState === 1)) await this._opened(Math.max(1, deadline - Date.now()));
+        return await this._callOnce(method, params, options); // every try its full timeout
       } catch (err) {
-        if (err instanceof OutcomeUnknownError && options.idempotent && !this._stopped) continue;
+        if (err instanceof OutcomeUnknownError && options.idempotent && !this._stopped && Date.now() < deadline) continue;
         if (!(err instanceof RefusedError) || retries <= 0) throw err;
         retries -= 1;
         await new Promise((resolve) => setTimeout(resolve, retryDelayMs(err.retryAfterMs)));
