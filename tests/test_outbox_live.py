@@ -13,7 +13,7 @@ import websockets
 
 from tests.support.private_redis import PrivateRedis
 from tests.support.servers import login, servers
-from tests.support.wsclient import RPC
+from tests.support.wsclient import RPC, call_honouring_refusals
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
@@ -58,15 +58,6 @@ async def published_after(url: str, channel: str, seq: int, count: int, timeout:
             frames, _ = await _resume(url, channel, {"seq": seq, "epoch": now["epoch"]})
             return frames
         await asyncio.sleep(0.5)
-
-
-async def call_honouring_refusals(rpc: RPC, method: str, params: dict) -> dict:
-    while True:
-        answer = await rpc.call(method, params, timeout=15)
-        retry = answer.get("error", {}).get("data", {}).get("retry_after_ms")
-        if retry is None:
-            return answer
-        await asyncio.sleep(retry / 1000)
 
 
 async def test_posts_committed_while_redis_is_stopped_all_go_out_once_in_order(outbox_cluster):

@@ -14,7 +14,7 @@ import redis
 
 from realtime_app.wire.names import group_name
 from tests.support.servers import login, prepare_database, servers
-from tests.support.wsclient import RPC
+from tests.support.wsclient import RPC, call_honouring_refusals
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
@@ -37,16 +37,6 @@ def demo_cluster(redis_url, tmp_path, request):
     for key in client.scan_iter(match=f"{prefix}*"):
         client.delete(key)
     client.close()
-
-
-async def call_honouring_refusals(rpc: RPC, method: str, params: dict) -> dict:
-    """Call ``method``; a refusal with ``retry_after_ms`` is retried then, as clients do."""
-    while True:
-        answer = await rpc.call(method, params, timeout=10)
-        retry = answer.get("error", {}).get("data", {}).get("retry_after_ms")
-        if retry is None:
-            return answer
-        await asyncio.sleep(retry / 1000)
 
 
 async def until(rpc: RPC, predicate, timeout: float = 15) -> list[dict]:

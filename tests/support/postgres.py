@@ -136,9 +136,4 @@ class TcpProxy:
                 self._listener.shutdown(socket.SHUT_RDWR)
             self._listener.close()
             self._listener = None
-        with self._lock:
-            sockets, self._sockets = self._sockets, set()
-        for s in sockets:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
+        self._drop_connections()

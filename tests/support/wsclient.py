@@ -116,3 +116,13 @@ async def closed_with(url: str, cookie: str | None = None, timeout: float = 30) 
             assert closed.rcvd is not None
             return closed.rcvd.code, closed.rcvd.reason
     raise AssertionError("a frame came instead of the close")
+
+
+async def call_honouring_refusals(rpc: RPC, method: str, params: Any, timeout: float = 15) -> Any:
+    """Call ``method``; a refusal with ``retry_after_ms`` is sent again then, as clients do."""
+    while True:
+        answer = await rpc.call(method, params, timeout=timeout)
+        retry = answer.get("error", {}).get("data", {}).get("retry_after_ms")
+        if retry is None:
+            return answer
+        await asyncio.sleep(retry / 1000)
