@@ -224,10 +224,7 @@ def reset_config(*, setting: str, **kwargs: Any) -> None:
     """``setting_changed`` receiver: forget the cached config when the settings change (the
     modules that derive something from it connect receivers of their own)."""
     if setting in ("REALTIME_APP", "CHANNEL_LAYERS"):
-        from realtime_app.conf.typed import settings
-
-        get_config.cache_clear()
-        settings.cache_clear()
+        get_config.cache_clear()  # conf.typed.settings() follows: it is built from this dict
     if setting == "REALTIME_APP":
         apply_json_encoder()
 

@@ -14,8 +14,9 @@ coerced silently beyond an int given for a float.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from functools import cache
 from typing import Any
+
+from realtime_app.conf import get_config
 
 __all__ = ["Settings", "settings"]
 
@@ -102,9 +103,14 @@ class Settings:
         return cls(**values)
 
 
-@cache
-def settings() -> Settings:
-    """The effective settings, typed and frozen; dropped when ``REALTIME_APP`` changes."""
-    from realtime_app.conf import get_config
+_built: tuple[dict[str, Any], Settings] | None = None  # (the dict it was built from, the object)
 
-    return Settings.from_config(get_config())
+
+def settings() -> Settings:
+    """The effective settings, typed and frozen: built again when :func:`get_config`'s dict
+    is (``REALTIME_APP`` changed), so one cache is dropped in one place."""
+    global _built
+    config = get_config()
+    if _built is None or _built[0] is not config:
+        _built = (config, Settings.from_config(config))
+    return _built[1]
