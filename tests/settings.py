@@ -18,11 +18,14 @@ REALTIME_APP = {
     # address in X-Forwarded-For (tests/support/wsclient.py's RPC(address=...)); without that
     # header a socket's address is 127.0.0.1, as in production without a proxy.
     "TRUSTED_PROXIES": ["127.0.0.1"],
+    # Presence diffs every 200 ms: tests wait for them, not a second each.
+    "PRESENCE_INTERVAL_MS": 200,
     "POLICIES": [
         *REALTIME_APP["POLICIES"],  # noqa: F405
         {"pattern": "test:staff", "staff": True},
         {"pattern": "test:perm", "permission": "auth.view_user"},
         {"pattern": "test:secret:<slug:name>", "check": "tests.testapp.realtime_channels.secret_check"},
+        {"pattern": "test:backstage", "presence": {"staff": True}},
     ],
     "HTTP_POOLS": {
         **REALTIME_APP["HTTP_POOLS"],  # noqa: F405

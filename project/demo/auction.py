@@ -1,8 +1,8 @@
 """Channels per object in the demo (SPEC §12): a chat room per name and an auction lot
 per id, each declared once as a template.
 
-* ``demo:room:<slug:name>`` — an event channel per room, history 100 publications / 300 s;
-  anyone may read, a signed-in user posts with ``demo.post``.
+* ``demo:room:<slug:name>`` — an event channel per room, history 100 publications / 300 s,
+  presence on (who is in the room); anyone may read, a signed-in user posts with ``demo.post``.
 * ``demo:lot:<int:id>`` — an app-fed state channel per lot (1..1000, rows of
   :class:`~project.demo.models.AuctionLot`): ``demo.bid`` sets its value, each cadence
   (``demo:lot:<id>:250`` …) delivers the latest at its pace.
@@ -32,7 +32,7 @@ def lot_exists(params: dict[str, Any]) -> bool:
     return 0 < params["id"] < 2**63 and AuctionLot.objects.filter(pk=params["id"]).exists()
 
 
-realtime_app.event_channel(ROOM, history_size=100, history_ttl_s=300, max_bytes=4096, durable=True)
+realtime_app.event_channel(ROOM, history_size=100, history_ttl_s=300, max_bytes=4096, durable=True, presence=True)
 realtime_app.app_state(LOT, default=1000, min=100, max=10000, exists=lot_exists)
 
 

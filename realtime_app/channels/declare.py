@@ -45,6 +45,7 @@ def family(
     exists: Exists | None = None,
     owner: str | None = None,
     max_instances: int = 0,
+    presence: bool = False,
 ) -> Callable[[Factory], Factory]:
     """Decorator: register ``factory(channel, publish) -> cleanup | None`` for a cadenced family.
 
@@ -56,7 +57,15 @@ def family(
 
     def register(factory: Factory) -> Factory:
         registry.add_family(
-            base, factory, default=default, min=min, max=max, exists=exists, owner=owner, max_instances=max_instances
+            base,
+            factory,
+            default=default,
+            min=min,
+            max=max,
+            exists=exists,
+            owner=owner,
+            max_instances=max_instances,
+            presence=_presence(base, presence),
         )
         return factory
 
@@ -72,6 +81,7 @@ def ticker(
     exists: Exists | None = None,
     owner: str | None = None,
     max_instances: int = 0,
+    presence: bool = False,
 ) -> Callable[[Callable[[ChannelSpec], Any]], Callable[[ChannelSpec], Any]]:
     """Decorator: a cadenced family whose frames are ``tick(channel)`` every cadence.
 
@@ -88,7 +98,15 @@ def ticker(
 
         factory.__name__ = f"ticker_{getattr(tick, '__name__', 'tick')}"
         registry.add_family(
-            base, factory, default=default, min=min, max=max, exists=exists, owner=owner, max_instances=max_instances
+            base,
+            factory,
+            default=default,
+            min=min,
+            max=max,
+            exists=exists,
+            owner=owner,
+            max_instances=max_instances,
+            presence=_presence(base, presence),
         )
         return tick
 
@@ -135,6 +153,7 @@ def app_state(
     exists: Exists | None = None,
     owner: str | None = None,
     max_instances: int = 0,
+    presence: bool = False,
 ) -> Family | Declared:
     """Register an app-fed state family: the application sets its value when it changes
     — ``publish(base, value)`` from a view, a signal, a task — and each cadence
@@ -156,16 +175,30 @@ def app_state(
         exists=exists,
         owner=owner,
         max_instances=max_instances,
+        presence=_presence(base, presence),
     )
 
 
 def state_channel(
-    name: str, *, exists: Exists | None = None, owner: str | None = None, max_instances: int = 0
+    name: str,
+    *,
+    exists: Exists | None = None,
+    owner: str | None = None,
+    max_instances: int = 0,
+    presence: bool = False,
 ) -> Callable[[Factory], Factory]:
     """Decorator: an exact (uncadenced) state channel served by ``factory(channel, publish)``."""
 
     def register(factory: Factory) -> Factory:
-        registry.add_channel(name, "state", factory, exists=exists, owner=owner, max_instances=max_instances)
+        registry.add_channel(
+            name,
+            "state",
+            factory,
+            exists=exists,
+            owner=owner,
+            max_instances=max_instances,
+            presence=_presence(name, presence),
+        )
         return factory
 
     return register
@@ -185,6 +218,7 @@ def event_channel(
     owner: str | None = None,
     max_instances: int = 0,
     durable: bool = False,
+    presence: bool = False,
 ) -> ChannelSpec | Declared:
     """Register an event channel: every message counts, published with ``publish()``.
 
@@ -201,6 +235,10 @@ def event_channel(
     to the outbox table in that transaction and published from there once it committed —
     through a Redis outage, after a process was killed — each exactly once, in order
     (docs/transactions.md).
+
+    ``presence`` (on any channel, template or family): who is in it is kept across the
+    cluster and told to subscribers that ask, once per ``PRESENCE_INTERVAL_MS`` at most
+    (docs/presence.md).
     """
     if durable and not history_size:
         raise ConfigurationError(f"event channel {name!r}: durable=True needs a history (history_size > 0)")
@@ -218,5 +256,18 @@ def event_channel(
             )
         history = HistoryPolicy(history_size, history_ttl_s, durable=bool(durable))
     return registry.add_channel(
-        name, "event", history=history, max_bytes=max_bytes, exists=exists, owner=owner, max_instances=max_instances
+        name,
+        "event",
+        history=history,
+        max_bytes=max_bytes,
+        exists=exists,
+        owner=owner,
+        max_instances=max_instances,
+        presence=_presence(name, presence),
     )
+
+
+def _presence(name: str, presence: Any) -> bool:
+    if not isinstance(presence, bool):
+        raise ConfigurationError(f"channel {name!r}: presence must be True or False, got {presence!r}")
+    return presence

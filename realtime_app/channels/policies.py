@@ -19,8 +19,9 @@ explicit opt-in to open some cadences of a guarded family wider than its base.
 Requirements: ``authenticated``, ``staff``, ``superuser`` (bools), ``permission`` (a
 permission name or a list), ``check`` (a callable ``(user, channel, action) -> bool`` or its
 dotted path; for an instance of a template, ``channel.params`` holds its values). Top-level
-requirements apply to subscribing; ``subscribe`` and ``publish`` sub-dicts govern each
-action (``"publish": True`` allows anyone; ``False`` nobody). Clients may publish only
+requirements apply to subscribing; ``subscribe``, ``publish`` and ``presence`` sub-dicts
+govern each action (``"publish": True`` allows anyone; ``False`` nobody; ``presence`` —
+who may see who is in a presence channel — is the subscribe rule unless given). Clients may publish only
 where a rule says so. A template declared with ``owner="id"`` is only its user's
 (``user:<int:id>`` for the user whose pk is ``id``), whatever the rules say.
 """
@@ -54,10 +55,10 @@ __all__ = [
     "requirement_for",
 ]
 
-Action: TypeAlias = Literal["subscribe", "publish"]
+Action: TypeAlias = Literal["subscribe", "publish", "presence"]
 
 REQUIREMENT_KEYS = frozenset({"authenticated", "staff", "superuser", "permission", "check"})
-RULE_KEYS = REQUIREMENT_KEYS | {"pattern", "subscribe", "publish", "override_family", "backpressure"}
+RULE_KEYS = REQUIREMENT_KEYS | {"pattern", "subscribe", "publish", "presence", "override_family", "backpressure"}
 BACKPRESSURE_CHOICES = ("drop", "close", "conflate")
 _GLOB_CHARS = frozenset("*?[")
 _BRACKETS = re.compile(r"\[!?\]?[^\]]*\]")  # one fnmatch bracket expression
@@ -123,6 +124,7 @@ class Rule:
     override_family: bool = False  # may open cadences wider than the family's own rule
     backpressure: str | None = None  # "drop" | "close" | "conflate" for the channels it matches
     template: Template | None = None  # the pattern is a channel template
+    presence: Requirement | None = None  # who may see who is in it; None: as subscribe
 
     @property
     def is_glob(self) -> bool:
@@ -158,6 +160,8 @@ class Rule:
         return (int(name == self.pattern), self.literal_length(), rank)
 
     def requirement(self, action: Action) -> Requirement:
+        if action == "presence":
+            return self.presence if self.presence is not None else self.subscribe
         return self.subscribe if action == "subscribe" else self.publish
 
 
@@ -226,7 +230,8 @@ def compile_rules(raw: Iterable[Any]) -> list[Rule]:
         base = _requirement(top, where)
         subscribe = _requirement(spec["subscribe"], f"{where}.subscribe") if "subscribe" in spec else base
         publish = _requirement(spec["publish"], f"{where}.publish") if "publish" in spec else Requirement(allowed=False)
-        rules.append(Rule(pattern, subscribe, publish, index, override, backpressure, template))
+        presence = _requirement(spec["presence"], f"{where}.presence") if "presence" in spec else None
+        rules.append(Rule(pattern, subscribe, publish, index, override, backpressure, template, presence))
     return rules
 
 
@@ -266,7 +271,7 @@ def requirement_for(rules: Iterable[Rule], name: str, base: str | None, action: 
     rules = list(rules)
     rule = matching_rule(rules, name, base)
     if rule is None:
-        return DEFAULT_SUBSCRIBE if action == "subscribe" else DEFAULT_PUBLISH
+        return DEFAULT_PUBLISH if action == "publish" else DEFAULT_SUBSCRIBE
     requirement = rule.requirement(action)
     if base is not None and name != base and not rule.override_family:
         family_rule = matching_rule(rules, base)

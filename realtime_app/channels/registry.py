@@ -77,6 +77,7 @@ class ChannelSpec:
     fed: HistoryPolicy | None = None  # app-fed: how its value is kept (one, ``ttl_s``) on the backplane
     params: dict[str, Any] = field(default_factory=dict, compare=False)  # a template instance's values
     declared: Declared | None = field(default=None, compare=False, repr=False)  # its template
+    presence: bool = False  # who is in it is kept and told (docs/presence.md); one room per family
 
     def __str__(self) -> str:
         return self.name
@@ -104,6 +105,7 @@ class Family:
     params: dict[str, Any] = field(default_factory=dict, compare=False)
     declared: Declared | None = field(default=None, compare=False, repr=False)
     asked: str | None = field(default=None, compare=False, repr=False)  # the base as a name spelt it
+    presence: bool = False
 
     def resolve(self, name: str) -> ChannelSpec | None:
         ms = parse_rate(name, self.asked or self.base, self.bounds)
@@ -111,7 +113,15 @@ class Family:
             return None
         canonical = rate_channel(self.base, ms, self.bounds.default)
         return ChannelSpec(
-            canonical, "state", self.base, ms, self.factory, fed=self.fed, params=self.params, declared=self.declared
+            canonical,
+            "state",
+            self.base,
+            ms,
+            self.factory,
+            fed=self.fed,
+            params=self.params,
+            declared=self.declared,
+            presence=self.presence,
         )
 
 
@@ -129,6 +139,7 @@ class Declared:
     exists: Callable[[dict[str, Any]], Any] | None = field(default=None, compare=False)
     owner: str | None = None  # the parameter that must equal the subscriber's user id
     max_instances: int = 0  # 0: MAX_INSTANCES_PER_TEMPLATE
+    presence: bool = False
 
     @property
     def pattern(self) -> str:
@@ -146,7 +157,7 @@ class Declared:
             if params is None:
                 return None
         base = self.template.name(params)  # canonical: lot:0042 is lot:42
-        return Family(base, self.bounds, self.factory, self.fed, params, self, asked)
+        return Family(base, self.bounds, self.factory, self.fed, params, self, asked, self.presence)
 
     def resolve(self, name: str) -> ChannelSpec | None:
         """The instance ``name`` names, canonicalised, or None."""
@@ -158,7 +169,16 @@ class Declared:
             return None
         name = self.template.name(params)  # canonical: lot:0042 is lot:42
         return ChannelSpec(
-            name, self.kind, name, None, self.factory, self.history, self.max_bytes, params=params, declared=self
+            name,
+            self.kind,
+            name,
+            None,
+            self.factory,
+            self.history,
+            self.max_bytes,
+            params=params,
+            declared=self,
+            presence=self.presence,
         )
 
     def covers(self, name: str) -> bool:
@@ -200,6 +220,7 @@ class Registry:
         min: int,
         max: int,
         fed: HistoryPolicy | None = None,
+        presence: bool = False,
         **instances: Any,
     ) -> Family | Declared:
         """Register a cadenced family (a template of families when ``base`` has
@@ -219,9 +240,11 @@ class Registry:
             raise ConfigurationError(f"family {base!r}: factory must be callable, got {factory!r}")
         bounds = RateBounds(default, min, max)
         if is_template(base):
-            return self._add_template(base, "state", bounds=bounds, factory=factory, fed=fed, **instances)
+            return self._add_template(
+                base, "state", bounds=bounds, factory=factory, fed=fed, presence=presence, **instances
+            )
         _no_instance_options(base, instances)
-        fam = Family(base, bounds, factory, fed)
+        fam = Family(base, bounds, factory, fed, presence=presence)
         self.families[base] = fam
         return fam
 
@@ -232,6 +255,7 @@ class Registry:
         factory: Factory | None = None,
         history: HistoryPolicy | None = None,
         max_bytes: int = 0,
+        presence: bool = False,
         **instances: Any,
     ) -> ChannelSpec | Declared:
         """Register an exact state channel (optional factory) or an event channel (none,
@@ -242,9 +266,11 @@ class Registry:
         if history is not None and kind != "event":
             raise ConfigurationError(f"channel {name!r}: only event channels keep a history")
         if is_template(name):
-            return self._add_template(name, kind, factory=factory, history=history, max_bytes=max_bytes, **instances)
+            return self._add_template(
+                name, kind, factory=factory, history=history, max_bytes=max_bytes, presence=presence, **instances
+            )
         _no_instance_options(name, instances)
-        spec = ChannelSpec(name, kind, name, None, factory, history, max_bytes)
+        spec = ChannelSpec(name, kind, name, None, factory, history, max_bytes, presence=presence)
         self.exact[name] = spec
         return spec
 
@@ -322,7 +348,8 @@ class Registry:
         declared = spec.declared if spec is not None else None
         if spec is None or declared is None or declared.bounds is None:
             return None
-        return Family(spec.base, declared.bounds, declared.factory, declared.fed, spec.params, declared)
+        fed, presence = declared.fed, declared.presence
+        return Family(spec.base, declared.bounds, declared.factory, fed, spec.params, declared, presence=presence)
 
     def declarations(self) -> list[tuple[str, Callable[[str], bool], list[str]]]:
         """Every family and template as ``(name, covers(name) -> bool, sample names)``:

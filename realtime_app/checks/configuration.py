@@ -1,7 +1,5 @@
-"""System checks: configuration errors at startup, not at the first frame.
-
-Ids are stable and listed in docs/checks.md.
-"""
+"""System checks: configuration errors at startup, not at the first frame (ids are stable,
+listed in docs/checks.md)."""
 
 from __future__ import annotations
 
@@ -56,6 +54,10 @@ _INT_SETTINGS = {
     "ADDRESS_PREFIX_V4": 0,
     "ADDRESS_PREFIX_V6": 0,
     "MAX_RESUMES_PER_IDENTITY": 0,
+    "PRESENCE_INTERVAL_MS": 50,
+    "PRESENCE_DIFF_MEMBERS": 0,
+    "PRESENCE_MAX_MEMBERS": 0,
+    "PRESENCE_INFO_MAX_BYTES": 0,
 }
 
 _NUMBER_SETTINGS = ("HANDSHAKES_PER_S", "ADMISSION_ERROR_COST", "MAX_ANONYMOUS_HANDSHAKES_PER_S", "SIGNED_IN_RESERVE")
@@ -141,6 +143,9 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             )
         )
     messages += _check_json_encoder(config["JSON_ENCODER"])
+    if not _callable_or_none(config["PRESENCE_INFO"]) or not isinstance(config["PRESENCE_LIST_ANONYMOUS"], bool):
+        why = "PRESENCE_INFO must be None, a callable or its dotted path; PRESENCE_LIST_ANONYMOUS a bool"
+        messages.append(Error(f"REALTIME_APP: {why}.", hint="See docs/presence.md.", id="realtime_app.E002"))
     if config["BACKPRESSURE_POLICY"] not in ("drop", "close"):
         messages.append(
             Error(
@@ -150,6 +155,15 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             )
         )
     return messages
+
+
+def _callable_or_none(value: Any) -> bool:
+    from django.utils.module_loading import import_string
+
+    try:
+        return value is None or callable(import_string(value) if isinstance(value, str) else value)
+    except ImportError:
+        return False
 
 
 def _check_json_encoder(value: Any) -> list[CheckMessage]:
@@ -214,8 +228,7 @@ def _check_forwarded_header(value: Any) -> list[CheckMessage]:
 
 
 def _cadences_matched(rule: Rule, fam: Family) -> Iterator[str]:
-    """The canonical cadence names of ``fam`` (``base:<ms>``, ms in bounds, not the
-    default) that ``rule``'s pattern matches — exactly, without sampling."""
+    """``fam``'s cadence names (``base:<ms>``, not the default) ``rule`` matches, exactly."""
     base, (default, low, high) = fam.base, fam.bounds
     if not rule.is_glob:
         prefix = f"{base}:"
@@ -423,8 +436,7 @@ _POOL_KEYS = {"max_concurrent": 1, "max_waiting": 0, "wait_timeout_ms": 1}
 
 @register(Tags.compatibility)
 def check_http_pools(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """E020 an impossible HTTP pool; E021 a view decorated for a pool that is not configured;
-    W031 pools configured but the middleware missing from MIDDLEWARE."""
+    """E020 an impossible HTTP pool; E021 a view's pool not configured; W031 no middleware."""
     from django.conf import settings
 
     pools = get_config()["HTTP_POOLS"]

@@ -176,3 +176,15 @@ class Backplane:
         within ``window_ms``: its ``seq``, or None when it had been published (a drain
         repeated after a crash). Without a shared book: published (at least once)."""
         return await self.publish(channel, data_json, floor, history)
+
+    async def put_presence(self, parts: dict[str, str | None], ttl_ms: int) -> None:
+        """This process's part of each channel's presence (:mod:`realtime_app.wire.presence`),
+        kept ``ttl_ms`` unless written again (a process that dies takes its members with
+        it); None: it has none there any more. The same part written again only renews it:
+        readers see no change."""
+        raise NotImplementedError
+
+    async def read_presence(self, known: dict[str, str]) -> dict[str, tuple[str, list[str]] | None]:
+        """Each channel's version and the parts of live processes, or None when its version
+        is still ``known[channel]`` (nothing to read again)."""
+        raise NotImplementedError

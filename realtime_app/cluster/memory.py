@@ -15,7 +15,7 @@ from realtime_app.observability.schema import ProcessProbe
 from realtime_app.wire.history import PAGE, PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, Since, new_epoch
 from realtime_app.wire.protocol import notification_text
 
-__all__ = ["MemoryBackplane", "MemoryHistory"]
+__all__ = ["MemoryBackplane", "MemoryHistory", "MemoryPresence"]
 
 
 class MemoryBackplane(Backplane):
@@ -28,6 +28,7 @@ class MemoryBackplane(Backplane):
         self._probe: ProcessProbe | None = None
         self._history = MemoryHistory()
         self._published_once: dict[tuple[str, str], float] = {}  # outbox rows published, oldest first
+        self._presence = MemoryPresence()
 
     async def start(self, deliver: Deliver) -> None:
         self._deliver = deliver
@@ -107,6 +108,51 @@ class MemoryBackplane(Backplane):
 
     async def cluster_probes(self) -> list[ProcessProbe]:
         return [self._probe] if self._probe else []
+
+    async def put_presence(self, parts: dict[str, str | None], ttl_ms: int) -> None:
+        self._presence.put(self.instance_id, parts, now_ms() + ttl_ms)
+
+    async def read_presence(self, known: dict[str, str]) -> dict[str, tuple[str, list[str]] | None]:
+        return self._presence.read(known, now_ms())
+
+
+class MemoryPresence:
+    """Presence parts by channel and process, each until its lease ends; a version per
+    channel that changes when what a reader would see does."""
+
+    def __init__(self) -> None:
+        self._parts: dict[str, dict[str, tuple[int, str]]] = {}  # channel -> process -> (until ms, part)
+        self._versions: dict[str, int] = {}
+        self._next = 0
+
+    def _changed(self, channel: str) -> None:
+        self._next += 1
+        self._versions[channel] = self._next
+
+    def put(self, owner: str, parts: dict[str, str | None], until: int) -> None:
+        for channel, part in parts.items():
+            kept = self._parts.setdefault(channel, {})
+            held = kept.get(owner)
+            if part is None:
+                if kept.pop(owner, None) is not None:
+                    self._changed(channel)
+            else:
+                kept[owner] = (until, part)
+                if held is None or held[1] != part:
+                    self._changed(channel)
+            if not kept:
+                del self._parts[channel]
+
+    def read(self, known: dict[str, str], now: int) -> dict[str, tuple[str, list[str]] | None]:
+        out: dict[str, tuple[str, list[str]] | None] = {}
+        for channel, version in known.items():
+            kept = self._parts.get(channel, {})
+            for owner in [o for o, (until, _) in kept.items() if until <= now]:
+                del kept[owner]
+                self._changed(channel)
+            current = str(self._versions.get(channel, 0))
+            out[channel] = None if current == version else (current, [part for _, part in kept.values()])
+        return out
 
 
 class _Log:

@@ -17,10 +17,10 @@ sentinel key per process whose disappearance (restart, flush, eviction) or expir
 ``REASSERT_INTERVAL_MS``) tells the hub to subscribe again and reseed every sequence, and
 the pub/sub connection subscribes again by itself when it reconnects.
 
-Pub/sub keeps nothing for a process that is away: a frame published while its connection
-is down (or while Redis cuts a process that reads too slowly, ``client-output-buffer-limit
-pubsub``) does not reach it. State channels are whole again at their next frame; channels
-with history count the gap and their clients resume it (docs/recovery.md).
+Pub/sub keeps nothing for a process that is away (down, or cut for reading too slowly):
+state channels are whole again at their next frame; channels with history count the gap
+and their clients resume it (docs/recovery.md). Presence is a hash per channel of each
+process's part, each under that process's lease (:mod:`realtime_app.wire.presence`).
 """
 
 from __future__ import annotations
@@ -166,6 +166,7 @@ class RedisBackplane(Backplane):
         self._publish_kept_once = self.redis.register_script(scripts.PUBLISH_KEPT_ONCE)
         self._read_kept = self.redis.register_script(scripts.READ_KEPT)
         self._read_page = self.redis.register_script(scripts.READ_PAGE)
+        self._presence = {k: self.redis.register_script(getattr(scripts, f"PRESENCE_{k}")) for k in ("PUT", "READ")}
         self._pubsub: Any = None
         # SUBSCRIBE / UNSUBSCRIBE waiting for the receiver, the only task that uses the pub/sub
         # connection (two tasks reconnecting it at once read the same socket); a message on
@@ -421,6 +422,28 @@ class RedisBackplane(Backplane):
         names = [i.decode() if isinstance(i, bytes) else i for i in ids]
         raw = await self.redis.mget([f"{self.prefix}:probe:{n}" for n in names])
         return [json.loads(r) for r in raw if r]
+
+    async def put_presence(self, parts: dict[str, str | None], ttl_ms: int) -> None:
+        now = now_ms()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for channel, part in parts.items():
+                keys = [self.key("presence", channel), self.key("presence-until", channel)]
+                args = [self.instance_id, part or "", now + ttl_ms, ttl_ms, now]
+                await self._presence["PUT"](keys=keys, args=args, client=pipe)
+            await pipe.execute()
+
+    async def read_presence(self, known: dict[str, str]) -> dict[str, tuple[str, list[str]] | None]:
+        now = now_ms()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for channel, version in known.items():
+                keys = [self.key("presence", channel), self.key("presence-until", channel)]
+                await self._presence["READ"](keys=keys, args=[now, version], client=pipe)
+            answers = await pipe.execute()
+        out: dict[str, tuple[str, list[str]] | None] = {}
+        for (channel, version), answer in zip(known.items(), answers, strict=True):
+            current = _text(answer[0])
+            out[channel] = None if current == version else (current, [_text(part) for part in answer[1:]])
+        return out
 
     def shards_probe(self) -> list[ShardProbe]:
         return [{"index": 0, "address": self.address, "up": not self.outage.down, "outages": self.outage.outages}]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 __all__ = [
     "KEEP_LINEAGE_MS",
+    "PRESENCE_PUT",
+    "PRESENCE_READ",
     "PUBLISH",
     "PUBLISH_KEPT",
     "READ_KEPT",
@@ -217,4 +219,60 @@ redis.call('zadd', KEYS[6], ARGV[9], ARGV[8])
 redis.call('pexpire', KEYS[6], ARGV[10])
 """
     + PUBLISH_KEPT
+)
+
+# Presence (realtime_app.wire.presence): KEYS[1] a hash of each process's part (and the
+# version, field "~v"), KEYS[2] each process's lease end (a sorted set). A version only
+# ever grows (the next is above the last and above now, ms): a reader that holds it reads
+# nothing again; both keys go with their last process.
+PRESENCE_BUMP = """
+local function bump(now)
+  local v = tonumber(redis.call('hget', KEYS[1], '~v') or '0')
+  redis.call('hset', KEYS[1], '~v', math.max(v + 1, now))
+end
+local function tidy(ttl)
+  if redis.call('hlen', KEYS[1]) <= 1 then redis.call('del', KEYS[1], KEYS[2]) return end
+  redis.call('pexpire', KEYS[1], ttl)
+  redis.call('pexpire', KEYS[2], ttl)
+end
+"""
+# ARGV: process, part ('' = none left), lease end, ttl, now (ms).
+PRESENCE_PUT = (
+    PRESENCE_BUMP
+    + """
+local now = tonumber(ARGV[5])
+if ARGV[2] == '' then
+  if redis.call('hdel', KEYS[1], ARGV[1]) == 1 then bump(now) end
+  redis.call('zrem', KEYS[2], ARGV[1])
+else
+  if redis.call('hget', KEYS[1], ARGV[1]) ~= ARGV[2] then
+    redis.call('hset', KEYS[1], ARGV[1], ARGV[2])
+    bump(now)
+  end
+  redis.call('zadd', KEYS[2], ARGV[3], ARGV[1])
+end
+tidy(tonumber(ARGV[4]))
+return 1
+"""
+)
+# ARGV: now (ms), the version the reader holds. Parts past their lease go first.
+PRESENCE_READ = (
+    PRESENCE_BUMP
+    + """
+local now = tonumber(ARGV[1])
+local gone = redis.call('zrangebyscore', KEYS[2], '-inf', now)
+if #gone > 0 then
+  for _, who in ipairs(gone) do redis.call('hdel', KEYS[1], who) end
+  redis.call('zremrangebyscore', KEYS[2], '-inf', now)
+  if redis.call('hlen', KEYS[1]) <= 1 then redis.call('del', KEYS[1], KEYS[2]) else bump(now) end
+end
+local v = redis.call('hget', KEYS[1], '~v') or '0'
+if v == ARGV[2] then return {v} end
+local out = {v}
+local all = redis.call('hgetall', KEYS[1])
+for i = 1, #all, 2 do
+  if all[i] ~= '~v' then out[#out + 1] = all[i + 1] end
+end
+return out
+"""
 )

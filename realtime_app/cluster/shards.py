@@ -269,6 +269,23 @@ class ShardedBackplane(Backplane):
         shard = self.shard(channel)
         await self._beat_call(shard, shard.release(channel))
 
+    async def put_presence(self, parts: dict[str, str | None], ttl_ms: int) -> None:
+        split = self._by_shard(list(parts))
+        await self._each({s: s.put_presence({c: parts[c] for c in part}, ttl_ms) for s, part in split.items()})
+
+    async def read_presence(self, known: dict[str, str]) -> dict[str, tuple[str, list[str]] | None]:
+        """Each answering shard's channels (a stalled shard's are read again at the next turn)."""
+        split = self._by_shard(list(known))
+        results = await asyncio.gather(
+            *(self._beat_call(s, s.read_presence({c: known[c] for c in part})) for s, part in split.items()),
+            return_exceptions=True,
+        )
+        out: dict[str, tuple[str, list[str]] | None] = {}
+        for result in results:
+            if isinstance(result, dict):
+                out.update(result)
+        return out
+
     # -- the cluster's own state: on the home shard ------------------------------------
 
     async def put_probe(self, probe: ProcessProbe, ttl_ms: int) -> None:

@@ -146,6 +146,20 @@ DEFAULTS: dict[str, Any] = {
     "OUTBOX_MAX_ROWS": 100_000,
     "OUTBOX_MAX_AGE_S": 60,
     "OUTBOX_DEDUPE_WINDOW_S": 3600,
+    # Presence (channels declared presence=True, docs/presence.md): notifications to its
+    # watchers at most once per this many ms per channel (joins and leaves between coalesced);
+    # above PRESENCE_DIFF_MEMBERS members they carry the count only (the list on request,
+    # RPC "presence"); members one process lists per channel, the rest counted (0 = no bound).
+    "PRESENCE_INTERVAL_MS": 1000,
+    "PRESENCE_DIFF_MEMBERS": 1000,
+    "PRESENCE_MAX_MEMBERS": 10_000,
+    # A callable (or its dotted path) user -> public info listed with the member (a display
+    # name), at most PRESENCE_INFO_MAX_BYTES of JSON (over it: listed without); None: none.
+    "PRESENCE_INFO": None,
+    "PRESENCE_INFO_MAX_BYTES": 256,
+    # List anonymous connections in RPC "presence" pages, as one {"user": null} entry
+    # (they are always counted).
+    "PRESENCE_LIST_ANONYMOUS": False,
     # HTTP concurrency pools (docs/http-limiter.md), used by ConcurrencyLimitMiddleware:
     # {"reports": {"max_concurrent": 2, "max_waiting": 50, "wait_timeout_ms": 10000,
     #              "paths": ["/reports/*"]}}; requests that match no pool pass untouched.

@@ -76,6 +76,12 @@ class Settings:
     outbox_max_rows: int
     outbox_max_age_s: int
     outbox_dedupe_window_s: int
+    presence_interval_ms: int
+    presence_diff_members: int
+    presence_max_members: int
+    presence_info: Any
+    presence_info_max_bytes: int
+    presence_list_anonymous: bool
     http_pools: dict[str, Any]
     write_behind_delay_ms: int
     write_behind_journal_dir: str | None

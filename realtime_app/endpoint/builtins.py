@@ -1,24 +1,28 @@
-"""The built-in methods every connection may call: ``subscribe``, ``unsubscribe``, ``ping``
-and ``publish`` (docs/protocol.md). Each checks its params, the channel's rules and its
+"""The built-in methods every connection may call: ``subscribe``, ``unsubscribe``, ``ping``,
+``publish`` and ``presence`` (docs/protocol.md). Each checks its params, the channel's rules and its
 bounds, then asks the hub; the consumer only routes to them."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
-from realtime_app.channels.policies import allowed
+from channels.db import database_sync_to_async
+
+from realtime_app.channels.policies import Action, allowed
 from realtime_app.channels.registry import ChannelSpec, registry
 from realtime_app.conf import get_config
 from realtime_app.endpoint.sessions import needs_user
 from realtime_app.endpoint.subscribing import bounded, require_existing
 from realtime_app.exceptions import NO_USER_HINT, ForbiddenChannel, PublicationError, PublicationTooLarge, RPCError
-from realtime_app.hub.core import Connection, get_hub
+from realtime_app.hub.core import Connection, Hub, get_hub
+from realtime_app.hub.presence import member_of
 from realtime_app.wire import protocol
 from realtime_app.wire.asgi import Scope
 from realtime_app.wire.deltas import FOSSIL
 from realtime_app.wire.history import Since
+from realtime_app.wire.presence import PAGE_BYTES, page
 from realtime_app.wire.session import ServerSession
 
 __all__ = ["BUILTINS", "Caller", "require"]
@@ -71,7 +75,7 @@ def since_param(params: Any) -> Since | None:
         raise _invalid(f"Invalid params: {exc}", "invalid_since") from None
 
 
-async def require(consumer: Caller, spec: ChannelSpec, action: Literal["subscribe", "publish"]) -> None:
+async def require(consumer: Caller, spec: ChannelSpec, action: Action) -> None:
     """Refuse unless the user may ``action`` the channel — the user as its session and
     the database say now, for a guarded channel (logout, deactivation, demotion)."""
     family = registry.family_of(spec.name)
@@ -94,20 +98,70 @@ async def subscribe(consumer: Caller, params: Any) -> dict[str, Any]:
     delta = params.get("delta") if isinstance(params, dict) else None
     if delta is not None and delta != FOSSIL:
         raise _invalid(f'Invalid params: "delta" must be "{FOSSIL}"', "invalid_delta")
+    watch = await presence_param(consumer, spec, params)
     hub = await get_hub()
     if spec.name not in hub.subscribers:
         spec = await bounded(hub, spec, config, partial(require, consumer, action="subscribe"))
     answer: dict[str, Any] = {"channel": spec.name, "kind": spec.kind, "interval_ms": spec.interval_ms}
+    if spec.presence and conn.member is None:  # who it is in presence channels, asked once
+        conn.member = await database_sync_to_async(member_of)(consumer.user)
     if spec.history is not None:  # a resume replays full frames, then deltas go on
         answer.update(await hub.subscribe_kept(conn, spec, since, deltas=delta is not None))
-        return answer
+        return await _watched(hub, conn, spec, watch, answer)
     await hub.subscribe(conn, spec)
     consumer.session.follow_answer(spec)  # a state channel's value now, not a period later
     if delta is not None:  # granted: a full frame first (also on a subscribe again); never on a conflated channel
         answer["delta"] = FOSSIL if hub.fanout.want_deltas(conn, spec.name) else False
     if since is not None:  # nothing kept to resume from: the application resyncs
         answer.update(recovered=False, reason="no_history")
+    return await _watched(hub, conn, spec, watch, answer)
+
+
+async def presence_param(consumer: Caller, spec: ChannelSpec, params: Any) -> bool:
+    """``params["presence"]``: True when the subscriber asks for the channel's presence
+    diffs (a presence channel, and the ``presence`` rule allows it)."""
+    watch = params.get("presence", False) if isinstance(params, dict) else False
+    if not isinstance(watch, bool):
+        raise _invalid('Invalid params: "presence" must be true or false', "invalid_presence")
+    if watch and not spec.presence:
+        raise _invalid(f"Invalid params: {spec.name} is not a presence channel", "no_presence")
+    if watch:
+        await require(consumer, spec, "presence")
+    return watch
+
+
+async def _watched(
+    hub: Hub, conn: Connection, spec: ChannelSpec, watch: bool, answer: dict[str, Any]
+) -> dict[str, Any]:
+    """The subscriber watches presence: its first ``presence`` frame (every member) goes
+    before this answer, the diffs after it."""
+    if watch and spec.name in conn.subscriptions:
+        await hub.presence.watch(conn, spec)
+        answer["presence"] = True
     return answer
+
+
+async def presence(consumer: Caller, params: Any) -> dict[str, Any]:
+    """Who is in a presence channel: the count and a page of members by name, at most
+    ``PAGE_BYTES`` of them (``truncated``: the next page is ``after`` the last name)."""
+    spec = registry.resolve(channel_param(params))
+    if not spec.presence:
+        raise _invalid(f"Invalid params: {spec.name} is not a presence channel", "no_presence")
+    after = params.get("after") if isinstance(params, dict) else None
+    if after is not None and not isinstance(after, str):
+        raise _invalid('Invalid params: "after" must be a user name', "invalid_after")
+    await require(consumer, spec, "presence")
+    await require_existing(spec)
+    hub = await get_hub()
+    snapshot = await hub.presence.read(spec)
+    members, truncated = page(snapshot, after, PAGE_BYTES, bool(get_config()["PRESENCE_LIST_ANONYMOUS"]))
+    return {
+        "channel": spec.name,
+        "count": snapshot.count,
+        "anonymous": snapshot.anonymous,
+        "members": members,
+        "truncated": truncated,
+    }
 
 
 async def unsubscribe(consumer: Caller, params: Any) -> dict[str, Any]:
@@ -143,4 +197,10 @@ async def publish(consumer: Caller, params: Any) -> dict[str, Any]:
 
 
 #: The built-in methods by name (their costs: ``endpoint.methods.BUILTIN_COSTS``).
-BUILTINS: dict[str, Builtin] = {"subscribe": subscribe, "unsubscribe": unsubscribe, "ping": ping, "publish": publish}
+BUILTINS: dict[str, Builtin] = {
+    "subscribe": subscribe,
+    "unsubscribe": unsubscribe,
+    "ping": ping,
+    "publish": publish,
+    "presence": presence,
+}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from realtime_app.outbound.guard import Guard
 from realtime_app.wire.asgi import Scope, Send
@@ -31,6 +32,9 @@ class Connection:
     opened_at: float = field(default_factory=time.monotonic)
     #: Delta subscriptions: channel -> the ``seq`` of the last frame it was sent there (-1: none yet).
     deltas: dict[str, int] = field(default_factory=dict)
+    #: In presence channels: its user's name (None: anonymous) and public info; None until
+    #: its first subscribe to one (``realtime_app.hub.presence.member_of``).
+    member: tuple[str | None, Any] | None = None
     guard: Guard = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

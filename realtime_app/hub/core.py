@@ -47,6 +47,7 @@ from realtime_app.hub.fanout import Fanout
 from realtime_app.hub.fed import FedStates
 from realtime_app.hub.gate import Gate
 from realtime_app.hub.ordering import Ordering
+from realtime_app.hub.presence import Presence
 from realtime_app.hub.probe import process_probe, process_start
 from realtime_app.hub.reconciler import Reconciler
 from realtime_app.hub.replay import Replays
@@ -109,6 +110,7 @@ class Hub:
         self.tickers = Tickers(self)
         self.fed = FedStates(self)
         self.current = CurrentValues(self)  # the newest frame of each subscribed state channel
+        self.presence = Presence(self)  # who is in each presence channel, and its watchers' diffs
         self.convergence = Convergence(self)
         self._tasks: list[asyncio.Task[Any]] = []
         self._background: set[asyncio.Task[Any]] = set()
@@ -119,13 +121,11 @@ class Hub:
         self.parts = HubParts()  # read at start (HUB_PARTS)
 
     @property
-    def admission(self) -> Admission:
-        """The admission books of this process (:class:`~realtime_app.inbound.admission.Admission`)."""
+    def admission(self) -> Admission:  # the admission books of this process
         return self.gate.admission
 
     @property
-    def pool(self) -> RequestPool:
-        """The pool that runs admitted requests (:class:`~realtime_app.inbound.workers.RequestPool`)."""
+    def pool(self) -> RequestPool:  # the pool that runs admitted requests
         return self.gate.pool
 
     # -- lifecycle -------------------------------------------------------------------
@@ -171,6 +171,7 @@ class Hub:
             loops = [
                 (self.tickers.publisher(), "realtime-publisher"),
                 (self.convergence.maintain(), "realtime-maintain"),
+                (self.presence.run(), "realtime-presence"),
             ]
             loops += [(loop(self), name) for name, loop in self.parts.loops.items()]
             for coro, name in loops:
@@ -192,8 +193,9 @@ class Hub:
         await cancel_and_wait(*self._tasks)
         self._tasks.clear()
         assert self.backplane is not None
-        with contextlib.suppress(Exception):
-            await self.backplane.drop_probe()
+        for withdraw in (self.presence.leave_all, self.backplane.drop_probe):  # now, not a lease later
+            with contextlib.suppress(Exception):
+                await withdraw()
         await self.backplane.stop()
 
     # -- connections and subscriptions --------------------------------------------------
@@ -224,6 +226,7 @@ class Hub:
 
     def _drop_local(self, conn: Connection, channel: str) -> bool:
         """Remove one local subscription; True when it was the channel's last."""
+        self.presence.exit(conn, channel)
         conn.subscriptions.discard(channel)
         conn.positions.pop(channel, None)
         if conn.guard.held:  # a conflated frame of a channel it left: never sent
@@ -252,8 +255,7 @@ class Hub:
         return sorted(self.instances.cadences.get(base, ()))
 
     def ticker_count(self) -> int:
-        """Channels with local subscribers that run something somewhere (a ticker, an
-        app-fed cadence: each holds a lease in the cluster)."""
+        """Local channels that run something (a ticker, an app-fed cadence) holding a lease."""
         return self.instances.tickers
 
     def count_refusal(self, reason: str) -> None:
@@ -278,11 +280,12 @@ class Hub:
             self.reconciler.subscribed(channel, ticker=spec.has_ticker)
         subs.add(conn)
         conn.subscriptions.add(channel)
+        if spec.presence:
+            self.presence.enter(conn, spec)
         await self.convergence.converge(channel)
         return True
 
-    async def converge(self, channel: str) -> None:
-        """Carry out what the reconciler wants of ``channel`` now (see :class:`Convergence`)."""
+    async def converge(self, channel: str) -> None:  # what the reconciler wants of it, now
         await self.convergence.converge(channel)
 
     async def send_current(self, conn: Connection, spec: ChannelSpec) -> bool:
@@ -417,8 +420,7 @@ class Hub:
 
     # -- probe -------------------------------------------------------------------------
 
-    def probe(self) -> ProcessProbe:
-        """This process's counters (no decision is taken from them)."""
+    def probe(self) -> ProcessProbe:  # this process's counters (no decision is taken from them)
         return process_probe(self)
 
     async def cluster_probes(self) -> list[ProcessProbe]:
@@ -428,8 +430,7 @@ class Hub:
         return [self.probe(), *others]
 
 
-def _log_death(task: asyncio.Task[Any]) -> None:
-    """A background loop must never end while the hub runs: say so loudly if one does."""
+def _log_death(task: asyncio.Task[Any]) -> None:  # a loop must never end while the hub runs: say so loudly
     if not task.cancelled() and task.exception() is not None:
         logger.error("%s stopped: %r", task.get_name(), task.exception(), exc_info=task.exception())
 

@@ -195,6 +195,19 @@ class Fanout:
                 self.holding.add(conn)
                 self.conflated += guard.conflated - before
 
+    def send_merged(self, conn: Connection, key: str, payload: bytes) -> Decision | None:
+        """A frame that replaces ``key``'s frame still held for ``conn`` (its sender merged
+        what the held one carried into it: presence diffs); written, or held until the
+        queue drains. None: the send raised."""
+        try:
+            decision = conn.guard.send_conflated(key, payload)
+        except Exception as exc:
+            self._send_failed(conn, exc)
+            return None
+        if decision is HOLD:
+            self.holding.add(conn)
+        return decision
+
     def drain_held(self) -> int:
         """Write the held frames of every connection whose queue drained; returns how many."""
         written = 0

@@ -21,6 +21,7 @@ from realtime_app.hub.fanout import Fanout
 from realtime_app.hub.gate import Gate
 from realtime_app.hub.ordering import Ordering
 from realtime_app.hub.outbox import outbox_probe
+from realtime_app.hub.presence import Presence
 from realtime_app.hub.reconciler import Reconciler
 from realtime_app.hub.replay import Replays
 from realtime_app.hub.tickers import Tickers
@@ -55,6 +56,7 @@ class Probed(Protocol):
     tickers: Tickers
     instances: InstanceBook
     template_published: dict[str, int]
+    presence: Presence
 
 
 def history_probe(hub: Probed, top: int) -> HistoryProbe:
@@ -151,6 +153,7 @@ def process_probe(hub: Probed) -> ProcessProbe:
         "write_behind": stores_probe(),
         "templates": templates_probe(hub),
         "outbox": outbox_probe(hub),
+        "presence": hub.presence.probe(top),
     }
 
 

@@ -194,6 +194,25 @@ class OutboxProbe(TypedDict):
     alarm: Annotated[str, Shown("why the outbox needs attention (too many rows, too old), or empty")]
 
 
+class PresenceProbe(TypedDict):
+    """Presence channels as this process keeps them (``presence``, docs/presence.md)."""
+
+    channels: Annotated[int, Gauge("Presence channels with members or watchers here", "realtime_presence_channels")]
+    connections: Annotated[
+        int, Gauge("Local connections in presence channels (one per channel)", "realtime_presence_connections")
+    ]
+    watchers: Annotated[int, Gauge("Local subscribers of presence diffs", "realtime_presence_watchers")]
+    changes: Annotated[int, Counter("Local joins and leaves of presence channels", "realtime_presence_changes")]
+    diffs: Annotated[int, Counter("Presence frames handed to watchers", "realtime_presence_diffs")]
+    coalesced: Annotated[
+        int, Counter("Presence diffs merged into one held for a slow watcher", "realtime_presence_coalesced")
+    ]
+    writes: Annotated[int, Counter("Presence parts of this process written", "realtime_presence_writes")]
+    reads: Annotated[int, Counter("Presence channels read from the backplane", "realtime_presence_reads")]
+    failures: Annotated[int, Counter("Presence turns the backplane did not answer", "realtime_presence_failures")]
+    members: Annotated[dict[str, int], Shown("members of the busiest presence channels")]
+
+
 class ProcessProbe(TypedDict):
     """One process: ``GET /realtime/probe``'s ``instances[]``, a health-channel frame's."""
 
@@ -231,6 +250,7 @@ class ProcessProbe(TypedDict):
     write_behind: dict[str, StoreProbe]
     templates: dict[str, TemplateProbe]
     outbox: OutboxProbe
+    presence: PresenceProbe
 
 
 class ClusterProbe(TypedDict):

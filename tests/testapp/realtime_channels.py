@@ -281,6 +281,15 @@ def flaky_exists(params: dict[str, Any]) -> bool:
 
 
 realtime_app.event_channel("test:flaky:<int:id>", exists=flaky_exists)
+# Presence (docs/presence.md): rooms per name, one whose members only staff may see, a
+# cadenced family whose cadences share one room.
+realtime_app.event_channel("test:room:<slug:name>", history_size=10, history_ttl_s=60, presence=True)
+realtime_app.event_channel("test:backstage", presence=True)
+
+
+@realtime_app.ticker("test:crowd", default=1000, min=100, max=5000, presence=True)
+def crowd_tick(channel):
+    return {"interval_ms": channel.interval_ms}
 
 
 #: Runs of ``test.once`` by key: what a call that runs once ran.
@@ -313,3 +322,8 @@ def commit_and_die(consumer: Any, params: Any) -> None:
         with transaction.atomic():
             realtime_app.publish(params["channel"], {"n": n})
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def presence_info(user):
+    """``PRESENCE_INFO`` in tests: a member's display name."""
+    return {"name": user.first_name or user.get_username()}

@@ -1,0 +1,329 @@
+"""Presence: who is in each presence channel, kept on the backplane under this process's
+lease, and the diffs its subscribers get — one per channel per ``PRESENCE_INTERVAL_MS`` at
+most, whatever the join/leave traffic (docs/presence.md).
+
+Every subscriber of a channel declared ``presence=True`` is in it; those that subscribed
+with ``"presence": true`` also watch it. One loop per process does the rest, a few times
+per interval:
+
+* **write**: each room whose local members changed gets this process's part written
+  (coalesced: one write per room per turn, however many joins), and every beat each part
+  is written again from the local book (STYLE practice 21): a part lives a lease
+  (``LEASE_TTL_MS``) unless renewed, so a process that dies takes its members with it
+  and a Redis that lost its keys has them back within a beat;
+* **read**, once per interval, each watched room whose version changed: the merged
+  snapshot, its diff against what the watchers hold (:func:`~realtime_app.wire.presence.diff`),
+  one frame to each watcher. A watcher over its backpressure threshold keeps one held
+  frame: the next diff is merged into it (:func:`~realtime_app.wire.presence.compose`),
+  never queued behind it.
+
+The rules are pure (:mod:`realtime_app.wire.presence`); this room owns the books, the
+loop and the counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from realtime_app.channels.registry import ChannelSpec
+from realtime_app.cluster.base import Backplane
+from realtime_app.conf import beat_period_s, get_config
+from realtime_app.exceptions import BackplaneUnavailable
+from realtime_app.hub.connections import Connection
+from realtime_app.hub.fanout import Fanout
+from realtime_app.observability.schema import PresenceProbe
+from realtime_app.outbound.backpressure import HOLD
+from realtime_app.wire.presence import Diff, LocalRoom, Snapshot, compose, diff, merge, to_params
+from realtime_app.wire.protocol import encode
+
+__all__ = ["HELD_KEY", "Presence", "Room", "member_of"]
+
+logger = logging.getLogger("realtime_app.presence")
+
+#: The held-frame key of a channel's presence diffs (never a channel name: "\0" is not allowed in one).
+HELD_KEY = "\0presence:"
+#: Writes per interval at most: a change reaches the backplane within a quarter of it.
+WRITES_PER_INTERVAL = 4
+
+
+class Hosting(Protocol):
+    """What the presence room uses of its hub."""
+
+    backplane: Backplane | None
+    fanout: Fanout
+
+
+@dataclass(eq=False, slots=True)
+class Room:
+    """One presence channel (a family's cadences share their base's room) in this process."""
+
+    local: LocalRoom = field(default_factory=LocalRoom)
+    watchers: dict[Connection, str] = field(default_factory=dict)  # -> the name it subscribed with
+    sent: Snapshot | None = None  # what the watchers hold (None: no watcher, nothing read)
+    listed: bool = True
+    version: str = ""  # of the snapshot read last ("": read again)
+    dirty: bool = False  # local members changed since this process's part was written
+    pending: dict[Connection, Diff] = field(default_factory=dict)  # merged diffs held for slow watchers
+
+
+class Presence:
+    """The presence books of one process."""
+
+    def __init__(self, hub: Hosting) -> None:
+        self.hub = hub
+        self.rooms: dict[str, Room] = {}
+        self.names: dict[str, str] = {}  # a subscribed channel -> its room
+        self.changes = 0  # local joins and leaves (first and last connection of a room here)
+        self.diffs = 0  # presence frames handed to watchers
+        self.coalesced = 0  # diffs merged into a held one (a slow watcher)
+        self.writes = 0
+        self.reads = 0
+        self.failures = 0
+
+    # -- the books (synchronous, at once) ------------------------------------------------
+
+    def enter(self, conn: Connection, spec: ChannelSpec) -> None:
+        """``conn`` subscribed to ``spec`` (a presence channel): in its room."""
+        self.names[spec.name] = spec.base
+        room = self.rooms.get(spec.base)
+        if room is None:
+            room = self.rooms[spec.base] = Room()
+        user, info = conn.member if conn.member is not None else (None, None)
+        if room.local.enter(conn.id, user, info):
+            room.dirty = True
+            self.changes += 1
+
+    def exit(self, conn: Connection, channel: str) -> None:
+        """``conn`` left ``channel`` (unsubscribed, closed): out of its room when it was
+        its last channel there."""
+        base = self.names.get(channel)
+        room = self.rooms.get(base) if base is not None else None
+        if room is None:
+            return
+        if room.watchers.get(conn) == channel:
+            self._unwatch(room, conn, channel)
+        if room.local.exit(conn.id):
+            room.dirty = True
+            self.changes += 1
+
+    def _unwatch(self, room: Room, conn: Connection, channel: str) -> None:
+        del room.watchers[conn]
+        room.pending.pop(conn, None)
+        if conn.guard.held:
+            conn.guard.held.frames.pop(HELD_KEY + channel, None)
+        if not room.watchers:
+            room.sent, room.version, room.listed = None, "", True
+
+    async def watch(self, conn: Connection, spec: ChannelSpec) -> None:
+        """``conn`` watches ``spec``'s presence: a ``reset`` frame with every member now —
+        before its subscribe's answer — then the diffs of every interval."""
+        room = self.rooms.get(spec.base)
+        if room is None or conn in room.watchers:
+            return
+        if room.sent is None:
+            snapshot = await self.read(spec)
+            if room.sent is None:  # else another watcher's turn read it meanwhile: what they hold
+                room.sent = snapshot
+                room.listed = self._listed(snapshot)
+        if conn.closed or spec.name not in conn.subscriptions or self.rooms.get(spec.base) is not room:
+            return
+        assert room.sent is not None
+        first = diff(None, room.sent, True, self._list_up_to())
+        if first is not None:
+            self._send(room, conn, spec.name, first)
+        room.watchers[conn] = spec.name
+
+    async def read(self, spec: ChannelSpec) -> Snapshot:
+        """The cluster's members of ``spec`` now: what the watchers here hold when this
+        process has any (at most an interval old), else read from the backplane."""
+        room = self.rooms.get(spec.base)
+        if room is not None and room.sent is not None:
+            return room.sent
+        backplane = self.hub.backplane
+        assert backplane is not None
+        if room is not None and room.dirty:
+            with contextlib.suppress(*backplane.errors):  # its own members first
+                await self._write(backplane, {spec.base: room})
+        try:
+            found = (await backplane.read_presence({spec.base: ""})).get(spec.base)
+        except backplane.errors as exc:
+            backplane.outage.failed(exc)
+            raise BackplaneUnavailable("presence", exc) from exc
+        self.reads += 1
+        return merge(found[1]) if found is not None else Snapshot()
+
+    # -- the loop ----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Write changed parts a few times per interval, renew them every beat, read and
+        send once per interval (the hub runs it while it runs)."""
+        config = get_config()
+        interval = config["PRESENCE_INTERVAL_MS"] / 1000
+        beat = beat_period_s(config)
+        next_read = next_beat = time.monotonic()
+        while True:
+            await asyncio.sleep(interval / WRITES_PER_INTERVAL)
+            now = time.monotonic()
+            renew = now >= next_beat
+            if renew:
+                next_beat = now + beat
+            reading = now >= next_read
+            if reading:
+                next_read = now + interval
+            await self.turn(renew=renew, reading=reading)
+
+    async def turn(self, *, renew: bool = False, reading: bool = True) -> None:
+        """One turn of the loop: write what changed (every part when ``renew``), then,
+        when ``reading``, read the watched rooms and send their diffs."""
+        backplane = self.hub.backplane
+        if backplane is None:
+            return
+        try:
+            rooms = {base: room for base, room in self.rooms.items() if room.dirty or (renew and room.local)}
+            if rooms:
+                await self._write(backplane, rooms)
+            if reading:
+                await self._read(backplane)
+        except backplane.errors as exc:
+            backplane.outage.failed(exc)
+            self.failures += 1
+            for room in self.rooms.values():
+                room.dirty = room.dirty or bool(room.local)  # written again once it answers
+            return
+        backplane.outage.succeeded()
+        for base in [base for base, room in self.rooms.items() if self._idle(room)]:
+            del self.rooms[base]
+            for name in [name for name, room_of in self.names.items() if room_of == base]:
+                del self.names[name]
+
+    async def leave_all(self) -> None:
+        """A clean stop: this process's parts withdrawn now, not a lease later."""
+        backplane = self.hub.backplane
+        if backplane is None or not self.rooms:
+            return
+        await backplane.put_presence({base: None for base in self.rooms}, get_config()["LEASE_TTL_MS"])
+
+    async def _write(self, backplane: Backplane, rooms: dict[str, Room]) -> None:
+        config = get_config()
+        limit = config["PRESENCE_MAX_MEMBERS"]
+        parts = {base: room.local.part(limit) if room.local else None for base, room in rooms.items()}
+        for room in rooms.values():
+            room.dirty = False  # changed while the write is on its way: dirty again, written next turn
+        try:
+            await backplane.put_presence(parts, config["LEASE_TTL_MS"])
+        except BaseException:
+            for room in rooms.values():
+                room.dirty = True
+            raise
+        self.writes += len(parts)
+
+    async def _read(self, backplane: Backplane) -> None:
+        watched = {base: room.version for base, room in self.rooms.items() if room.watchers}
+        if not watched:
+            return
+        found = await backplane.read_presence(watched)
+        self.reads += len(watched)
+        up_to = self._list_up_to()
+        for base, answer in found.items():
+            room = self.rooms.get(base)
+            if answer is None or room is None or not room.watchers or room.sent is None:
+                continue
+            room.version = answer[0]
+            snapshot = merge(answer[1])
+            change = diff(room.sent, snapshot, room.listed, up_to)
+            room.sent, room.listed = snapshot, self._listed(snapshot)
+            if change is not None:
+                for conn, name in list(room.watchers.items()):
+                    self._send(room, conn, name, change)
+
+    def _send(self, room: Room, conn: Connection, name: str, change: Diff) -> None:
+        """One diff to one watcher, merged into the one still held for it, if any."""
+        key = HELD_KEY + name
+        held = conn.guard.held
+        pending = room.pending.get(conn)
+        merged = pending is not None and held is not None and key in held.frames
+        if merged:
+            assert pending is not None
+            change = compose(pending, change)
+        text = encode({"jsonrpc": "2.0", "method": "presence", "params": to_params(name, change)})
+        decision = self.hub.fanout.send_merged(conn, key, text.encode("utf-8"))
+        self.diffs += 1
+        if decision is HOLD:
+            room.pending[conn] = change
+            self.coalesced += int(merged)
+        else:
+            room.pending.pop(conn, None)
+
+    # -- rules and the probe -------------------------------------------------------------
+
+    @staticmethod
+    def _idle(room: Room) -> bool:
+        return not room.local and not room.watchers and not room.dirty
+
+    @staticmethod
+    def _list_up_to() -> int:
+        return int(get_config()["PRESENCE_DIFF_MEMBERS"])
+
+    def _listed(self, snapshot: Snapshot) -> bool:
+        up_to = self._list_up_to()
+        return not up_to or len(snapshot.users) <= up_to
+
+    def probe(self, top: int) -> PresenceProbe:
+        """Presence channels, members and watchers here, what was sent and merged, and the
+        members of the busiest rooms as the cluster holds them (watched rooms) or as this
+        process does."""
+        rooms = self.rooms.items()
+        sizes = {base: room.sent.count if room.sent is not None else len(room.local.conns) for base, room in rooms}
+        busiest = sorted(sizes.items(), key=lambda item: (-item[1], item[0]))[:top]
+        return {
+            "channels": len(self.rooms),
+            "connections": sum(len(room.local.conns) for room in self.rooms.values()),
+            "watchers": sum(len(room.watchers) for room in self.rooms.values()),
+            "changes": self.changes,
+            "diffs": self.diffs,
+            "coalesced": self.coalesced,
+            "writes": self.writes,
+            "reads": self.reads,
+            "failures": self.failures,
+            "members": dict(busiest),
+        }
+
+
+def member_of(user: Any) -> tuple[str | None, Any]:
+    """A connection's presence identity: its username (None: anonymous) and the public
+    info ``PRESENCE_INFO`` gives for it, bounded by ``PRESENCE_INFO_MAX_BYTES`` (over it,
+    none: logged once per user). Runs in a thread (the hook may query)."""
+    if user is None or not getattr(user, "is_authenticated", False):
+        return None, None
+    name = user.get_username()
+    config = get_config()
+    hook = config["PRESENCE_INFO"]
+    if not hook:
+        return name, None
+    from django.utils.module_loading import import_string
+
+    from realtime_app.wire.protocol import encode as encode_json
+
+    try:
+        info = (import_string(hook) if isinstance(hook, str) else hook)(user)
+        size = len(encode_json(info).encode("utf-8"))
+    except Exception:
+        logger.exception("PRESENCE_INFO failed for a user: listed without info")
+        return name, None
+    if size > config["PRESENCE_INFO_MAX_BYTES"]:
+        if name not in _oversized:
+            if len(_oversized) >= 10_000:
+                _oversized.clear()
+            _oversized.add(name)
+            logger.warning("PRESENCE_INFO gave %d bytes, over PRESENCE_INFO_MAX_BYTES: listed without info", size)
+        return name, None
+    return name, info
+
+
+#: Users whose info was over the bound, logged once each (bounded: cleared when full).
+_oversized: set[str] = set()
