@@ -71,3 +71,30 @@ def test_two_rooms_in_two_tabs_never_see_each_others_messages(site, browser):
     browser.switch_to.window(lobby)
     seen = browser.execute_script("return window.realtime.seen")
     assert [data["text"] for _, data in seen] == ["hello lobby"]
+
+
+def members_shown(browser):
+    return {e.get_attribute("data-user"): e.text for e in browser.find_elements(By.CSS_SELECTOR, "#members .member")}
+
+
+def test_a_room_page_lists_who_is_there_once_per_user_and_sees_them_leave(site, browser):
+    log_in(browser, site.http, "demo", "demo")
+    first = open_tab(browser, site.http + "/demo/room/meeting/")
+    wait(browser, 10).until(lambda b: members_shown(b) == {"demo": "demo"})
+    second = open_tab(browser, site.http + "/demo/room/meeting/")  # the same user, a second tab
+    wait(browser, 10).until(lambda b: members_shown(b) == {"demo": "demo ×2"})
+    browser.switch_to.window(first)
+    wait(browser, 10).until(lambda b: members_shown(b) == {"demo": "demo ×2"})
+    other = chromium()  # someone else, signed in elsewhere
+    try:
+        log_in(other, site.http, "admin", "admin")
+        other.get(site.http + "/demo/room/meeting/")
+        wait(browser, 10).until(lambda b: members_shown(b) == {"demo": "demo ×2", "admin": "admin"})
+        assert text(browser, "#here-count").startswith("2 ")
+    finally:
+        other.quit()
+    wait(browser, 15).until(lambda b: members_shown(b) == {"demo": "demo ×2"})  # admin left
+    browser.switch_to.window(second)
+    browser.close()
+    browser.switch_to.window(first)
+    wait(browser, 10).until(lambda b: members_shown(b) == {"demo": "demo"})

@@ -7,6 +7,7 @@ happens, the diffs it applies rebuild the true member set."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -196,3 +197,11 @@ class Presence(RuleBasedStateMachine):
 
 TestPresenceMachine = Presence.TestCase
 TestPresenceMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+
+
+def test_the_member_set_vectors_shared_with_the_browser_module():
+    vectors = json.loads((Path(__file__).parent / "vectors" / "presence.json").read_text())
+    members: dict = {}
+    for step in vectors["steps"]:
+        members = apply(members, step["params"])
+        assert members == step["members"]

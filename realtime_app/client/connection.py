@@ -110,6 +110,9 @@ class RealtimeClient:
         #: ``on_recovered(channel, replayed)`` when a resume filled a gap.
         self.on_resync: list[Callable[[str, dict[str, Any]], None]] = []
         self.on_recovered: list[Callable[[str, int], None]] = []
+        #: Presence (docs/presence.md): ``on_presence(channel, diff)`` for each ``presence``
+        #: frame of a channel subscribed ``presence=True``; the members kept: :meth:`members`.
+        self.on_presence: list[Callable[[str, dict[str, Any]], None]] = []
         #: Called with the server's answer of every accepted subscribe, renewals included.
         self.on_subscribed: list[Callable[[dict[str, Any]], None]] = []
         self.session = ClientSession()
@@ -182,10 +185,14 @@ class RealtimeClient:
         elif isinstance(event, Notify):
             if event.kind == "resync":
                 logger.warning("%s: messages missed for good (%s): resync", event.channel, event.value["reason"])
-            callbacks: list[Any] = self.on_recovered if event.kind == "recovered" else self.on_resync
-            _fire(callbacks, event.kind, event.channel, event.value)
+            callbacks: dict[str, list[Any]] = {
+                "recovered": self.on_recovered,
+                "resync": self.on_resync,
+                "presence": self.on_presence,
+            }
+            _fire(callbacks[event.kind], event.kind, event.channel, event.value)
         elif isinstance(event, Recover):
-            self._spawn(self._recover(event.channel))
+            self._spawn(_recover(self, event.channel))
         elif isinstance(event, Resubscribe):
             logger.warning("%s: a delta frame that does not apply: subscribing again", event.channel)
             for name in event.names:
@@ -195,22 +202,6 @@ class RealtimeClient:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    async def _recover(self, channel: str) -> None:
-        """Subscribe again ``since`` the last message: the server replays the gap. Ends
-        with its connection, or when the channel is left (a reconnect resumes anew)."""
-        ws, due = self.socket.ws, self.session.recover_request(channel)
-        cursor = due[1] if due else None
-        while due is not None and ws is not None and self.socket.ws is ws and due[1] is cursor:
-            try:  # the replay comes first, at the pace we read
-                await self._call_once("subscribe", due[0], max(self.call_timeout, RESUME_TIMEOUT), (channel, cursor))
-                return
-            except Refused as refused:  # try again when admission says
-                await asyncio.sleep(retry_delay_ms(refused.retry_after_ms, random.random()) / 1000)
-            except (RPCError, ConnectionError, TimeoutError) as error:
-                logger.warning("resuming %s failed: %s", channel, error)
-                await asyncio.sleep(1.0)
-            due = self.session.recover_request(channel)
 
     async def call(
         self,
@@ -287,6 +278,7 @@ class RealtimeClient:
         *,
         on_error: Callable[[Exception], None] | None = None,
         delta: str | None = None,
+        presence: bool = False,
     ) -> dict[str, Any]:
         """Subscribe ``handler(params)`` (sync or async) to ``channel``; kept across reconnects.
 
@@ -294,10 +286,11 @@ class RealtimeClient:
         is not kept). Before :meth:`connect` the subscription is made when the connection
         opens: a refusal then, or of a renewal after a reconnect, calls ``on_error(error)``
         and every ``on_subscribe_error(channel, error)`` — logged only when there are none.
+        ``presence``: who is in a presence channel, kept (:meth:`members`) and told (``on_presence``).
         """
         if delta is not None and delta != "fossil":
             raise ValueError(f'delta must be "fossil", got {delta!r}')
-        first = self.session.book(channel, handler, on_error, delta is not None)
+        first = self.session.book(channel, handler, on_error, delta is not None, presence)
         if not first and channel in self.session.canonical:
             return {"channel": self.session.canonical[channel]}
         if self.socket.stopped:  # not connected yet: subscribed when the connection opens
@@ -311,6 +304,12 @@ class RealtimeClient:
                 self.session.unbook(channel)
             raise
 
+    def members(self, channel: str) -> dict[str, dict[str, Any]]:
+        """Who is in ``channel`` (subscribed ``presence=True``): user -> ``{"user",
+        "connections", "info"?}``, as of the last ``presence`` frame (empty while the
+        channel has more members than are listed: ask RPC ``presence``)."""
+        return dict(self.session.members.get(self.session.canonical.get(channel, channel), {}))
+
     async def unsubscribe(self, channel: str, handler: Handler | None = None) -> dict[str, Any] | None:
         """Remove ``handler`` (or all) from ``channel``; the last one out unsubscribes the
         channel the server subscribed, and returns its answer."""
@@ -319,3 +318,21 @@ class RealtimeClient:
             with contextlib.suppress(Exception):  # the channel the server subscribed (a nearer cadence, say)
                 return await self.call("unsubscribe", {"channel": canonical})  # type: ignore[no-any-return]
         return None
+
+
+async def _recover(client: RealtimeClient, channel: str) -> None:
+    """Subscribe again ``since`` the last message: the server replays the gap. Ends with its
+    connection, or when the channel is left (a reconnect resumes anew)."""
+    socket, session = client.socket, client.session
+    ws, due = socket.ws, session.recover_request(channel)
+    cursor = due[1] if due else None
+    while due is not None and ws is not None and socket.ws is ws and due[1] is cursor:
+        try:  # the replay comes first, at the pace we read
+            await client._call_once("subscribe", due[0], max(client.call_timeout, RESUME_TIMEOUT), (channel, cursor))
+            return
+        except Refused as refused:  # try again when admission says
+            await asyncio.sleep(retry_delay_ms(refused.retry_after_ms, random.random()) / 1000)
+        except (RPCError, ConnectionError, TimeoutError) as error:
+            logger.warning("resuming %s failed: %s", channel, error)
+            await asyncio.sleep(1.0)
+        due = session.recover_request(channel)

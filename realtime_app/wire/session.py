@@ -13,8 +13,8 @@ sockets (``tests/test_session.py``, a hypothesis machine among them).
 * The server: which frames are refused before parsing (binary: 1003, too large: 1009),
   the batch bound, and the channels whose current value follows this frame's answer.
 * The client: request ids and the requests in flight, the subscribe book (requested
-  name → the canonical one the server answered), the delta bases, and each history
-  channel's cursor (:mod:`realtime_app.wire.cursor`).
+  name → the canonical one the server answered), the delta bases, each history
+  channel's cursor (:mod:`realtime_app.wire.cursor`) and each presence channel's members.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from realtime_app.wire import protocol
 from realtime_app.wire.cursor import Action, EventCursor
 from realtime_app.wire.delta_bases import DeltaBases, DeltaError
 from realtime_app.wire.deltas import FOSSIL
+from realtime_app.wire.presence import apply as apply_presence
 from realtime_app.wire.protocol import CloseCode, Frame
 
 __all__ = [
@@ -74,7 +75,7 @@ class Deliver:
 
 @dataclass(frozen=True, slots=True)
 class Notify:
-    """``on_recovered`` / ``on_resync`` (``kind``) of ``channel`` with ``value``."""
+    """``on_recovered`` / ``on_resync`` / ``on_presence`` (``kind``) of ``channel`` with ``value``."""
 
     kind: str
     channel: str
@@ -172,6 +173,8 @@ class ClientSession(Session):
         self.delta_wanted: set[str] = set()  # requested names subscribed with deltas
         self.deltas = DeltaBases()  # canonical channels with deltas granted, and their bases
         self.cursors: dict[str, EventCursor] = {}  # canonical channel -> place in its history
+        self.presence_wanted: set[str] = set()  # requested names subscribed with presence
+        self.members: dict[str, dict[str, dict[str, Any]]] = {}  # canonical channel -> user -> member
 
     # -- requests ----------------------------------------------------------------------
 
@@ -216,6 +219,8 @@ class ClientSession(Session):
         params: dict[str, Any] = {"channel": name}
         if name in self.delta_wanted or canonical in self.deltas:
             params["delta"] = FOSSIL
+        if name in self.presence_wanted:
+            params["presence"] = True  # a reset with every member comes first, then the diffs
         cursor = self.cursors.setdefault(canonical, EventCursor())
         since = cursor.since()
         if since is not None:
@@ -233,11 +238,13 @@ class ClientSession(Session):
             params["delta"] = FOSSIL  # the replay comes whole; deltas go on after it
         return params, cursor
 
-    def book(self, name: str, handler: Any, on_error: Any = None, delta: bool = False) -> bool:
+    def book(self, name: str, handler: Any, on_error: Any = None, delta: bool = False, presence: bool = False) -> bool:
         """The application subscribes ``handler`` to ``name``: True for its first handler."""
         first = name not in self.handlers
         if delta:
             self.delta_wanted.add(name)
+        if presence:
+            self.presence_wanted.add(name)
         self.handlers.setdefault(name, []).append(handler)
         if on_error is not None:
             self.on_error.setdefault(name, []).append(on_error)
@@ -266,9 +273,11 @@ class ClientSession(Session):
         del self.handlers[name]
         self.on_error.pop(name, None)
         self.delta_wanted.discard(name)
+        self.presence_wanted.discard(name)
         canonical = self.canonical.pop(name, name)
         if canonical in self.canonical.values():
             return None
+        self.members.pop(canonical, None)
         self.deltas.forget(canonical)
         self.cursors.pop(canonical, None)
         return canonical
@@ -300,6 +309,8 @@ class ClientSession(Session):
                 continue
             if item.get("method") == "message" and isinstance(item.get("params"), dict):
                 events += self._message(item["params"])
+            elif item.get("method") == "presence" and isinstance(item.get("params"), dict):
+                events += self._presence(item["params"])
             elif item.get("id") in self.in_flight:
                 request_id = item["id"]
                 follow = self._follows.pop(request_id, None)
@@ -333,6 +344,17 @@ class ClientSession(Session):
             cursor = self.cursors.get(channel)
             return [] if cursor is None else self._act(channel, cursor.message(params))
         return [Deliver(channel, params)]
+
+    def _presence(self, params: dict[str, Any]) -> list[Event]:
+        """A ``presence`` frame applied to the channel's kept member set
+        (:func:`realtime_app.wire.presence.apply`); ``Notify("presence")`` with the diff."""
+        channel = params.get("channel")
+        if channel not in self.presence_wanted and channel not in self.members:
+            if not any(self.canonical.get(n) == channel for n in self.presence_wanted):
+                return []  # in flight after an unsubscribe
+        assert isinstance(channel, str)
+        self.members[channel] = apply_presence(self.members.get(channel, {}), params)
+        return [Notify("presence", channel, params)]
 
     def _answer(self, channel: str, cursor: EventCursor, result: Any) -> list[Event]:
         """A subscribe's answer applied to the channel's cursor — unless the channel was

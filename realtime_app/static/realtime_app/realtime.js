@@ -197,6 +197,22 @@ export function newerEpoch(epoch, than) {
   return epoch !== than;
 }
 
+/**
+ * A presence channel's members (a Map user -> {user, connections, info?}) after one
+ * `presence` frame, as a new Map: a reset (or a channel too large to be listed) replaces
+ * them, a diff removes `left` and sets `joined` and `updated`. The twin of
+ * realtime_app.wire.presence.apply (both pass tests/vectors/presence.json).
+ * @param {Map<string, object>} members @param {object} params @returns {Map<string, object>}
+ */
+export function applyPresence(members, params) {
+  const listed = (list) => (list || []).filter((m) => m && typeof m === "object" && m.user != null);
+  if (params.reset || params.listed === false) return new Map(listed(params.members).map((m) => [m.user, { ...m }]));
+  const out = new Map(members);
+  for (const user of params.left || []) out.delete(user);
+  for (const member of [...listed(params.joined), ...listed(params.updated)]) out.set(member.user, { ...member });
+  return out;
+}
+
 /** Messages held while a gap is recovered, at most; past it the client resyncs. */
 export const MAX_HELD = 10000;
 
@@ -321,7 +337,9 @@ function defaultUrl() {
  * with history (docs/recovery.md) are delivered once and in order across drops and
  * reconnects: "recovered" (detail: {channel, replayed}) when a resume filled a gap,
  * "resync" (detail: {channel, epoch, seq, reason}) when messages were missed for good and
- * the application should reload its state.
+ * the application should reload its state. Presence channels subscribed `{presence: true}`
+ * (docs/presence.md): "presence" (detail: {channel, diff, members}) at each change, at
+ * most once per the server's interval; `members(channel)` is the member set kept.
  */
 export class RealtimeClient extends EventTarget {
   /**
@@ -355,6 +373,8 @@ export class RealtimeClient extends EventTarget {
     this._deltaWanted = new Set(); // requested names subscribed with deltas
     this._bases = new Map(); // canonical name -> the last data's JSON bytes (null until a full frame)
     this._resyncing = new Set(); // canonical names subscribed again for a full frame
+    this._presenceWanted = new Set(); // requested names subscribed with presence
+    this._members = new Map(); // canonical name -> Map(user -> member)
   }
 
   _setState(state) {
@@ -423,6 +443,8 @@ export class RealtimeClient extends EventTarget {
     for (const item of Array.isArray(message) ? message : [message]) {
       if (item && item.method === "message" && item.params) {
         this._deliver(item.params);
+      } else if (item && item.method === "presence" && item.params) {
+        this._presence(item.params);
       } else if (item && item.id !== undefined && this._pending.has(item.id)) {
         const call = this._pending.get(item.id);
         this._pending.delete(item.id);
@@ -430,6 +452,26 @@ export class RealtimeClient extends EventTarget {
         if (item.error) call.reject(errorFromResponse(item.error)); else call.resolve(item.result);
       }
     }
+  }
+
+  _presence(params) {
+    const channel = params.channel;
+    const wanted = this._presenceWanted.has(channel) || this._members.has(channel)
+      || [...this._presenceWanted].some((name) => this._canonical.get(name) === channel);
+    if (!wanted) return; // in flight after an unsubscribe
+    const members = applyPresence(this._members.get(channel) || new Map(), params);
+    this._members.set(channel, members);
+    this.dispatchEvent(new CustomEvent("presence", { detail: { channel, diff: params, members: new Map(members) } }));
+  }
+
+  /**
+   * Who is in `channel` (subscribed `{presence: true}`): a Map user -> {user, connections,
+   * info?} as of the last "presence" event (empty while the channel has more members than
+   * are listed: call "presence" for pages).
+   * @param {string} channel @returns {Map<string, object>}
+   */
+  members(channel) {
+    return new Map(this._members.get(this._canonical.get(channel) || channel) || []);
   }
 
   _deliver(params) {
@@ -618,6 +660,7 @@ export class RealtimeClient extends EventTarget {
     const cursor = this._cursors.get(canonical);
     const params = { channel: name };
     if (this._deltaWanted.has(name) || this._bases.has(canonical)) params.delta = "fossil";
+    if (this._presenceWanted.has(name)) params.presence = true; // a reset with every member first, then diffs
     const since = cursor.since();
     if (since) params.since = since; // a resume: the server replays what was missed
     cursor.resuming(); // what arrives before the answer waits for the position it gives
@@ -654,9 +697,12 @@ export class RealtimeClient extends EventTarget {
    * @param {string} channel @param {(params: object) => void} handler
    * `options.delta: "fossil"` asks for deltas (docs/protocol.md): the handler gets whole
    * `data` all the same, rebuilt from the last one.
-   * @param {{onError?: (error: Error) => void, delta?: "fossil"}} [options]
+   * `options.presence: true` on a presence channel: who is in it, kept (`members()`) and
+   * told ("presence" events).
+   * @param {{onError?: (error: Error) => void, delta?: "fossil", presence?: boolean}} [options]
    */
   subscribe(channel, handler, options = {}) {
+    if (options.presence) this._presenceWanted.add(channel);
     if (options.delta !== undefined) {
       if (options.delta !== "fossil") throw new RangeError(`delta must be "fossil", got ${options.delta}`);
       this._deltaWanted.add(channel);
@@ -692,8 +738,11 @@ export class RealtimeClient extends EventTarget {
     const canonical = this._canonical.get(channel) || channel;
     this._canonical.delete(channel);
     this._deltaWanted.delete(channel);
+    this._presenceWanted.delete(channel);
     const stillUsed = [...this._canonical.values()].includes(canonical);
-    if (!stillUsed) { this._cursors.delete(canonical); this._bases.delete(canonical); this._resyncing.delete(canonical); }
+    if (!stillUsed) {
+      this._cursors.delete(canonical); this._bases.delete(canonical); this._resyncing.delete(canonical); this._members.delete(canonical);
+    }
     if (!stillUsed && this._ws && this._ws.readyState === 1) { // the channel the server subscribed (a nearer cadence, say)
       await this.call("unsubscribe", { channel: canonical }).catch(() => {});
     }
