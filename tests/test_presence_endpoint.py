@@ -5,7 +5,6 @@ a slow watcher's held diff merged rather than queued."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 
@@ -17,6 +16,7 @@ from realtime_app.conf import get_config
 from realtime_app.hub.presence import HELD_KEY
 from realtime_app.wire.presence import PAGE_BYTES, apply, members_of
 from tests.support.asgi_client import Client
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -91,12 +91,7 @@ async def test_the_subscribe_answer_follows_a_reset_with_every_member_and_anonym
         await b.call("subscribe", {"channel": "test:room:hall"})
         await anon.call("subscribe", {"channel": "test:room:hall"})
         # the room's part is written within a quarter interval; a new watcher reads it
-        deadline = time.monotonic() + 5
-        while True:
-            answer = await late.call("presence", {"channel": "test:room:hall"})
-            if answer["result"]["count"] == 2 or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.05)
+        answer = await eventually(lambda: _counted(late, "test:room:hall", 2), 5, "both counted")
         assert answer["result"] == {
             "channel": "test:room:hall",
             "count": 2,
@@ -178,10 +173,7 @@ async def test_presence_pages_are_bounded_in_bytes(hub, django_user_model):
         await c.call("subscribe", {"channel": "test:room:big"})
     try:
         async with Client() as reader:
-            deadline = time.monotonic() + 5
-            while (await reader.call("presence", {"channel": "test:room:big"}))["result"]["count"] < 120:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.05)
+            await eventually(lambda: _counted(reader, "test:room:big", 120), 5, "all 120 counted")
             seen, after, pages = [], None, 0
             while True:
                 params = {"channel": "test:room:big"} if after is None else {"channel": "test:room:big", "after": after}
@@ -210,19 +202,19 @@ async def test_a_slow_watcher_holds_one_merged_diff_not_a_queue(hub, django_user
         await d.call("subscribe", {"channel": "test:room:slow"})
         async with Client(eve) as e:
             await e.call("subscribe", {"channel": "test:room:slow"})
-            deadline = time.monotonic() + 5
-            while not (conn.guard.held and key in conn.guard.held.frames and '"eve"' in _held(conn, key)):
-                assert time.monotonic() < deadline, "eve's join never held"
-                await asyncio.sleep(0.02)
-        deadline = time.monotonic() + 5
-        while '"eve"' in _held(conn, key):  # eve joined and left while held: in neither
-            assert time.monotonic() < deadline, _held(conn, key)
-            await asyncio.sleep(0.02)
+            await eventually(lambda: '"eve"' in _held(conn, key), 5, "eve's join held")
+        # eve joined and left while held: in neither, the held frame merged
+        await eventually(lambda: '"dan"' in _held(conn, key) and '"eve"' not in _held(conn, key), 5, "merged")
         assert len(conn.guard.held.frames) == 1
         assert '"dan"' in _held(conn, key)
         del conn.guard.transport.buffered  # the queue drained: the held frame goes
         await watcher.until(lambda w: set(w.members) == {"dan"})
         assert hub.presence.coalesced >= 1
+
+
+async def _counted(client, channel, count):
+    answer = await client.call("presence", {"channel": channel})
+    return answer if answer["result"]["count"] == count else None
 
 
 def _held(conn, key):

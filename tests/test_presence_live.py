@@ -8,7 +8,6 @@ handful of notifications whose final member set is the truth."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import random

@@ -210,6 +210,9 @@ async def test_the_operations_screen_at_1280_by_800(cluster):
             template_xpath = "//table[@data-templates]//tr[td[contains(., 'demo:room:<slug:name>')]]"
             [template] = await until(lambda br: br.find_elements(By.XPATH, template_xpath))
             assert "demo:room:lobby (1)" in template.text  # its busiest instance, never a row per instance
+            presence_xpath = "//table[@data-presence]//tr[td[contains(., 'demo:room:lobby')]]"
+            [room] = await until(lambda br: br.find_elements(By.XPATH, presence_xpath))
+            assert room.text.split()[-1] == "1"  # its members, as this process holds them (demo)
             button = rows[0].find_element(By.CSS_SELECTOR, "button[data-close]")
             await asyncio.to_thread(button.click)
             await asyncio.to_thread(lambda: browser.switch_to.alert.accept())

@@ -9,6 +9,8 @@ const cards = document.getElementById("rc-cards");
 const totalsBox = document.getElementById("rc-totals");
 const connectionsBody = root.querySelector("[data-connections] tbody");
 const templatesBody = root.querySelector("[data-templates] tbody");
+const presenceBody = root.querySelector("[data-presence] tbody");
+const presenceSummary = root.querySelector("[data-presence-summary]");
 const channelsBody = root.querySelector("[data-channels] tbody");
 const GONE_KEEP_MS = 60 * 1000;
 
@@ -134,7 +136,20 @@ function drill() {
   connectionsBody.replaceChildren();
   channelsBody.replaceChildren();
   if (templatesBody) templatesBody.replaceChildren();
+  if (presenceBody) presenceBody.replaceChildren();
   if (!entry) return;
+  const presence = entry.probe.presence;
+  if (presence && presenceBody) {
+    for (const [name, members] of Object.entries(presence.members || {})) {
+      const tr = document.createElement("tr");
+      tr.dataset.presence = name;
+      cell(tr, name, "channels");
+      cell(tr, members, "num");
+      presenceBody.append(tr);
+    }
+    presenceSummary.textContent = `${presence.channels} presence channels, ${presence.connections} connections in them, `
+      + `${presence.watchers} watching; ${presence.diffs} frames sent, ${presence.coalesced} merged for slow watchers.`;
+  }
   for (const [pattern, t] of Object.entries(entry.probe.templates || {})) {
     const tr = document.createElement("tr");
     tr.dataset.template = pattern;
