@@ -1,6 +1,8 @@
 """ASGI app of the benchmarks: realtime_app at /realtime/, plain Channels at /baseline/."""
 
+import json
 import os
+from typing import Any
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.settings")
 
@@ -123,13 +125,69 @@ if "bench:room:<int:id>" not in registry.templates:  # bench/instances.py: chann
         return {"published": published, "seconds": round(loop.time() - started, 3)}
 
 
+if "bench:presence" not in registry.exact:  # bench/presence.py: presence vs a message per join/leave
+    from urllib.parse import parse_qs
+
+    from realtime_app import event_channel as _event_channel
+    from realtime_app.endpoint.consumer import RealtimeConsumer
+
+    _event_channel("bench:presence", presence=True)
+    PRESENCE_GROUP = "bench-presence"
+
+    class BenchUser:
+        """A member of bench/presence.py: signed in as ``?user=<name>``, no database row."""
+
+        is_authenticated = True
+        is_anonymous = False
+        is_active = True
+
+        def __init__(self, name: str) -> None:
+            self.username = self.pk = name
+
+        def get_username(self) -> str:
+            return self.username
+
+    def _named(app: Any) -> Any:
+        async def named(scope: dict, receive: Any, send: Any) -> None:
+            name = parse_qs(scope.get("query_string", b"").decode()).get("user", [""])[0]
+            await app({**scope, "user": BenchUser(name)} if name else scope, receive, send)
+
+        return named
+
+    class PresenceGroupConsumer(AsyncWebsocketConsumer):
+        """Presence the plain Channels way: watchers are in a group, and each join or leave
+        of a member (a ``join`` / ``leave`` text) is one group_send to all of them."""
+
+        async def connect(self) -> None:
+            self.user = parse_qs(self.scope.get("query_string", b"").decode()).get("user", [""])[0]
+            if not self.user:  # a watcher
+                await self.channel_layer.group_add(PRESENCE_GROUP, self.channel_name)
+            await self.accept()
+
+        async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+            change = {"join": "joined", "leave": "left"}[text_data or ""]
+            text = json.dumps({"channel": "bench:presence", change: [self.user]})
+            await self.channel_layer.group_send(PRESENCE_GROUP, {"type": "bench.frame", "text": text})
+
+        async def disconnect(self, code: int) -> None:
+            if not self.user:
+                await self.channel_layer.group_discard(PRESENCE_GROUP, self.channel_name)
+
+        async def bench_frame(self, event: dict) -> None:
+            await self.send(text_data=event["text"])
+
+    PRESENCE_ROUTES = [
+        path("presence-bench/", _named(RealtimeConsumer.as_asgi())),
+        path("presence-baseline/", PresenceGroupConsumer.as_asgi()),
+    ]
+
 application = ProtocolTypeRouter(
     {
         "http": django_asgi_app,
         # users from the session, as in the demo (bench/admission.py's signed-in user); both
         # endpoints behind it, so that a comparison of the two pays it on both sides
         "websocket": AuthMiddlewareStack(
-            URLRouter([*websocket_urlpatterns, path("baseline/", BaselineConsumer.as_asgi())])
+            URLRouter([*websocket_urlpatterns, *PRESENCE_ROUTES, path("baseline/", BaselineConsumer.as_asgi())])
         ),
     }
 )
