@@ -29,6 +29,26 @@ def test_bad_numbers():
     assert ids(check_settings()) == ["realtime_app.E002"] * 3
 
 
+@pytest.mark.parametrize(
+    "presence",
+    [
+        {"PRESENCE_INFO": "no.such.hook"},
+        {"PRESENCE_INFO": 42},
+        {"PRESENCE_LIST_ANONYMOUS": "yes"},
+        {"PRESENCE_INTERVAL_MS": 10},
+        {"PRESENCE_DIFF_MEMBERS": -1},
+    ],
+)
+def test_bad_presence_settings(presence):
+    with override_settings(REALTIME_APP=presence):
+        assert ids(check_settings()) == ["realtime_app.E002"]
+
+
+@override_settings(REALTIME_APP={"PRESENCE_INFO": "tests.testapp.realtime_channels.presence_info"})
+def test_a_presence_info_hook_by_dotted_path_is_fine():
+    assert check_settings() == []
+
+
 @override_settings(REALTIME_APP={"BACKPLANE": "no.such.Backplane", "BACKPRESSURE_POLICY": "drop-oldest"})
 def test_bad_backplane_and_policy():
     assert ids(check_settings()) == ["realtime_app.E003", "realtime_app.E004"]

@@ -154,3 +154,19 @@ def test_a_rule_chooses_its_channels_backpressure_and_event_channels_are_never_c
     with override_settings(REALTIME_APP={"POLICIES": [{"pattern": "demo:", "backpressure": "later"}]}):
         [error] = [m for m in run_checks() if m.id == "realtime_app.E010"]
         assert "'backpressure' must be one of ['drop', 'close', 'conflate']" in error.msg
+
+
+def test_presence_follows_the_subscribe_rule_unless_a_rule_says_otherwise():
+
+    rules = compile_rules(
+        [
+            {"pattern": "room:", "authenticated": True},
+            {"pattern": "stage:", "presence": {"staff": True}},
+        ]
+    )
+    assert requirement_for(rules, "room:a", None, "presence").authenticated  # as subscribe
+    stage = requirement_for(rules, "stage:a", None, "presence")
+    assert stage.staff and not requirement_for(rules, "stage:a", None, "subscribe").staff
+    assert requirement_for(rules, "elsewhere", None, "presence").allowed  # no rule: as subscribe
+    with pytest.raises(ValueError, match="presence"):
+        compile_rules([{"pattern": "x:", "presence": {"stafff": True}}])
