@@ -15,17 +15,20 @@ if settings.DEBUG:  # the demo serves its static files itself (daphne alone does
     django_asgi_app = ASGIStaticFilesHandler(django_asgi_app)
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
-from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
 from realtime_app.lifespan import lifespan_app  # noqa: E402
-from realtime_app.routing import AuthMiddlewareStack, not_found_urlpatterns, websocket_urlpatterns  # noqa: E402
+from realtime_app.routing import (  # noqa: E402
+    AuthMiddlewareStack,
+    OriginValidator,
+    not_found_urlpatterns,
+    websocket_urlpatterns,
+)
 
 application = ProtocolTypeRouter(
     {
         "http": django_asgi_app,
-        "websocket": AllowedHostsOriginValidator(
-            AuthMiddlewareStack(URLRouter([*websocket_urlpatterns, *not_found_urlpatterns]))
-        ),
+        # Channels' AllowedHostsOriginValidator, and tokens past it (docs/auth.md)
+        "websocket": OriginValidator(AuthMiddlewareStack(URLRouter([*websocket_urlpatterns, *not_found_urlpatterns]))),
         "lifespan": lifespan_app,  # uvicorn: flush the write-behind stores at shutdown
     }
 )

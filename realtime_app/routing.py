@@ -18,11 +18,47 @@ from django.urls import path, re_path
 from realtime_app.endpoint.auth import AuthMiddlewareStack
 from realtime_app.endpoint.consumer import RealtimeConsumer
 from realtime_app.observability.logsafe import safe
-from realtime_app.wire.asgi import Receive, Scope, Send
+from realtime_app.wire.asgi import ASGIApp, Receive, Scope, Send
 
-__all__ = ["AuthMiddlewareStack", "WebSocketNotFound", "not_found_urlpatterns", "websocket_urlpatterns"]
+__all__ = [
+    "AuthMiddlewareStack",
+    "OriginValidator",
+    "WebSocketNotFound",
+    "not_found_urlpatterns",
+    "websocket_urlpatterns",
+]
 
 logger = logging.getLogger("realtime_app.consumers")
+
+
+class OriginValidator:
+    """Channels' ``AllowedHostsOriginValidator``, with the two ways past it that carry no
+    cookie (docs/auth.md): a handshake with ``Authorization: Bearer`` — a browser cannot
+    set that header, so no page can ride on a visitor's session with it — and a page of
+    one of ``TOKEN_ORIGINS`` (another domain), whose cookies are dropped: it is anonymous
+    until it signs in with RPC ``auth``."""
+
+    def __init__(self, inner: ASGIApp) -> None:
+        from channels.security.websocket import AllowedHostsOriginValidator
+
+        self.inner = inner
+        self.validated = AllowedHostsOriginValidator(inner)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        from realtime_app.conf import get_config
+        from realtime_app.endpoint.tokens import bearer
+
+        if scope.get("type") == "websocket":
+            if bearer(scope) is not None:
+                await self.inner(scope, receive, send)
+                return
+            headers = scope.get("headers", ())
+            origin = next((v.decode("latin-1") for k, v in headers if k.lower() == b"origin"), None)
+            if origin is not None and origin in get_config()["TOKEN_ORIGINS"]:
+                cookieless = [(k, v) for k, v in headers if k.lower() != b"cookie"]
+                await self.inner({**scope, "headers": cookieless}, receive, send)
+                return
+        await self.validated(scope, receive, send)
 
 
 class WebSocketNotFound:

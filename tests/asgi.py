@@ -5,18 +5,17 @@ import os
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
 
 from channels.routing import ProtocolTypeRouter, URLRouter
-from channels.security.websocket import AllowedHostsOriginValidator
 from django.urls import path
 
 from project.asgi import application as demo_application
-from realtime_app.routing import AuthMiddlewareStack, not_found_urlpatterns, websocket_urlpatterns
+from realtime_app.routing import AuthMiddlewareStack, OriginValidator, not_found_urlpatterns, websocket_urlpatterns
 from tests.testapp.consumers import GuardedFloodConsumer, PlainGroupConsumer
 
 application = ProtocolTypeRouter(
     {
         "http": demo_application.application_mapping["http"],
         "lifespan": demo_application.application_mapping["lifespan"],
-        "websocket": AllowedHostsOriginValidator(
+        "websocket": OriginValidator(
             AuthMiddlewareStack(
                 URLRouter(
                     [

@@ -205,3 +205,24 @@ def test_the_member_set_vectors_shared_with_the_browser_module():
     for step in vectors["steps"]:
         members = apply(members, step["params"])
         assert members == step["members"]
+
+
+def test_a_client_keeps_the_reset_sent_before_the_answer_names_the_canonical_channel():
+    from realtime_app.wire.session import ClientSession, Notify
+
+    session = ClientSession()
+    assert session.book("lot:0042", print, presence=True) == "first"
+    params, _, _ = session.subscribe_request("lot:0042")
+    assert params["presence"] is True
+    reset = {"channel": "lot:42", "count": 1, "anonymous": 0, "joined": [], "left": [], "updated": [], "reset": True}
+    reset["members"] = [{"user": "ann", "connections": 1}]
+    [event] = session.receive(json.dumps({"jsonrpc": "2.0", "method": "presence", "params": reset}))
+    assert isinstance(event, Notify) and session.members["lot:42"] == {"ann": {"user": "ann", "connections": 1}}
+    session.subscribed("lot:0042", {"channel": "lot:42"})
+    assert session.book("lot:0042", repr, presence=True) == ""  # wanted already
+    assert session.book("other", print) == "first" and session.book("other", repr, presence=True) == "again"
+    session.closed()
+    assert session.members == {}  # a reset comes with the next subscribe
+    assert session.unbook("lot:0042") == "lot:42" and session.unbook("other") == "other"
+    late = {**reset, "reset": False, "members": []}
+    assert session.receive(json.dumps({"jsonrpc": "2.0", "method": "presence", "params": late})) == []

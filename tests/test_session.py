@@ -48,7 +48,7 @@ def _message(channel: str, seq: int, epoch: str = "e1", data: object = None) -> 
 
 def test_the_client_session_orders_a_history_channel_around_its_subscribe_answer():
     session = ClientSession()
-    assert session.book("lot:0042", print) is True and session.book("lot:0042", repr) is False
+    assert session.book("lot:0042", print) == "first" and session.book("lot:0042", repr) == ""
     params, canonical, cursor = session.subscribe_request("lot:0042")
     assert params == {"channel": "lot:0042"} and canonical == "lot:0042"
     request_id, text = session.request("subscribe", params, (canonical, cursor))

@@ -137,3 +137,17 @@ async def test_revoked_rights_end_open_subscriptions_within_the_interval(cluster
         assert await on_a.close_code(10) == code
         assert await on_b.close_code(10) == code
         assert (await anonymous.call("ping"))["result"] == "pong"  # nobody else is touched
+
+
+@pytest.mark.parametrize("cluster", [2000], indirect=True)
+async def test_a_watcher_that_loses_its_presence_right_is_closed_within_the_interval(cluster):
+    """test:backstage: anyone may subscribe, only staff may see who is there (tests.settings)."""
+    (a, _b), env = cluster
+    cookie = login(a.http, "carol", "carol")
+    async with RPC(a.ws, cookie=cookie) as watcher, RPC(a.ws, cookie=cookie) as member:
+        answer = await watcher.call("subscribe", {"channel": "test:backstage", "presence": True})
+        assert answer["result"]["presence"] is True, answer
+        await member.subscribe("test:backstage")  # in the room, not watching it
+        manage(env, "User.objects.filter(username='carol').update(is_staff=False)")
+        assert await watcher.close_code(10) == 4003
+        assert (await member.call("ping"))["result"] == "pong"  # its subscribe rule still holds

@@ -54,10 +54,8 @@ _INT_SETTINGS = {
     "ADDRESS_PREFIX_V4": 0,
     "ADDRESS_PREFIX_V6": 0,
     "MAX_RESUMES_PER_IDENTITY": 0,
-    "PRESENCE_INTERVAL_MS": 50,
-    "PRESENCE_DIFF_MEMBERS": 0,
-    "PRESENCE_MAX_MEMBERS": 0,
-    "PRESENCE_INFO_MAX_BYTES": 0,
+    **{"PRESENCE_INTERVAL_MS": 50, "PRESENCE_DIFF_MEMBERS": 0, "PRESENCE_MAX_MEMBERS": 0},
+    **{"PRESENCE_INFO_MAX_BYTES": 0, "TOKEN_TTL_S": 1, "TOKEN_MAX_TTL_S": 1, "TOKEN_REFRESH_BEFORE_S": 0},
 }
 
 _NUMBER_SETTINGS = ("HANDSHAKES_PER_S", "ADMISSION_ERROR_COST", "MAX_ANONYMOUS_HANDSHAKES_PER_S", "SIGNED_IN_RESERVE")
@@ -146,6 +144,9 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     if not _callable_or_none(config["PRESENCE_INFO"]) or not isinstance(config["PRESENCE_LIST_ANONYMOUS"], bool):
         why = "PRESENCE_INFO must be None, a callable or its dotted path; PRESENCE_LIST_ANONYMOUS a bool"
         messages.append(Error(f"REALTIME_APP: {why}.", hint="See docs/presence.md.", id="realtime_app.E002"))
+    for key in ("TOKEN_ORIGINS", "PUBLISH_API_KEYS"):  # lists of non-empty strings (a "" key would be no key)
+        if not isinstance(config[key], (list, tuple)) or not all(isinstance(v, str) and v for v in config[key]):
+            messages.append(Error(f"REALTIME_APP[{key!r}] must be a list of non-empty strings", id="realtime_app.E002"))
     if config["BACKPRESSURE_POLICY"] not in ("drop", "close"):
         messages.append(
             Error(

@@ -300,7 +300,7 @@ class RealtimeClient:
         try:
             return await self._subscribe_remote(channel)
         except Exception:
-            if first:
+            if first == "first":
                 self.session.unbook(channel)
             raise
 

@@ -142,6 +142,7 @@ class MemoryPresence:
                     self._changed(channel)
             if not kept:
                 del self._parts[channel]
+                self._versions.pop(channel, None)  # a later one is above it: ``_next`` only grows
 
     def read(self, known: dict[str, str], now: int) -> dict[str, tuple[str, list[str]] | None]:
         out: dict[str, tuple[str, list[str]] | None] = {}
@@ -150,6 +151,9 @@ class MemoryPresence:
             for owner in [o for o, (until, _) in kept.items() if until <= now]:
                 del kept[owner]
                 self._changed(channel)
+            if not kept:
+                self._parts.pop(channel, None)
+                self._versions.pop(channel, None)
             current = str(self._versions.get(channel, 0))
             out[channel] = None if current == version else (current, [part for _, part in kept.values()])
         return out

@@ -424,20 +424,17 @@ class RedisBackplane(Backplane):
         return [json.loads(r) for r in raw if r]
 
     async def put_presence(self, parts: dict[str, str | None], ttl_ms: int) -> None:
-        now = now_ms()
         async with self.redis.pipeline(transaction=False) as pipe:
             for channel, part in parts.items():
                 keys = [self.key("presence", channel), self.key("presence-until", channel)]
-                args = [self.instance_id, part or "", now + ttl_ms, ttl_ms, now]
-                await self._presence["PUT"](keys=keys, args=args, client=pipe)
+                await self._presence["PUT"](keys=keys, args=[self.instance_id, part or "", ttl_ms], client=pipe)
             await pipe.execute()
 
     async def read_presence(self, known: dict[str, str]) -> dict[str, tuple[str, list[str]] | None]:
-        now = now_ms()
         async with self.redis.pipeline(transaction=False) as pipe:
             for channel, version in known.items():
                 keys = [self.key("presence", channel), self.key("presence-until", channel)]
-                await self._presence["READ"](keys=keys, args=[now, version], client=pipe)
+                await self._presence["READ"](keys=keys, args=[version], client=pipe)
             answers = await pipe.execute()
         out: dict[str, tuple[str, list[str]] | None] = {}
         for (channel, version), answer in zip(known.items(), answers, strict=True):

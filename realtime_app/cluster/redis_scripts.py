@@ -222,52 +222,58 @@ redis.call('pexpire', KEYS[6], ARGV[10])
 )
 
 # Presence (realtime_app.wire.presence): KEYS[1] a hash of each process's part (and the
-# version, field "~v"), KEYS[2] each process's lease end (a sorted set). A version only
-# ever grows (the next is above the last and above now, ms): a reader that holds it reads
-# nothing again; both keys go with their last process.
-PRESENCE_BUMP = """
-local function bump(now)
+# version, field "~v"), KEYS[2] each process's lease end (a sorted set). Times are Redis'
+# own clock (no process's), ms. Parts past their lease are dropped first by every call; a
+# version only changes when what a reader sees does, and the next is above both the last
+# and now: a reader that holds it reads nothing again. Both keys go with their last part.
+PRESENCE_COMMON = """
+local t = redis.call('time')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function bump()
   local v = tonumber(redis.call('hget', KEYS[1], '~v') or '0')
   redis.call('hset', KEYS[1], '~v', math.max(v + 1, now))
 end
-local function tidy(ttl)
-  if redis.call('hlen', KEYS[1]) <= 1 then redis.call('del', KEYS[1], KEYS[2]) return end
-  redis.call('pexpire', KEYS[1], ttl)
-  redis.call('pexpire', KEYS[2], ttl)
+local function prune()
+  local gone = redis.call('zrangebyscore', KEYS[2], '-inf', now)
+  if #gone == 0 then return false end
+  for _, who in ipairs(gone) do redis.call('hdel', KEYS[1], who) end
+  redis.call('zremrangebyscore', KEYS[2], '-inf', now)
+  return true
+end
+local function empty()
+  if redis.call('hlen', KEYS[1]) - redis.call('hexists', KEYS[1], '~v') > 0 then return false end
+  redis.call('del', KEYS[1], KEYS[2])
+  return true
 end
 """
-# ARGV: process, part ('' = none left), lease end, ttl, now (ms).
+# ARGV: process, part ('' = none left), ttl (ms).
 PRESENCE_PUT = (
-    PRESENCE_BUMP
+    PRESENCE_COMMON
     + """
-local now = tonumber(ARGV[5])
+local changed = prune()
+local ttl = tonumber(ARGV[3])
 if ARGV[2] == '' then
-  if redis.call('hdel', KEYS[1], ARGV[1]) == 1 then bump(now) end
+  if redis.call('hdel', KEYS[1], ARGV[1]) == 1 then changed = true end
   redis.call('zrem', KEYS[2], ARGV[1])
-else
-  if redis.call('hget', KEYS[1], ARGV[1]) ~= ARGV[2] then
-    redis.call('hset', KEYS[1], ARGV[1], ARGV[2])
-    bump(now)
-  end
-  redis.call('zadd', KEYS[2], ARGV[3], ARGV[1])
+elseif redis.call('hget', KEYS[1], ARGV[1]) ~= ARGV[2] then
+  redis.call('hset', KEYS[1], ARGV[1], ARGV[2])
+  changed = true
 end
-tidy(tonumber(ARGV[4]))
+if ARGV[2] ~= '' then redis.call('zadd', KEYS[2], now + ttl, ARGV[1]) end
+if empty() then return 1 end
+if changed then bump() end
+redis.call('pexpire', KEYS[1], ttl)
+redis.call('pexpire', KEYS[2], ttl)
 return 1
 """
 )
-# ARGV: now (ms), the version the reader holds. Parts past their lease go first.
+# ARGV: the version the reader holds.
 PRESENCE_READ = (
-    PRESENCE_BUMP
+    PRESENCE_COMMON
     + """
-local now = tonumber(ARGV[1])
-local gone = redis.call('zrangebyscore', KEYS[2], '-inf', now)
-if #gone > 0 then
-  for _, who in ipairs(gone) do redis.call('hdel', KEYS[1], who) end
-  redis.call('zremrangebyscore', KEYS[2], '-inf', now)
-  if redis.call('hlen', KEYS[1]) <= 1 then redis.call('del', KEYS[1], KEYS[2]) else bump(now) end
-end
+if prune() and not empty() then bump() end
 local v = redis.call('hget', KEYS[1], '~v') or '0'
-if v == ARGV[2] then return {v} end
+if v == ARGV[1] then return {v} end
 local out = {v}
 local all = redis.call('hgetall', KEYS[1])
 for i = 1, #all, 2 do

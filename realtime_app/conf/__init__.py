@@ -190,6 +190,18 @@ DEFAULTS: dict[str, Any] = {
     "NEVER_DROP_RESPONSES": True,
     # Who may read /realtime/metrics besides staff: a bearer token, or None.
     "METRICS_TOKEN": None,
+    # Connection tokens (docs/auth.md): lifetime of a token issued without --ttl, the longest
+    # one that may be issued, seconds; how long before its expiry a token connection is told
+    # to refresh it ("token_expiring"), seconds; and the origins of pages on other domains
+    # that may open a socket without cookies and sign in with RPC "auth" (e.g.
+    # ["https://app.example.com"]).
+    "TOKEN_TTL_S": 3600,
+    "TOKEN_MAX_TTL_S": 30 * 86400,
+    "TOKEN_REFRESH_BEFORE_S": 60,
+    "TOKEN_ORIGINS": [],
+    # Keys of the HTTP publish API (POST /realtime/api/publish, Authorization: Bearer <key>):
+    # services in any language publish with one; [] switches the API off (401 to all).
+    "PUBLISH_API_KEYS": [],
     # The json.JSONEncoder subclass (dotted path) that writes results and publications: the
     # one Django's JsonResponse uses by default (Decimal, datetime, UUID, Promise).
     "JSON_ENCODER": "django.core.serializers.json.DjangoJSONEncoder",

@@ -95,6 +95,11 @@ class Settings:
     close_drain_ms: int
     never_drop_responses: bool
     metrics_token: str | None
+    token_ttl_s: int
+    token_max_ttl_s: int
+    token_refresh_before_s: int
+    token_origins: list[str]
+    publish_api_keys: list[str]
     json_encoder: str
 
     @classmethod

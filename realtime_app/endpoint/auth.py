@@ -36,5 +36,8 @@ class AuthMiddleware(ChannelsAuthMiddleware):  # type: ignore[misc]
 
 def AuthMiddlewareStack(inner: Any) -> Any:
     """Drop-in for ``channels.auth.AuthMiddlewareStack``: cookies, sessions, and the user,
-    with :class:`AuthMiddleware`."""
-    return CookieMiddleware(SessionMiddleware(AuthMiddleware(inner)))
+    with :class:`AuthMiddleware`; a handshake with ``Authorization: Bearer`` is its
+    token's user instead (:class:`~realtime_app.endpoint.tokens.TokenAuthMiddleware`)."""
+    from realtime_app.endpoint.tokens import TokenAuthMiddleware
+
+    return CookieMiddleware(SessionMiddleware(AuthMiddleware(TokenAuthMiddleware(inner))))

@@ -35,6 +35,7 @@ from realtime_app.endpoint.refusals import (
 )
 from realtime_app.endpoint.replies import Pending, Reply
 from realtime_app.endpoint.sessions import current_user
+from realtime_app.endpoint.tokens import TOKEN_REFUSED, arm_expiry, cancel_expiry
 from realtime_app.exceptions import BackplaneUnavailable, RPCError
 from realtime_app.hub.core import Connection, Hub, get_hub
 from realtime_app.inbound.admission import Refusal
@@ -129,6 +130,8 @@ class RealtimeConsumer:
         if scope.get(AUTH_UNAVAILABLE):  # the session could not be read: come back, rights intact
             log_auth_outage(scope[AUTH_UNAVAILABLE])
             return await deny(send, scope, CloseCode.TRY_AGAIN_LATER, "database unavailable")
+        if (refused := scope.get(TOKEN_REFUSED)) is not None:  # a bad token is nobody's session
+            return await deny(send, scope, refused.close_code, str(refused))
         if not await self.accept_connection():
             await send({"type": "websocket.close"})
             return
@@ -148,10 +151,12 @@ class RealtimeConsumer:
             await send({"type": "websocket.accept"})
             self.connection = conn
             self.session = ServerSession(get_config()["MAX_FRAME_BYTES"], get_config()["MAX_BATCH"])
+            arm_expiry(hub, conn, scope)  # a token connection is told before its token expires
             while (message := await receive())["type"] != "websocket.disconnect":
                 if message["type"] == "websocket.receive" and not conn.closed:
                     await self.receive_frame(message.get("text"), message.get("bytes"))
         finally:
+            cancel_expiry(scope)
             hub.pool.abandon(self)
             await hub.remove_connection(conn)
             self._log_error_counts()
@@ -198,9 +203,8 @@ class RealtimeConsumer:
         reply.seal()
 
     async def _send_current(self, hub: Hub, specs: list[ChannelSpec]) -> None:
-        for spec in specs:
-            if self.connection is not None:
-                await hub.send_current(self.connection, spec)
+        for spec in specs if self.connection is not None else ():
+            await hub.send_current(self.connection, spec)  # type: ignore[arg-type]
 
     async def handle_request(self, request: Request) -> Response | Pending | None:
         """Admit one request, then run it: a built-in inline (its answer is returned), an

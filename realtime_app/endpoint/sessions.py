@@ -26,6 +26,7 @@ from typing import Any
 from realtime_app.channels.policies import Action, active_rules, allowed, requirement_for
 from realtime_app.channels.registry import registry
 from realtime_app.conf import get_config
+from realtime_app.endpoint.tokens import TOKEN, TokenError, token_user
 from realtime_app.hub.core import Connection, Hub
 from realtime_app.observability.logsafe import safe
 from realtime_app.wire.asgi import Scope
@@ -126,6 +127,15 @@ def _reload_user(user: Any) -> Any:
     return fresh if fresh is not None and getattr(fresh, "is_active", True) else AnonymousUser()
 
 
+def _token_user(claims: Any) -> Any:
+    from django.contrib.auth.models import AnonymousUser
+
+    try:
+        return token_user(claims)
+    except TokenError:
+        return AnonymousUser()
+
+
 async def current_user(scope: Scope) -> Any:
     """The socket's user as its session and the database say *now* (the handshake's user
     for anonymous sockets: they have no rights to lose)."""
@@ -134,8 +144,11 @@ async def current_user(scope: Scope) -> Any:
         return user
     from channels.db import database_sync_to_async
 
+    claims = scope.get(TOKEN)
     key = getattr(scope.get("session"), "session_key", None)
-    if key is None:  # authenticated by other middleware (a token...): the database alone
+    if claims is not None:  # a connection token's user: active, its password unchanged
+        fresh = await database_sync_to_async(_token_user)(claims)
+    elif key is None:  # authenticated by other middleware: the database alone
         fresh = await database_sync_to_async(_reload_user)(user)
     else:
         fresh = await database_sync_to_async(_load_user)(key)
@@ -146,18 +159,20 @@ async def current_user(scope: Scope) -> Any:
     return fresh
 
 
-async def revalidate(conn: Connection) -> int | None:
-    """The close code ``conn`` deserves now (None: its rights still hold)."""
-    guarded = [c for c in conn.subscriptions if needs_user(c)]
+async def revalidate(conn: Connection, watched: list[str] | tuple[str, ...] = ()) -> int | None:
+    """The close code ``conn`` deserves now (None: its rights still hold); ``watched``: the
+    channels whose presence it watches (their ``presence`` rule is checked too)."""
+    guarded: list[tuple[str, Action]] = [(c, "subscribe") for c in conn.subscriptions if needs_user(c)]
+    guarded += [(c, "presence") for c in watched if needs_user(c, "presence")]
     was_authenticated = getattr(conn.scope.get("user"), "is_authenticated", False)
     if not guarded and not was_authenticated:
         return None  # an anonymous socket on public channels has nothing to lose
     user = await current_user(conn.scope)
     if was_authenticated and not getattr(user, "is_authenticated", False):
         return int(CloseCode.SESSION_ENDED)  # also for application methods that read the user
-    for channel in guarded:
+    for channel, action in guarded:
         family = registry.family_of(channel)
-        if not await allowed(user, channel, family.base if family else None, "subscribe"):
+        if not await allowed(user, channel, family.base if family else None, action):
             return int(CloseCode.RIGHTS_REVOKED)
     conn.scope["user"] = user  # the next checks start from the fresh user
     return None
@@ -177,7 +192,7 @@ async def revalidation_loop(hub: Hub) -> None:
         failed: DatabaseError | None = None
         for conn in connections:
             try:
-                code = await revalidate(conn)
+                code = await revalidate(conn, hub.presence.watched(conn))
             except asyncio.CancelledError:
                 raise
             except DatabaseError as exc:  # an outage: every socket would fail alike; none loses its rights

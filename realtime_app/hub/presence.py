@@ -24,7 +24,7 @@ loop and the counters.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -63,12 +63,14 @@ class Room:
     """One presence channel (a family's cadences share their base's room) in this process."""
 
     local: LocalRoom = field(default_factory=LocalRoom)
-    watchers: dict[Connection, str] = field(default_factory=dict)  # -> the name it subscribed with
+    names: set[str] = field(default_factory=set)  # the subscribed channel names of this room
+    watchers: dict[Connection, set[str]] = field(default_factory=dict)  # -> the names it watches by
     sent: Snapshot | None = None  # what the watchers hold (None: no watcher, nothing read)
     listed: bool = True
     version: str = ""  # of the snapshot read last ("": read again)
     dirty: bool = False  # local members changed since this process's part was written
-    pending: dict[Connection, Diff] = field(default_factory=dict)  # merged diffs held for slow watchers
+    pending: dict[tuple[Connection, str], Diff] = field(default_factory=dict)  # merged, held for slow watchers
+    cached: tuple[float, Snapshot] | None = None  # a read for RPC presence without watchers, and when
 
 
 class Presence:
@@ -84,6 +86,7 @@ class Presence:
         self.writes = 0
         self.reads = 0
         self.failures = 0
+        self._writing = asyncio.Lock()  # one write at a time: an older part never lands last
 
     # -- the books (synchronous, at once) ------------------------------------------------
 
@@ -93,6 +96,7 @@ class Presence:
         room = self.rooms.get(spec.base)
         if room is None:
             room = self.rooms[spec.base] = Room()
+        room.names.add(spec.name)
         user, info = conn.member if conn.member is not None else (None, None)
         if room.local.enter(conn.id, user, info):
             room.dirty = True
@@ -105,67 +109,84 @@ class Presence:
         room = self.rooms.get(base) if base is not None else None
         if room is None:
             return
-        if room.watchers.get(conn) == channel:
+        if channel in room.watchers.get(conn, ()):
             self._unwatch(room, conn, channel)
         if room.local.exit(conn.id):
             room.dirty = True
             self.changes += 1
 
-    def _unwatch(self, room: Room, conn: Connection, channel: str) -> None:
-        del room.watchers[conn]
-        room.pending.pop(conn, None)
+    def _unwatch(self, room: Room, conn: Connection, name: str) -> None:
+        names = room.watchers[conn]
+        names.discard(name)
+        if not names:
+            del room.watchers[conn]
+        room.pending.pop((conn, name), None)
         if conn.guard.held:
-            conn.guard.held.frames.pop(HELD_KEY + channel, None)
+            conn.guard.held.frames.pop(HELD_KEY + name, None)
         if not room.watchers:
             room.sent, room.version, room.listed = None, "", True
 
+    def watched(self, conn: Connection) -> list[str]:
+        """The channels whose presence ``conn`` watches (its rights are checked again)."""
+        return [name for room in self.rooms.values() for name in room.watchers.get(conn, ())]
+
     async def watch(self, conn: Connection, spec: ChannelSpec) -> None:
         """``conn`` watches ``spec``'s presence: a ``reset`` frame with every member now —
-        before its subscribe's answer — then the diffs of every interval."""
+        before its subscribe's answer — then the diffs of every interval. With the
+        backplane down, the members this process knows: the next turns bring the rest."""
         room = self.rooms.get(spec.base)
-        if room is None or conn in room.watchers:
+        if room is None or spec.name in room.watchers.get(conn, ()):
             return
-        if room.sent is None:
-            snapshot = await self.read(spec)
-            if room.sent is None:  # else another watcher's turn read it meanwhile: what they hold
-                room.sent = snapshot
-                room.listed = self._listed(snapshot)
+        snapshot = room.sent
+        if snapshot is None:
+            try:
+                snapshot = await self.read(spec)
+            except BackplaneUnavailable:
+                snapshot = merge([room.local.part(0)])
         if conn.closed or spec.name not in conn.subscriptions or self.rooms.get(spec.base) is not room:
             return
-        assert room.sent is not None
+        if room.sent is None:  # else another watcher's turn read it meanwhile: what they hold
+            room.sent, room.listed, room.version = snapshot, self._listed(snapshot), ""
         first = diff(None, room.sent, True, self._list_up_to())
         if first is not None:
             self._send(room, conn, spec.name, first)
-        room.watchers[conn] = spec.name
+        room.watchers.setdefault(conn, set()).add(spec.name)
 
     async def read(self, spec: ChannelSpec) -> Snapshot:
         """The cluster's members of ``spec`` now: what the watchers here hold when this
-        process has any (at most an interval old), else read from the backplane."""
+        process has any (at most an interval old), else a read of the backplane (kept an
+        interval for the next pages)."""
         room = self.rooms.get(spec.base)
         if room is not None and room.sent is not None:
             return room.sent
+        now = time.monotonic()
+        if room is not None and room.cached is not None and now - room.cached[0] < self._interval():
+            return room.cached[1]
         backplane = self.hub.backplane
         assert backplane is not None
-        if room is not None and room.dirty:
-            with contextlib.suppress(*backplane.errors):  # its own members first
-                await self._write(backplane, {spec.base: room})
         try:
+            if room is not None and room.dirty:  # its own members first
+                await self._write(backplane, {spec.base: room})
             found = (await backplane.read_presence({spec.base: ""})).get(spec.base)
         except backplane.errors as exc:
             backplane.outage.failed(exc)
             raise BackplaneUnavailable("presence", exc) from exc
         self.reads += 1
-        return merge(found[1]) if found is not None else Snapshot()
+        snapshot = merge(found[1]) if found is not None else Snapshot()
+        if room is not None:
+            room.cached = (now, snapshot)
+        return snapshot
 
     # -- the loop ----------------------------------------------------------------------
 
     async def run(self) -> None:
         """Write changed parts a few times per interval, renew them every beat, read and
-        send once per interval (the hub runs it while it runs)."""
+        send once per interval (the hub runs it while it runs; nothing ends it but that)."""
         config = get_config()
-        interval = config["PRESENCE_INTERVAL_MS"] / 1000
+        interval = self._interval()
         beat = beat_period_s(config)
         next_read = next_beat = time.monotonic()
+        failing: set[type[BaseException]] = set()
         while True:
             await asyncio.sleep(interval / WRITES_PER_INTERVAL)
             now = time.monotonic()
@@ -175,31 +196,40 @@ class Presence:
             reading = now >= next_read
             if reading:
                 next_read = now + interval
-            await self.turn(renew=renew, reading=reading)
+            try:
+                await self.turn(renew=renew, reading=reading)
+            except Exception as exc:  # a bug: logged once per kind, the next turn tries again
+                if type(exc) not in failing:
+                    failing.add(type(exc))
+                    logger.exception("presence turn failed")
 
     async def turn(self, *, renew: bool = False, reading: bool = True) -> None:
         """One turn of the loop: write what changed (every part when ``renew``), then,
-        when ``reading``, read the watched rooms and send their diffs."""
+        when ``reading``, read the watched rooms and send their diffs. A write that fails
+        leaves its rooms dirty (written next turn); the reads go on for what answers."""
         backplane = self.hub.backplane
         if backplane is None:
             return
-        try:
-            rooms = {base: room for base, room in self.rooms.items() if room.dirty or (renew and room.local)}
-            if rooms:
-                await self._write(backplane, rooms)
-            if reading:
-                await self._read(backplane)
-        except backplane.errors as exc:
-            backplane.outage.failed(exc)
-            self.failures += 1
-            for room in self.rooms.values():
-                room.dirty = room.dirty or bool(room.local)  # written again once it answers
-            return
-        backplane.outage.succeeded()
+        rooms = {base: room for base, room in self.rooms.items() if room.dirty or (renew and room.local)}
+        steps = [(self._write(backplane, rooms), bool(rooms)), (self._read(backplane), reading)]
+        for step, due in steps:
+            if not due:
+                step.close()  # never started
+                continue
+            try:
+                called = await step
+            except backplane.errors as exc:
+                backplane.outage.failed(exc)
+                self.failures += 1
+                continue
+            if called and backplane.outage.succeeded():  # back after an outage: every part again
+                for room in self.rooms.values():
+                    room.dirty = room.dirty or bool(room.local)
         for base in [base for base, room in self.rooms.items() if self._idle(room)]:
-            del self.rooms[base]
-            for name in [name for name, room_of in self.names.items() if room_of == base]:
-                del self.names[name]
+            room = self.rooms.pop(base)
+            for name in room.names:
+                if self.names.get(name) == base:
+                    del self.names[name]
 
     async def leave_all(self) -> None:
         """A clean stop: this process's parts withdrawn now, not a lease later."""
@@ -208,24 +238,26 @@ class Presence:
             return
         await backplane.put_presence({base: None for base in self.rooms}, get_config()["LEASE_TTL_MS"])
 
-    async def _write(self, backplane: Backplane, rooms: dict[str, Room]) -> None:
+    async def _write(self, backplane: Backplane, rooms: dict[str, Room]) -> bool:
         config = get_config()
         limit = config["PRESENCE_MAX_MEMBERS"]
-        parts = {base: room.local.part(limit) if room.local else None for base, room in rooms.items()}
-        for room in rooms.values():
-            room.dirty = False  # changed while the write is on its way: dirty again, written next turn
-        try:
-            await backplane.put_presence(parts, config["LEASE_TTL_MS"])
-        except BaseException:
+        async with self._writing:
+            parts = {base: room.local.part(limit) if room.local else None for base, room in rooms.items()}
             for room in rooms.values():
-                room.dirty = True
-            raise
+                room.dirty = False  # changed while the write is on its way: dirty again, written next turn
+            try:
+                await backplane.put_presence(parts, config["LEASE_TTL_MS"])
+            except BaseException:
+                for room in rooms.values():
+                    room.dirty = True
+                raise
         self.writes += len(parts)
+        return True
 
-    async def _read(self, backplane: Backplane) -> None:
+    async def _read(self, backplane: Backplane) -> bool:
         watched = {base: room.version for base, room in self.rooms.items() if room.watchers}
         if not watched:
-            return
+            return False
         found = await backplane.read_presence(watched)
         self.reads += len(watched)
         up_to = self._list_up_to()
@@ -238,14 +270,16 @@ class Presence:
             change = diff(room.sent, snapshot, room.listed, up_to)
             room.sent, room.listed = snapshot, self._listed(snapshot)
             if change is not None:
-                for conn, name in list(room.watchers.items()):
-                    self._send(room, conn, name, change)
+                for conn, names in list(room.watchers.items()):
+                    for name in list(names):
+                        self._send(room, conn, name, change)
+        return True
 
     def _send(self, room: Room, conn: Connection, name: str, change: Diff) -> None:
         """One diff to one watcher, merged into the one still held for it, if any."""
         key = HELD_KEY + name
         held = conn.guard.held
-        pending = room.pending.get(conn)
+        pending = room.pending.get((conn, name))
         merged = pending is not None and held is not None and key in held.frames
         if merged:
             assert pending is not None
@@ -254,16 +288,20 @@ class Presence:
         decision = self.hub.fanout.send_merged(conn, key, text.encode("utf-8"))
         self.diffs += 1
         if decision is HOLD:
-            room.pending[conn] = change
+            room.pending[(conn, name)] = change
             self.coalesced += int(merged)
         else:
-            room.pending.pop(conn, None)
+            room.pending.pop((conn, name), None)
 
     # -- rules and the probe -------------------------------------------------------------
 
     @staticmethod
     def _idle(room: Room) -> bool:
         return not room.local and not room.watchers and not room.dirty
+
+    @staticmethod
+    def _interval() -> float:
+        return float(get_config()["PRESENCE_INTERVAL_MS"]) / 1000
 
     @staticmethod
     def _list_up_to() -> int:
@@ -310,8 +348,9 @@ def member_of(user: Any) -> tuple[str | None, Any]:
     from realtime_app.wire.protocol import encode as encode_json
 
     try:
-        info = (import_string(hook) if isinstance(hook, str) else hook)(user)
-        size = len(encode_json(info).encode("utf-8"))
+        text = encode_json((import_string(hook) if isinstance(hook, str) else hook)(user))
+        size = len(text.encode("utf-8"))
+        info = json.loads(text)  # plain JSON from here on (a date is its ISO text, as sent)
     except Exception:
         logger.exception("PRESENCE_INFO failed for a user: listed without info")
         return name, None

@@ -84,6 +84,8 @@ class CloseCode(enum.IntEnum):
     SERVICE_RESTART = 1012
     TRY_AGAIN_LATER = 1013
     SESSION_ENDED = 4001  # the socket's session logged out, expired, or its user was deactivated
+    TOKEN_REFUSED = 4002  # the handshake's token is tampered, malformed, or its user revoked it
+    TOKEN_EXPIRED = 4004  # the connection's token expired and was not refreshed
     RIGHTS_REVOKED = 4003  # a subscription of the socket is no longer allowed (demotion)
     CLOSED_BY_OPERATOR = 4010  # staff closed it from the admin's Realtime cluster screen
 

@@ -238,13 +238,16 @@ class ClientSession(Session):
             params["delta"] = FOSSIL  # the replay comes whole; deltas go on after it
         return params, cursor
 
-    def book(self, name: str, handler: Any, on_error: Any = None, delta: bool = False, presence: bool = False) -> bool:
-        """The application subscribes ``handler`` to ``name``: True for its first handler."""
-        first = name not in self.handlers
+    def book(self, name: str, handler: Any, on_error: Any = None, delta: bool = False, presence: bool = False) -> str:
+        """The application subscribes ``handler`` to ``name``: ``"first"`` for its first
+        handler, ``"again"`` when the server must be asked again (presence newly wanted),
+        else ``""``."""
+        first = "first" if name not in self.handlers else ""
         if delta:
             self.delta_wanted.add(name)
-        if presence:
+        if presence and name not in self.presence_wanted:
             self.presence_wanted.add(name)
+            first = first or "again"
         self.handlers.setdefault(name, []).append(handler)
         if on_error is not None:
             self.on_error.setdefault(name, []).append(on_error)
@@ -288,6 +291,7 @@ class ClientSession(Session):
         for cursor in self.cursors.values():
             cursor.closed()
         self.deltas.reset()
+        self.members.clear()  # known again from the reset that follows the next subscribe
         lost = list(self.in_flight)
         self.in_flight.clear()
         self._follows.clear()
@@ -349,10 +353,11 @@ class ClientSession(Session):
         """A ``presence`` frame applied to the channel's kept member set
         (:func:`realtime_app.wire.presence.apply`); ``Notify("presence")`` with the diff."""
         channel = params.get("channel")
-        if channel not in self.presence_wanted and channel not in self.members:
-            if not any(self.canonical.get(n) == channel for n in self.presence_wanted):
-                return []  # in flight after an unsubscribe
-        assert isinstance(channel, str)
+        if not isinstance(channel, str):
+            return []
+        wanted = (self.canonical.get(n) for n in self.presence_wanted)  # None: its answer still to come
+        if channel not in self.members and not any(c is None or c == channel for c in wanted):
+            return []  # in flight after an unsubscribe
         self.members[channel] = apply_presence(self.members.get(channel, {}), params)
         return [Notify("presence", channel, params)]
 

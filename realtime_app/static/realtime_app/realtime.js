@@ -420,6 +420,7 @@ export class RealtimeClient extends EventTarget {
     for (const cursor of this._cursors.values()) cursor.closed();
     for (const channel of this._bases.keys()) this._bases.set(channel, null); // full frames again
     this._resyncing.clear();
+    this._members.clear(); // known again from the reset that follows the next subscribe
     for (const [id, call] of this._pending) {
       clearTimeout(call.timer);
       call.reject(new OutcomeUnknownError(`connection lost, outcome unknown (closed ${code})`));
@@ -456,8 +457,8 @@ export class RealtimeClient extends EventTarget {
 
   _presence(params) {
     const channel = params.channel;
-    const wanted = this._presenceWanted.has(channel) || this._members.has(channel)
-      || [...this._presenceWanted].some((name) => this._canonical.get(name) === channel);
+    const wanted = this._members.has(channel) // or a presence subscribe whose answer is still to come
+      || [...this._presenceWanted].some((name) => !this._canonical.has(name) || this._canonical.get(name) === channel);
     if (!wanted) return; // in flight after an unsubscribe
     const members = applyPresence(this._members.get(channel) || new Map(), params);
     this._members.set(channel, members);
@@ -702,6 +703,7 @@ export class RealtimeClient extends EventTarget {
    * @param {{onError?: (error: Error) => void, delta?: "fossil", presence?: boolean}} [options]
    */
   subscribe(channel, handler, options = {}) {
+    const again = Boolean(options.presence) && !this._presenceWanted.has(channel); // asked for presence now
     if (options.presence) this._presenceWanted.add(channel);
     if (options.delta !== undefined) {
       if (options.delta !== "fossil") throw new RangeError(`delta must be "fossil", got ${options.delta}`);
@@ -715,6 +717,7 @@ export class RealtimeClient extends EventTarget {
       if (!this._onError.has(channel)) this._onError.set(channel, new Set());
       this._onError.get(channel).add(options.onError);
     }
+    if (again && !first && this._ws && this._ws.readyState === 1) return this._subscribeRemote(channel);
     if (!first && this._answers.has(channel)) return Promise.resolve(this._answers.get(channel));
     const answer = new Promise((resolve, reject) => {
       if (!this._waiters.has(channel)) this._waiters.set(channel, []);

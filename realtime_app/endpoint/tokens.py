@@ -1,0 +1,214 @@
+"""Connection tokens: a signed, expiring name of a user, for the clients a session cookie
+does not serve — a mobile app, a bot, a page on another domain, a test.
+
+Signed with Django's :mod:`django.core.signing` under a salt of this app's own: no new
+dependency, the key is ``SECRET_KEY`` (and ``SECRET_KEY_FALLBACKS`` verify tokens signed
+before a rotation), and nothing but this app ever reads them, so JWT's interoperability
+buys nothing. A token carries the user's primary key, its expiry, a digest of the user's
+session hash (a changed password, or a rotated key once its fallback is dropped, revokes
+every token issued before) and, optionally, channels its holder may subscribe beyond the
+rules (signed channel access: a private channel with no query per subscribe).
+
+A token is read from the handshake's ``Authorization: Bearer`` header
+(:class:`TokenAuthMiddleware`, inside this app's ``AuthMiddlewareStack``) or from RPC
+``auth {"token"}``; never from a URL. docs/auth.md says which to use where.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from django.core import signing
+
+from realtime_app.conf import get_config
+from realtime_app.wire.asgi import Receive, Scope, Send
+from realtime_app.wire.protocol import CloseCode
+
+__all__ = [
+    "TOKEN",
+    "TOKEN_REFUSED",
+    "Claims",
+    "arm_expiry",
+    "cancel_expiry",
+    "TokenAuthMiddleware",
+    "TokenError",
+    "bearer",
+    "issue",
+    "token_user",
+    "verify",
+]
+
+logger = logging.getLogger("realtime_app.sessions")
+
+SALT = "realtime_app.connection-token"
+#: The scope keys: the verified token's claims, and why a handshake's token was refused.
+TOKEN = "realtime_token"
+TOKEN_REFUSED = "realtime_token_refused"
+#: Longest token read, bytes (a header or an ``auth`` call): more is refused unread.
+MAX_TOKEN_BYTES = 4096
+_DIGEST_CHARS = 20
+
+
+class TokenError(Exception):
+    """A token refused: ``reason`` is ``invalid`` (tampered, malformed, unknown user),
+    ``expired``, or ``revoked`` (its user deactivated or its password changed)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"token {reason}")
+        self.reason = reason
+
+    @property
+    def close_code(self) -> int:
+        return int(CloseCode.TOKEN_EXPIRED if self.reason == "expired" else CloseCode.TOKEN_REFUSED)
+
+
+@dataclass(frozen=True, slots=True)
+class Claims:
+    """What a verified token says."""
+
+    user: str  # the user's primary key, as text
+    expires_at: int  # unix seconds
+    digest: str  # of the user's session hash when issued
+    channels: tuple[str, ...] = ()  # may be subscribed whatever the rules say
+
+
+def _digest(user: Any, secret: str | None = None) -> str:
+    """Of the user's password hash, keyed: a new password (or key) makes another."""
+    from django.utils.crypto import salted_hmac
+
+    value = f"{user.pk}:{getattr(user, 'password', '')}"
+    return str(salted_hmac(SALT, value, secret=secret, algorithm="sha256").hexdigest())[:_DIGEST_CHARS]
+
+
+def issue(user: Any, ttl_s: int | None = None, channels: tuple[str, ...] | list[str] = ()) -> tuple[str, int]:
+    """A token of ``user`` valid ``ttl_s`` seconds (``TOKEN_TTL_S``; at most
+    ``TOKEN_MAX_TTL_S``) and its expiry (unix seconds)."""
+    config = get_config()
+    ttl = int(ttl_s if ttl_s is not None else config["TOKEN_TTL_S"])
+    if not 0 < ttl <= config["TOKEN_MAX_TTL_S"]:
+        raise ValueError(f"a token lives 1..{config['TOKEN_MAX_TTL_S']} s (TOKEN_MAX_TTL_S), not {ttl}")
+    expires_at = int(time.time()) + ttl
+    payload: dict[str, Any] = {"u": str(user.pk), "e": expires_at, "h": _digest(user)}
+    if channels:
+        payload["c"] = [str(c) for c in channels]
+    return signing.dumps(payload, salt=SALT, compress=True), expires_at
+
+
+def verify(token: Any, now: float | None = None) -> Claims:
+    """The claims of a well-signed, unexpired token; raises :class:`TokenError`."""
+    if not isinstance(token, str) or not token or len(token.encode("utf-8", "replace")) > MAX_TOKEN_BYTES:
+        raise TokenError("invalid")
+    try:
+        raw = signing.loads(token, salt=SALT)
+        claims = Claims(str(raw["u"]), int(raw["e"]), str(raw["h"]), tuple(str(c) for c in raw.get("c", ())))
+    except (signing.BadSignature, KeyError, TypeError, ValueError, AttributeError):
+        raise TokenError("invalid") from None
+    if claims.expires_at <= (time.time() if now is None else now):
+        raise TokenError("expired")
+    return claims
+
+
+def token_user(claims: Claims) -> Any:
+    """The user a token names, as the database says now (sync: run it in a thread);
+    raises :class:`TokenError` ``revoked`` when it is gone, inactive or changed its
+    password, ``invalid`` when no such user ever was."""
+    from django.conf import settings
+    from django.contrib.auth import get_user_model
+    from django.utils.crypto import constant_time_compare
+
+    model = get_user_model()
+    try:
+        user = model._default_manager.filter(pk=model._meta.pk.to_python(claims.user)).first()
+    except Exception:  # a key of another shape: no such user
+        raise TokenError("invalid") from None
+    if user is None:
+        raise TokenError("revoked")
+    if not getattr(user, "is_active", True):
+        raise TokenError("revoked")
+    digests = [_digest(user)] + [_digest(user, key) for key in getattr(settings, "SECRET_KEY_FALLBACKS", [])]
+    if not any(constant_time_compare(claims.digest, d) for d in digests):
+        raise TokenError("revoked")
+    return user
+
+
+def bearer(scope: Scope) -> str | None:
+    """The handshake's ``Authorization: Bearer`` token, if any (``""``: malformed)."""
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"authorization":
+            kind, _, token = value.decode("latin-1").partition(" ")
+            return token.strip() if kind.lower() == "bearer" else ""
+    return None
+
+
+class TokenAuthMiddleware:
+    """A WebSocket handshake with ``Authorization: Bearer <token>`` is the token's user:
+    the session cookie, if any, is not used (logging that session out does not close this
+    socket; the token's own expiry and revocation do). A refused token is not a session of
+    anyone: ``scope[TOKEN_REFUSED]`` says why and the consumer closes with 4002 or 4004."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        token = bearer(scope) if scope.get("type") == "websocket" else None
+        if token is None:
+            await self.inner(scope, receive, send)
+            return
+        from channels.db import database_sync_to_async
+        from django.contrib.auth.models import AnonymousUser
+
+        scope = {key: value for key, value in scope.items() if key != "session"}
+        try:
+            claims = verify(token)
+            user = await database_sync_to_async(token_user)(claims)
+        except TokenError as error:
+            await self.inner({**scope, "user": AnonymousUser(), TOKEN_REFUSED: error}, receive, send)
+            return
+        await self.inner({**scope, "user": user, TOKEN: claims}, receive, send)
+
+
+def schedule_expiry(loop: asyncio.AbstractEventLoop, scope: Scope, warn: Any, expire: Any) -> None:
+    """Arm a token connection's two timers: ``warn()`` ``TOKEN_REFRESH_BEFORE_S`` before
+    its token expires (the client refreshes it), ``expire()`` when it does; a refresh arms
+    them again. Cancelled by :func:`cancel_expiry` when the connection ends."""
+    cancel_expiry(scope)
+    claims: Claims | None = scope.get(TOKEN)
+    if claims is None:
+        return
+    left = claims.expires_at - time.time()
+    before = get_config()["TOKEN_REFRESH_BEFORE_S"]
+    handles = [loop.call_later(max(left, 0), expire)]
+    if left > before:
+        handles.append(loop.call_later(left - before, warn))
+    scope["realtime_token_timers"] = handles
+
+
+def arm_expiry(hub: Any, conn: Any, scope: Scope) -> None:
+    """Arm ``conn``'s token timers (none without a token): a ``token_expiring``
+    notification ``TOKEN_REFRESH_BEFORE_S`` before its expiry, the close with 4004 at it."""
+    claims: Claims | None = scope.get(TOKEN)
+    if claims is None:
+        return
+    from realtime_app.wire.protocol import encode
+
+    def warn() -> None:
+        if not conn.closed:
+            notice = {"jsonrpc": "2.0", "method": "token_expiring", "params": {"expires_at": claims.expires_at}}
+            hub.fanout.send_to(conn, encode(notice))
+
+    def expire() -> None:
+        if not conn.closed:
+            logger.info("connection %s closed with 4004: its token expired", conn.id)
+            conn.guard.close(int(CloseCode.TOKEN_EXPIRED), "token expired")
+            hub.forget(conn)
+
+    schedule_expiry(asyncio.get_running_loop(), scope, warn, expire)
+
+
+def cancel_expiry(scope: Scope) -> None:
+    for handle in scope.pop("realtime_token_timers", ()):
+        handle.cancel()
