@@ -120,9 +120,23 @@ REALTIME_APP = {
         {"pattern": "demo:events", "publish": True},
     ],
     # /demo/heavy/ allocates 20 MB: two at a time, fifty waiting at most, ten seconds each.
+    # The publish API: four publishing requests at once, a hundred waiting, five seconds each.
     "HTTP_POOLS": {
         "heavy": {"max_concurrent": 2, "max_waiting": 50, "wait_timeout_ms": 10000, "paths": ["/demo/heavy/"]},
+        "publish": {
+            "max_concurrent": 4,
+            "max_waiting": 100,
+            "wait_timeout_ms": 5000,
+            "paths": ["/realtime/api/publish"],
+        },
     },
+    # Keys of the HTTP publish API (docs/auth.md): comma-separated in the environment; the
+    # DEBUG demo has one of its own, "demo-publish-key".
+    "PUBLISH_API_KEYS": [
+        key
+        for key in os.environ.get("REALTIME_PUBLISH_API_KEYS", "demo-publish-key" if DEBUG else "").split(",")
+        if key
+    ],
 }
 
 AUTH_PASSWORD_VALIDATORS: list[dict[str, str]] = []  # demo users have demo passwords

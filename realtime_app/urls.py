@@ -10,4 +10,6 @@ urlpatterns = [
     path("api/health", views.health, name="health"),
     path("metrics", views.metrics, name="metrics"),
     path("api/connections/close", views.close_connection, name="close-connection"),
+    path("api/token", views.issue_token, name="token"),
+    path("api/publish", views.publish_api, name="publish"),
 ]

@@ -1,5 +1,6 @@
 """HTTP probes: the cluster health JSON and Prometheus metrics (staff, or a metrics token);
-and the one operator action, closing a connection (staff)."""
+the one operator action, closing a connection (staff); connection tokens for a signed-in
+session; and the publish API for services in any language (docs/auth.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from realtime_app.observability.logsafe import safe
 from realtime_app.observability.probes import cluster_probe
 from realtime_app.persistence.write_behind import stores_probe
 
-__all__ = ["close_connection", "health", "metrics"]
+__all__ = ["close_connection", "health", "issue_token", "metrics", "publish_api"]
 
 logger = logging.getLogger("realtime_app.consumers")
 
@@ -110,3 +111,95 @@ async def close_connection(request: HttpRequest) -> HttpResponse:
     except BackplaneUnavailable:
         return JsonResponse({"error": "the cluster cannot be told now (backplane unavailable)"}, status=503)
     return JsonResponse({"sent": True, "instance": instance, "connection": connection}, status=202)
+
+
+async def issue_token(request: HttpRequest) -> HttpResponse:
+    """``POST /realtime/api/token`` (a signed-in session, with Django's CSRF token):
+    ``{"token", "expires_at"}``, a connection token of the session's user. Optional JSON
+    body ``{"ttl": seconds}`` (at most ``TOKEN_MAX_TTL_S``)."""
+    if request.method != "POST":
+        return HttpResponseNotAllowed(["POST"])
+    user = await request.auser()
+    if not user.is_authenticated:
+        return JsonResponse({"error": "authentication required"}, status=401)
+    ttl = None
+    if request.body:
+        try:
+            ttl = json.loads(request.body).get("ttl")
+            if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int)):
+                raise TypeError
+        except (ValueError, TypeError, AttributeError):
+            return JsonResponse({"error": 'expected {"ttl": seconds} or no body'}, status=400)
+    from realtime_app.endpoint.tokens import issue
+
+    try:
+        token, expires_at = issue(user, ttl)
+    except ValueError as exc:
+        return JsonResponse({"error": str(exc)}, status=400)
+    return JsonResponse({"token": token, "expires_at": expires_at})
+
+
+#: Publications in one batch of the publish API, at most.
+PUBLISH_BATCH = 100
+
+
+async def publish_api(request: HttpRequest) -> HttpResponse:
+    """``POST /realtime/api/publish`` with ``Authorization: Bearer <key>`` (a key of
+    ``PUBLISH_API_KEYS``): ``{"channel", "data"}`` answers 202 ``{"channel", "seq"}``;
+    ``{"publications": [{"channel", "data"}, ...]}`` (at most 100) answers 202
+    ``{"results": [{"channel", "seq"} or {"channel", "error"}]}``. 401 without a valid key,
+    413 over ``MAX_PUBLICATION_BYTES`` (a publication, or a body of more than a batch of them)."""
+    if request.method != "POST":
+        return HttpResponseNotAllowed(["POST"])
+    config = get_config()
+    header = request.headers.get("Authorization", "").encode()
+    if not any(hmac.compare_digest(header, f"Bearer {key}".encode()) for key in config["PUBLISH_API_KEYS"]):
+        response = JsonResponse({"error": "a key of PUBLISH_API_KEYS is required"}, status=401)
+        response["WWW-Authenticate"] = 'Bearer realm="realtime publish"'
+        return response
+    limit = int(config["MAX_PUBLICATION_BYTES"])
+    declared = request.headers.get("Content-Length", "")
+    if limit and declared.isdigit() and int(declared) > limit * PUBLISH_BATCH:
+        return JsonResponse({"error": f"body over {limit * PUBLISH_BATCH} bytes"}, status=413)
+    try:
+        body = json.loads(request.body)
+        batch = body["publications"] if "publications" in body else None
+        items = batch if batch is not None else [body]
+        if not isinstance(items, list) or not 0 < len(items) <= PUBLISH_BATCH:
+            raise TypeError
+        pairs = [(item["channel"], item["data"]) for item in items]
+        if not all(isinstance(channel, str) for channel, _ in pairs):
+            raise TypeError
+    except (ValueError, KeyError, TypeError, AttributeError):
+        shape = f'{{"channel": name, "data": json}} or {{"publications": [...]}} (at most {PUBLISH_BATCH})'
+        return JsonResponse({"error": f"expected {shape}"}, status=400)
+    results = [await _publish_one(channel, data) for channel, data in pairs]
+    if batch is None:
+        status = results[0].pop("status", 202)
+        return JsonResponse(results[0], status=status)
+    for result in results:
+        result.pop("status", None)
+    return JsonResponse({"results": results}, status=202)
+
+
+publish_api.csrf_exempt = True  # type: ignore[attr-defined]  # a service with a key, not a browser's cookie
+
+
+async def _publish_one(channel: str, data: object) -> dict[str, object]:
+    from realtime_app.exceptions import PublicationTooLarge, RealtimeError, UnknownChannel
+    from realtime_app.hub.publishing import apublish
+
+    try:
+        seq = await apublish(channel, data)
+    except PublicationTooLarge as exc:
+        return {"channel": channel, "error": str(exc), "status": 413}
+    except UnknownChannel:
+        return {"channel": channel, "error": "unknown channel", "status": 404}
+    except BackplaneUnavailable:
+        return {"channel": channel, "error": "backplane unavailable", "status": 503}
+    except (RealtimeError, ValueError, TypeError) as exc:
+        return {"channel": channel, "error": safe(str(exc), 300), "status": 400}
+    result: dict[str, object] = {"channel": channel, "status": 202}
+    if seq is not None:
+        result["seq"] = seq
+    return result

@@ -15,6 +15,7 @@ from realtime_app.channels.registry import ChannelSpec, registry
 from realtime_app.conf import get_config
 from realtime_app.endpoint.sessions import needs_user
 from realtime_app.endpoint.subscribing import bounded, require_existing
+from realtime_app.endpoint.tokens import TOKEN, Claims, TokenError, arm_expiry, granted, token_user, verify
 from realtime_app.exceptions import NO_USER_HINT, ForbiddenChannel, PublicationError, PublicationTooLarge, RPCError
 from realtime_app.hub.core import Connection, Hub, get_hub
 from realtime_app.hub.presence import member_of
@@ -38,6 +39,7 @@ class Caller(Protocol):
     @property
     def user(self) -> Any: ...
     async def current_user(self) -> Any: ...
+    def signed_in(self, user: Any) -> None: ...
 
 
 Builtin = Callable[[Caller, Any], Awaitable[Any]]
@@ -77,7 +79,10 @@ def since_param(params: Any) -> Since | None:
 
 async def require(consumer: Caller, spec: ChannelSpec, action: Action) -> None:
     """Refuse unless the user may ``action`` the channel — the user as its session and
-    the database say now, for a guarded channel (logout, deactivation, demotion)."""
+    the database say now, for a guarded channel (logout, deactivation, demotion). A
+    channel its connection token grants is the token holder's to subscribe, no query."""
+    if action == "subscribe" and granted(consumer.scope, spec):
+        return
     family = registry.family_of(spec.name)
     user = await consumer.current_user() if needs_user(spec.name, action) else consumer.user
     if not await allowed(user, spec.name, family.base if family else None, action):
@@ -139,6 +144,41 @@ async def _watched(
         await hub.presence.watch(conn, spec)
         answer["presence"] = True
     return answer
+
+
+async def auth(consumer: Caller, params: Any) -> dict[str, Any]:
+    """Sign the connection in with a connection token (docs/auth.md): its first request,
+    or a refresh — a newer token of the same user — at any time."""
+    token = params.get("token") if isinstance(params, dict) else None
+    if not isinstance(token, str) or not token:
+        raise _invalid('Invalid params: expected {"token": string}', "missing_token")
+    try:
+        claims = verify(token)
+        user = await database_sync_to_async(token_user)(claims)
+    except TokenError as error:
+        raise RPCError(protocol.FORBIDDEN_CHANNEL, f"Token {error.reason}", f"token_{error.reason}") from None
+    held: Claims | None = consumer.scope.get(TOKEN)
+    current = consumer.user if getattr(consumer.user, "is_authenticated", False) else None
+    if held is None and consumer.session is not None and consumer.session.first != "auth":
+        raise RPCError(protocol.INVALID_REQUEST, "auth must be the connection's first request", "auth_not_first")
+    if current is not None and str(current.pk) != claims.user:
+        raise RPCError(protocol.FORBIDDEN_CHANNEL, "A token of another user", "another_user")
+    conn = consumer.connection
+    assert conn is not None
+    if current is None:  # anonymous until now: the user's connection from now on (its cap, its bucket)
+        hub = await get_hub()
+        if conn.identity is not None:
+            hub.gate.leave(conn.identity)
+        refused = hub.gate.enter(("user", claims.user))
+        if refused is not None:
+            conn.identity = None
+            raise RPCError(protocol.OVERLOADED, "Too many connections", "too_many_connections", retry_after_ms=5000)
+        conn.identity, conn.member = ("user", claims.user), None
+    consumer.scope.pop("session", None)  # the token's user, not a cookie's
+    consumer.scope[TOKEN] = claims
+    consumer.signed_in(user)
+    arm_expiry(await get_hub(), conn, consumer.scope)
+    return {"user": user.get_username(), "expires_at": claims.expires_at}
 
 
 async def presence(consumer: Caller, params: Any) -> dict[str, Any]:
@@ -203,4 +243,5 @@ BUILTINS: dict[str, Builtin] = {
     "ping": ping,
     "publish": publish,
     "presence": presence,
+    "auth": auth,
 }

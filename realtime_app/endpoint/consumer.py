@@ -28,6 +28,7 @@ from realtime_app.endpoint.refusals import (
     NO_SNAPSHOT,
     deny,
     log_auth_outage,
+    log_error_counts,
     log_unsupported_once,
     refusal_response,
     refuse,
@@ -159,7 +160,7 @@ class RealtimeConsumer:
             cancel_expiry(scope)
             hub.pool.abandon(self)
             await hub.remove_connection(conn)
-            self._log_error_counts()
+            log_error_counts(self.session, self.connection)
 
     async def close(self, code: int, reason: str) -> None:
         """Close this connection with ``code``; frames that arrive afterwards are ignored."""
@@ -255,11 +256,9 @@ class RealtimeConsumer:
                 "connection %s: bad request (%s)%s; more are counted until it closes", cid, safe(reason), suffix
             )
 
-    def _log_error_counts(self) -> None:
-        if self.session is not None and (repeated := self.session.error_summary()):
-            counts = ", ".join(f"{safe(reason)}: {n}" for reason, n in sorted(repeated.items()))
-            total, cid = sum(self.session.errors.values()), self.connection.id if self.connection else "-"
-            logger.info("connection %s closed after %d bad requests (%s)", cid, total, counts)
+    def signed_in(self, user: Any) -> None:
+        """The connection is ``user``'s from now on (RPC ``auth``): rights, identity, bucket."""
+        self.scope["user"], self._fresh, self._identity = user, None, None
 
     async def execute(self, method: str, params: Any) -> tuple[bool, Any]:
         """Run one (possibly merged) call: ``(True, result)`` or ``(False, error object)``."""

@@ -55,7 +55,14 @@ def method_costs() -> dict[str, float]:
 #: Tokens the built-in methods take from the caller's bucket (docs/admission.md): small,
 #: so that a client's own subscriptions and heartbeats never starve its application calls,
 #: but not nothing, so that a batch of thousands of subscribes is bounded all the same.
-BUILTIN_COSTS: dict[str, float] = {"ping": 0.1, "subscribe": 0.25, "unsubscribe": 0.1, "publish": 1.0, "presence": 0.5}
+BUILTIN_COSTS: dict[str, float] = {
+    "ping": 0.1,
+    "subscribe": 0.25,
+    "unsubscribe": 0.1,
+    "publish": 1.0,
+    "presence": 0.5,
+    "auth": 1.0,
+}
 
 
 def rpc_method(

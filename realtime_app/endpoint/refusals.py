@@ -12,6 +12,7 @@ from typing import Any
 
 from realtime_app.hub.core import Connection, Hub
 from realtime_app.inbound.admission import Refusal
+from realtime_app.observability.logsafe import safe
 from realtime_app.outbound.base import UnsupportedServer
 from realtime_app.outbound.guard import Guard
 from realtime_app.wire import protocol
@@ -19,6 +20,7 @@ from realtime_app.wire.asgi import Scope, Send
 from realtime_app.wire.protocol import CloseCode, RequestId, Response
 
 __all__ = [
+    "log_error_counts",
     "NO_SNAPSHOT",
     "deny",
     "refusal_response",
@@ -143,6 +145,14 @@ def log_refused_connection(reason: str, kind: str) -> None:
     """``server full``, ``too many connections``: one INFO line a minute per reason."""
     if count := _count_then_log(reason):
         logger.info("%d connection(s) refused: %s (the last of one %s; counted in the probe)", count, reason, kind)
+
+
+def log_error_counts(session: Any, connection: Any) -> None:
+    """A closed connection's bad requests past the first of each reason, summed up once."""
+    if session is not None and (repeated := session.error_summary()):
+        counts = ", ".join(f"{safe(reason)}: {n}" for reason, n in sorted(repeated.items()))
+        total, cid = sum(session.errors.values()), connection.id if connection else "-"
+        logger.info("connection %s closed after %d bad requests (%s)", cid, total, counts)
 
 
 def log_auth_outage(why: str) -> None:

@@ -162,7 +162,10 @@ async def current_user(scope: Scope) -> Any:
 async def revalidate(conn: Connection, watched: list[str] | tuple[str, ...] = ()) -> int | None:
     """The close code ``conn`` deserves now (None: its rights still hold); ``watched``: the
     channels whose presence it watches (their ``presence`` rule is checked too)."""
+    claims = conn.scope.get(TOKEN)
+    grants = claims.channels if claims is not None else ()  # a token's channels are its holder's
     guarded: list[tuple[str, Action]] = [(c, "subscribe") for c in conn.subscriptions if needs_user(c)]
+    guarded = [(c, a) for c, a in guarded if c not in grants and c.rpartition(":")[0] not in grants]
     guarded += [(c, "presence") for c in watched if needs_user(c, "presence")]
     was_authenticated = getattr(conn.scope.get("user"), "is_authenticated", False)
     if not guarded and not was_authenticated:

@@ -37,6 +37,7 @@ __all__ = [
     "TokenAuthMiddleware",
     "TokenError",
     "bearer",
+    "granted",
     "issue",
     "token_user",
     "verify",
@@ -133,6 +134,13 @@ def token_user(claims: Claims) -> Any:
     if not any(constant_time_compare(claims.digest, d) for d in digests):
         raise TokenError("revoked")
     return user
+
+
+def granted(scope: Scope, spec: Any) -> bool:
+    """Whether the connection's token grants subscribing ``spec`` (its name, or its
+    family's base: every cadence of a granted family)."""
+    claims: Claims | None = scope.get(TOKEN)
+    return claims is not None and (spec.name in claims.channels or spec.base in claims.channels)
 
 
 def bearer(scope: Scope) -> str | None:

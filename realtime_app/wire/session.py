@@ -135,6 +135,7 @@ class ServerSession(Session, Generic[T]):
         self.max_frame_bytes = max_frame_bytes
         self.max_batch = max_batch
         self.follow: list[T] = []
+        self.first: str | None = None  # the method of the connection's first request (RPC auth must be it)
 
     def receive(self, text: str | None) -> Frame | Close | None:
         """One WebSocket frame: its requests and errors, or the close it earns (None once
@@ -146,7 +147,10 @@ class ServerSession(Session, Generic[T]):
         limit = self.max_frame_bytes
         if limit and len(text) * 4 > limit and len(text.encode("utf-8", "surrogatepass")) > limit:
             return self.close(CloseCode.MESSAGE_TOO_BIG, f"frame over {limit} bytes")
-        return protocol.parse_frame(text, self.max_batch)
+        frame = protocol.parse_frame(text, self.max_batch)
+        if self.first is None:
+            self.first = frame.requests[0].method if frame.requests else ""
+        return frame
 
     def follow_answer(self, channel: T) -> None:
         """Send ``channel``'s current value after this frame's answer (which names it)."""

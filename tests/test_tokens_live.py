@@ -1,0 +1,220 @@
+"""Connection tokens and the publish API, black-box on a daphne process of the demo site
+(SPEC §12): a token from ``manage.py realtime_token`` opens a socket with only the
+``Authorization`` header — no cookie, no ``Origin`` — or through RPC ``auth`` as the first
+call; tampered, expired and revoked tokens are refused with their close codes; an open
+token connection of a user deactivated meanwhile is closed as a session one is (4001); a
+connection told its token expires refreshes it; ``POST /realtime/api/token`` issues one to
+a signed-in session; ``POST /realtime/api/publish`` with a key reaches a subscriber.
+
+Found: only a session cookie worked — a bot or an app had to mint one in a shell."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import redis
+import websockets
+
+from tests.support.servers import ROOT, login, prepare_database, servers
+from tests.support.waiting import eventually
+from tests.support.wsclient import RPC, close_code
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
+
+KEY = "test-publish-key"
+
+
+@pytest.fixture
+def site(redis_url, tmp_path):
+    prefix = f"{os.environ['REALTIME_TEST_PREFIX']}-tokens-{secrets.token_hex(3)}"
+    overrides = {"REVALIDATE_INTERVAL_MS": 1000, "TOKEN_REFRESH_BEFORE_S": 2, "PUBLISH_API_KEYS": [KEY]}
+    env = {
+        **prepare_database(str(tmp_path / "db.sqlite3")),
+        "REDIS_URL": redis_url,
+        "REALTIME_KEY_PREFIX": prefix,
+        "REALTIME_TEST_OVERRIDES": json.dumps(overrides),
+    }
+    with servers(1, env) as (server,):
+        yield server, env
+    client = redis.Redis.from_url(redis_url)
+    for key in client.scan_iter(match=f"{prefix}*"):
+        client.delete(key)
+    client.close()
+
+
+def manage(env: dict[str, str], *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=ROOT,
+        env={**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", **env},
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return done.stdout.strip()
+
+
+def shell(env: dict[str, str], code: str) -> None:
+    manage(env, "shell", "-c", f"from django.contrib.auth.models import User; {code}")
+
+
+async def connect(url: str, token: str | None = None, **kwargs):
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    return await websockets.connect(url, additional_headers=headers, open_timeout=10, **kwargs)
+
+
+async def call(ws, method: str, params=None, request_id: int = 1) -> dict:
+    request = {"jsonrpc": "2.0", "method": method, "id": request_id}
+    if params is not None:
+        request["params"] = params
+    await ws.send(json.dumps(request))
+    while True:
+        message = json.loads(await asyncio.wait_for(ws.recv(), 10))
+        if message.get("id") == request_id:
+            return message
+
+
+async def test_a_token_is_its_user_with_only_the_authorization_header(site):
+    server, env = site
+    token = manage(env, "realtime_token", "demo")
+    ws = await connect(server.ws, token)  # no cookie, no Origin
+    try:
+        assert "result" in await call(ws, "inventory.snapshot")
+        await call(ws, "subscribe", {"channel": "demo:room:tokens"}, 3)
+        posted = await call(ws, "demo.post", {"room": "tokens", "text": "by token"}, 4)  # signed-in users only
+        assert "result" in posted, posted
+        message = json.loads(await asyncio.wait_for(ws.recv(), 10))
+        assert message["params"]["data"] == {"user": "demo", "text": "by token"}
+        refused = await call(ws, "auth", {"token": manage(env, "realtime_token", "admin")}, 2)
+        assert refused["error"]["data"]["reason"] == "another_user"
+    finally:
+        await ws.close()
+    # without a token and without an Origin, as before: refused (403)
+    with pytest.raises(websockets.InvalidStatus):
+        await connect(server.ws)
+
+
+async def test_auth_as_the_first_call_and_never_later(site):
+    server, env = site
+    token = manage(env, "realtime_token", "demo")
+    async with RPC(server.ws) as rpc:  # the site's own Origin, no cookie
+        assert (await rpc.call("auth", {"token": token}))["result"]["user"] == "demo"
+        posted = await rpc.call("demo.post", {"room": "tokens", "text": "after auth"})
+        assert "result" in posted, posted  # signed in as demo
+    async with RPC(server.ws) as late:
+        await late.call("ping")
+        answer = await late.call("auth", {"token": token})
+        assert answer["error"]["data"]["reason"] == "auth_not_first"
+
+
+async def test_tampered_expired_and_revoked_tokens_are_refused_with_their_codes(site):
+    server, env = site
+    token = manage(env, "realtime_token", "demo")
+    tampered = token[:-3] + ("A" if token[-3] != "A" else "B") + token[-2:]
+    assert await close_code(await connect(server.ws, tampered)) == 4002
+    short, issued = manage(env, "realtime_token", "demo", "--ttl", "1"), time.time()
+    await eventually(lambda: time.time() > issued + 2, 5, "past its expiry")
+    assert await close_code(await connect(server.ws, short)) == 4004
+    async with RPC(server.ws) as rpc:
+        answer = await rpc.call("auth", {"token": tampered})
+        assert answer["error"]["data"]["reason"] == "token_invalid"
+    shell(env, "User.objects.create_user('erin', password='erin')")
+    erins = manage(env, "realtime_token", "erin")
+    shell(env, "User.objects.filter(username='erin').update(is_active=False)")
+    assert await close_code(await connect(server.ws, erins)) == 4002  # revoked: never a session of anyone
+    shell(env, "User.objects.filter(username='erin').update(is_active=True)")
+    shell(env, "u = User.objects.get(username='erin'); u.set_password('new'); u.save()")
+    assert await close_code(await connect(server.ws, erins)) == 4002  # a changed password revokes it
+
+
+async def test_an_open_token_connection_of_a_user_deactivated_meanwhile_is_closed_like_a_session(site):
+    server, env = site
+    shell(env, "User.objects.create_user('fay', password='fay')")
+    ws = await connect(server.ws, manage(env, "realtime_token", "fay"))
+    await call(ws, "subscribe", {"channel": "demo:events"})
+    shell(env, "User.objects.filter(username='fay').update(is_active=False)")
+    assert await close_code(ws, 15) == 4001  # REVALIDATE_INTERVAL_MS is 1 s here
+
+
+async def test_a_connection_told_its_token_expires_refreshes_it_and_stays(site):
+    server, env = site
+    ws = await connect(server.ws, manage(env, "realtime_token", "demo", "--ttl", "4"))
+    try:
+        deadline = time.monotonic() + 10
+        while True:  # TOKEN_REFRESH_BEFORE_S is 2 here: told about 2 s before
+            message = json.loads(await asyncio.wait_for(ws.recv(), max(deadline - time.monotonic(), 0.1)))
+            if message.get("method") == "token_expiring":
+                break
+        refreshed = await call(ws, "auth", {"token": manage(env, "realtime_token", "demo", "--ttl", "60")}, 7)
+        assert refreshed["result"]["user"] == "demo"
+        first_expiry = time.time() + 3
+        await eventually(lambda: time.time() > first_expiry, 10, "past the first token's expiry")
+        assert (await call(ws, "ping", None, 8))["result"] == "pong"
+    finally:
+        await ws.close()
+
+
+def post(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        text = error.read()
+        return error.code, json.loads(text) if text.startswith(b"{") else {"page": text[:200]}
+
+
+async def test_a_signed_in_session_gets_a_token_over_http(site):
+    server, _ = site
+    cookie = await asyncio.to_thread(login, server.http, "demo", "demo")
+    csrf = next(part.split("=", 1)[1] for part in cookie.split("; ") if part.startswith("csrftoken="))
+    headers = {"Cookie": cookie, "X-CSRFToken": csrf, "Referer": server.http + "/"}
+    status, body = await asyncio.to_thread(post, f"{server.http}/realtime/api/token", b"{}", headers)
+    assert status == 200 and body["expires_at"] > time.time(), body
+    ws = await connect(server.ws, body["token"])
+    try:
+        assert "result" in await call(ws, "demo.post", {"room": "tokens", "text": "from a token of the API"})
+    finally:
+        await ws.close()
+    status, _ = post(f"{server.http}/realtime/api/token", b"{}", {})
+    assert status in (401, 403)  # anonymous (or without CSRF): no token
+
+
+async def test_the_publish_api_reaches_a_subscriber_with_its_seq(site):
+    server, _ = site
+    url = f"{server.http}/realtime/api/publish"
+    async with RPC(server.ws) as subscriber:
+        first = await subscriber.subscribe("demo:events")
+        status, body = await asyncio.to_thread(
+            post,
+            url,
+            json.dumps({"channel": "demo:events", "data": {"from": "curl"}}).encode(),
+            {"Authorization": f"Bearer {KEY}"},
+        )
+        assert status == 202 and body["seq"] > first.get("seq", 0), body
+        [frame] = await subscriber.frames(1)
+        assert frame["data"] == {"from": "curl"} and frame["seq"] == body["seq"]
+        batch = {
+            "publications": [{"channel": "demo:events", "data": n} for n in range(3)]
+            + [{"channel": "no:such", "data": 1}]
+        }
+        status, body = await asyncio.to_thread(
+            post, url, json.dumps(batch).encode(), {"Authorization": f"Bearer {KEY}"}
+        )
+        assert status == 202 and [r.get("seq") for r in body["results"][:3]] == [frame["seq"] + n for n in (1, 2, 3)]
+        assert body["results"][3]["error"] == "unknown channel"
+        assert [f["data"] for f in await subscriber.frames(3)] == [0, 1, 2]
+    one = json.dumps({"channel": "demo:events", "data": 1}).encode()
+    assert (await asyncio.to_thread(post, url, one, {}))[0] == 401
+    assert (await asyncio.to_thread(post, url, one, {"Authorization": "Bearer wrong"}))[0] == 401
+    big = json.dumps({"channel": "demo:events", "data": "x" * 1_100_000}).encode()
+    assert (await asyncio.to_thread(post, url, big, {"Authorization": f"Bearer {KEY}"}))[0] == 413
