@@ -218,3 +218,26 @@ async def test_the_publish_api_reaches_a_subscriber_with_its_seq(site):
     assert (await asyncio.to_thread(post, url, one, {"Authorization": "Bearer wrong"}))[0] == 401
     big = json.dumps({"channel": "demo:events", "data": "x" * 1_100_000}).encode()
     assert (await asyncio.to_thread(post, url, big, {"Authorization": f"Bearer {KEY}"}))[0] == 413
+
+
+async def test_the_python_client_signs_in_with_a_token_and_refreshes_it(site):
+    from realtime_app.client import RealtimeClient
+
+    server, env = site
+    refreshed: list[str] = []
+
+    def refresh() -> str:
+        refreshed.append(manage(env, "realtime_token", "demo", "--ttl", "60"))
+        return refreshed[-1]
+
+    first = manage(env, "realtime_token", "demo", "--ttl", "4")
+    async with RealtimeClient(
+        server.ws, origin="http://elsewhere.example", token=first, refresh_token=refresh
+    ) as client:
+        posted = await client.call("demo.post", {"room": "tokens", "text": "python"})  # signed-in users only
+        assert posted["room"] == "tokens"
+        await eventually(lambda: refreshed, 10, "told the token expires, a new one asked for")
+        expired = time.time() + 4
+        await eventually(lambda: time.time() > expired, 10, "past the first token's expiry")
+        assert await client.call("ping") == "pong" and client.state == "open"
+        assert client.socket.headers["Authorization"] == f"Bearer {refreshed[-1]}"  # the next handshake's

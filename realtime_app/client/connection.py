@@ -79,9 +79,10 @@ class RealtimeClient:
         url: ``ws://host/realtime/`` or ``wss://…``.
         origin: the Origin header (default: the URL's host over http/https).
         headers: extra handshake headers (``{"Cookie": "sessionid=…"}``).
-        call_timeout: seconds before a call fails with ``TimeoutError``.
-        backoff_initial, backoff_max: reconnect delays in seconds (capped, jittered).
-        connect_kwargs: passed to ``websockets.connect`` (``ssl``, ``sock``, …).
+        token, refresh_token: a connection token (sent as ``Authorization: Bearer``) and a
+            callable (sync or async) giving a new one when the server says it expires.
+        call_timeout: seconds before a call fails; backoff_initial, backoff_max: reconnect
+            delays in seconds (capped, jittered); connect_kwargs: to ``websockets.connect``.
     """
 
     def __init__(
@@ -90,6 +91,8 @@ class RealtimeClient:
         *,
         origin: str | None = None,
         headers: dict[str, str] | None = None,
+        token: str | None = None,
+        refresh_token: Callable[[], Awaitable[str] | str] | None = None,
         call_timeout: float = 10.0,
         backoff_initial: float = 0.5,
         backoff_max: float = 30.0,
@@ -97,8 +100,9 @@ class RealtimeClient:
     ) -> None:
         self.url = url
         self.origin = origin or f"{'https' if url.startswith('wss') else 'http'}://{url.split('/')[2]}"
-        self.call_timeout = call_timeout
+        self.call_timeout, self.refresh_token = call_timeout, refresh_token
         self.backoff_initial, self.backoff_max = backoff_initial, backoff_max
+        headers = {**(headers or {}), **({"Authorization": f"Bearer {token}"} if token else {})}
         self.state = "closed"
         self.last_close: tuple[int | None, str] | None = None
         self.on_state: list[Callable[[str], None]] = []
@@ -118,7 +122,7 @@ class RealtimeClient:
         self.session = ClientSession()
         hooks = Hooks(self._set_state, self._resubscribe, self._on_text, self._closed)
         backoff = lambda: (self.backoff_initial, self.backoff_max)  # noqa: E731  (read at each reconnect)
-        self.socket = ReconnectingSocket(url, self.origin, headers or {}, backoff, connect_kwargs, hooks)
+        self.socket = ReconnectingSocket(url, self.origin, headers, backoff, connect_kwargs, hooks)
         self._answers: dict[int, asyncio.Future[Any]] = {}
         self._background: set[asyncio.Task[Any]] = set()
 
@@ -182,15 +186,12 @@ class RealtimeClient:
             await _deliver(self.session.handlers_of(event.channel), event.params)
         elif isinstance(event, Answer):
             _settle(self._answers.pop(event.id, None), event)
-        elif isinstance(event, Notify):
+        elif isinstance(event, Notify) and event.kind == "token_expiring":
+            self._spawn(_refresh(self))
+        elif isinstance(event, Notify):  # on_recovered, on_resync, on_presence
             if event.kind == "resync":
                 logger.warning("%s: messages missed for good (%s): resync", event.channel, event.value["reason"])
-            callbacks: dict[str, list[Any]] = {
-                "recovered": self.on_recovered,
-                "resync": self.on_resync,
-                "presence": self.on_presence,
-            }
-            _fire(callbacks[event.kind], event.kind, event.channel, event.value)
+            _fire(getattr(self, f"on_{event.kind}"), event.kind, event.channel, event.value)
         elif isinstance(event, Recover):
             self._spawn(_recover(self, event.channel))
         elif isinstance(event, Resubscribe):
@@ -305,9 +306,8 @@ class RealtimeClient:
             raise
 
     def members(self, channel: str) -> dict[str, dict[str, Any]]:
-        """Who is in ``channel`` (subscribed ``presence=True``): user -> ``{"user",
-        "connections", "info"?}``, as of the last ``presence`` frame (empty while the
-        channel has more members than are listed: ask RPC ``presence``)."""
+        """Who is in ``channel`` (subscribed ``presence=True``): user -> ``{"user", "connections",
+        "info"?}`` as of the last ``presence`` frame (none listed above the bound: RPC ``presence``)."""
         return dict(self.session.members.get(self.session.canonical.get(channel, channel), {}))
 
     async def unsubscribe(self, channel: str, handler: Handler | None = None) -> dict[str, Any] | None:
@@ -336,3 +336,18 @@ async def _recover(client: RealtimeClient, channel: str) -> None:
             logger.warning("resuming %s failed: %s", channel, error)
             await asyncio.sleep(1.0)
         due = session.recover_request(channel)
+
+
+async def _refresh(client: RealtimeClient) -> None:
+    """The server says the connection's token expires soon: a new one from
+    ``refresh_token``, sent with RPC ``auth`` and used for the next handshakes."""
+    if client.refresh_token is None:
+        logger.warning("the connection token expires soon and no refresh_token was given: it will be closed (4004)")
+        return
+    try:
+        token = client.refresh_token()
+        token = await token if inspect.isawaitable(token) else token
+        client.socket.headers["Authorization"] = f"Bearer {token}"
+        await client.call("auth", {"token": token})
+    except Exception as error:
+        logger.warning("refreshing the connection token failed: %s", error)

@@ -319,6 +319,8 @@ class ClientSession(Session):
                 events += self._message(item["params"])
             elif item.get("method") == "presence" and isinstance(item.get("params"), dict):
                 events += self._presence(item["params"])
+            elif item.get("method") == "token_expiring" and isinstance(item.get("params"), dict):
+                events.append(Notify("token_expiring", "", item["params"]))  # refresh it: RPC auth
             elif item.get("id") in self.in_flight:
                 request_id = item["id"]
                 follow = self._follows.pop(request_id, None)

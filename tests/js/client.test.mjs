@@ -240,3 +240,44 @@ test("an idempotent call lost with its connection is sent again with the same ke
   await assert.rejects(client.call("demo.bid", [7, 120], { idempotent: true }), TypeError);
   client.close();
 });
+
+test("a token signs every connection in with auth, its first request, and is refreshed when it expires", async () => {
+  FakeSocket.instances = [];
+  let issued = 0;
+  const client = new RealtimeClient({
+    url: "ws://x/realtime/", WebSocket: FakeSocket, token: "t0", refreshToken: async () => `t${++issued}`,
+  });
+  client.subscribe("room:a", () => {}).catch(() => {}); // never answered here
+  client.connect();
+  const socket = FakeSocket.instances[0];
+  socket.open();
+  assert.deepEqual(socket.sent.map((r) => r.method), ["auth", "subscribe"]);
+  assert.deepEqual(socket.sent[0].params, { token: "t0" });
+  socket.onmessage({ data: JSON.stringify({ jsonrpc: "2.0", method: "token_expiring", params: { expires_at: 1 } }) });
+  await until(() => socket.sent.length === 3);
+  assert.deepEqual([socket.sent[2].method, socket.sent[2].params], ["auth", { token: "t1" }]);
+  assert.equal(client.token, "t1"); // the next connection signs in with the new one
+  client.close();
+});
+
+test("presence frames keep the member set, also the reset sent before the subscribe's answer", async () => {
+  FakeSocket.instances = [];
+  const client = new RealtimeClient({ url: "ws://x/realtime/", WebSocket: FakeSocket });
+  const seen = [];
+  client.addEventListener("presence", (e) => seen.push(e.detail));
+  client.connect();
+  const socket = FakeSocket.instances[0];
+  socket.open();
+  const answer = client.subscribe("lot:0042", () => {}, { presence: true });
+  assert.deepEqual(socket.sent[0].params, { channel: "lot:0042", presence: true });
+  const frame = (params) => socket.onmessage({ data: JSON.stringify({ jsonrpc: "2.0", method: "presence", params }) });
+  frame({ channel: "lot:42", count: 1, anonymous: 0, joined: [], left: [], updated: [], reset: true, members: [{ user: "ann", connections: 1 }] });
+  socket.reply({ channel: "lot:42", kind: "event", interval_ms: null, presence: true });
+  await answer;
+  frame({ channel: "lot:42", count: 2, anonymous: 0, joined: [{ user: "bob", connections: 1 }], left: [], updated: [] });
+  assert.deepEqual([...client.members("lot:0042").keys()], ["ann", "bob"]);
+  assert.equal(seen.length, 2);
+  socket.close(1006); // members are known again from the next reset
+  assert.equal(client.members("lot:0042").size, 0);
+  client.close();
+});

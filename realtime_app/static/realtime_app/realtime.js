@@ -348,6 +348,10 @@ export class RealtimeClient extends EventTarget {
    * @param {number} [options.callTimeoutMs=10000]
    * @param {number} [options.backoffInitialMs=500] @param {number} [options.backoffMaxMs=30000]
    * @param {typeof WebSocket} [options.WebSocket]
+   * @param {string} [options.token] a connection token (docs/auth.md): a page on another
+   *   domain signs in with it (RPC `auth`, the first call of every connection)
+   * @param {() => Promise<string>|string} [options.refreshToken] a new token when the server
+   *   says this one expires (`token_expiring`); without it the connection ends at expiry (4004)
    */
   constructor(options = {}) {
     super();
@@ -356,6 +360,8 @@ export class RealtimeClient extends EventTarget {
     this.backoffInitialMs = options.backoffInitialMs ?? 500;
     this.backoffMaxMs = options.backoffMaxMs ?? 30000;
     this.WebSocket = options.WebSocket || globalThis.WebSocket;
+    this.token = options.token;
+    this.refreshToken = options.refreshToken;
     this.state = "closed";
     this.attempt = 0;
     this._ws = null;
@@ -391,6 +397,9 @@ export class RealtimeClient extends EventTarget {
     this._ws = ws;
     ws.onopen = () => {
       this.attempt = 0;
+      if (this.token) { // the first request: what follows is the token's user's
+        this._callOnce("auth", { token: this.token }, {}).catch((err) => console.error("auth refused", err));
+      }
       this._setState("open");
       for (const name of this._handlers.keys()) this._subscribeRemote(name).catch(() => {}); // reported there
     };
@@ -446,12 +455,24 @@ export class RealtimeClient extends EventTarget {
         this._deliver(item.params);
       } else if (item && item.method === "presence" && item.params) {
         this._presence(item.params);
+      } else if (item && item.method === "token_expiring") {
+        this._refresh();
       } else if (item && item.id !== undefined && this._pending.has(item.id)) {
         const call = this._pending.get(item.id);
         this._pending.delete(item.id);
         clearTimeout(call.timer);
         if (item.error) call.reject(errorFromResponse(item.error)); else call.resolve(item.result);
       }
+    }
+  }
+
+  async _refresh() {
+    if (!this.refreshToken) { console.warn("the connection token expires soon and no refreshToken was given"); return; }
+    try {
+      this.token = await this.refreshToken();
+      await this.call("auth", { token: this.token });
+    } catch (err) {
+      console.error("refreshing the connection token failed", err);
     }
   }
 
