@@ -39,7 +39,7 @@ def quick_start() -> list[tuple[str, str]]:
 def target(lang: str, text: str) -> tuple[str, bool]:
     """The file a snippet names on its first line, and whether it is appended."""
     first = text.splitlines()[0]
-    match = re.fullmatch(r"# (\S+)( \(append\))?", first) if lang == "python" else None
+    match = re.fullmatch(r"# (\S+)( \(append\))?", first) if lang in ("python", "ini") else None
     match = match or re.fullmatch(r"<!-- (\S+) -->()", first)
     assert match, f"a {lang} snippet of the Quick start does not name its file: {first!r}"
     return match[1], bool(match[2])
@@ -51,7 +51,7 @@ def project(tmp_path_factory):
     root = tmp_path_factory.mktemp("quickstart")
     blocks = quick_start()
     shells = [text for lang, text in blocks if lang == "sh"]
-    assert len(shells) == 2, "the Quick start has a setup block and a run block"
+    assert len(shells) == 3, "the Quick start has a setup block, a test block and a run block"
     # pip builds in the source tree (setuptools writes build/): install from a copy
     checkout = tmp_path_factory.mktemp("checkout") / "realtime_app"
     shutil.copytree(ROOT, checkout, ignore=shutil.ignore_patterns(*NOT_SOURCE))
@@ -62,7 +62,7 @@ def project(tmp_path_factory):
     done = subprocess.run(["bash", "-ec", setup], cwd=root, env=env, capture_output=True, text=True, timeout=480)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for lang, text in blocks:
-        if lang in ("python", "html"):
+        if lang in ("python", "html", "ini"):
             path, append = target(lang, text)
             file = root / path
             file.parent.mkdir(parents=True, exist_ok=True)
@@ -92,8 +92,10 @@ def project(tmp_path_factory):
         DJANGO_SUPERUSER_EMAIL="admin@example.com",
     )
     assert superuser.returncode == 0, superuser.stderr
-    run = [line for line in shells[1].splitlines() if line.startswith("daphne ")]
-    assert run == ["daphne mysite.asgi:application"], shells[1]
+    tested = subprocess.run(["bash", "-ec", shells[1]], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert tested.returncode == 0 and " 3 passed" in tested.stdout, tested.stdout[-3000:] + tested.stderr[-2000:]
+    run = [line for line in shells[2].splitlines() if line.startswith("daphne ")]
+    assert run == ["daphne mysite.asgi:application"], shells[2]
     port = free_port()
     log = root / "daphne.log"
     with log.open("wb") as out:
@@ -202,7 +204,7 @@ def test_the_page_in_chromium(project):
 
 def test_the_quick_start_snippets_are_what_this_test_runs():
     blocks = quick_start()
-    files = [target(lang, text)[0] for lang, text in blocks if lang in ("python", "html")]
+    files = [target(lang, text)[0] for lang, text in blocks if lang in ("python", "html", "ini")]
     assert files == [
         "mysite/settings.py",
         "mysite/asgi.py",
@@ -210,8 +212,20 @@ def test_the_quick_start_snippets_are_what_this_test_runs():
         "myapp/realtime_channels.py",
         "myapp/views.py",
         "myapp/templates/myapp/index.html",
+        "pytest.ini",
+        "myapp/test_realtime.py",
     ]
     assert sys.version_info >= (3, 11)
+
+
+def test_docs_testing_shows_the_quick_starts_tests_verbatim():
+    """docs/testing.md's worked example is the Quick start's, which the project runs green."""
+    readme = [text for lang, text in quick_start() if lang in ("ini", "python") and "test" in text.splitlines()[0]]
+    testing = (ROOT / "docs" / "testing.md").read_text()
+    docs = [
+        "\n".join(body.splitlines()) + "\n" for _, lang, body in FENCE.findall(testing) if lang in ("ini", "python")
+    ]
+    assert readme and all(block in docs for block in readme), "docs/testing.md lost the Quick start's tests"
 
 
 def test_the_demo_scripts_help_is_printed_at_once_without_installing(tmp_path):

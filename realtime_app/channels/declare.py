@@ -97,6 +97,7 @@ def ticker(
             return task.cancel
 
         factory.__name__ = f"ticker_{getattr(tick, '__name__', 'tick')}"
+        factory.tick = tick  # type: ignore[attr-defined]  # realtime_app.testing.tick runs it once, now
         registry.add_family(
             base,
             factory,

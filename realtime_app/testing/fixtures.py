@@ -1,0 +1,58 @@
+"""The pytest fixtures of ``realtime_app.testing`` (a pytest plugin the package registers):
+
+* ``realtime_hub`` — the hub of the test's event loop on the in-memory backplane (whatever
+  the settings say: no Redis in a unit test), stopped after the test with every ticker it
+  started;
+* ``realtime_client`` — a factory of :class:`~realtime_app.testing.RealtimeTestClient`
+  (``await realtime_client(user)``), each closed after the test.
+
+Async fixtures: pytest-asyncio runs them (``asyncio_mode = auto``, or its markers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+
+try:  # pytest-asyncio's fixture decorator in its strict mode as in auto; plain pytest otherwise
+    from pytest_asyncio import fixture as async_fixture
+except ImportError:  # pragma: no cover - without pytest-asyncio nothing runs these
+    async_fixture = pytest.fixture  # type: ignore[assignment]
+
+__all__ = ["realtime_client", "realtime_hub"]
+
+
+@async_fixture
+async def realtime_hub() -> AsyncIterator[Any]:
+    """The started hub of this test's loop, on the in-memory backplane."""
+    from django.test import override_settings
+
+    from realtime_app.conf import get_config
+    from realtime_app.hub.core import get_hub
+
+    with override_settings(REALTIME_APP={**get_config(), "BACKPLANE": "memory"}):
+        hub = await get_hub()
+        try:
+            yield hub
+        finally:
+            await hub.aclose()
+
+
+@async_fixture
+async def realtime_client(realtime_hub: Any) -> AsyncIterator[Callable[..., Awaitable[Any]]]:
+    """``await realtime_client(user=None, token=None)``: an open test client."""
+    from realtime_app.testing import RealtimeTestClient
+
+    opened: list[RealtimeTestClient] = []
+
+    async def make(user: Any = None, **kwargs: Any) -> RealtimeTestClient:
+        client = RealtimeTestClient(user, **kwargs)
+        await client.connect()
+        opened.append(client)
+        return client
+
+    yield make
+    for client in opened:
+        await client.close()
