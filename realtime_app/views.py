@@ -161,8 +161,14 @@ async def publish_api(request: HttpRequest) -> HttpResponse:
     declared = request.headers.get("Content-Length", "")
     if limit and declared.isdigit() and int(declared) > limit * PUBLISH_BATCH:
         return JsonResponse({"error": f"body over {limit * PUBLISH_BATCH} bytes"}, status=413)
+    from django.core.exceptions import RequestDataTooBig
+
     try:
-        body = json.loads(request.body)
+        raw = request.body  # bounded by DATA_UPLOAD_MAX_MEMORY_SIZE too
+    except RequestDataTooBig:
+        return JsonResponse({"error": "body over DATA_UPLOAD_MAX_MEMORY_SIZE"}, status=413)
+    try:
+        body = json.loads(raw)
         batch = body["publications"] if "publications" in body else None
         items = batch if batch is not None else [body]
         if not isinstance(items, list) or not 0 < len(items) <= PUBLISH_BATCH:
