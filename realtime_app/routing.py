@@ -49,8 +49,9 @@ class OriginValidator:
         from realtime_app.endpoint.tokens import bearer
 
         if scope.get("type") == "websocket":
-            if bearer(scope) is not None:
-                await self.inner(scope, receive, send)
+            if bearer(scope) is not None:  # its token is who it is: no cookie rides along
+                cookieless = [(k, v) for k, v in scope.get("headers", ()) if k.lower() != b"cookie"]
+                await self.inner({**scope, "headers": cookieless}, receive, send)
                 return
             headers = scope.get("headers", ())
             origin = next((v.decode("latin-1") for k, v in headers if k.lower() == b"origin"), None)

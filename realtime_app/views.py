@@ -136,7 +136,9 @@ async def issue_token(request: HttpRequest) -> HttpResponse:
         token, expires_at = issue(user, ttl)
     except ValueError as exc:
         return JsonResponse({"error": str(exc)}, status=400)
-    return JsonResponse({"token": token, "expires_at": expires_at})
+    response = JsonResponse({"token": token, "expires_at": expires_at})
+    response["Cache-Control"] = "no-store"  # a credential: never kept by a cache
+    return response
 
 
 #: Publications in one batch of the publish API, at most.
@@ -157,10 +159,12 @@ async def publish_api(request: HttpRequest) -> HttpResponse:
         response = JsonResponse({"error": "a key of PUBLISH_API_KEYS is required"}, status=401)
         response["WWW-Authenticate"] = 'Bearer realm="realtime publish"'
         return response
-    limit = int(config["MAX_PUBLICATION_BYTES"])
+    from django.conf import settings
+
+    bound = min(int(config["MAX_PUBLICATION_BYTES"]) * PUBLISH_BATCH, settings.DATA_UPLOAD_MAX_MEMORY_SIZE or 2**62)
     declared = request.headers.get("Content-Length", "")
-    if limit and declared.isdigit() and int(declared) > limit * PUBLISH_BATCH:
-        return JsonResponse({"error": f"body over {limit * PUBLISH_BATCH} bytes"}, status=413)
+    if declared.isdigit() and int(declared) > bound:
+        return JsonResponse({"error": f"body over {bound} bytes"}, status=413)
     from django.core.exceptions import RequestDataTooBig
 
     try:

@@ -10,13 +10,11 @@ from channels.auth import AuthMiddleware as ChannelsAuthMiddleware
 from channels.sessions import CookieMiddleware, SessionMiddleware
 from django.db import DatabaseError
 
+from realtime_app.endpoint.tokens import AUTH_UNAVAILABLE, TokenAuthMiddleware
 from realtime_app.observability.logsafe import safe
 from realtime_app.wire.asgi import Scope
 
 __all__ = ["AUTH_UNAVAILABLE", "AuthMiddleware", "AuthMiddlewareStack"]
-
-#: The scope key that says why the user could not be loaded (the database's error).
-AUTH_UNAVAILABLE = "realtime_auth_unavailable"
 
 
 class AuthMiddleware(ChannelsAuthMiddleware):  # type: ignore[misc]
@@ -38,6 +36,4 @@ def AuthMiddlewareStack(inner: Any) -> Any:
     """Drop-in for ``channels.auth.AuthMiddlewareStack``: cookies, sessions, and the user,
     with :class:`AuthMiddleware`; a handshake with ``Authorization: Bearer`` is its
     token's user instead (:class:`~realtime_app.endpoint.tokens.TokenAuthMiddleware`)."""
-    from realtime_app.endpoint.tokens import TokenAuthMiddleware
-
     return CookieMiddleware(SessionMiddleware(AuthMiddleware(TokenAuthMiddleware(inner))))

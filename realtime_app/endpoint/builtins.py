@@ -82,7 +82,9 @@ async def require(consumer: Caller, spec: ChannelSpec, action: Action) -> None:
     the database say now, for a guarded channel (logout, deactivation, demotion). A
     channel its connection token grants is the token holder's to subscribe, no query."""
     if action == "subscribe" and granted(consumer.scope, spec):
-        return
+        if getattr(await consumer.current_user(), "is_authenticated", False):  # its user still holds
+            return
+        raise ForbiddenChannel(spec.name, action)
     family = registry.family_of(spec.name)
     user = await consumer.current_user() if needs_user(spec.name, action) else consumer.user
     if not await allowed(user, spec.name, family.base if family else None, action):
@@ -159,25 +161,24 @@ async def auth(consumer: Caller, params: Any) -> dict[str, Any]:
         raise RPCError(protocol.FORBIDDEN_CHANNEL, f"Token {error.reason}", f"token_{error.reason}") from None
     held: Claims | None = consumer.scope.get(TOKEN)
     current = consumer.user if getattr(consumer.user, "is_authenticated", False) else None
-    if held is None and consumer.session is not None and consumer.session.first != "auth":
+    conn, hub = consumer.connection, await get_hub()
+    if conn is None or conn.closed or conn not in hub.connections:
+        raise RPCError(protocol.INVALID_REQUEST, "The connection is closing", "closing")
+    if held is None and (consumer.session is None or consumer.session.requests != 1 or conn.subscriptions):
         raise RPCError(protocol.INVALID_REQUEST, "auth must be the connection's first request", "auth_not_first")
     if current is not None and str(current.pk) != claims.user:
         raise RPCError(protocol.FORBIDDEN_CHANNEL, "A token of another user", "another_user")
-    conn = consumer.connection
-    assert conn is not None
     if current is None:  # anonymous until now: the user's connection from now on (its cap, its bucket)
-        hub = await get_hub()
+        refused = hub.gate.enter(("user", claims.user))  # the new identity first: refused, the old one stays
+        if refused is not None:
+            raise RPCError(protocol.OVERLOADED, "Too many connections", "too_many_connections", retry_after_ms=5000)
         if conn.identity is not None:
             hub.gate.leave(conn.identity)
-        refused = hub.gate.enter(("user", claims.user))
-        if refused is not None:
-            conn.identity = None
-            raise RPCError(protocol.OVERLOADED, "Too many connections", "too_many_connections", retry_after_ms=5000)
         conn.identity, conn.member = ("user", claims.user), None
     consumer.scope.pop("session", None)  # the token's user, not a cookie's
     consumer.scope[TOKEN] = claims
     consumer.signed_in(user)
-    arm_expiry(await get_hub(), conn, consumer.scope)
+    arm_expiry(hub, conn, consumer.scope)
     return {"user": user.get_username(), "expires_at": claims.expires_at}
 
 

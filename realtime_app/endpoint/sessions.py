@@ -26,7 +26,7 @@ from typing import Any
 from realtime_app.channels.policies import Action, active_rules, allowed, requirement_for
 from realtime_app.channels.registry import registry
 from realtime_app.conf import get_config
-from realtime_app.endpoint.tokens import TOKEN, TokenError, token_user
+from realtime_app.endpoint.tokens import TOKEN, TokenError, granted, token_user
 from realtime_app.hub.core import Connection, Hub
 from realtime_app.observability.logsafe import safe
 from realtime_app.wire.asgi import Scope
@@ -162,10 +162,10 @@ async def current_user(scope: Scope) -> Any:
 async def revalidate(conn: Connection, watched: list[str] | tuple[str, ...] = ()) -> int | None:
     """The close code ``conn`` deserves now (None: its rights still hold); ``watched``: the
     channels whose presence it watches (their ``presence`` rule is checked too)."""
-    claims = conn.scope.get(TOKEN)
-    grants = claims.channels if claims is not None else ()  # a token's channels are its holder's
-    guarded: list[tuple[str, Action]] = [(c, "subscribe") for c in conn.subscriptions if needs_user(c)]
-    guarded = [(c, a) for c, a in guarded if c not in grants and c.rpartition(":")[0] not in grants]
+    # a channel its token grants is its holder's (while the token's user holds: checked below)
+    guarded: list[tuple[str, Action]] = [
+        (c, "subscribe") for c in conn.subscriptions if needs_user(c) and not granted(conn.scope, c)
+    ]
     guarded += [(c, "presence") for c in watched if needs_user(c, "presence")]
     was_authenticated = getattr(conn.scope.get("user"), "is_authenticated", False)
     if not guarded and not was_authenticated:

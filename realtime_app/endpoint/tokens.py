@@ -29,6 +29,7 @@ from realtime_app.wire.asgi import Receive, Scope, Send
 from realtime_app.wire.protocol import CloseCode
 
 __all__ = [
+    "AUTH_UNAVAILABLE",
     "TOKEN",
     "TOKEN_REFUSED",
     "Claims",
@@ -49,6 +50,9 @@ SALT = "realtime_app.connection-token"
 #: The scope keys: the verified token's claims, and why a handshake's token was refused.
 TOKEN = "realtime_token"
 TOKEN_REFUSED = "realtime_token_refused"
+#: The scope key that says why the user could not be loaded (the database's error): the
+#: consumer closes with 1013, the client comes back (a session's or a token's alike).
+AUTH_UNAVAILABLE = "realtime_auth_unavailable"
 #: Longest token read, bytes (a header or an ``auth`` call): more is refused unread.
 MAX_TOKEN_BYTES = 4096
 _DIGEST_CHARS = 20
@@ -96,7 +100,10 @@ def issue(user: Any, ttl_s: int | None = None, channels: tuple[str, ...] | list[
     payload: dict[str, Any] = {"u": str(user.pk), "e": expires_at, "h": _digest(user)}
     if channels:
         payload["c"] = [str(c) for c in channels]
-    return signing.dumps(payload, salt=SALT, compress=True), expires_at
+    token = signing.dumps(payload, salt=SALT, compress=True)
+    if len(token) > MAX_TOKEN_BYTES:
+        raise ValueError(f"a token over {MAX_TOKEN_BYTES} bytes would be refused: grant fewer channels")
+    return token, expires_at
 
 
 def verify(token: Any, now: float | None = None) -> Claims:
@@ -119,13 +126,15 @@ def token_user(claims: Claims) -> Any:
     password, ``invalid`` when no such user ever was."""
     from django.conf import settings
     from django.contrib.auth import get_user_model
+    from django.core.exceptions import ValidationError
     from django.utils.crypto import constant_time_compare
 
     model = get_user_model()
     try:
-        user = model._default_manager.filter(pk=model._meta.pk.to_python(claims.user)).first()
-    except Exception:  # a key of another shape: no such user
+        pk = model._meta.pk.to_python(claims.user)
+    except (ValidationError, ValueError, TypeError):  # a key of another shape: no such user
         raise TokenError("invalid") from None
+    user = model._default_manager.filter(pk=pk).first()  # a DatabaseError is an outage, not a verdict
     if user is None:
         raise TokenError("revoked")
     if not getattr(user, "is_active", True):
@@ -137,18 +146,28 @@ def token_user(claims: Claims) -> Any:
 
 
 def granted(scope: Scope, spec: Any) -> bool:
-    """Whether the connection's token grants subscribing ``spec`` (its name, or its
-    family's base: every cadence of a granted family)."""
+    """Whether the connection's token grants subscribing ``spec`` (a channel spec, or a
+    name: its name, or its family's base — every cadence of a granted family)."""
     claims: Claims | None = scope.get(TOKEN)
-    return claims is not None and (spec.name in claims.channels or spec.base in claims.channels)
+    if claims is None or not claims.channels:
+        return False
+    if isinstance(spec, str):
+        from realtime_app.channels.registry import registry
+
+        found = registry.find(spec)
+        name, base = spec, (found.base if found is not None else spec)
+    else:
+        name, base = spec.name, spec.base
+    return name in claims.channels or base in claims.channels
 
 
 def bearer(scope: Scope) -> str | None:
-    """The handshake's ``Authorization: Bearer`` token, if any (``""``: malformed)."""
+    """The handshake's ``Authorization: Bearer`` token, if any (another scheme, HTTP Basic
+    in front of a staging site say, is none of ours: None)."""
     for name, value in scope.get("headers", ()):
         if name.lower() == b"authorization":
             kind, _, token = value.decode("latin-1").partition(" ")
-            return token.strip() if kind.lower() == "bearer" else ""
+            return token.strip() or None if kind.lower() == "bearer" else None
     return None
 
 
@@ -168,6 +187,7 @@ class TokenAuthMiddleware:
             return
         from channels.db import database_sync_to_async
         from django.contrib.auth.models import AnonymousUser
+        from django.db import DatabaseError
 
         scope = {key: value for key, value in scope.items() if key != "session"}
         try:
@@ -175,6 +195,11 @@ class TokenAuthMiddleware:
             user = await database_sync_to_async(token_user)(claims)
         except TokenError as error:
             await self.inner({**scope, "user": AnonymousUser(), TOKEN_REFUSED: error}, receive, send)
+            return
+        except DatabaseError as exc:  # an outage: 1013, the client comes back (never a final 4002)
+            await self.inner(
+                {**scope, "user": AnonymousUser(), AUTH_UNAVAILABLE: f"{type(exc).__name__}"}, receive, send
+            )
             return
         await self.inner({**scope, "user": user, TOKEN: claims}, receive, send)
 
@@ -206,7 +231,7 @@ def arm_expiry(hub: Any, conn: Any, scope: Scope) -> None:
     def warn() -> None:
         if not conn.closed:
             notice = {"jsonrpc": "2.0", "method": "token_expiring", "params": {"expires_at": claims.expires_at}}
-            hub.fanout.send_to(conn, encode(notice))
+            hub.fanout.send_to(conn, encode(notice), response=True)  # never dropped under backpressure
 
     def expire() -> None:
         if not conn.closed:

@@ -135,7 +135,7 @@ class ServerSession(Session, Generic[T]):
         self.max_frame_bytes = max_frame_bytes
         self.max_batch = max_batch
         self.follow: list[T] = []
-        self.first: str | None = None  # the method of the connection's first request (RPC auth must be it)
+        self.requests = 0  # requests received (RPC auth must be the connection's first)
 
     def receive(self, text: str | None) -> Frame | Close | None:
         """One WebSocket frame: its requests and errors, or the close it earns (None once
@@ -148,8 +148,7 @@ class ServerSession(Session, Generic[T]):
         if limit and len(text) * 4 > limit and len(text.encode("utf-8", "surrogatepass")) > limit:
             return self.close(CloseCode.MESSAGE_TOO_BIG, f"frame over {limit} bytes")
         frame = protocol.parse_frame(text, self.max_batch)
-        if self.first is None:
-            self.first = frame.requests[0].method if frame.requests else ""
+        self.requests += len(frame.requests) + len(frame.errors)
         return frame
 
     def follow_answer(self, channel: T) -> None:

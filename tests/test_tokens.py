@@ -1,0 +1,78 @@
+"""Connection tokens, in one process: what a token says and refuses, and the RPC ``auth``
+that switches a connection to the token's user without leaving the caps behind.
+
+Found in review: another Authorization scheme (HTTP Basic in front of a staging site) was
+read as a bad token and refused every socket; a refused ``auth`` left its connection
+counted nowhere; a garbage ``auth`` first let a later one pass after anonymous calls."""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.test import override_settings
+
+from realtime_app.conf import get_config
+from realtime_app.endpoint.tokens import TokenError, bearer, issue, token_user, verify
+from realtime_app.exceptions import RPCError
+from realtime_app.testing import RealtimeTestClient
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+async def user(django_user_model, name, **extra):
+    return await sync_to_async(django_user_model.objects.create_user)(name, password="p", **extra)
+
+
+def test_only_a_bearer_header_is_a_token():
+    assert bearer({"headers": [(b"authorization", b"Bearer abc")]}) == "abc"
+    assert bearer({"headers": [(b"authorization", b"Basic dXNlcjpwYXNz")]}) is None
+    assert bearer({"headers": [(b"authorization", b"Bearer ")]}) is None
+    assert bearer({"headers": []}) is None
+
+
+async def test_a_token_names_its_user_until_it_expires_or_is_revoked(django_user_model):
+    ann = await user(django_user_model, "ann")
+    token, expires_at = issue(ann, 60, ["private:reports"])
+    claims = verify(token)
+    assert claims.channels == ("private:reports",) and claims.expires_at == expires_at
+    assert (await sync_to_async(token_user)(claims)).pk == ann.pk
+    with pytest.raises(TokenError, match="expired"):
+        verify(token, now=time.time() + 61)
+    with pytest.raises(TokenError, match="invalid"):
+        verify(token[:-2] + "xx")
+    ann.set_password("new")
+    await sync_to_async(ann.save)()
+    with pytest.raises(TokenError, match="revoked"):
+        await sync_to_async(token_user)(claims)
+    with pytest.raises(ValueError, match="bytes"):
+        issue(ann, 60, [f"channel:{secrets.token_hex(8)}" for _ in range(500)])  # too large to be read back
+
+
+async def test_auth_is_refused_after_any_other_request_even_a_failed_auth(realtime_hub, django_user_model):
+    token, _ = issue(await user(django_user_model, "bob"), 60)
+    async with RealtimeTestClient() as client:
+        with pytest.raises(RPCError) as refused:
+            await client.call("auth", {"token": "garbage"})
+        assert refused.value.reason == "token_invalid"
+        await client.call("ping")
+        with pytest.raises(RPCError) as refused:
+            await client.call("auth", {"token": token})
+        assert refused.value.reason == "auth_not_first"
+
+
+async def test_a_refused_auth_keeps_the_connection_counted_as_it_was(realtime_hub, django_user_model):
+    cat = await user(django_user_model, "cat")
+    token, _ = issue(cat, 60)
+    with override_settings(REALTIME_APP={**get_config(), "MAX_CONNECTIONS_PER_USER": 1}):
+        async with RealtimeTestClient(cat):
+            before = dict(realtime_hub.gate.open)
+            async with RealtimeTestClient(address="10.9.9.9") as anonymous:
+                counted = dict(realtime_hub.gate.open)
+                with pytest.raises(RPCError) as refused:
+                    await anonymous.call("auth", {"token": token})
+                assert refused.value.reason == "too_many_connections"
+                assert realtime_hub.gate.open == counted  # still the address's, as it was
+                assert counted["address"] == before["address"] + 1
