@@ -241,3 +241,19 @@ async def test_the_python_client_signs_in_with_a_token_and_refreshes_it(site):
         await eventually(lambda: time.time() > expired, 10, "past the first token's expiry")
         assert await client.call("ping") == "pong" and client.state == "open"
         assert client.socket.headers["Authorization"] == f"Bearer {refreshed[-1]}"  # the next handshake's
+
+
+async def test_a_client_whose_token_expired_while_away_connects_again_with_a_new_one(site):
+    from realtime_app.client import RealtimeClient
+
+    server, env = site
+    expired, issued = manage(env, "realtime_token", "demo", "--ttl", "1"), time.time()
+    await eventually(lambda: time.time() > issued + 2, 5, "past its expiry")
+    fresh = manage(env, "realtime_token", "demo", "--ttl", "60")
+    closes: list[int | None] = []
+    client = RealtimeClient(server.ws, token=expired, refresh_token=lambda: fresh)
+    client.on_close.append(lambda code, reason, again: closes.append(code))
+    async with client:  # accepted, then closed with 4004: the client asks for a new token and comes back
+        await eventually(lambda: closes == [4004] and client.state == "open" and client.attempt == 0, 10, "back")
+        posted = await client.call("demo.post", {"room": "tokens", "text": "back"})
+        assert posted["room"] == "tokens" and closes == [4004]

@@ -120,7 +120,7 @@ class RealtimeClient:
         #: Called with the server's answer of every accepted subscribe, renewals included.
         self.on_subscribed: list[Callable[[dict[str, Any]], None]] = []
         self.session = ClientSession()
-        hooks = Hooks(self._set_state, self._resubscribe, self._on_text, self._closed)
+        hooks = Hooks(self._set_state, self._resubscribe, self._on_text, self._closed, partial(_renew, self))
         backoff = lambda: (self.backoff_initial, self.backoff_max)  # noqa: E731  (read at each reconnect)
         self.socket = ReconnectingSocket(url, self.origin, headers, backoff, connect_kwargs, hooks)
         self._answers: dict[int, asyncio.Future[Any]] = {}
@@ -351,3 +351,18 @@ async def _refresh(client: RealtimeClient) -> None:
         await client.call("auth", {"token": token})
     except Exception as error:
         logger.warning("refreshing the connection token failed: %s", error)
+
+
+async def _renew(client: RealtimeClient) -> bool:
+    """Closed with 4004 (the token expired while away, say): a new one from
+    ``refresh_token`` for the next handshake; False without one (the close is final)."""
+    if client.refresh_token is None:
+        return False
+    try:
+        token = client.refresh_token()
+        token = await token if inspect.isawaitable(token) else token
+    except Exception as error:
+        logger.warning("the connection token expired and a new one could not be had: %s", error)
+        return False
+    client.socket.headers["Authorization"] = f"Bearer {token}"
+    return True

@@ -21,6 +21,8 @@ __all__ = ["RECONNECT_CODES", "Hooks", "ReconnectingSocket", "is_reconnectable_c
 
 #: Close codes after which the client reconnects; 1008 and 4xxx are fatal.
 RECONNECT_CODES = frozenset({1001, 1005, 1006, 1011, 1012, 1013})
+#: The connection token expired (4004): with a way to get a new one, connect again with it.
+TOKEN_EXPIRED = 4004
 
 
 def is_reconnectable_close_code(code: int | None) -> bool:
@@ -36,6 +38,9 @@ class Hooks(NamedTuple):
     on_open: Callable[[], Coroutine[Any, Any, None]]
     on_text: Callable[[str | bytes], Awaitable[None]]
     on_closed: Callable[[int | None, str, bool], None]
+    #: Closed with 4004 (its connection token expired): a new token in the headers and True
+    #: to connect again at once, False to stay closed (no way to get one).
+    on_expired: Callable[[], Awaitable[bool]] | None = None
 
 
 class ReconnectingSocket:
@@ -53,7 +58,7 @@ class ReconnectingSocket:
         self.url, self.origin, self.headers = url, origin, headers
         self.backoff = backoff  # (initial, max) seconds, read at each reconnect
         self.connect_kwargs = connect_kwargs
-        self._on_state, self._on_open, self._on_text, self._on_closed = hooks
+        self._on_state, self._on_open, self._on_text, self._on_closed, self._on_expired = hooks
         self.ws: Any = None
         self.attempt = 0
         self.last_close: tuple[int | None, str] | None = None
@@ -89,6 +94,8 @@ class ReconnectingSocket:
             code, reason = await self._session()
             self.last_close = (code, reason)
             blip, self._blip_ms = self._blip_ms, None
+            if code == TOKEN_EXPIRED and self._on_expired is not None and not self.stopped:
+                blip = 0 if await self._on_expired() else blip  # a new token: at once
             again = not self.stopped and (is_reconnectable_close_code(code) or blip is not None)
             self._on_closed(code, reason, again)
             if not again:

@@ -281,3 +281,20 @@ test("presence frames keep the member set, also the reset sent before the subscr
   assert.equal(client.members("lot:0042").size, 0);
   client.close();
 });
+
+test("a connection closed because its token expired connects again with a new one", async () => {
+  FakeSocket.instances = [];
+  const client = new RealtimeClient({ url: "ws://x/realtime/", WebSocket: FakeSocket, token: "old", refreshToken: async () => "new" });
+  client.connect();
+  FakeSocket.instances[0].open();
+  FakeSocket.instances[0].close(4004);
+  await until(() => FakeSocket.instances.length === 2);
+  FakeSocket.instances[1].open();
+  assert.deepEqual(FakeSocket.instances[1].sent[0].params, { token: "new" });
+  const fatal = new RealtimeClient({ url: "ws://x/realtime/", WebSocket: FakeSocket, token: "old" });
+  fatal.connect();
+  FakeSocket.instances[2].open();
+  FakeSocket.instances[2].close(4004); // no way to get a new one: final
+  assert.equal(fatal.state, "closed");
+  client.close();
+});

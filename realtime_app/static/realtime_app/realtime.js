@@ -437,9 +437,11 @@ export class RealtimeClient extends EventTarget {
     }
     const blip = this._blipMs;
     this._blipMs = undefined;
-    const willReconnect = !this._stopped && (isReconnectableCloseCode(code) || blip !== undefined);
+    const renew = code === 4004 && Boolean(this.refreshToken) && !this._stopped; // the token expired: a new one
+    const willReconnect = !this._stopped && (isReconnectableCloseCode(code) || blip !== undefined || renew);
     this.dispatchEvent(new CustomEvent("close", { detail: { code, reason, willReconnect } }));
     if (!willReconnect) { this._stopped = true; this._setState("closed"); return; }
+    if (renew) { this._renew(); return; }
     const cap = Math.min(this.backoffMaxMs, this.backoffInitialMs * 2 ** this.attempt);
     const delay = blip ?? cap / 2 + Math.random() * (cap / 2); // jittered, capped exponential
     this.attempt += 1;
@@ -464,6 +466,19 @@ export class RealtimeClient extends EventTarget {
         if (item.error) call.reject(errorFromResponse(item.error)); else call.resolve(item.result);
       }
     }
+  }
+
+  async _renew() {
+    this._setState("reconnecting");
+    try {
+      this.token = await this.refreshToken();
+    } catch (err) {
+      console.error("the connection token expired and a new one could not be had", err);
+      this._stopped = true;
+      this._setState("closed");
+      return;
+    }
+    if (!this._stopped) this.connect();
   }
 
   async _refresh() {
