@@ -88,7 +88,7 @@ async def test_a_token_is_its_user_with_only_the_authorization_header(site):
     token = manage(env, "realtime_token", "demo")
     ws = await connect(server.ws, token)  # no cookie, no Origin
     try:
-        assert "result" in await call(ws, "inventory.snapshot")
+        assert (await call(ws, "inventory.snapshot"))["result"]["user"] == "demo"
         await call(ws, "subscribe", {"channel": "demo:room:tokens"}, 3)
         posted = await call(ws, "demo.post", {"room": "tokens", "text": "by token"}, 4)  # signed-in users only
         assert "result" in posted, posted
@@ -108,6 +108,7 @@ async def test_auth_as_the_first_call_and_never_later(site):
     token = manage(env, "realtime_token", "demo")
     async with RPC(server.ws) as rpc:  # the site's own Origin, no cookie
         assert (await rpc.call("auth", {"token": token}))["result"]["user"] == "demo"
+        assert (await rpc.call("inventory.snapshot"))["result"]["user"] == "demo"
         posted = await rpc.call("demo.post", {"room": "tokens", "text": "after auth"})
         assert "result" in posted, posted  # signed in as demo
     async with RPC(server.ws) as late:

@@ -61,10 +61,10 @@ def _user_pk(consumer: Any) -> int | None:
 async def snapshot(consumer: Any) -> dict[str, Any]:
     """What the client shows and resyncs to: ``items`` accepted in memory, ``durable`` as
     the database holds them (as this process last read or wrote them), and how long ago
-    they were saved."""
+    they were saved; ``user``: whose (None: an anonymous client's)."""
     pk = _user_pk(consumer)
     if pk is None:
-        return {"items": dict(_anonymous(consumer)), "durable": {}, "unsaved": False, "saved_ago_s": None}
+        return {"user": None, "items": dict(_anonymous(consumer)), "durable": {}, "unsaved": False, "saved_ago_s": None}
     items: dict[str, int] = {}
     durable: dict[str, int] = {}
     saved: list[float] = []
@@ -79,7 +79,8 @@ async def snapshot(consumer: Any) -> dict[str, Any]:
             saved.append(saved_at)
     unsaved = any(store.unsaved((pk, item)) for item in START)
     ago = round(time.time() - max(saved), 1) if saved else None
-    return {"items": items, "durable": durable, "unsaved": unsaved, "saved_ago_s": ago}
+    user = consumer.user.get_username()
+    return {"user": user, "items": items, "durable": durable, "unsaved": unsaved, "saved_ago_s": ago}
 
 
 def _invalid(message: str, reason: str, **data: Any) -> RPCError:
@@ -146,7 +147,7 @@ async def consume(consumer: Any, params: Any) -> dict[str, Any]:
 
 @realtime_app.rpc_method("inventory.snapshot", cost=0.25, snapshot=snapshot)
 async def inventory_snapshot(consumer: Any, params: Any) -> dict[str, Any]:
-    """``{"items": {item: shots_left}, "durable": {item: shots_left}, "unsaved", "saved_ago_s"}``."""
+    """``{"user", "items": {item: shots_left}, "durable": {item: shots_left}, "unsaved", "saved_ago_s"}``."""
     return await snapshot(consumer)
 
 
