@@ -12,4 +12,5 @@ urlpatterns = [
     path("api/connections/close", views.close_connection, name="close-connection"),
     path("api/token", views.issue_token, name="token"),
     path("api/publish", views.publish_api, name="publish"),
+    path("ready", views.ready, name="ready"),
 ]

@@ -17,7 +17,7 @@ from realtime_app.observability.logsafe import safe
 from realtime_app.observability.probes import cluster_probe
 from realtime_app.persistence.write_behind import stores_probe
 
-__all__ = ["close_connection", "health", "issue_token", "metrics", "publish_api"]
+__all__ = ["close_connection", "health", "issue_token", "metrics", "publish_api", "ready"]
 
 logger = logging.getLogger("realtime_app.consumers")
 
@@ -213,3 +213,14 @@ async def _publish_one(channel: str, data: object) -> dict[str, object]:
     if seq is not None:
         result["seq"] = seq
     return result
+
+
+async def ready(request: HttpRequest) -> HttpResponse:
+    """``GET /realtime/ready``: 200 while this process takes connections, 503 once it
+    drains (SIGTERM): what a load balancer's readiness check reads. No auth, no Redis."""
+    from realtime_app.hub.core import hub_of_current_loop, running_hub
+
+    hub = hub_of_current_loop() or running_hub()
+    if hub is not None and hub.gate.draining:
+        return JsonResponse({"ready": False, "draining": True}, status=503)
+    return JsonResponse({"ready": True})

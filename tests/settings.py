@@ -18,6 +18,8 @@ REALTIME_APP = {
     # address in X-Forwarded-For (tests/support/wsclient.py's RPC(address=...)); without that
     # header a socket's address is 127.0.0.1, as in production without a proxy.
     "TRUSTED_PROXIES": ["127.0.0.1"],
+    # A stopped test server stops at once (a drain is tested with its own DRAIN_SECONDS).
+    "DRAIN_SECONDS": 0,
     # Presence diffs every 200 ms: tests wait for them, not a second each.
     "PRESENCE_INTERVAL_MS": 200,
     "POLICIES": [

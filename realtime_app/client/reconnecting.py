@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, NamedTuple
 
@@ -17,7 +18,7 @@ from websockets.typing import Origin
 
 from realtime_app.cancellation import cancel_and_wait
 
-__all__ = ["RECONNECT_CODES", "Hooks", "ReconnectingSocket", "is_reconnectable_close_code"]
+__all__ = ["RECONNECT_CODES", "Hooks", "ReconnectingSocket", "is_reconnectable_close_code", "retry_after_ms"]
 
 #: Close codes after which the client reconnects; 1008 and 4xxx are fatal.
 RECONNECT_CODES = frozenset({1001, 1005, 1006, 1011, 1012, 1013})
@@ -28,6 +29,12 @@ TOKEN_EXPIRED = 4004
 def is_reconnectable_close_code(code: int | None) -> bool:
     """True for the transient close codes (1013 included), False for 1008, 4xxx and the rest."""
     return code in RECONNECT_CODES
+
+
+def retry_after_ms(reason: str) -> int | None:
+    """The ``retry_after_ms=<n>`` of a close reason (a draining server's 1012), if any."""
+    match = re.search(r"\bretry_after_ms=(\d{1,9})\b", reason or "")
+    return int(match[1]) if match else None
 
 
 class Hooks(NamedTuple):
@@ -106,6 +113,9 @@ class ReconnectingSocket:
             cap = min(ceiling, initial * 2**self.attempt)
             self.attempt += 1
             self._on_state("reconnecting")
+            told = retry_after_ms(reason)  # a draining server says when (its own share of the reconnections)
+            if blip is None and told is not None:
+                blip = told
             await asyncio.sleep(blip / 1000 if blip is not None else cap / 2 + random.random() * cap / 2)
 
     async def _session(self) -> tuple[int | None, str]:

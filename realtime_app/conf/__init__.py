@@ -199,6 +199,10 @@ DEFAULTS: dict[str, Any] = {
     "TOKEN_MAX_TTL_S": 30 * 86400,
     "TOKEN_REFRESH_BEFORE_S": 60,
     "TOKEN_ORIGINS": [],
+    # On SIGTERM (daphne), a process closes its connections with 1012 spread over this many
+    # seconds (each told when to come back), after it stopped accepting and /realtime/ready
+    # answers 503 (docs/deployment.md); sized to end inside a 30 s grace period. 0: at once.
+    "DRAIN_SECONDS": 20,
     # Keys of the HTTP publish API (POST /realtime/api/publish, Authorization: Bearer <key>):
     # services in any language publish with one; [] switches the API off (401 to all).
     "PUBLISH_API_KEYS": [],

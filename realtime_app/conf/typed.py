@@ -99,6 +99,7 @@ class Settings:
     token_max_ttl_s: int
     token_refresh_before_s: int
     token_origins: list[str]
+    drain_seconds: int
     publish_api_keys: list[str]
     json_encoder: str
 

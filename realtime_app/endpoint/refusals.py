@@ -127,6 +127,10 @@ async def refused_socket(hub: Hub, conn: Connection, identity: tuple[str, str]) 
     """The door of one socket: its identity's handshake rate, then its connection caps.
     True when refused, the socket closed with why: 1008 past its own cap (do not come
     back), 1013 past the process's ceiling or the handshake rate (later)."""
+    if hub.gate.draining:  # stopping: to another process, after a moment
+        conn.closed = True
+        await deny(conn.send, conn.scope, CloseCode.SERVICE_RESTART, "retry_after_ms=1000", conn.guard)
+        return True
     if not hub.gate.handshake(identity):  # logged by the hub, once while it lasts
         conn.closed = True
         await deny(conn.send, conn.scope, CloseCode.TRY_AGAIN_LATER, "too many handshakes", conn.guard)

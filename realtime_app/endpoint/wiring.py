@@ -6,6 +6,7 @@ importing a module never registers anything."""
 
 from __future__ import annotations
 
+from realtime_app.endpoint.drain import install_drain
 from realtime_app.endpoint.operator import on_close_message
 from realtime_app.endpoint.sessions import on_logout_message, revalidation_loop
 from realtime_app.hub.core import HubParts
@@ -22,6 +23,7 @@ def parts() -> HubParts:
             "realtime-drain-held": drain_held,
             "realtime-revalidate": revalidation_loop,
             "realtime-outbox": drain_outbox,
+            "realtime-drain": install_drain,
         },
         handlers={"logout": on_logout_message, "close_connection": on_close_message},
     )

@@ -137,6 +137,7 @@ class Gate:
         self.identities: dict[Identity, int] = {}  # open connections per identity
         self.open = {"user": 0, "address": 0}  # open connections, signed-in and anonymous
         self.refused: dict[str, int] = {"connections": 0, "handshakes": 0, "server_full": 0, "process_handshakes": 0}
+        self.draining = False  # the process stops: no new connection (realtime_app.endpoint.drain)
         # the anonymous handshakes of every address together: one bucket, drawn as one identity
         self._anonymous = Admission(anonymous_handshake_limits(self.settings))
         self.refusal_closes = 0  # connections closed (1008) for ignoring their refusals

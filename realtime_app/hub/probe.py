@@ -154,6 +154,7 @@ def process_probe(hub: Probed) -> ProcessProbe:
         "templates": templates_probe(hub),
         "outbox": outbox_probe(hub),
         "presence": hub.presence.probe(top),
+        "draining": hub.gate.draining,
     }
 
 

@@ -251,6 +251,7 @@ class ProcessProbe(TypedDict):
     templates: dict[str, TemplateProbe]
     outbox: OutboxProbe
     presence: PresenceProbe
+    draining: Annotated[bool, Shown("the process stops: it accepts no connection, /realtime/ready answers 503")]
 
 
 class ClusterProbe(TypedDict):

@@ -298,3 +298,21 @@ test("a connection closed because its token expired connects again with a new on
   assert.equal(fatal.state, "closed");
   client.close();
 });
+
+test("a close that says retry_after_ms waits that long before the next connection", async () => {
+  FakeSocket.instances = [];
+  const client = new RealtimeClient({ url: "ws://x/realtime/", WebSocket: FakeSocket, backoffInitialMs: 1, backoffMaxMs: 2 });
+  const delays = [];
+  const realSetTimeout = globalThis.setTimeout;
+  globalThis.setTimeout = (fn, ms) => { delays.push(ms); return realSetTimeout(fn, 0); };
+  try {
+    client.connect();
+    FakeSocket.instances[0].open();
+    FakeSocket.instances[0].readyState = 3;
+    FakeSocket.instances[0].onclose({ code: 1012, reason: "retry_after_ms=1234" });
+    assert.equal(delays.at(-1), 1234);
+  } finally {
+    globalThis.setTimeout = realSetTimeout;
+    client.close();
+  }
+});

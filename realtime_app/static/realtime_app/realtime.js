@@ -443,7 +443,8 @@ export class RealtimeClient extends EventTarget {
     if (!willReconnect) { this._stopped = true; this._setState("closed"); return; }
     if (renew) { this._renew(); return; }
     const cap = Math.min(this.backoffMaxMs, this.backoffInitialMs * 2 ** this.attempt);
-    const delay = blip ?? cap / 2 + Math.random() * (cap / 2); // jittered, capped exponential
+    const told = /\bretry_after_ms=(\d{1,9})\b/.exec(reason || ""); // a draining server says when
+    const delay = blip ?? (told ? Number(told[1]) : cap / 2 + Math.random() * (cap / 2)); // else jittered, capped
     this.attempt += 1;
     this._setState("reconnecting");
     this._timer = setTimeout(() => this.connect(), delay);

@@ -1,0 +1,121 @@
+"""Drain on SIGTERM: a stopping process hands its connections over gently (docs/deployment.md).
+
+On SIGTERM (under daphne) the process, before the server shuts down:
+
+* **stops accepting**: new handshakes are closed with 1012 and ``/realtime/ready``
+  answers 503, so a load balancer stops routing to it; its probe says ``draining``;
+* **closes its connections with 1012, spread evenly over** ``DRAIN_SECONDS`` (the first
+  80 % of it, so that the last ones are gone before a typical 30 s grace period ends),
+  each close reason ``retry_after_ms=<n>``: the client waits that long before it
+  reconnects (both clients do) — the surviving processes take the handshakes in a trickle,
+  not an avalanche; event channels resume as after any reconnect. A ticker whose last
+  local subscriber leaves hands its lease over at once, as always;
+* then lets the server stop (the write-behind stores flush as they always do).
+
+``DRAIN_SECONDS`` = 0 switches it off (the server's own stop: every socket at once). Under
+uvicorn, the server closes its connections itself on SIGTERM (1012, at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import signal
+import sys
+import threading
+from typing import Any
+
+from realtime_app.conf import get_config
+from realtime_app.hub.core import Hub
+from realtime_app.wire.protocol import CloseCode
+
+__all__ = ["DRAIN_SHARE", "drain", "draining", "install_drain", "schedule"]
+
+logger = logging.getLogger("realtime_app.hub")
+
+#: The part of ``DRAIN_SECONDS`` the closes are spread over (the rest: a margin to stop).
+DRAIN_SHARE = 0.8
+
+_requested: set[Hub] = set()  # hubs whose process got SIGTERM
+_installed = False
+
+
+def schedule(connections: int, seconds: float, rng: random.Random | None = None) -> list[tuple[float, int]]:
+    """When (seconds after the drain began) each of ``connections`` is closed, and the
+    ``retry_after_ms`` it is told: evenly over ``DRAIN_SHARE`` of ``seconds``; each waits
+    up to one spacing more before it comes back, so that reconnections spread too."""
+    if connections <= 0:
+        return []
+    rng = rng or random.Random()
+    window = max(seconds, 0.0) * DRAIN_SHARE
+    spacing = window / connections
+    return [(i * spacing, int(rng.uniform(0, max(spacing, 0.05)) * 1000)) for i in range(connections)]
+
+
+def draining(hub: Hub | None) -> bool:
+    """True once ``hub``'s process has begun to drain."""
+    return hub is not None and hub.gate.draining
+
+
+async def drain(hub: Hub, seconds: float) -> int:
+    """Stop accepting, then close every connection with 1012 and its ``retry_after_ms``,
+    spread over ``seconds``; returns how many were closed."""
+    hub.gate.draining = True
+    connections = [conn for conn in hub.connections if not conn.closed]
+    logger.info("draining %d connection(s) over %.1f s", len(connections), seconds * DRAIN_SHARE)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    closed = 0
+    for conn, (at, retry_ms) in zip(connections, schedule(len(connections), seconds), strict=True):
+        await asyncio.sleep(max(0.0, start + at - loop.time()))
+        if conn.closed:
+            continue
+        conn.guard.close(int(CloseCode.SERVICE_RESTART), f"retry_after_ms={retry_ms}")
+        hub.forget(conn)
+        closed += 1
+    # the last close frames on their way before the server stops (within the margin left)
+    await asyncio.sleep(min(1.0, max(seconds, 0.0) * (1 - DRAIN_SHARE)))
+    return closed
+
+
+async def install_drain(hub: Hub) -> None:
+    """The hub's part (:mod:`realtime_app.endpoint.wiring`): under daphne, in the main
+    thread, a SIGTERM handler that drains first and then lets the server's own handler stop
+    it (daphne cancels every connection's application as it stops: the drain must be
+    over by then). A second SIGTERM stops at once. Elsewhere (tests, uvicorn,
+    ``DRAIN_SECONDS`` = 0): nothing."""
+    global _installed
+    seconds = float(get_config()["DRAIN_SECONDS"])
+    if not seconds or _installed or threading.current_thread() is not threading.main_thread():
+        return
+    if "twisted.internet.reactor" not in sys.modules:
+        return
+    from twisted.internet import reactor
+
+    if not getattr(reactor, "running", False):
+        return
+    _installed = True
+    previous = signal.getsignal(signal.SIGTERM)
+    loop = asyncio.get_running_loop()
+
+    def stop(signum: int) -> None:
+        if callable(previous):
+            previous(signum, None)
+
+    async def drain_then_stop(signum: int) -> None:
+        try:
+            await drain(hub, seconds)
+        except Exception:
+            logger.exception("the drain failed: stopping now")
+        finally:
+            stop(signum)
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if hub in _requested or not hub.started:  # a second SIGTERM, or nothing to drain
+            stop(signum)
+            return
+        _requested.add(hub)
+        loop.call_soon_threadsafe(lambda: hub.spawn(drain_then_stop(signum)))
+
+    signal.signal(signal.SIGTERM, on_sigterm)
