@@ -111,3 +111,57 @@ async def test_sigterm_drains_the_connections_over_drain_seconds_then_the_proces
         print(f"200 clients drained over {spread:.1f} s (DRAIN_SECONDS 5), {time.monotonic() - started:.1f} s")
         for rpc in clients:
             await rpc.__aexit__(None, None, None)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+async def test_a_draining_process_hands_its_ticker_over_at_once(redis_url):
+    """SIGTERM on the process that runs a ticker: the other process, which has subscribers
+    too, runs it within a second (a lease of 30 s would otherwise have to run out first;
+    the beat is 10 s; the draining process's last subscriber leaves some 8 s later), with
+    no tick published twice."""
+    import os
+    import secrets
+
+    import redis
+
+    from realtime_app.wire.names import group_name
+
+    prefix = f"{os.environ['REALTIME_TEST_PREFIX']}-{secrets.token_hex(3)}"
+    env = {
+        "REDIS_URL": redis_url,
+        "REALTIME_KEY_PREFIX": prefix,
+        "REALTIME_LEASE_TTL_MS": "30000",
+        "REALTIME_TEST_OVERRIDES": json.dumps({"DRAIN_SECONDS": 10, "MAX_CONNECTIONS_PER_ADDRESS": 0}),
+    }
+    channel = "demo:clock:200"
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    lease = f"{prefix}:lease:{group_name(channel)}"
+    try:
+        with servers(2, env) as (a, b):
+            async with RPC(a.ws) as ca, RPC(b.ws) as cb:
+                await ca.subscribe(channel)
+                await ca.frames(2)  # a holds the lease: it had the first subscriber
+                more = [RPC(a.ws) for _ in range(20)]  # closed one by one over 8 s
+                for rpc in more:
+                    await rpc.__aenter__()
+                    await rpc.subscribe(channel)
+                await cb.subscribe(channel)
+                before = await cb.frames(2)
+                assert f"-{a.process.pid}-" in (client.get(lease) or "")
+                asked = time.time() * 1000
+                a.process.terminate()  # SIGTERM: a drains over 10 s
+                await eventually(lambda: f"-{b.process.pid}-" in (client.get(lease) or ""), 5, "b holds the lease")
+                handed = time.time() * 1000
+                after = await cb.frames(5, timeout=10)
+                seqs = [f["seq"] for f in before + after]
+                assert seqs == sorted(set(seqs)), seqs  # never a tick twice, never backwards
+                assert handed - asked < 3000, handed - asked  # not a lease timeout (30 s), nor a beat (10 s)
+                resumed = [f["ts"] for f in after if f["ts"] > handed]
+                assert resumed and resumed[0] - handed < 2000, (after, handed)
+                print(f"ticker handed over {handed - asked:.0f} ms after SIGTERM")
+                for rpc in more:
+                    await rpc.__aexit__(None, None, None)
+    finally:
+        for key in client.scan_iter(match=f"{prefix}*"):
+            client.delete(key)

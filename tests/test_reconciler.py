@@ -100,6 +100,10 @@ class Cluster(RuleBasedStateMachine):
         self.groups = {c: set() for c in CHANNELS}
         self.leases.clear()
 
+    @rule(p=st.sampled_from(PROCESSES))
+    def drain_begins(self, p: int) -> None:
+        self.nodes[p].yield_leases()
+
     @rule(channel=st.sampled_from(sorted(CHANNELS)))
     def a_lease_expires(self, channel: str) -> None:
         self.leases.pop(channel, None)
@@ -188,3 +192,44 @@ def test_a_reassert_joins_again_what_is_believed_joined():
     assert node.next_action("c") is None
     node.beat(reassert=True)
     assert node.next_action("c") is Action.JOIN
+
+
+def _settle(node: Reconciler, channel: str, grant: bool = True) -> list[Action]:
+    done = []
+    while (action := node.next_action(channel)) is not None:
+        node.done(channel, action, grant or action is not Action.ACQUIRE)
+        done.append(action)
+    return done
+
+
+def test_a_draining_process_hands_its_lease_over_at_once():
+    """SIGTERM: the ticker stops and the lease goes now; the process that is told takes it
+    at once; the draining one does not compete at its next beat, only after."""
+    draining, other = Reconciler(), Reconciler()
+    for node in (draining, other):
+        node.subscribed("c", ticker=True)
+    assert _settle(draining, "c") == [Action.JOIN, Action.ACQUIRE, Action.START]
+    assert _settle(other, "c", grant=False) == [Action.JOIN, Action.ACQUIRE]
+    assert draining.yield_leases() == ["c"]
+    assert _settle(draining, "c") == [Action.STOP, Action.RELEASE]
+    other.released_elsewhere("c")
+    assert _settle(other, "c") == [Action.ACQUIRE, Action.START]
+    draining.beat()
+    assert draining.next_action("c") is None  # one beat left to the others
+    draining.beat()
+    assert draining.next_action("c") is Action.ACQUIRE  # refused while the other holds it
+    draining.done("c", Action.ACQUIRE, False)
+    assert draining.running() == [] and other.running() == ["c"]
+
+
+def test_a_channel_nobody_else_serves_gets_its_ticker_back_after_a_beat():
+    node = Reconciler()
+    node.subscribed("c", ticker=True)
+    _settle(node, "c")
+    node.yield_leases()
+    _settle(node, "c")
+    node.beat()
+    assert _settle(node, "c") == []
+    node.beat()
+    assert _settle(node, "c") == [Action.ACQUIRE, Action.START]
+    assert node.running() == ["c"]

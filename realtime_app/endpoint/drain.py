@@ -8,8 +8,11 @@ On SIGTERM (under daphne) the process, before the server shuts down:
   80 % of it, so that the last ones are gone before a typical 30 s grace period ends),
   each close reason ``retry_after_ms=<n>``: the client waits that long before it
   reconnects (both clients do) — the surviving processes take the handshakes in a trickle,
-  not an avalanche; event channels resume as after any reconnect. A ticker whose last
-  local subscriber leaves hands its lease over at once, as always;
+  not an avalanche; event channels resume as after any reconnect;
+* **hands its tickers over first**: each lease it holds is released at once and the other
+  processes are told, so one with subscribers runs the ticker within milliseconds, not a
+  lease timeout later (this process competes again only from its second beat: a channel
+  nobody else serves keeps ticking for the subscribers still here);
 * then lets the server stop (the write-behind stores flush as they always do).
 
 ``DRAIN_SECONDS`` = 0 switches it off (the server's own stop: every socket at once). Under
@@ -62,6 +65,8 @@ async def drain(hub: Hub, seconds: float) -> int:
     """Stop accepting, then close every connection with 1012 and its ``retry_after_ms``,
     spread over ``seconds``; returns how many were closed."""
     hub.gate.draining = True
+    handed = hub.reconciler.yield_leases()  # the tickers go to the other processes now
+    await asyncio.gather(*(hub.convergence.converge(channel) for channel in handed))
     connections = [conn for conn in hub.connections if not conn.closed]
     logger.info("draining %d connection(s) over %.1f s", len(connections), seconds * DRAIN_SHARE)
     loop = asyncio.get_running_loop()

@@ -102,7 +102,6 @@ class Hub:
         self.template_published: dict[str, int] = {}  # publications per template, from this process
         self.published = 0
         self.refused: dict[str, int] = {"tickers": 0, "cadences": 0, "instances": 0, "revoked": 0}
-        # The rooms, each the owner of its state.
         self.gate = Gate()
         self.fanout = Fanout(self.subscribers, self.connections, self.forget)
         self.ordering = Ordering(self.fanout.fanout)
@@ -209,12 +208,14 @@ class Hub:
                 return refused
             conn.identity = identity
         self.connections.add(conn)
+        conn.guard.watch(self.fanout.watched, conn)
         return None
 
     async def remove_connection(self, conn: Connection) -> None:
         """Forget a connection and everything it subscribed, locally and at once; the
         backplane follows (now if it answers, else at a later beat)."""
         conn.closed = True
+        self.fanout.watched.discard(conn)
         if conn in self.connections:
             self.connections.discard(conn)
             if conn.identity is not None:
@@ -417,8 +418,6 @@ class Hub:
             pattern = spec.declared.pattern
             self.template_published[pattern] = self.template_published.get(pattern, 0) + 1
         return seq
-
-    # -- probe -------------------------------------------------------------------------
 
     def probe(self) -> ProcessProbe:  # this process's counters (no decision is taken from them)
         return process_probe(self)

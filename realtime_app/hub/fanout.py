@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -76,6 +77,12 @@ class Fanout:
         self.holding: set[Connection] = set()  # connections with conflated frames held back
         self.send_failures = 0  # connections closed because a send raised
         self.unread_refused = 0  # requests not run: their connection does not read its answers
+        #: Connections that lagged since the probe last found them clear (their guards note
+        #: them): the only ones a probe reads. An idle connection costs a probe nothing.
+        self.watched: set[Connection] = set()
+        #: The connections with the most drops as of the last probe (at most twice the
+        #: probe's list): drops only grow, so these and the watched ones hold the next top.
+        self.top_droppers: list[Connection] = []
 
     def fanout(self, channel: str, text: str, seq: int = 0, epoch: str = "") -> None:
         """Hand one encoded frame to every local subscriber of ``channel``, guarded. A frame
@@ -344,17 +351,36 @@ class Fanout:
             )
             self.forget(conn)
 
-    def probe(self, queued_now: dict[Connection, int] | None = None) -> BackpressureProbe:
-        """Queued bytes per connection, read now from the transports (no decision taken),
-        or as the caller read them (``queued_now``: one read per connection per probe)."""
+    def lagging(self, top: int) -> dict[Connection, int]:
+        """Bytes queued now on each watched connection (one read each); those with nothing
+        queued, nothing held and no drop balance leave the watch list. Updates
+        :attr:`top_droppers` (``2 * top`` kept)."""
+        queued: dict[Connection, int] = {}
+        droppers = [conn for conn in self.top_droppers if not conn.closed]
+        for conn in list(self.watched):
+            if conn.closed or conn not in self.connections:
+                self.watched.discard(conn)
+                continue
+            guard = conn.guard
+            if guard.state.drops:
+                droppers.append(conn)
+            now = guard.buffered()
+            if now or guard.held or guard.state.balance:
+                queued[conn] = now
+            else:
+                self.watched.discard(conn)
+        self.top_droppers = heapq.nlargest(2 * top, dict.fromkeys(droppers), key=_drops) if top else []
+        return queued
+
+    def probe(self, queued: dict[Connection, int]) -> BackpressureProbe:
+        """Queued bytes of the lagging connections (:meth:`lagging`: the others have none)."""
         slow = get_config()["SLOW_CONSUMER_BYTES"]
         worst = total = slow_count = balance = 0
-        for conn in self.connections:
-            queued = queued_now[conn] if queued_now is not None else conn.guard.buffered()
-            total += queued
-            worst = max(worst, queued)
+        for conn, amount in queued.items():
+            total += amount
+            worst = max(worst, amount)
             balance = max(balance, conn.guard.state.balance)
-            if slow and queued >= slow:
+            if slow and amount >= slow:
                 slow_count += 1
         return {
             "max_buffered_amount": worst,
@@ -366,6 +392,10 @@ class Fanout:
             "conflated": self.conflated,
             "holding": len(self.holding),
         }
+
+
+def _drops(conn: Connection) -> tuple[int, int]:
+    return (conn.guard.state.drops, -conn.id)
 
 
 class HoldsFrames(Protocol):

@@ -7,11 +7,12 @@ drops, the others counted."""
 from __future__ import annotations
 
 import heapq
+import itertools
 import os
 import resource
 import socket
 import time
-from typing import Any, Protocol
+from typing import Protocol
 
 from realtime_app.channels.instances import InstanceBook
 from realtime_app.cluster.base import Backplane
@@ -99,18 +100,21 @@ def connection_probe(hub: Probed, conn: Connection, now: float, queued: int) -> 
 
 
 def top_connections(hub: Probed, top: int, queued: dict[Connection, int]) -> list[ConnectionProbe]:
-    """The ``top`` connections with the most bytes queued (as read once for this probe),
-    then those with the most drops (each once): one pass each over the connections."""
+    """The ``top`` connections with the most bytes queued (the lagging ones, as read for
+    this probe), then those with the most drops (each once); while fewer lag, others fill
+    the list (read now: ``top`` reads at most, never every connection)."""
     if not top:
         return []
     most = heapq.nlargest(top, queued, key=lambda c: (queued[c], -c.id))
-    dropping = heapq.nlargest(top, (c for c in queued if c.guard.state.drops), key=_drops)
+    listed = dict.fromkeys([*most, *hub.fanout.top_droppers[:top]])
+    for conn in itertools.islice(hub.connections, top):
+        if len(listed) >= top:
+            break
+        listed.setdefault(conn)
     now = time.monotonic()
-    return [connection_probe(hub, conn, now, queued[conn]) for conn in dict.fromkeys([*most, *dropping])]
-
-
-def _drops(conn: Connection) -> Any:
-    return (conn.guard.state.drops, -conn.id)
+    return [
+        connection_probe(hub, conn, now, queued[conn] if conn in queued else conn.guard.buffered()) for conn in listed
+    ]
 
 
 def process_probe(hub: Probed) -> ProcessProbe:
@@ -123,7 +127,7 @@ def process_probe(hub: Probed) -> ProcessProbe:
     for gone in [name for name in frames if name not in hub.subscribers]:
         del frames[gone]  # counted while the channel has subscribers here
     times = os.times()
-    queued = {conn: conn.guard.buffered() for conn in hub.connections}  # one read each per probe
+    queued = hub.fanout.lagging(config["PROBE_TOP_CONNECTIONS"])  # never a read of every connection
     return {
         "instance": hub.instance_id,
         "host": socket.gethostname(),

@@ -60,6 +60,8 @@ class ChannelState:
     renew_due: bool = False  # renew the lease at the next step
     backoff: bool = False  # the factory failed: release the lease, retry at the next beat
     parked: bool = False  # a remote action failed: wait for the next beat
+    yielding: bool = False  # a draining process gives the lease up now (:meth:`Reconciler.yield_leases`)
+    yielded: bool = False  # ... and lets one beat go by before it competes again
     lease_at: float = float("-inf")  # when the lease was last granted or renewed (monotonic)
 
     @property
@@ -107,6 +109,16 @@ class Reconciler:
         if state is not None and state.wanted and state.ticker and not state.held:
             state.acquire_due = True
 
+    def yield_leases(self) -> list[str]:
+        """The process drains: stop every ticker and release its lease now, so that another
+        process with subscribers takes it at once (told by the release), not after a lease
+        timeout. This process competes again from the second beat on: a channel nobody
+        else serves gets its ticker back here. Returns the channels to converge."""
+        held = [name for name, state in self.channels.items() if state.held]
+        for name in held:
+            self.channels[name].yielding = True
+        return held
+
     def beat(self, *, reassert: bool = False) -> None:
         """The maintenance beat: renew, compete, retry; ``reassert`` re-joins every group.
 
@@ -116,7 +128,8 @@ class Reconciler:
         for state in self.channels.values():
             state.parked = False
             state.renew_due = state.held
-            state.acquire_due = state.wanted and state.ticker and not state.held
+            state.acquire_due = state.wanted and state.ticker and not state.held and not state.yielded
+            state.yielded = False
             state.backoff = False
             if reassert and state.wanted:
                 state.rejoin = True
@@ -128,7 +141,7 @@ class Reconciler:
         state = self.channels.get(channel)
         if state is None:
             return None
-        keep_ticker = state.wanted and state.ticker
+        keep_ticker = state.wanted and state.ticker and not state.yielding
         if state.running and not (keep_ticker and state.held):
             return Action.STOP
         if state.parked:
@@ -184,7 +197,8 @@ class Reconciler:
             state.acquire_due = state.renew_due = False
             state.lease_at = now if ok and now is not None else float("-inf")
         elif action is Action.RELEASE:
-            state.held = False  # released, or it expires on its own
+            state.yielded = state.yielding
+            state.held = state.yielding = False  # released, or it expires on its own
         elif action is Action.START:
             state.running = ok
             state.backoff = not ok  # let another process try; retry at the next beat
@@ -199,7 +213,8 @@ class Reconciler:
             return
         state.parked = True
         if action is Action.RELEASE:
-            state.held = False  # the lease expires on its own
+            state.yielded = state.yielding
+            state.held = state.yielding = False  # the lease expires on its own
         elif action is Action.RENEW:
             state.renew_due = False  # believed held until the backplane answers
         elif action is Action.ACQUIRE:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from typing import Any
 
 from realtime_app.outbound.backpressure import (
     CLOSE,
@@ -45,7 +46,18 @@ def backpressure_config() -> BackpressureConfig:
 class Guard:
     """One connection's guard. Nominal path: one read of the queued bytes, no allocation."""
 
-    __slots__ = ("closed", "config", "drain_s", "held", "measure", "never_drop_responses", "state", "transport")
+    __slots__ = (
+        "closed",
+        "config",
+        "drain_s",
+        "held",
+        "measure",
+        "never_drop_responses",
+        "owner",
+        "state",
+        "transport",
+        "watchlist",
+    )
 
     def __init__(
         self, send: Send, config: BackpressureConfig | None = None, transport: Transport | None = None
@@ -62,6 +74,15 @@ class Guard:
         self.closed = False
         self.measure = self.config.max_backpressure > 0  # a disabled guard reads nothing
         self.held: Held | None = None  # conflated frames waiting for the queue to drain
+        #: Where this connection (``owner``) is noted once it lags: a frame found bytes still
+        #: queued, was refused or held (every frame, when the guard measures nothing). The
+        #: probe reads those, never every connection.
+        self.watchlist: set[Any] | None = None
+        self.owner: Any = None
+
+    def watch(self, watchlist: set[Any], owner: Any) -> None:
+        """Note ``owner`` in ``watchlist`` whenever this connection lags (see ``send``)."""
+        self.watchlist, self.owner = watchlist, owner
 
     def buffered(self) -> int:
         return self.transport.buffered()
@@ -83,11 +104,14 @@ class Guard:
         if self.held:  # conflated frames wait for no newer frame of another channel
             self.flush_held()
         config = self.config if policy is None or policy == self.config.policy else _with_policy(self.config, policy)
-        decision = decide_send(self.transport.buffered() if self.measure else 0, config, self.state)
+        queued = self.transport.buffered() if self.measure else 0
+        decision = decide_send(queued, config, self.state)
         if decision is SEND or (decision is DROP and response and self.never_drop_responses):
             self.transport.write(payload, frame)
         elif decision is CLOSE:
             self.close(CloseCode.TRY_AGAIN_LATER, BACKPRESSURE_REASON)
+        if (queued or decision is not SEND or not self.measure) and self.watchlist is not None:
+            self.watchlist.add(self.owner)
         return decision
 
     def send_conflated(self, channel: str, payload: bytes, frame: bytes | None = None) -> Decision:
@@ -99,9 +123,13 @@ class Guard:
             return DROP
         if not self.held and (not self.measure or self.transport.buffered() <= self.config.max_backpressure):
             self.transport.write(payload, frame)
+            if not self.measure and self.watchlist is not None:
+                self.watchlist.add(self.owner)
             return SEND
         if self.held is None:
             self.held = Held()
+        if self.watchlist is not None:
+            self.watchlist.add(self.owner)
         self.held.put(channel, payload, frame)
         self.flush_held()  # behind what was held before it: order across channels kept
         return HOLD
