@@ -203,6 +203,10 @@ DEFAULTS: dict[str, Any] = {
     # seconds (each told when to come back), after it stopped accepting and /realtime/ready
     # answers 503 (docs/deployment.md); sized to end inside a 30 s grace period. 0: at once.
     "DRAIN_SECONDS": 20,
+    # Seconds between the server's WebSocket pings to a quiet client (daphne): a dead peer
+    # is found after about this plus the ping timeout; each ping costs every connection a
+    # wake-up (docs/deployment.md). 0: the server's own (--ping-interval, 20 s).
+    "HEARTBEAT_SECONDS": 0,
     # Keys of the HTTP publish API (POST /realtime/api/publish, Authorization: Bearer <key>):
     # services in any language publish with one; [] switches the API off (401 to all).
     "PUBLISH_API_KEYS": [],

@@ -100,6 +100,7 @@ class Settings:
     token_refresh_before_s: int
     token_origins: list[str]
     drain_seconds: int
+    heartbeat_seconds: int
     publish_api_keys: list[str]
     json_encoder: str
 

@@ -327,3 +327,13 @@ def commit_and_die(consumer: Any, params: Any) -> None:
 def presence_info(user):
     """``PRESENCE_INFO`` in tests: a member's display name."""
     return {"name": user.first_name or user.get_username()}
+
+
+@realtime_app.rpc_method("test.daphne_sweeps")
+async def daphne_sweeps(consumer: Any, params: Any) -> dict[str, int] | None:
+    """What daphne's sweeps visit in this process (``realtime_app.endpoint.sweeps``), with
+    its ping interval; None where they are daphne's own."""
+    from realtime_app.endpoint.sweeps import installed
+
+    sweeps = installed()
+    return None if sweeps is None else {**sweeps.counts(), "ping_interval": sweeps.server.ping_interval}
