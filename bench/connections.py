@@ -43,7 +43,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import redis
 import websockets
 
-from bench.common import as_new_client, cpu_seconds, daphne, free_port, percentile, processes, progress, rss_bytes
+from bench.common import (
+    as_new_client,
+    cpu_seconds,
+    daphne,
+    free_port,
+    percentile,
+    processes,
+    progress,
+    rss_bytes,
+    uvicorn,
+)
 
 WARM = 100
 PROBES = 20  # connections of the probe process
@@ -165,13 +175,27 @@ async def where_phase(n: int, env: dict[str, str]) -> dict[str, float]:
     return where(before, after, n)
 
 
+def server_command(kind: str, port: int, ping_interval: int | None = None) -> tuple[list[str], str, str | None]:
+    """The server of ``kind``, its WebSocket path and the channel its clients subscribe to."""
+    if kind == "websockets":
+        command = [sys.executable, "bench/ws_broadcast.py", str(port), "3600000"]
+        if ping_interval is not None:
+            command.append(str(ping_interval))
+        return command, "/", None
+    if kind == "uvicorn":
+        command = uvicorn(port)
+        if ping_interval is not None:
+            command += ["--ws-ping-interval", str(ping_interval), "--ws-ping-timeout", str(3 * ping_interval)]
+        return command, "/realtime/", "demo:events"
+    command = daphne(port)
+    if ping_interval is not None:
+        command += ["--ping-interval", str(ping_interval), "--ping-timeout", str(3 * ping_interval)]
+    return (command, "/realtime/", "demo:events") if kind == "hub" else (command, "/baseline/", None)
+
+
 async def memory_phase(kind: str, n: int, env: dict[str, str]) -> dict[str, Any]:
     port = free_port()
-    if kind == "websockets":
-        command, path, channel = [sys.executable, "bench/ws_broadcast.py", str(port), "3600000"], "/", None
-    else:
-        command = daphne(port)
-        path, channel = ("/realtime/", "demo:events") if kind == "hub" else ("/baseline/", None)
+    command, path, channel = server_command(kind, port)
     url = f"ws://127.0.0.1:{port}{path}"
     sockets: list[Any] = []
     with processes([command], [port], env) as procs:
@@ -185,6 +209,45 @@ async def memory_phase(kind: str, n: int, env: dict[str, str]) -> dict[str, Any]
     per = (full - base) / (n - WARM)
     progress(f"{kind} n={n}: RSS {base / 2**20:.1f} MiB -> {full / 2**20:.1f} MiB, {per / 1024:.1f} KiB each")
     return {"kind": kind, "connections": n, "rss_warm": base, "rss_full": full, "bytes_per_connection": per}
+
+
+async def idle_phase(kind: str, n: int, ping_interval: int, env: dict[str, str]) -> dict[str, Any]:
+    """CPU of one server holding ``n`` idle connections (subscribed, for the hub) whose
+    clients answer its pings, over two heartbeat rounds; its RSS then."""
+    port = free_port()
+    command, path, channel = server_command(kind, port, ping_interval)
+    url = f"ws://127.0.0.1:{port}{path}"
+    sockets: list[Any] = []
+    with processes([command], [port], env) as procs:
+        pid = procs[0].pid
+        await open_connections(url, n, channel, sockets)
+        readers = [asyncio.create_task(drain_frames(ws)) for ws in sockets]  # reading answers the pings
+        rss = await settled_rss(pid)
+        idle_s = max(2.0 * ping_interval, 10.0)
+        progress(f"{kind}: {n} connections idle for {idle_s:.0f} s (two heartbeat rounds)")
+        cpu0, t0 = cpu_seconds(pid), time.monotonic()
+        await asyncio.sleep(idle_s)
+        share = (cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
+        still = sum(1 for ws in sockets if ws.state is websockets.protocol.State.OPEN)
+        for task in readers:
+            task.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+        await close_all(sockets)
+    progress(f"{kind}: {100 * share:.2f}% of a core, {100 * share / n * 1000:.3f}% per 1,000; {still}/{n} open")
+    return {
+        "kind": kind,
+        "connections": n,
+        "ping_interval_s": ping_interval,
+        "cpu_share": share,
+        "rss": rss,
+        "open": still,
+    }
+
+
+async def drain_frames(ws: Any) -> None:
+    with contextlib.suppress(websockets.ConnectionClosed, asyncio.CancelledError):
+        async for _ in ws:
+            pass
 
 
 async def probe_cost(pid: int, port: int, env: dict[str, str], idle_cpu: float, reads: int = 20) -> tuple[int, float]:
@@ -314,6 +377,20 @@ async def probe_main(url: str, count: int, messages: int) -> None:
     await close_all(sockets)
 
 
+def raise_file_limit(needed: int) -> int:
+    """Raise this process's file-descriptor limit (inherited by the servers) to ``needed``
+    at least: the soft limit up to the hard one, the hard one too where allowed (root, or
+    CAP_SYS_RESOURCE; up to ``fs.nr_open``). Returns the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (needed, needed))
+            return needed
+        sys.exit(f"the file-descriptor limit is {hard}: raise it (ulimit -Hn, or run as root) or ask for fewer")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return int(hard)
+
+
 async def main() -> None:
     if len(sys.argv) == 5 and sys.argv[1] == "--probe":
         await probe_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
@@ -322,21 +399,28 @@ async def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 5000])
     parser.add_argument("--hold", type=int, default=10000)
     parser.add_argument("--ping-interval", type=int, default=20)
+    parser.add_argument("--idle", type=int, default=2000, help="idle CPU beside the floor at this many (0: skip)")
+    parser.add_argument(
+        "--kinds", nargs="+", default=["hub", "uvicorn", "channels", "websockets"], help="servers of the memory phase"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     url = os.environ.get("REDIS_URL")
     if not url:
         sys.exit("set REDIS_URL (e.g. redis://127.0.0.1:6379/0)")
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    if max([*args.sizes, args.hold]) + 200 > hard:
-        sys.exit(f"the file-descriptor limit is {hard}: ask for fewer connections")
+    limit = raise_file_limit(max([*args.sizes, args.hold, args.idle]) + 1000)
+    print(f"file-descriptor limit of this process and its servers: {limit}", file=sys.stderr)
     prefix = f"bench-{secrets.token_hex(3)}"
     env = {
         "REDIS_URL": url,
         "REALTIME_KEY_PREFIX": prefix,
         "DJANGO_SETTINGS_MODULE": "bench.settings",
         "REALTIME_METRICS_TOKEN": secrets.token_hex(8),
+        # the handshake limits (anonymous handshakes per second, the process's ceiling) would
+        # only slow the opening of thousands of sockets here: what is measured is holding them
+        "REALTIME_BENCH_OVERRIDES": json.dumps(
+            {"MAX_CONNECTIONS": 0, "MAX_ANONYMOUS_HANDSHAKES_PER_S": 0, "HANDSHAKES_PER_S": 0}
+        ),
     }
     os.environ.update(env)
     import django
@@ -344,13 +428,18 @@ async def main() -> None:
     django.setup()
     r = redis.Redis.from_url(url)
     memory: list[dict[str, Any]] = []
+    idle: list[dict[str, Any]] = []
     hold: dict[str, Any] | None = None
     breakdown: dict[str, float] = {}
     try:
         for n in args.sizes:
             print(f"== memory, {n} idle connections", file=sys.stderr)
-            for kind in ("hub", "channels", "websockets"):
+            for kind in args.kinds:
                 memory.append(await memory_phase(kind, n, env))
+        if args.idle:
+            print(f"== idle CPU, {args.idle} connections, heartbeat every {args.ping_interval} s", file=sys.stderr)
+            for kind in ("hub", "uvicorn", "websockets"):
+                idle.append(await idle_phase(kind, args.idle, args.ping_interval, env))
         print(f"== where the hub's bytes go, {args.sizes[0]} connections (tracemalloc)", file=sys.stderr)
         breakdown = await where_phase(args.sizes[0], env)
         if args.hold:
@@ -364,14 +453,16 @@ async def main() -> None:
             await hub.aclose()
         for key in r.scan_iter(match=f"{prefix}*"):
             r.delete(key)
-    report(memory, breakdown, hold)
+    report(memory, breakdown, hold, idle)
     if args.json:
         args.json.write_text(
-            json.dumps({"memory": memory, "python_bytes_by_package": breakdown, "hold": hold}, indent=2)
+            json.dumps({"memory": memory, "idle": idle, "python_bytes_by_package": breakdown, "hold": hold}, indent=2)
         )
 
 
-def report(memory: list[dict[str, Any]], breakdown: dict[str, float], hold: dict[str, Any] | None) -> None:
+def report(
+    memory: list[dict[str, Any]], breakdown: dict[str, float], hold: dict[str, Any] | None, idle: list[dict[str, Any]]
+) -> None:
     print(f"{'server':<11}{'connections':>12}{'RSS warm MiB':>14}{'RSS full MiB':>14}{'KiB/conn':>10}")
     for row in memory:
         print(
@@ -380,10 +471,25 @@ def report(memory: list[dict[str, Any]], breakdown: dict[str, float], hold: dict
         )
     by = {(row["kind"], row["connections"]): row["bytes_per_connection"] for row in memory}
     for n in sorted({row["connections"] for row in memory}):
-        if ("hub", n) in by and ("channels", n) in by and ("websockets", n) in by:
+        floor = by.get(("websockets", n))
+        ratios = [
+            f"{kind}/websockets {by[kind, n] / floor:.2f}"
+            for kind in ("hub", "uvicorn", "channels")
+            if floor and (kind, n) in by
+        ]
+        if ratios:
+            print(f"n={n}: memory per connection " + ", ".join(ratios))
+    if idle:
+        print(
+            f"\n{'server':<11}{'connections':>12}{'heartbeat s':>12}{'% of a core':>12}{'per 1,000':>10}{'vs floor':>9}"
+        )
+        floor_cpu = next((row["cpu_share"] for row in idle if row["kind"] == "websockets"), 0.0)
+        for row in idle:
+            ratio = row["cpu_share"] / floor_cpu if floor_cpu else float("nan")
             print(
-                f"n={n}: memory per connection hub/channels {by['hub', n] / by['channels', n]:.2f}, "
-                f"hub/websockets {by['hub', n] / by['websockets', n]:.2f}"
+                f"{row['kind']:<11}{row['connections']:>12}{row['ping_interval_s']:>12}"
+                f"{100 * row['cpu_share']:>12.2f}{100 * row['cpu_share'] / row['connections'] * 1000:>10.3f}"
+                f"{ratio:>9.2f}"
             )
     if breakdown:
         total = sum(breakdown.values())

@@ -1,4 +1,8 @@
-"""The physical reference: a bare ``websockets`` server broadcasting one frame per cadence."""
+"""The physical reference: a bare ``websockets`` server broadcasting one frame per cadence.
+
+Usage: ws_broadcast.py PORT INTERVAL_MS [PING_INTERVAL_S] (pings every 20 s by default,
+the library's own, as daphne's and uvicorn's; the timeout three times the interval).
+"""
 
 import asyncio
 import itertools
@@ -10,7 +14,7 @@ import websockets
 from websockets.asyncio.server import broadcast, serve
 
 
-async def main(port: int, interval_ms: int) -> None:
+async def main(port: int, interval_ms: int, ping_interval: float = 20) -> None:
     clients: set = set()
 
     async def handler(ws) -> None:
@@ -20,7 +24,9 @@ async def main(port: int, interval_ms: int) -> None:
         finally:
             clients.discard(ws)
 
-    async with serve(handler, "127.0.0.1", port, compression=None):
+    async with serve(
+        handler, "127.0.0.1", port, compression=None, ping_interval=ping_interval, ping_timeout=3 * ping_interval
+    ):
         loop = asyncio.get_running_loop()
         deadline = loop.time()
         for seq in itertools.count(1):
@@ -32,4 +38,4 @@ async def main(port: int, interval_ms: int) -> None:
 
 if __name__ == "__main__":
     _ = websockets
-    asyncio.run(main(int(sys.argv[1]), int(sys.argv[2])))
+    asyncio.run(main(int(sys.argv[1]), int(sys.argv[2]), *(float(a) for a in sys.argv[3:4])))

@@ -18,8 +18,10 @@ Session keys never travel: the control message carries a digest of the key.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
+from collections.abc import Callable, Iterable
 from importlib import import_module
 from typing import Any
 
@@ -159,15 +161,25 @@ async def current_user(scope: Scope) -> Any:
     return fresh
 
 
-async def revalidate(conn: Connection, watched: list[str] | tuple[str, ...] = ()) -> int | None:
-    """The close code ``conn`` deserves now (None: its rights still hold); ``watched``: the
-    channels whose presence it watches (their ``presence`` rule is checked too)."""
-    # a channel its token grants is its holder's (while the token's user holds: checked below)
+Stakes = tuple[list[tuple[str, Action]], bool]
+
+
+def stakes(conn: Connection, watched: Iterable[str] = (), needs: Callable[..., bool] = needs_user) -> Stakes:
+    """What ``conn`` could lose: the channels whose rule depends on its user (those it
+    subscribed, those whose presence it watches: ``watched``), and whether it is signed in."""
+    # a channel its token grants is its holder's (while the token's user holds: checked after)
     guarded: list[tuple[str, Action]] = [
-        (c, "subscribe") for c in conn.subscriptions if needs_user(c) and not granted(conn.scope, c)
+        (c, "subscribe") for c in conn.subscriptions if needs(c) and not granted(conn.scope, c)
     ]
-    guarded += [(c, "presence") for c in watched if needs_user(c, "presence")]
-    was_authenticated = getattr(conn.scope.get("user"), "is_authenticated", False)
+    guarded += [(c, "presence") for c in watched if needs(c, "presence")]
+    return guarded, bool(getattr(conn.scope.get("user"), "is_authenticated", False))
+
+
+async def revalidate(conn: Connection, watched: Iterable[str] = (), at_stake: Stakes | None = None) -> int | None:
+    """The close code ``conn`` deserves now (None: its rights still hold); ``watched``: the
+    channels whose presence it watches (their ``presence`` rule is checked too);
+    ``at_stake``: :func:`stakes`, when the caller has it."""
+    guarded, was_authenticated = at_stake if at_stake is not None else stakes(conn, watched)
     if not guarded and not was_authenticated:
         return None  # an anonymous socket on public channels has nothing to lose
     user = await current_user(conn.scope)
@@ -193,9 +205,13 @@ async def revalidation_loop(hub: Hub) -> None:
             continue
         connections = [c for c in hub.connections if not c.closed]
         failed: DatabaseError | None = None
+        needs = functools.lru_cache(maxsize=4096)(needs_user)  # a channel's rule read once a round
         for conn in connections:
+            at_stake = stakes(conn, hub.presence.watched(conn), needs)
+            if not at_stake[0] and not at_stake[1]:
+                continue  # nothing to lose: not even a coroutine
             try:
-                code = await revalidate(conn, hub.presence.watched(conn))
+                code = await revalidate(conn, at_stake=at_stake)
             except asyncio.CancelledError:
                 raise
             except DatabaseError as exc:  # an outage: every socket would fail alike; none loses its rights

@@ -1,0 +1,382 @@
+"""A rolling restart of three daphne processes behind nginx: drained vs stopped at once.
+
+Three daphne processes of the bench site on Redis behind nginx (docs/deploy/nginx.conf with
+a third upstream, its per-address limits left out: every client of this benchmark comes
+from 127.0.0.1), ``--clients`` clients (``RealtimeClient``, each with an address of its
+own) subscribed to ``demo:events`` (an event channel with history), ``--rate``
+publications per second, and one well-behaved client calling ``ping`` ten times a second.
+Then a rolling restart, one process after the other: the process is taken out of nginx's
+upstream (``down``, a reload: what a readiness check does for a load balancer that has
+them), given SIGTERM, started again once it exited, put back. Two modes, in one run:
+
+* **drained**: ``DRAIN_SECONDS`` = ``--drain``: the process closes its connections with
+  1012 spread over the drain, each told ``retry_after_ms``;
+* **immediate**: ``DRAIN_SECONDS`` = 0: daphne closes every connection at once.
+
+Measured: publications lost (a client never got one it was subscribed for, after its
+resumes), the most clients disconnected at once, handshakes per second on the processes
+that were not restarting (peak, from their established connections, read in
+``/proc/net/tcp`` every 0.25 s), the ping p99 during the deploy vs before it, and the time
+from the first stop until every client is back. ``--plot``: connections per process over
+the deploy.
+
+Usage:  REDIS_URL=redis://127.0.0.1:6379/0 python bench/deploy.py [--clients 3000]
+            [--rate 10] [--drain 10] [--json FILE] [--plot docs/img/deploy-connections.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import ROOT, daphne, free_port, percentile, prepare_database, progress, wait_port
+
+PROCESSES = 3
+SAMPLE_S = 0.25
+
+
+class Site:
+    """Three daphne processes behind nginx; a process is restarted on its own port."""
+
+    def __init__(self, env: dict[str, str], root: Path) -> None:
+        self.env = env
+        self.root = root
+        self.ports = [free_port() for _ in range(PROCESSES)]
+        self.front = free_port()
+        self.procs: list[subprocess.Popen[bytes] | None] = [None] * PROCESSES
+        self.down: set[int] = set()
+        self.nginx: subprocess.Popen[bytes] | None = None
+
+    def start(self, i: int) -> None:
+        command = [*daphne(self.ports[i]), "--proxy-headers"]
+        self.procs[i] = subprocess.Popen(
+            command, cwd=ROOT, env={**os.environ, **self.env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+
+    def config(self) -> str:
+        text = (ROOT / "docs" / "deploy" / "nginx.conf").read_text()
+        text = re.sub(r"\n\s*limit_(req|conn)[^\n]*", "", text)  # one address here: 127.0.0.1
+        servers = "".join(
+            f"        server 127.0.0.1:{port} max_fails=0{' down' if i in self.down else ''};\n"
+            for i, port in enumerate(self.ports)
+        )
+        text = re.sub(r"(upstream django \{\n[^\n]*\n)(?:\s*server [^\n]*\n)+", lambda m: m.group(1) + servers, text)
+        text = text.replace("127.0.0.1:8000", f"127.0.0.1:{self.front}")
+        text = text.replace("worker_processes auto;", "worker_processes 1;")
+        return text.replace("include /etc/nginx/mime.types;", "")
+
+    def write_config(self) -> None:
+        (self.root / "nginx.conf").write_text(self.config())
+
+    def start_nginx(self) -> None:
+        nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+        (self.root / "tmp").mkdir(exist_ok=True)
+        for path in (self.root, self.root / "tmp"):
+            path.chmod(0o777)
+        self.write_config()
+        self.nginx = subprocess.Popen(
+            [nginx, "-p", str(self.root), "-c", str(self.root / "nginx.conf"), "-g", "daemon off;"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_port(self.front, self.nginx)
+
+    def route(self, i: int, up: bool) -> None:
+        """Put process ``i`` in or out of nginx's upstream (a reload)."""
+        (self.down.discard if up else self.down.add)(i)
+        self.write_config()
+        assert self.nginx is not None
+        self.nginx.send_signal(signal.SIGHUP)
+
+    def stop_all(self) -> None:
+        for proc in [*self.procs, self.nginx]:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+def site_root() -> Path:
+    """A directory nginx's workers can read (they run unprivileged when the master is root)."""
+    root = Path(tempfile.mkdtemp(prefix="realtime-deploy-"))
+    root.chmod(0o755)
+    return root
+
+
+def established(ports: list[int]) -> list[int]:
+    """Established TCP connections whose local port is each of ``ports`` (the server side)."""
+    wanted = {port: i for i, port in enumerate(ports)}
+    counts = [0] * len(ports)
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as lines:
+            next(lines)
+            for line in lines:
+                fields = line.split()
+                if fields[3] == "01":
+                    i = wanted.get(int(fields[1].rsplit(":", 1)[1], 16))
+                    if i is not None:
+                        counts[i] += 1
+    return counts
+
+
+async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]) -> dict[str, Any]:
+    from realtime_app import apublish
+    from realtime_app.client import RealtimeClient
+
+    drain = args.drain if mode == "drained" else 0
+    env = {**base_env, "REALTIME_BENCH_OVERRIDES": json.dumps({"DRAIN_SECONDS": drain})}
+    site = Site(env, site_root())
+    root = site.root
+    clients: list[Any] = []
+    received: list[set[int]] = []
+    samples: list[tuple[float, list[int], int]] = []  # (time, connections per process, clients not open)
+    pings: list[tuple[float, float]] = []
+    published: list[tuple[float, int]] = []
+    stopping = asyncio.Event()
+    pinger_box: list[Any] = []
+    try:
+        for i in range(PROCESSES):
+            site.start(i)
+        for port, proc in zip(site.ports, site.procs, strict=True):
+            assert proc is not None
+            wait_port(port, proc)
+        site.start_nginx()
+        url = f"ws://127.0.0.1:{site.front}/realtime/"
+
+        def handler_for(seen: set[int]) -> Any:
+            return lambda params: seen.add(int(params["seq"]))
+
+        for n in range(args.clients):
+            seen: set[int] = set()
+            address = f"10.{n >> 16 & 255}.{n >> 8 & 255}.{n & 255}"
+            client = RealtimeClient(
+                url,
+                origin="http://127.0.0.1",
+                headers={"X-Forwarded-For": address},
+                backoff_initial=0.5,
+                backoff_max=10,
+                open_timeout=30,
+                ping_interval=None,
+                compression=None,
+            )
+            await client.subscribe("demo:events", handler_for(seen))
+            clients.append(client)
+            received.append(seen)
+        opening = asyncio.gather(*(c.connect(timeout=180) for c in clients), return_exceptions=True)
+        deadline = time.monotonic() + 120
+        while sum(c.state == "open" for c in clients) < args.clients and time.monotonic() < deadline:
+            await asyncio.sleep(1)
+            progress(f"{mode}: {sum(c.state == 'open' for c in clients)}/{args.clients} clients open")
+        await opening
+        pinger = RealtimeClient(url, origin="http://127.0.0.1", headers={"X-Forwarded-For": "10.255.255.254"})
+        pinger_box.append(pinger)
+        await pinger.connect()
+
+        async def sample() -> None:
+            while not stopping.is_set():
+                samples.append((time.monotonic(), established(site.ports), sum(c.state != "open" for c in clients)))
+                await asyncio.sleep(SAMPLE_S)
+
+        async def publish() -> None:
+            while not stopping.is_set():
+                published.append((time.monotonic(), await apublish("demo:events", {"t": time.time()})))
+                await asyncio.sleep(1 / args.rate)
+
+        async def ping() -> None:
+            while not stopping.is_set():
+                t0 = time.monotonic()
+                with contextlib.suppress(Exception):
+                    await pinger.call("ping", {}, timeout=10)
+                    pings.append((t0, (time.monotonic() - t0) * 1000))
+                await asyncio.sleep(0.1)
+
+        tasks = [asyncio.create_task(job()) for job in (sample, publish, ping)]
+        await asyncio.sleep(10)  # before the deploy: the idle figures
+        first_stop = time.monotonic()
+        restarting: list[tuple[float, float, int]] = []
+        for i in range(PROCESSES):
+            began = time.monotonic()
+            site.route(i, up=False)
+            proc = site.procs[i]
+            assert proc is not None
+            proc.send_signal(signal.SIGTERM)
+            progress(f"{mode}: process {i + 1} stopping")
+            while proc.poll() is None:
+                await asyncio.sleep(0.1)
+            site.start(i)
+            await asyncio.to_thread(wait_port, site.ports[i], site.procs[i])
+            site.route(i, up=True)
+            restarting.append((began, time.monotonic(), i))
+            progress(f"{mode}: process {i + 1} back after {time.monotonic() - began:.1f} s")
+        deadline = time.monotonic() + 180
+        while sum(c.state == "open" for c in clients) < args.clients and time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
+        back = time.monotonic() - first_stop
+        deploy_end = time.monotonic()
+        await asyncio.sleep(5)  # resumes land, a few more publications
+        stopping.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(2)
+    finally:
+        await asyncio.gather(*(c.close() for c in [*clients, *pinger_box]), return_exceptions=True)
+        site.stop_all()
+        shutil.rmtree(root, ignore_errors=True)
+    return summarize(mode, drain, args, samples, pings, published, received, first_stop, deploy_end, back, restarting)
+
+
+def summarize(
+    mode: str,
+    drain: float,
+    args: argparse.Namespace,
+    samples: list[tuple[float, list[int], int]],
+    pings: list[tuple[float, float]],
+    published: list[tuple[float, int]],
+    received: list[set[int]],
+    first_stop: float,
+    deploy_end: float,
+    back: float,
+    restarting: list[tuple[float, float, int]],
+) -> dict[str, Any]:
+    # lost: publications made while every client was subscribed that some client never got
+    seqs = [seq for t, seq in published if t >= first_stop - 5]
+    missing = [sum(1 for seq in seqs if seq not in seen) for seen in received]
+    lost_publications = sum(1 for seq in seqs if any(seq not in seen for seen in received))
+    # handshakes per second on the processes not restarting at that moment (their growth)
+    peak = 0.0
+    for (t0, c0, _), (t1, c1, _) in zip(samples, samples[1:], strict=False):
+        busy = {i for began, ended, i in restarting if began - 1 <= t1 and t0 <= ended + 1}
+        for i in range(PROCESSES):
+            if i not in busy and t1 > t0:
+                peak = max(peak, (c1[i] - c0[i]) / (t1 - t0))
+    idle = [ms for t, ms in pings if t < first_stop]
+    during = [ms for t, ms in pings if first_stop <= t <= deploy_end]
+    row = {
+        "mode": mode,
+        "drain_seconds": drain,
+        "clients": args.clients,
+        "rate": args.rate,
+        "publications": len(seqs),
+        "publications_lost": lost_publications,
+        "frames_missed": sum(missing),
+        "clients_missing_any": sum(1 for m in missing if m),
+        "disconnected_at_once": max((down for _, _, down in samples if _ >= first_stop), default=0),
+        "handshakes_per_s_peak": round(peak, 1),
+        "ping_p99_idle_ms": percentile(idle, 99),
+        "ping_p99_deploy_ms": percentile(during, 99),
+        "back_after_s": round(back, 1),
+        "series": [(round(t - first_stop, 2), counts) for t, counts, _ in samples],
+    }
+    progress(
+        f"{mode}: lost {lost_publications}, at once {row['disconnected_at_once']}, "
+        f"peak {row['handshakes_per_s_peak']}/s, back after {row['back_after_s']} s"
+    )
+    return row
+
+
+def report(rows: list[dict[str, Any]]) -> None:
+    print(
+        f"{'mode':<10}{'lost':>6}{'missed':>8}{'at once':>9}{'hs/s peak':>11}"
+        f"{'ping p99 idle':>15}{'ping p99 deploy':>17}{'all back s':>12}"
+    )
+    for row in rows:
+        print(
+            f"{row['mode']:<10}{row['publications_lost']:>6}{row['frames_missed']:>8}"
+            f"{row['disconnected_at_once']:>9}{row['handshakes_per_s_peak']:>11.0f}"
+            f"{row['ping_p99_idle_ms']:>15.1f}{row['ping_p99_deploy_ms']:>17.1f}{row['back_after_s']:>12.1f}"
+        )
+    if len(rows) == 2:
+        drained, immediate = rows
+        print(
+            f"drained vs immediate: disconnected at once {drained['disconnected_at_once']} vs "
+            f"{immediate['disconnected_at_once']}, peak handshakes {drained['handshakes_per_s_peak']:.0f}/s vs "
+            f"{immediate['handshakes_per_s_peak']:.0f}/s"
+        )
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(rows), 1, figsize=(9, 3.2 * len(rows)), sharex=True)
+    for ax, row in zip(axes if len(rows) > 1 else [axes], rows, strict=True):
+        times = [t for t, _ in row["series"]]
+        for i in range(PROCESSES):
+            ax.plot(times, [counts[i] for _, counts in row["series"]], label=f"process {i + 1}")
+        ax.set_title(f"{row['mode']} (DRAIN_SECONDS {row['drain_seconds']}): {row['clients']} clients")
+        ax.set_ylabel("connections")
+        ax.legend(loc="upper right")
+    axes_list = axes if len(rows) > 1 else [axes]
+    axes_list[-1].set_xlabel("seconds since the first stop")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--clients", type=int, default=3000)
+    parser.add_argument("--rate", type=float, default=10)
+    parser.add_argument("--drain", type=float, default=10)
+    parser.add_argument("--modes", nargs="+", default=["drained", "immediate"])
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--plot", type=Path)
+    args = parser.parse_args()
+    url = os.environ.get("REDIS_URL")
+    if not url:
+        sys.exit("set REDIS_URL (e.g. redis://127.0.0.1:6379/0)")
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    prefix = f"bench-{secrets.token_hex(3)}"
+    db = Path(tempfile.mkdtemp()) / "db.sqlite3"
+    base_env = {
+        **prepare_database(str(db), "bench.settings"),
+        "REDIS_URL": url,
+        "REALTIME_KEY_PREFIX": prefix,
+        "DJANGO_SETTINGS_MODULE": "bench.settings",
+    }
+    os.environ.update(base_env)
+    import django
+
+    django.setup()
+    import redis
+
+    rows = []
+    try:
+        for mode in args.modes:
+            print(f"== {mode}", file=sys.stderr)
+            rows.append(await run_mode(mode, args, base_env))
+    finally:
+        from realtime_app.hub import running_hub
+
+        hub = running_hub()
+        if hub is not None:
+            await hub.aclose()
+        r = redis.Redis.from_url(url)
+        for key in r.scan_iter(match=f"{prefix}*"):
+            r.delete(key)
+    report(rows)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    if args.plot:
+        plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
