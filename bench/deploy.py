@@ -273,7 +273,7 @@ def summarize(
         "publications_lost": lost_publications,
         "frames_missed": sum(missing),
         "clients_missing_any": sum(1 for m in missing if m),
-        "disconnected_at_once": max((down for _, _, down in samples if _ >= first_stop), default=0),
+        "disconnected_at_once": max((down for t, _, down in samples if t >= first_stop), default=0),
         "handshakes_per_s_peak": round(peak, 1),
         "ping_p99_idle_ms": percentile(idle, 99),
         "ping_p99_deploy_ms": percentile(during, 99),
@@ -346,7 +346,7 @@ async def main() -> None:
     prefix = f"bench-{secrets.token_hex(3)}"
     db = Path(tempfile.mkdtemp()) / "db.sqlite3"
     base_env = {
-        **prepare_database(str(db), "bench.settings"),
+        **prepare_database(str(db)),
         "REDIS_URL": url,
         "REALTIME_KEY_PREFIX": prefix,
         "DJANGO_SETTINGS_MODULE": "bench.settings",

@@ -529,3 +529,34 @@ async def test_a_call_in_flight_fails_at_once_with_outcome_unknown_when_the_clie
     await client.close()
     with pytest.raises(OutcomeUnknown, match="outcome unknown"):
         await asyncio.wait_for(call, 5)
+
+
+async def test_a_call_lost_while_it_is_sent_leaves_no_unretrieved_error():
+    """Found by bench/deploy.py: a connection closed (1012) while a call's frame was being
+    written settled the call's answer with OutcomeUnknown that nobody read, and asyncio
+    logged "Future exception was never retrieved" for each: the caller has the send's
+    error, and nothing else is left behind."""
+    import gc
+
+    from realtime_app.client import RealtimeClient
+
+    client = RealtimeClient("ws://127.0.0.1:9/realtime/")
+    loop = asyncio.get_running_loop()
+    unretrieved: list[dict] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: unretrieved.append(context))
+
+    async def send(text: str) -> None:
+        client._lost(1012)  # the connection ends while the frame is written
+        raise ConnectionError("connection lost")
+
+    client.socket.ws = object()  # open, as far as the call can tell
+    client.socket.send = send  # type: ignore[method-assign]
+    try:
+        with pytest.raises(ConnectionError):
+            await client.call("ping")
+        gc.collect()
+        await asyncio.sleep(0)
+        assert not unretrieved, unretrieved
+    finally:
+        loop.set_exception_handler(previous)

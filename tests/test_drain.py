@@ -22,7 +22,7 @@ from realtime_app.client.reconnecting import retry_after_ms
 from realtime_app.endpoint.drain import DRAIN_SHARE, schedule
 from tests.support.servers import prepare_database, servers
 from tests.support.waiting import eventually, eventually_sync
-from tests.support.wsclient import RPC
+from tests.support.wsclient import RPC, call_honouring_refusals
 
 
 def test_the_closes_spread_evenly_and_each_is_told_when_to_come_back():
@@ -165,3 +165,61 @@ async def test_a_draining_process_hands_its_ticker_over_at_once(redis_url):
     finally:
         for key in client.scan_iter(match=f"{prefix}*"):
             client.delete(key)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+async def test_clients_refused_a_resume_after_a_deploy_subscribe_again_when_told(tmp_path, redis_url):
+    """Found by bench/deploy.py: after a process stopped at once, the clients that came back
+    together were refused their resumes (too_many_resumes, retry_after_ms) and stayed
+    connected to nothing: both clients now send a refused renewal again after the delay
+    it names (the browser module's half is tests/js/client.test.mjs)."""
+    import os
+    import secrets
+
+    import redis
+
+    from realtime_app.client import RealtimeClient
+    from realtime_app.exceptions import Refused
+
+    overrides = {"MAX_CONCURRENT_RESUMES": 1, "MAX_CONNECTIONS_PER_ADDRESS": 0, "HANDSHAKES_PER_S": 0}
+    prefix = f"{os.environ['REALTIME_TEST_PREFIX']}-{secrets.token_hex(3)}"
+    env = {
+        **prepare_database(str(tmp_path / "db.sqlite3")),
+        "REDIS_URL": redis_url,  # replays read Redis: resumes overlap as in production
+        "REALTIME_KEY_PREFIX": prefix,
+        "REALTIME_TEST_OVERRIDES": json.dumps(overrides),
+    }
+    with servers(1, env) as (server,):
+        clients = [
+            RealtimeClient(
+                server.ws, headers={"X-Forwarded-For": f"10.7.0.{i + 1}"}, backoff_initial=0.01, backoff_max=0.05
+            )
+            for i in range(20)
+        ]
+        seen: list[set[int]] = [set() for _ in clients]
+        refusals: list[Exception] = []
+        for client, got in zip(clients, seen, strict=True):
+            client.on_subscribe_error.append(lambda channel, error: refusals.append(error))
+            await client.connect()
+            await client.subscribe("demo:events", lambda params, got=got: got.add(params["data"]["n"]))
+        async with RPC(server.ws, address="10.7.1.1") as publisher:
+            burst = {"channels": ["demo:events"], "count": 200, "size": 3000}
+            n = 0
+            for _ in range(5):  # until some resume was refused: the case at hand
+                away = [asyncio.create_task(client.reconnect(500)) for client in clients]
+                await asyncio.sleep(0.05)
+                await call_honouring_refusals(publisher, "test.publish_burst", {**burst, "start": n})
+                n += 200  # published while they were away: each comes back with 200 to resume
+                await asyncio.gather(*away)
+                await eventually(lambda: all(c.state == "open" for c in clients), 20, "every client back")
+                if any(isinstance(error, Refused) for error in refusals):
+                    break
+            assert any(isinstance(error, Refused) for error in refusals), refusals
+            await call_honouring_refusals(publisher, "test.publish_burst", {**burst, "count": 1, "start": n})
+            await eventually(lambda: all(n in got for got in seen), 30, "the next publication reaches every client")
+        for client in clients:
+            await client.close()
+    client = redis.Redis.from_url(redis_url)
+    for key in client.scan_iter(match=f"{prefix}*"):
+        client.delete(key)

@@ -174,8 +174,12 @@ class RealtimeClient:
 
     async def _resubscribe(self) -> None:
         for name in list(self.session.handlers):
-            with contextlib.suppress(Exception):  # reported by _subscribe_remote
+            try:
                 await self._subscribe_remote(name, renewal=True)
+            except Refused as refused:  # e.g. too many resumes at once after a deploy: again when told
+                self._spawn(_renew_later(self, name, refused))
+            except Exception:  # reported by _subscribe_remote
+                pass
 
     async def _on_text(self, text: str | bytes) -> None:
         for event in self.session.receive(text):
@@ -249,6 +253,8 @@ class RealtimeClient:
         finally:
             self.session.forget(request_id)
             self._answers.pop(request_id, None)
+            if future.done() and not future.cancelled():
+                future.exception()  # settled by a lost connection while it was sent: the caller has the send's error
 
     async def notify(self, method: str, params: Any = None) -> None:
         """Send a notification (no answer)."""
@@ -264,7 +270,9 @@ class RealtimeClient:
             if isinstance(error, RPCError) and name in self.session.handlers:
                 callbacks: list[Callable[..., Any]] = [*self.session.on_error.get(name, [])]
                 callbacks += [partial(f, name) for f in self.on_subscribe_error]
-                if renewal and not callbacks:  # nobody else hears of it: the application awaited none
+                if renewal and not callbacks and isinstance(error, Refused):  # sent again: _renew_later
+                    logger.info("subscribe %s refused for now: %s", name, error)
+                elif renewal and not callbacks:  # nobody else hears of it: the application awaited none
                     logger.warning("subscribe %s refused: %s", name, error)
                 _fire(callbacks, "error", error)
             raise
@@ -336,6 +344,24 @@ async def _recover(client: RealtimeClient, channel: str) -> None:
             logger.warning("resuming %s failed: %s", channel, error)
             await asyncio.sleep(1.0)
         due = session.recover_request(channel)
+
+
+async def _renew_later(client: RealtimeClient, name: str, refused: Refused) -> None:
+    """A subscription renewed after a reconnect was refused for now (``retry_after_ms``):
+    sent again after that delay (jittered) while the connection and the subscription last,
+    so that an avalanche of resumes does not leave clients subscribed to nothing."""
+    ws = client.socket.ws
+    while True:
+        await asyncio.sleep(retry_delay_ms(refused.retry_after_ms, random.random()) / 1000)
+        if client.socket.ws is not ws or ws is None or name not in client.session.handlers:
+            return  # a new connection renews it anew; an unsubscribe ends it
+        try:
+            await client._subscribe_remote(name, renewal=True)
+            return
+        except Refused as again:
+            refused = again
+        except Exception:  # reported by _subscribe_remote
+            return
 
 
 async def _refresh(client: RealtimeClient) -> None:

@@ -316,3 +316,27 @@ test("a close that says retry_after_ms waits that long before the next connectio
     client.close();
   }
 });
+
+test("a re-subscription refused for now after a reconnect (too many resumes) is sent again after retryAfterMs", async () => {
+  FakeSocket.instances = [];
+  const client = new RealtimeClient({ url: "ws://x/realtime/", WebSocket: FakeSocket, backoffInitialMs: 1, backoffMaxMs: 2 });
+  const errors = [];
+  client.connect();
+  FakeSocket.instances[0].open();
+  const answer = client.subscribe("demo:events", () => {}, { onError: (e) => errors.push(e) });
+  FakeSocket.instances[0].reply({ channel: "demo:events", kind: "event", interval_ms: 0 });
+  await answer;
+  FakeSocket.instances[0].close(1012); // a deploy: every client comes back at once
+  await until(() => FakeSocket.instances.length === 2);
+  const again = FakeSocket.instances[1];
+  again.open();
+  const tooMany = { code: -32003, message: "Too many resumes", data: { reason: "too_many_resumes", retry_after_ms: 20 } };
+  again.reply(null, tooMany);
+  await until(() => again.sent.length === 2); // sent again, on the same connection
+  assert.deepEqual([again.sent[1].method, again.sent[1].params.channel], ["subscribe", "demo:events"]);
+  again.reply({ channel: "demo:events", kind: "event", interval_ms: 0 });
+  await until(() => client._answers.get("demo:events") !== undefined && errors.length === 1);
+  assert.equal(errors[0].reason, "too_many_resumes"); // the application heard of the refusal all the same
+  assert.equal(again.sent.length, 2);
+  client.close();
+});

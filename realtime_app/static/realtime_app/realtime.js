@@ -401,7 +401,7 @@ export class RealtimeClient extends EventTarget {
         this._callOnce("auth", { token: this.token }, {}).catch((err) => console.error("auth refused", err));
       }
       this._setState("open");
-      for (const name of this._handlers.keys()) this._subscribeRemote(name).catch(() => {}); // reported there
+      for (const name of this._handlers.keys()) this._resubscribe(name, ws);
     };
     ws.onmessage = (event) => this._onMessage(event.data);
     ws.onclose = (event) => this._onClose(event.code, event.reason);
@@ -690,6 +690,20 @@ export class RealtimeClient extends EventTarget {
     const request = { jsonrpc: "2.0", method };
     if (params !== undefined) request.params = params;
     this._ws.send(JSON.stringify(request));
+  }
+
+  /**
+   * Renew a subscription on a new connection; refused for now (`retryAfterMs`: too many
+   * resumes at once after a deploy, say), sent again after that delay while this
+   * connection and the subscription last. Other refusals are reported by _subscribeRemote.
+   */
+  _resubscribe(name, ws) {
+    this._subscribeRemote(name).catch((err) => {
+      if (!(err instanceof RefusedError)) return; // reported there
+      setTimeout(() => {
+        if (this._ws === ws && ws.readyState === 1 && this._handlers.has(name)) this._resubscribe(name, ws);
+      }, retryDelayMs(err.retryAfterMs));
+    });
   }
 
   async _subscribeRemote(name) {
