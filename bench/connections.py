@@ -1,25 +1,35 @@
-"""Memory per idle subscribed connection, and how many connections one daphne process holds.
+"""Memory and idle CPU per connection beside the floor, and how many connections one
+daphne process holds.
 
 Memory (each server a fresh process, one at a time): the server's RSS with 100 warm
 connections, then with N; the difference over N − 100 is the cost of one connection.
 
 * ``hub``: daphne with realtime_app on Redis; each connection subscribes to ``demo:events``
   (an event channel, idle here);
-* ``channels``: the same daphne, ``/baseline/``: a plain ``AsyncWebsocketConsumer`` that
-  joins a group at connect;
+* ``uvicorn``: the same site under uvicorn (``--ws websockets-sansio``);
+* ``channels``: daphne, ``/baseline/``: a plain ``AsyncWebsocketConsumer`` that joins a
+  group at connect;
 * ``websockets``: a bare ``websockets`` server holding the connections, the floor.
 
-Then one daphne process (hub) holds ``--hold`` idle subscribed connections with daphne's
-WebSocket heartbeat (a ping every ``--ping-interval`` s, answered by every client): its
-CPU while idle, then ten publications on ``demo:events`` and their fan-out latency
-(receive time − the publication's ``ts``), over every connection and over 20 connections
-of a process of their own, at arbitrary places in the fan-out order (what this process
-adds reading 10,000 sockets on a 2-core machine is then not in their figure).
+Idle CPU (``--idle N``): hub, uvicorn and the floor each hold N connections whose clients
+answer the server's pings (every ``--ping-interval`` s, the same for all three), over two
+heartbeat rounds: CPU per 1,000 connections and its ratio to the floor's.
+
+Then one daphne process (hub) holds each ``--hold`` count of idle subscribed connections
+with the same heartbeat: its CPU while idle, the CPU of a ``/realtime/metrics`` read, then
+ten publications on ``demo:events`` and their fan-out latency (receive time − the
+publication's ``ts``), over every connection and over 20 connections of a process of their
+own, at arbitrary places in the fan-out order (what this process adds reading 10,000
+sockets on a 2-core machine is then not in their figure).
 
 Usage:  REDIS_URL=redis://127.0.0.1:6379/0 python bench/connections.py [--sizes 1000 5000]
-            [--hold 10000] [--ping-interval 20] [--json FILE]
-The file-descriptor limit of this process (inherited by the servers) is raised to its hard
-limit; ``--hold`` must stay below it.
+            [--idle 10000] [--hold 500 20000] [--ping-interval 20] [--json FILE]
+The file-descriptor limit of this process (inherited by the servers and the probe
+process) is raised to what the largest count needs plus 300: the soft limit up to the
+hard one, and the hard one too when the script may (root, or CAP_SYS_RESOURCE; up to
+``fs.nr_open``, 1,048,576 here); otherwise it says what to raise. The handshake limits
+(``MAX_CONNECTIONS``, anonymous handshakes per second) are off here: opening the sockets is
+not what is measured.
 """
 
 from __future__ import annotations
@@ -397,7 +407,7 @@ async def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 5000])
-    parser.add_argument("--hold", type=int, default=10000)
+    parser.add_argument("--hold", type=int, nargs="*", default=[10000], help="one process holding each many")
     parser.add_argument("--ping-interval", type=int, default=20)
     parser.add_argument("--idle", type=int, default=2000, help="idle CPU beside the floor at this many (0: skip)")
     parser.add_argument(
@@ -408,7 +418,7 @@ async def main() -> None:
     url = os.environ.get("REDIS_URL")
     if not url:
         sys.exit("set REDIS_URL (e.g. redis://127.0.0.1:6379/0)")
-    limit = raise_file_limit(max([*args.sizes, args.hold, args.idle]) + 1000)
+    limit = raise_file_limit(max([*args.sizes, *args.hold, args.idle]) + 300)
     print(f"file-descriptor limit of this process and its servers: {limit}", file=sys.stderr)
     prefix = f"bench-{secrets.token_hex(3)}"
     env = {
@@ -429,7 +439,7 @@ async def main() -> None:
     r = redis.Redis.from_url(url)
     memory: list[dict[str, Any]] = []
     idle: list[dict[str, Any]] = []
-    hold: dict[str, Any] | None = None
+    holds: list[dict[str, Any]] = []
     breakdown: dict[str, float] = {}
     try:
         for n in args.sizes:
@@ -442,9 +452,9 @@ async def main() -> None:
                 idle.append(await idle_phase(kind, args.idle, args.ping_interval, env))
         print(f"== where the hub's bytes go, {args.sizes[0]} connections (tracemalloc)", file=sys.stderr)
         breakdown = await where_phase(args.sizes[0], env)
-        if args.hold:
-            print(f"== one daphne process, {args.hold} subscribed connections", file=sys.stderr)
-            hold = await hold_phase(args.hold, args.ping_interval, env)
+        for n in args.hold:
+            print(f"== one daphne process, {n} subscribed connections", file=sys.stderr)
+            holds.append(await hold_phase(n, args.ping_interval, env))
     finally:
         from realtime_app.hub import running_hub
 
@@ -453,15 +463,15 @@ async def main() -> None:
             await hub.aclose()
         for key in r.scan_iter(match=f"{prefix}*"):
             r.delete(key)
-    report(memory, breakdown, hold, idle)
+    report(memory, breakdown, holds, idle)
     if args.json:
         args.json.write_text(
-            json.dumps({"memory": memory, "idle": idle, "python_bytes_by_package": breakdown, "hold": hold}, indent=2)
+            json.dumps({"memory": memory, "idle": idle, "python_bytes_by_package": breakdown, "hold": holds}, indent=2)
         )
 
 
 def report(
-    memory: list[dict[str, Any]], breakdown: dict[str, float], hold: dict[str, Any] | None, idle: list[dict[str, Any]]
+    memory: list[dict[str, Any]], breakdown: dict[str, float], holds: list[dict[str, Any]], idle: list[dict[str, Any]]
 ) -> None:
     print(f"{'server':<11}{'connections':>12}{'RSS warm MiB':>14}{'RSS full MiB':>14}{'KiB/conn':>10}")
     for row in memory:
@@ -495,7 +505,7 @@ def report(
         total = sum(breakdown.values())
         parts = ", ".join(f"{name} {size / 1024:.1f}" for name, size in breakdown.items() if abs(size) >= 100)
         print(f"\nPython heap per hub connection (tracemalloc): {total / 1024:.1f} KiB: {parts} (KiB)")
-    if hold:
+    for hold in holds:
         print(
             f"\none daphne process, {hold['connections']} subscribed connections, heartbeat every "
             f"{hold['ping_interval_s']} s: RSS {hold['rss'] / 2**20:.0f} MiB, idle CPU "

@@ -14,11 +14,15 @@ them), given SIGTERM, started again once it exited, put back. Two modes, in one 
 * **immediate**: ``DRAIN_SECONDS`` = 0: daphne closes every connection at once.
 
 Measured: publications lost (a client never got one it was subscribed for, after its
-resumes), the most clients disconnected at once, handshakes per second on the processes
-that were not restarting (peak, from their established connections, read in
-``/proc/net/tcp`` every 0.25 s), the ping p99 during the deploy vs before it, and the time
-from the first stop until every client is back. ``--plot``: connections per process over
-the deploy.
+resumes), the most connections a process closed per second and the most clients away at
+once, handshakes per second on the processes that were not restarting (peak, from their
+established connections, read in ``/proc/net/tcp`` every 0.25 s), a well-behaved client's
+``ping`` p99 during the deploy vs before it (in a process of its own), the time from the
+first stop until every client is back, and until every client holds every publication
+(resumes done). ``--plot``: connections per process over the deploy.
+
+One process drives every client here: on a small machine its own CPU bounds how fast the
+clients come back, in both modes alike.
 
 Usage:  REDIS_URL=redis://127.0.0.1:6379/0 python bench/deploy.py [--clients 3000]
             [--rate 10] [--drain 10] [--json FILE] [--plot docs/img/deploy-connections.png]
@@ -134,7 +138,6 @@ def established(ports: list[int]) -> list[int]:
 
 
 async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]) -> dict[str, Any]:
-    from realtime_app import apublish
     from realtime_app.client import RealtimeClient
 
     drain = args.drain if mode == "drained" else 0
@@ -182,29 +185,28 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
             await asyncio.sleep(1)
             progress(f"{mode}: {sum(c.state == 'open' for c in clients)}/{args.clients} clients open")
         await opening
-        pinger = RealtimeClient(url, origin="http://127.0.0.1", headers={"X-Forwarded-For": "10.255.255.254"})
+        # the well-behaved client and the publisher in a process of their own: the latency
+        # is the servers', the rate is kept, whatever this process's work for thousands of clients
+        pinger = await asyncio.create_subprocess_exec(
+            sys.executable,
+            __file__,
+            "--side",
+            url,
+            str(args.rate),
+            stdout=asyncio.subprocess.PIPE,
+            stdin=asyncio.subprocess.PIPE,
+        )
         pinger_box.append(pinger)
-        await pinger.connect()
+        assert pinger.stdout is not None and pinger.stdin is not None
+        if (await pinger.stdout.readline()).strip() != b"ready":
+            raise RuntimeError("the pinger did not connect")
 
         async def sample() -> None:
             while not stopping.is_set():
                 samples.append((time.monotonic(), established(site.ports), sum(c.state != "open" for c in clients)))
                 await asyncio.sleep(SAMPLE_S)
 
-        async def publish() -> None:
-            while not stopping.is_set():
-                published.append((time.monotonic(), await apublish("demo:events", {"t": time.time()})))
-                await asyncio.sleep(1 / args.rate)
-
-        async def ping() -> None:
-            while not stopping.is_set():
-                t0 = time.monotonic()
-                with contextlib.suppress(Exception):
-                    await pinger.call("ping", {}, timeout=10)
-                    pings.append((t0, (time.monotonic() - t0) * 1000))
-                await asyncio.sleep(0.1)
-
-        tasks = [asyncio.create_task(job()) for job in (sample, publish, ping)]
+        tasks = [asyncio.create_task(sample())]
         await asyncio.sleep(10)  # before the deploy: the idle figures
         first_stop = time.monotonic()
         restarting: list[tuple[float, float, int]] = []
@@ -227,15 +229,30 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
             await asyncio.sleep(0.25)
         back = time.monotonic() - first_stop
         deploy_end = time.monotonic()
-        await asyncio.sleep(5)  # resumes land, a few more publications
+        pinger.stdin.write(b"stop\n")
+        await pinger.stdin.drain()
+        side = json.loads(await asyncio.wait_for(pinger.stdout.read(), 60))
+        offset = time.monotonic() - time.time()  # the side process's wall times, on this clock
+        pings.extend((t + offset, ms) for t, ms in side["pings"])
+        published.extend((t + offset, seq) for t, seq in side["published"])
         stopping.set()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.sleep(2)
+        # resumes still replaying: wait until every client holds what was published (or 60 s)
+        due = [seq for t, seq in published if t >= first_stop - 5]
+        settle_deadline = time.monotonic() + 60
+        while time.monotonic() < settle_deadline and any(seq not in seen for seen in received for seq in due):
+            await asyncio.sleep(1)
+        recovered = time.monotonic() - deploy_end
     finally:
-        await asyncio.gather(*(c.close() for c in [*clients, *pinger_box]), return_exceptions=True)
+        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+        for process in pinger_box:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
         site.stop_all()
         shutil.rmtree(root, ignore_errors=True)
-    return summarize(mode, drain, args, samples, pings, published, received, first_stop, deploy_end, back, restarting)
+    row = summarize(mode, drain, args, samples, pings, published, received, first_stop, deploy_end, back, restarting)
+    row["resumed_all_after_s"] = round(recovered, 1)
+    return row
 
 
 def summarize(
@@ -262,6 +279,12 @@ def summarize(
         for i in range(PROCESSES):
             if i not in busy and t1 > t0:
                 peak = max(peak, (c1[i] - c0[i]) / (t1 - t0))
+    # closed at once: the most connections one process lost per second, between two readings
+    pairs = list(zip(samples, samples[1:], strict=False))
+    dropped = max(
+        (max(c0[i] - c1[i] for i in range(PROCESSES)) / max(t1 - t0, SAMPLE_S) for (t0, c0, _), (t1, c1, _) in pairs),
+        default=0.0,
+    )
     idle = [ms for t, ms in pings if t < first_stop]
     during = [ms for t, ms in pings if first_stop <= t <= deploy_end]
     row = {
@@ -273,6 +296,7 @@ def summarize(
         "publications_lost": lost_publications,
         "frames_missed": sum(missing),
         "clients_missing_any": sum(1 for m in missing if m),
+        "closes_per_s_peak": round(dropped),
         "disconnected_at_once": max((down for t, _, down in samples if t >= first_stop), default=0),
         "handshakes_per_s_peak": round(peak, 1),
         "ping_p99_idle_ms": percentile(idle, 99),
@@ -289,14 +313,15 @@ def summarize(
 
 def report(rows: list[dict[str, Any]]) -> None:
     print(
-        f"{'mode':<10}{'lost':>6}{'missed':>8}{'at once':>9}{'hs/s peak':>11}"
-        f"{'ping p99 idle':>15}{'ping p99 deploy':>17}{'all back s':>12}"
+        f"{'mode':<10}{'lost':>6}{'missed':>8}{'closes/s peak':>14}{'away at once':>13}{'hs/s peak':>11}"
+        f"{'ping p99 idle':>15}{'ping p99 deploy':>17}{'all back s':>12}{'resumed s':>11}"
     )
     for row in rows:
         print(
-            f"{row['mode']:<10}{row['publications_lost']:>6}{row['frames_missed']:>8}"
-            f"{row['disconnected_at_once']:>9}{row['handshakes_per_s_peak']:>11.0f}"
+            f"{row['mode']:<10}{row['publications_lost']:>6}{row['frames_missed']:>8}{row['closes_per_s_peak']:>14}"
+            f"{row['disconnected_at_once']:>13}{row['handshakes_per_s_peak']:>11.0f}"
             f"{row['ping_p99_idle_ms']:>15.1f}{row['ping_p99_deploy_ms']:>17.1f}{row['back_after_s']:>12.1f}"
+            f"{row['resumed_all_after_s']:>11.1f}"
         )
     if len(rows) == 2:
         drained, immediate = rows
@@ -327,7 +352,53 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=90)
 
 
+async def side_main(url: str, rate: float) -> None:
+    """``--side``: one client calling ``ping`` ten times a second, and ``rate`` publications
+    per second on ``demo:events``; "ready", then on "stop" from stdin
+    ``{"pings": [[wall time, ms], ...], "published": [[wall time, seq], ...]}``."""
+    import django
+
+    django.setup()
+    from realtime_app import apublish
+    from realtime_app.client import RealtimeClient
+
+    client = RealtimeClient(url, origin="http://127.0.0.1", headers={"X-Forwarded-For": "10.255.255.254"})
+    await client.connect(timeout=60)
+    print("ready", flush=True)
+    pings: list[tuple[float, float]] = []
+    published: list[tuple[float, int]] = []
+    stop = asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+
+    async def ping() -> None:
+        while not stop.done():
+            t0, wall = time.monotonic(), time.time()
+            with contextlib.suppress(Exception):
+                await client.call("ping", {}, timeout=10)
+                pings.append((wall, (time.monotonic() - t0) * 1000))
+            await asyncio.sleep(0.1)
+
+    async def publish() -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time()
+        while not stop.done():
+            published.append((time.time(), await apublish("demo:events", {"t": time.time()})))
+            due += 1 / rate
+            await asyncio.sleep(max(0.0, due - loop.time()))
+
+    await asyncio.gather(ping(), publish())
+    print(json.dumps({"pings": pings, "published": published}), flush=True)
+    await client.close()
+    from realtime_app.hub import running_hub
+
+    hub = running_hub()
+    if hub is not None:
+        await hub.aclose()
+
+
 async def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--side":
+        await side_main(sys.argv[2], float(sys.argv[3]))
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clients", type=int, default=3000)
     parser.add_argument("--rate", type=float, default=10)

@@ -51,7 +51,8 @@ def ready(base: str) -> int:
 
 @pytest.mark.cluster
 @pytest.mark.timeout(120)
-async def test_sigterm_drains_the_connections_over_drain_seconds_then_the_process_exits(tmp_path):
+@pytest.mark.parametrize("server_kind", ["daphne", "uvicorn"])
+async def test_sigterm_drains_the_connections_over_drain_seconds_then_the_process_exits(tmp_path, server_kind):
     from realtime_app.client import RealtimeClient
 
     env = {
@@ -59,7 +60,7 @@ async def test_sigterm_drains_the_connections_over_drain_seconds_then_the_proces
         "REDIS_URL": "",
         "REALTIME_TEST_OVERRIDES": json.dumps({"DRAIN_SECONDS": 5, "MAX_CONNECTIONS_PER_ADDRESS": 0}),
     }
-    with servers(1, env) as (server,):
+    with servers(1, env, server=server_kind) as (server,):
         assert ready(server.http) == 200
         clients = [RPC(server.ws, address=f"10.8.{n // 250}.{n % 250 + 1}") for n in range(200)]
         for rpc in clients:

@@ -1,7 +1,8 @@
 """The probe reads only the connections that lagged (``Fanout.lagging``): whatever the
-order of frames written, reads by the clients, drops and probes, it reads no idle
-connection, misses no connection with a backlog (two frames or more queued), and lists
-the connections with the most drops."""
+order of frames written, reads by the clients, drops, closes and probes, it reads no idle
+connection, misses no connection with a backlog (two frames or more queued), keeps no
+closed one, and lists the open connections with the most drops (also once the top ones
+closed)."""
 
 from __future__ import annotations
 
@@ -58,11 +59,20 @@ class Probing(RuleBasedStateMachine):
             self.transports.append(transport)
         self.last: dict[Connection, int] = {}
 
+    def open(self) -> list[Connection]:
+        return [c for c in self.connections if not c.closed]
+
+    @rule(i=st.integers(0, CONNECTIONS - 1))
+    def close(self, i: int) -> None:
+        asyncio.run(self.hub.remove_connection(self.connections[i]))
+
     def _reads(self) -> int:
         return sum(t.reads for t in self.transports)
 
     @rule(i=st.integers(0, CONNECTIONS - 1), frames=st.integers(1, 8))
     def send(self, i: int, frames: int) -> None:
+        if self.connections[i].closed:
+            return
         for _ in range(frames):
             self.connections[i].guard.send(b"x" * FRAME)
 
@@ -80,18 +90,21 @@ class Probing(RuleBasedStateMachine):
         self.last = fanout.lagging(top=2)
         assert self._reads() - before == watched  # one read per lagging connection, none for the others
         for conn, transport in zip(self.connections, self.transports, strict=True):
-            if len(transport.queue) >= 2:  # the second frame found the first still queued
+            if conn.closed:
+                assert conn not in self.last and conn not in fanout.watched and conn not in fanout.droppers
+            elif len(transport.queue) >= 2:  # the second frame found the first still queued
                 assert self.last[conn] == len(transport.queue) * FRAME
             if conn in self.last:
                 assert self.last[conn] == len(transport.queue) * FRAME
-        ranked = sorted(self.connections, key=lambda c: (-c.guard.state.drops, c.id))
-        wanted = [c for c in ranked if c.guard.state.drops][:4]
-        assert fanout.top_droppers == wanted
+        ranked = sorted(self.open(), key=lambda c: (-c.guard.state.drops, c.id))
+        wanted = [c for c in ranked if c.guard.state.drops][:2]
+        assert fanout.top_droppers == wanted  # also after the top ones closed
+        assert set(fanout.watched) == set(self.last)  # the clear ones left the watch list
 
     @invariant()
-    def idle_connections_leave_the_watch_list(self) -> None:
+    def closed_connections_are_never_watched(self) -> None:
         for conn in self.hub.fanout.watched:
-            assert conn in self.hub.connections
+            assert conn in self.hub.connections and not conn.closed
 
 
 Probing.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

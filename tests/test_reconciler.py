@@ -233,3 +233,29 @@ def test_a_channel_nobody_else_serves_gets_its_ticker_back_after_a_beat():
     node.beat()
     assert _settle(node, "c") == [Action.ACQUIRE, Action.START]
     assert node.running() == ["c"]
+
+
+def test_a_lease_lost_or_being_acquired_as_the_drain_begins_is_not_kept_from_the_process():
+    """Found in review: a renew that came back lost after the drain began left the channel
+    yielding for good (never competing again), and a lease granted after it began started
+    its ticker on the draining process."""
+    node = Reconciler()
+    node.subscribed("c", ticker=True)
+    _settle(node, "c")
+    node.beat()  # a renew in flight...
+    assert node.next_action("c") is Action.RENEW
+    node.yield_leases()  # ... as SIGTERM comes
+    node.done("c", Action.RENEW, False)  # the lease was lost meanwhile
+    assert _settle(node, "c") == [Action.STOP]
+    node.beat()
+    node.beat()
+    assert _settle(node, "c") == [Action.ACQUIRE, Action.START]  # it competes again
+    other = Reconciler()
+    other.subscribed("d", ticker=True)
+    assert _settle(other, "d", grant=False) == [Action.JOIN, Action.ACQUIRE]
+    other.beat()
+    assert other.next_action("d") is Action.ACQUIRE  # an acquire in flight...
+    other.yield_leases()  # ... as SIGTERM comes
+    other.done("d", Action.ACQUIRE, True)  # granted: given back at once, never started
+    assert _settle(other, "d") == [Action.RELEASE]
+    assert other.running() == []

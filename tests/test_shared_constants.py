@@ -14,6 +14,7 @@ from realtime_app.exceptions import REFUSAL_CODES
 from realtime_app.wire.cursor import MAX_HELD
 from realtime_app.wire.history import newer_epoch
 from realtime_app.wire.protocol import CloseCode
+from realtime_app.wire.retry import RENEWAL_RETRY_REASONS
 
 SHARED = json.loads((Path(__file__).parent / "vectors" / "constants.json").read_text())
 
@@ -24,6 +25,7 @@ def test_close_codes_refusal_codes_and_limits_are_the_shared_ones():
     assert list(REFUSAL_CODES) == SHARED["refusal_codes"]
     assert MAX_HELD == SHARED["max_held"]
     assert RESUME_TIMEOUT * 1000 == SHARED["resume_timeout_ms"]
+    assert sorted(RENEWAL_RETRY_REASONS) == SHARED["renewal_retry_reasons"]
     defaults = inspect.signature(RealtimeClient).parameters
     assert defaults["backoff_initial"].default * 1000 == SHARED["backoff_initial_ms"]
     assert defaults["backoff_max"].default * 1000 == SHARED["backoff_max_ms"]

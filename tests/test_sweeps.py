@@ -1,7 +1,8 @@
 """Daphne's sweeps visit only what can be due (realtime_app.endpoint.sweeps), black-box on
 a daphne process: idle WebSockets wait in the timing wheel and are still pinged when
 their heartbeat is due (a client that stops answering is closed), closed connections are
-still reaped, and a daphne release the module does not know keeps its own sweeps.
+still reaped; only the daphne releases the module knows are swept here (another keeps
+daphne's own sweeps, its code untouched).
 
 Found: daphne walked every connection once a second and again every 2 s; at 10,000 idle
 connections that was half of the process's idle CPU (docs/performance.md)."""

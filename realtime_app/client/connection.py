@@ -22,7 +22,7 @@ from typing import Any
 
 from realtime_app.client.reconnecting import RECONNECT_CODES, Hooks, ReconnectingSocket, is_reconnectable_close_code
 from realtime_app.exceptions import OutcomeUnknown, Refused, RPCError, error_from_response
-from realtime_app.wire.retry import retry_delay_ms
+from realtime_app.wire.retry import RENEWAL_RETRY_REASONS, retry_delay_ms
 from realtime_app.wire.session import Answer, ClientSession, Deliver, Event, Notify, Recover, Resubscribe
 
 __all__ = ["RECONNECT_CODES", "Handler", "RealtimeClient", "Refused", "is_reconnectable_close_code"]
@@ -177,7 +177,8 @@ class RealtimeClient:
             try:
                 await self._subscribe_remote(name, renewal=True)
             except Refused as refused:  # e.g. too many resumes at once after a deploy: again when told
-                self._spawn(_renew_later(self, name, refused))
+                if refused.reason in RENEWAL_RETRY_REASONS:
+                    self._spawn(_renew_later(self, name, refused))
             except Exception:  # reported by _subscribe_remote
                 pass
 
@@ -270,7 +271,7 @@ class RealtimeClient:
             if isinstance(error, RPCError) and name in self.session.handlers:
                 callbacks: list[Callable[..., Any]] = [*self.session.on_error.get(name, [])]
                 callbacks += [partial(f, name) for f in self.on_subscribe_error]
-                if renewal and not callbacks and isinstance(error, Refused):  # sent again: _renew_later
+                if renewal and not callbacks and getattr(error, "reason", "") in RENEWAL_RETRY_REASONS:  # sent again
                     logger.info("subscribe %s refused for now: %s", name, error)
                 elif renewal and not callbacks:  # nobody else hears of it: the application awaited none
                     logger.warning("subscribe %s refused: %s", name, error)
@@ -359,6 +360,8 @@ async def _renew_later(client: RealtimeClient, name: str, refused: Refused) -> N
             await client._subscribe_remote(name, renewal=True)
             return
         except Refused as again:
+            if again.reason not in RENEWAL_RETRY_REASONS:
+                return  # reported by _subscribe_remote
             refused = again
         except Exception:  # reported by _subscribe_remote
             return

@@ -1,6 +1,6 @@
 """Drain on SIGTERM: a stopping process hands its connections over gently (docs/deployment.md).
 
-On SIGTERM (under daphne) the process, before the server shuts down:
+On SIGTERM (under daphne or uvicorn) the process, before the server shuts down:
 
 * **stops accepting**: new handshakes are closed with 1012 and ``/realtime/ready``
   answers 503, so a load balancer stops routing to it; its probe says ``draining``;
@@ -11,12 +11,12 @@ On SIGTERM (under daphne) the process, before the server shuts down:
   not an avalanche; event channels resume as after any reconnect;
 * **hands its tickers over first**: each lease it holds is released at once and the other
   processes are told, so one with subscribers runs the ticker within milliseconds, not a
-  lease timeout later (this process competes again only from its second beat: a channel
-  nobody else serves keeps ticking for the subscribers still here);
+  lease timeout later (this process competes again from its second beat: a channel nobody
+  else serves pauses one to two beats, then ticks here again for the subscribers left);
 * then lets the server stop (the write-behind stores flush as they always do).
 
 ``DRAIN_SECONDS`` = 0 switches it off (the server's own stop: every socket at once). Under
-uvicorn, the server closes its connections itself on SIGTERM (1012, at once).
+daphne and uvicorn alike: the handler wraps the server's own.
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ async def drain(hub: Hub, seconds: float) -> int:
     """Stop accepting, then close every connection with 1012 and its ``retry_after_ms``,
     spread over ``seconds``; returns how many were closed."""
     hub.gate.draining = True
-    handed = hub.reconciler.yield_leases()  # the tickers go to the other processes now
-    await asyncio.gather(*(hub.convergence.converge(channel) for channel in handed))
+    for channel in hub.reconciler.yield_leases():  # the tickers go to the other processes now,
+        hub.spawn(hub.convergence.converge(channel))  # beside the closes (a slow cleanup delays none)
     connections = [conn for conn in hub.connections if not conn.closed]
     logger.info("draining %d connection(s) over %.1f s", len(connections), seconds * DRAIN_SHARE)
     loop = asyncio.get_running_loop()
@@ -85,20 +85,17 @@ async def drain(hub: Hub, seconds: float) -> int:
 
 
 async def install_drain(hub: Hub) -> None:
-    """The hub's part (:mod:`realtime_app.endpoint.wiring`): under daphne, in the main
-    thread, a SIGTERM handler that drains first and then lets the server's own handler stop
-    it (daphne cancels every connection's application as it stops: the drain must be
-    over by then). A second SIGTERM stops at once. Elsewhere (tests, uvicorn,
-    ``DRAIN_SECONDS`` = 0): nothing."""
+    """The hub's part (:mod:`realtime_app.endpoint.wiring`): in the main thread, where a
+    server handles SIGTERM (daphne's reactor, uvicorn's ``handle_exit``), a SIGTERM handler
+    that drains first and then lets the server's own handler stop it (the server cancels
+    or closes every connection as it stops: the drain must be over by then). A second
+    SIGTERM stops at once. Elsewhere (tests, no server's handler, ``DRAIN_SECONDS`` = 0):
+    nothing."""
     global _installed
     seconds = float(get_config()["DRAIN_SECONDS"])
     if not seconds or _installed or threading.current_thread() is not threading.main_thread():
         return
-    if "twisted.internet.reactor" not in sys.modules:
-        return
-    from twisted.internet import reactor
-
-    if not getattr(reactor, "running", False):
+    if not _server_handles(signal.getsignal(signal.SIGTERM)):
         return
     _installed = True
     previous = signal.getsignal(signal.SIGTERM)
@@ -124,3 +121,18 @@ async def install_drain(hub: Hub) -> None:
         loop.call_soon_threadsafe(lambda: hub.spawn(drain_then_stop(signum)))
 
     signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _server_handles(handler: Any) -> bool:
+    """True when SIGTERM's handler is a server's: daphne's (Twisted's reactor, running) or
+    uvicorn's (``Server.handle_exit``)."""
+    if not callable(handler):
+        return False  # the default (the process ends) or ignored: no server to hand over to
+    owner = getattr(handler, "__self__", None)
+    if type(owner).__module__.startswith("uvicorn."):
+        return True
+    if "twisted.internet.reactor" in sys.modules:
+        from twisted.internet import reactor
+
+        return bool(getattr(reactor, "running", False))
+    return False

@@ -207,10 +207,10 @@ async def revalidation_loop(hub: Hub) -> None:
         failed: DatabaseError | None = None
         needs = functools.lru_cache(maxsize=4096)(needs_user)  # a channel's rule read once a round
         for conn in connections:
-            at_stake = stakes(conn, hub.presence.watched(conn), needs)
-            if not at_stake[0] and not at_stake[1]:
-                continue  # nothing to lose: not even a coroutine
             try:
+                at_stake = stakes(conn, hub.presence.watched(conn), needs)
+                if not at_stake[0] and not at_stake[1]:
+                    continue  # nothing to lose: not even a coroutine
                 code = await revalidate(conn, at_stake=at_stake)
             except asyncio.CancelledError:
                 raise

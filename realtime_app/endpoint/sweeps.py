@@ -8,9 +8,10 @@ process's idle CPU. Here the same checks run only where something can be due:
 
 * the application check visits the connections whose socket closed or whose application
   finished (noted as it happens), not the others;
-* the timeout check visits HTTP requests and WebSocket handshakes every 2 s as before, and
-  each open WebSocket when its next ping (or its ``--websocket_timeout``) is due, from a
-  timing wheel of 2 s slots.
+* the timeout check visits HTTP requests and WebSocket handshakes every second, and each
+  open WebSocket when its next ping (or its ``--websocket_timeout``) is due, from a timing
+  wheel of 1 s slots (a closed one leaves it at once): a ping goes out within 2 s of its
+  due time, as with daphne's own sweep.
 
 What each check does is daphne's own (its ``check_timeouts``, its reaping rules); only who
 is visited changes. ``HEARTBEAT_SECONDS``, when set, is the ping interval.
@@ -25,7 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import sys
+import threading
 import time
 from typing import Any
 
@@ -34,11 +37,13 @@ from realtime_app.conf import get_config
 __all__ = ["TESTED", "Sweeps", "install_sweeps", "installed", "supported"]
 
 logger = logging.getLogger("realtime_app.hub")
+daphne_logger = logging.getLogger("daphne.server")  # what daphne's own sweeps log, logged where it did
 
 #: The daphne releases whose ``Server`` this module knows (major, minor).
 TESTED = ((4, 1), (4, 2))
-#: Seconds between the sweeps' visits (daphne's timeout period).
-TICK = 2.0
+#: Seconds between the timeout sweep's visits: half daphne's period (2 s), so that a ping
+#: is sent no later than daphne's would be; only handshakes and what is due are visited.
+TICK = 1.0
 
 _installed: Sweeps | None = None
 
@@ -67,8 +72,10 @@ class Sweeps:
         self.pending: set[Any] = set()
         #: HTTP requests and WebSocket handshakes: visited every tick, as daphne does.
         self.fresh: set[Any] = set()
-        #: Open WebSockets by the tick when their next check is due.
-        self.wheel: dict[int, list[Any]] = {}
+        #: Open WebSockets by the tick when their next check is due, and each one's tick
+        #: (a closed one leaves the wheel at once).
+        self.wheel: dict[int, set[Any]] = {}
+        self.slot_of: dict[Any, int] = {}
         self.apps: dict[Any, Any] = {}  # application future -> its protocol
         self.last_slot = int(time.time() // TICK)
         self._connected = server.protocol_connected
@@ -95,6 +102,9 @@ class Sweeps:
     def protocol_disconnected(self, protocol: Any) -> None:
         self._disconnected(protocol)
         self.pending.add(protocol)
+        slot = self.slot_of.pop(protocol, None)
+        if slot is not None:
+            self.wheel.get(slot, set()).discard(protocol)
 
     def create_application(self, protocol: Any, scope: Any) -> Any:
         queue = self._create(protocol, scope)
@@ -127,7 +137,7 @@ class Sweeps:
             disconnected = details.get("disconnected")
             app = details.get("application_instance")
             if disconnected and now - disconnected > server.application_close_timeout and app and not app.done():
-                logger.warning(
+                daphne_logger.warning(
                     "Application instance %r for connection %s took too long to shut down and was killed.",
                     app,
                     repr(protocol),
@@ -155,7 +165,7 @@ class Sweeps:
         if isinstance(exception, KeyboardInterrupt):
             self.server.stop()  # the application asks the server to exit
             return
-        logger.error("Exception inside application: %s", exception, exc_info=exception)
+        daphne_logger.error("Exception inside application: %s", exception, exc_info=exception)
         if not disconnected:
             protocol.handle_exception(exception)
 
@@ -174,6 +184,7 @@ class Sweeps:
                 self._schedule(protocol)
         for due in range(first, slot + 1):
             for protocol in self.wheel.pop(due, ()):
+                self.slot_of.pop(protocol, None)
                 if protocol not in connections:
                     continue
                 if self._due(protocol) <= time.time():
@@ -198,8 +209,9 @@ class Sweeps:
         if not self._open(protocol):  # closing: the application check lets it go
             self.fresh.add(protocol)
             return
-        slot = max(int(self._due(protocol) // TICK) + 1, self.last_slot)
-        self.wheel.setdefault(slot, []).append(protocol)
+        slot = max(math.ceil(self._due(protocol) / TICK), self.last_slot)
+        self.wheel.setdefault(slot, set()).add(protocol)
+        self.slot_of[protocol] = slot
 
     def counts(self) -> dict[str, int]:
         """How many connections each sweep visits now, and how many daphne holds."""
@@ -207,7 +219,7 @@ class Sweeps:
             "connections": len(self.server.connections),
             "pending": len(self.pending),
             "fresh": len(self.fresh),
-            "scheduled": sum(len(slot) for slot in self.wheel.values()),
+            "scheduled": len(self.slot_of),
         }
 
 
@@ -229,6 +241,8 @@ async def install_sweeps(hub: Any) -> None:
     global _installed
     if _installed is not None or "twisted.internet.reactor" not in sys.modules or "daphne.server" not in sys.modules:
         return
+    if threading.current_thread() is not threading.main_thread():
+        return  # daphne's reactor runs in the main thread: a hub elsewhere is not its
     import daphne
     from twisted.internet import reactor
 

@@ -80,8 +80,10 @@ class Fanout:
         #: Connections that lagged since the probe last found them clear (their guards note
         #: them): the only ones a probe reads. An idle connection costs a probe nothing.
         self.watched: set[Connection] = set()
-        #: The connections with the most drops as of the last probe (at most twice the
-        #: probe's list): drops only grow, so these and the watched ones hold the next top.
+        #: Connections that dropped frames (found by the probe among the watched ones: a
+        #: drop notes its connection), kept while open; and the most dropping of them as of
+        #: the last probe.
+        self.droppers: set[Connection] = set()
         self.top_droppers: list[Connection] = []
 
     def fanout(self, channel: str, text: str, seq: int = 0, epoch: str = "") -> None:
@@ -354,22 +356,22 @@ class Fanout:
     def lagging(self, top: int) -> dict[Connection, int]:
         """Bytes queued now on each watched connection (one read each); those with nothing
         queued, nothing held and no drop balance leave the watch list. Updates
-        :attr:`top_droppers` (``2 * top`` kept)."""
+        :attr:`top_droppers` (the ``top`` open connections with the most drops)."""
         queued: dict[Connection, int] = {}
-        droppers = [conn for conn in self.top_droppers if not conn.closed]
         for conn in list(self.watched):
             if conn.closed or conn not in self.connections:
                 self.watched.discard(conn)
                 continue
             guard = conn.guard
             if guard.state.drops:
-                droppers.append(conn)
+                self.droppers.add(conn)
             now = guard.buffered()
             if now or guard.held or guard.state.balance:
                 queued[conn] = now
             else:
                 self.watched.discard(conn)
-        self.top_droppers = heapq.nlargest(2 * top, dict.fromkeys(droppers), key=_drops) if top else []
+        self.droppers = {conn for conn in self.droppers if not conn.closed and conn in self.connections}
+        self.top_droppers = heapq.nlargest(top, self.droppers, key=_drops) if top else []
         return queued
 
     def probe(self, queued: dict[Connection, int]) -> BackpressureProbe:

@@ -114,8 +114,8 @@ class Reconciler:
         process with subscribers takes it at once (told by the release), not after a lease
         timeout. This process competes again from the second beat on: a channel nobody
         else serves gets its ticker back here. Returns the channels to converge."""
-        held = [name for name, state in self.channels.items() if state.held]
-        for name in held:
+        held = [name for name, state in self.channels.items() if state.held or state.acquire_due]
+        for name in held:  # a lease being acquired now is released as soon as it is granted
             self.channels[name].yielding = True
         return held
 
@@ -126,6 +126,8 @@ class Reconciler:
         periodically within ``group_expiry``.
         """
         for state in self.channels.values():
+            if state.yielding and not state.held:  # nothing was granted since the drain began
+                state.yielding, state.yielded = False, True
             state.parked = False
             state.renew_due = state.held
             state.acquire_due = state.wanted and state.ticker and not state.held and not state.yielded
@@ -204,6 +206,8 @@ class Reconciler:
             state.backoff = not ok  # let another process try; retry at the next beat
         elif action is Action.STOP:
             state.running = False
+        if not state.held and not state.acquire_due:
+            state.yielding = False  # nothing left to give up (lost, refused, or released)
         self._forget_if_idle(channel)
 
     def failed(self, channel: str, action: Action) -> None:
@@ -219,4 +223,6 @@ class Reconciler:
             state.renew_due = False  # believed held until the backplane answers
         elif action is Action.ACQUIRE:
             state.acquire_due = False
+        if not state.held and not state.acquire_due:
+            state.yielding = False
         self._forget_if_idle(channel)

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["retry_delay_ms"]
+__all__ = ["RENEWAL_RETRY_REASONS", "retry_delay_ms"]
+
+#: Refusals of a subscription renewed after a reconnect that pass with time (a crowd of
+#: resumes after a deploy, a bucket, a busy backplane): the client sends the renewal again
+#: after ``retry_after_ms``. The others (too many tickers, instances, connections) are the
+#: application's to handle: reported once. The browser module's ``RENEWAL_RETRY_REASONS``
+#: is the same list (tests/vectors/constants.json).
+RENEWAL_RETRY_REASONS = frozenset(
+    {"backplane_unavailable", "overloaded", "rate_limited", "too_many_in_flight", "too_many_resumes"}
+)
 
 
 def retry_delay_ms(retry_after_ms: float, u: float) -> int:

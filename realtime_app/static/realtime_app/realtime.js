@@ -135,6 +135,11 @@ export class RpcError extends Error {
 
 /** JSON-RPC codes of "not now" answers: admission refused the request before any work. */
 export const REFUSAL_CODES = Object.freeze([-32003, -32004, -32005]);
+/** Refusals of a renewed subscription that pass with time: sent again after retryAfterMs
+ * (realtime_app.wire.retry.RENEWAL_RETRY_REASONS; tests/vectors/constants.json). */
+export const RENEWAL_RETRY_REASONS = Object.freeze([
+  "backplane_unavailable", "overloaded", "rate_limited", "too_many_in_flight", "too_many_resumes",
+]);
 
 /**
  * A request admission refused (overloaded, too_many_in_flight, rate_limited): nothing ran.
@@ -699,7 +704,7 @@ export class RealtimeClient extends EventTarget {
    */
   _resubscribe(name, ws) {
     this._subscribeRemote(name).catch((err) => {
-      if (!(err instanceof RefusedError)) return; // reported there
+      if (!(err instanceof RefusedError) || !RENEWAL_RETRY_REASONS.includes(err.reason)) return; // reported there
       setTimeout(() => {
         if (this._ws === ws && ws.readyState === 1 && this._handlers.has(name)) this._resubscribe(name, ws);
       }, retryDelayMs(err.retryAfterMs));
