@@ -22,7 +22,9 @@ first stop until every client is back, and until every client holds every public
 (resumes done). ``--plot``: connections per process over the deploy.
 
 One process drives every client here: on a small machine its own CPU bounds how fast the
-clients come back, in both modes alike.
+clients come back, in both modes alike. On 2 cores, 3,000 clients at 10 publications a
+second need more CPU than there is (the servers write 30,000 frames a second and this
+process reads them): lower ``--rate`` there, and say so.
 
 Usage:  REDIS_URL=redis://127.0.0.1:6379/0 python bench/deploy.py [--clients 3000]
             [--rate 10] [--drain 10] [--json FILE] [--plot docs/img/deploy-connections.png]
@@ -108,10 +110,13 @@ class Site:
         self.nginx.send_signal(signal.SIGHUP)
 
     def stop_all(self) -> None:
-        for proc in [*self.procs, self.nginx]:
+        for proc in self.procs:
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
+        if self.nginx is not None and self.nginx.poll() is None:
+            self.nginx.terminate()  # a fast stop: the master ends its workers, old ones included
+            self.nginx.wait(10)
 
 
 def site_root() -> Path:
