@@ -233,12 +233,7 @@ async def idle_phase(kind: str, n: int, ping_interval: int, env: dict[str, str])
         await open_connections(url, n, channel, sockets)
         readers = [asyncio.create_task(drain_frames(ws)) for ws in sockets]  # reading answers the pings
         rss = await settled_rss(pid)
-        idle_s = max(2.0 * ping_interval, 10.0)
-        progress(f"{kind}: {n} connections idle for {idle_s:.0f} s (two heartbeat rounds)")
-        cpu0, t0 = cpu_seconds(pid), time.monotonic()
-        await asyncio.sleep(idle_s)
-        share = (cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
-        still = sum(1 for ws in sockets if ws.state is websockets.protocol.State.OPEN)
+        share, still = await idle_cpu(pid, sockets, ping_interval, f"{kind}: {n} connections")
         for task in readers:
             task.cancel()
         await asyncio.gather(*readers, return_exceptions=True)
@@ -254,13 +249,24 @@ async def idle_phase(kind: str, n: int, ping_interval: int, env: dict[str, str])
     }
 
 
+async def idle_cpu(pid: int, sockets: list[Any], ping_interval: int, what: str) -> tuple[float, int]:
+    """The server's share of a core over two heartbeat rounds of idle connections, and how
+    many of ``sockets`` are still open after."""
+    idle_s = max(2.0 * ping_interval, 10.0)
+    progress(f"{what} idle for {idle_s:.0f} s (two heartbeat rounds)")
+    cpu0, t0 = cpu_seconds(pid), time.monotonic()
+    await asyncio.sleep(idle_s)
+    share = (cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
+    return share, sum(1 for ws in sockets if ws.state is websockets.protocol.State.OPEN)
+
+
 async def drain_frames(ws: Any) -> None:
     with contextlib.suppress(websockets.ConnectionClosed, asyncio.CancelledError):
         async for _ in ws:
             pass
 
 
-async def probe_cost(pid: int, port: int, env: dict[str, str], idle_cpu: float, reads: int = 20) -> tuple[int, float]:
+async def probe_cost(pid: int, port: int, env: dict[str, str], idle_share: float, reads: int = 20) -> tuple[int, float]:
     """The process's probe at this many connections: its size as it publishes it (the
     Redis key the cluster view reads), and the server's CPU per probe produced, read as
     ``/realtime/metrics`` (the probe, the cluster's, and the Prometheus text), less what
@@ -277,7 +283,7 @@ async def probe_cost(pid: int, port: int, env: dict[str, str], idle_cpu: float, 
     cpu0, t0 = cpu_seconds(pid), time.monotonic()
     for _ in range(reads):
         await asyncio.to_thread(lambda: urllib.request.urlopen(request, timeout=30).read())
-    spent = cpu_seconds(pid) - cpu0 - idle_cpu * (time.monotonic() - t0)
+    spent = cpu_seconds(pid) - cpu0 - idle_share * (time.monotonic() - t0)
     return size, 1000 * max(0.0, spent) / reads
 
 
@@ -323,13 +329,8 @@ async def hold_phase(n: int, ping_interval: int, env: dict[str, str]) -> dict[st
         if (await probe.stdout.readline()).strip() != b"ready":
             raise RuntimeError("the probe process did not connect")
         rss = await settled_rss(pid)
-        idle_s = max(2.0 * ping_interval, 10.0)
-        progress(f"holding {n} connections idle for {idle_s:.0f} s (two heartbeat rounds)")
-        cpu0, t0 = cpu_seconds(pid), time.monotonic()
-        await asyncio.sleep(idle_s)
-        idle_cpu = (cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
-        open_after_idle = sum(1 for ws in sockets if ws.state is websockets.protocol.State.OPEN)
-        probe_bytes, probe_cpu_ms = await probe_cost(pid, port, env, idle_cpu)
+        idle_share, open_after_idle = await idle_cpu(pid, sockets, ping_interval, f"holding {n} connections")
+        probe_bytes, probe_cpu_ms = await probe_cost(pid, port, env, idle_share)
         recording.set()
         publications = PUBLICATIONS
         for i in range(publications):
@@ -349,7 +350,7 @@ async def hold_phase(n: int, ping_interval: int, env: dict[str, str]) -> dict[st
         "connections": n,
         "ping_interval_s": ping_interval,
         "rss": rss,
-        "idle_cpu_share": idle_cpu,
+        "idle_cpu_share": idle_share,
         "open_after_idle": open_after_idle,
         "frames": received[0],
         "expected": publications * n,
