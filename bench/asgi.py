@@ -15,7 +15,7 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.urls import path  # noqa: E402
 
 from realtime_app.channels.registry import registry  # noqa: E402
-from realtime_app.routing import AuthMiddlewareStack, websocket_urlpatterns  # noqa: E402
+from realtime_app.routing import AuthMiddlewareStack, MetricsShortcut, websocket_urlpatterns  # noqa: E402
 
 if "bench:events" not in registry.exact:  # demo:events without history, for bench/history.py
     registry.add_channel("bench:events", "event")
@@ -183,7 +183,7 @@ if "bench:presence" not in registry.exact:  # bench/presence.py: presence vs a m
 
 application = ProtocolTypeRouter(
     {
-        "http": django_asgi_app,
+        "http": MetricsShortcut(django_asgi_app),  # as the demo: bench/connections.py's reads carry the token
         # users from the session, as in the demo (bench/admission.py's signed-in user); both
         # endpoints behind it, so that a comparison of the two pays it on both sides
         "websocket": AuthMiddlewareStack(

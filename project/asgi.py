@@ -19,6 +19,7 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from realtime_app.lifespan import lifespan_app  # noqa: E402
 from realtime_app.routing import (  # noqa: E402
     AuthMiddlewareStack,
+    MetricsShortcut,
     OriginValidator,
     not_found_urlpatterns,
     websocket_urlpatterns,
@@ -26,7 +27,7 @@ from realtime_app.routing import (  # noqa: E402
 
 application = ProtocolTypeRouter(
     {
-        "http": django_asgi_app,
+        "http": MetricsShortcut(django_asgi_app),  # a scrape with METRICS_TOKEN skips the middleware
         # Channels' AllowedHostsOriginValidator, and tokens past it (docs/auth.md)
         "websocket": OriginValidator(AuthMiddlewareStack(URLRouter([*websocket_urlpatterns, *not_found_urlpatterns]))),
         "lifespan": lifespan_app,  # uvicorn: flush the write-behind stores at shutdown

@@ -12,10 +12,8 @@ from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, JsonR
 
 from realtime_app.conf import get_config
 from realtime_app.exceptions import BackplaneUnavailable
-from realtime_app.inbound.pools import pools_probe
 from realtime_app.observability.logsafe import safe
-from realtime_app.observability.probes import cluster_probe
-from realtime_app.persistence.write_behind import stores_probe
+from realtime_app.observability.probes import served_probe
 
 __all__ = ["close_connection", "health", "issue_token", "metrics", "publish_api", "ready"]
 
@@ -40,23 +38,7 @@ async def _refusal(request: HttpRequest, *, allow_token: bool = False) -> HttpRe
 
 
 async def _probe(request: HttpRequest) -> dict[str, object]:
-    """The cluster probe; ``"unavailable"`` says why it is incomplete when the backplane
-    does not answer (the page answers all the same: no page waits on Redis for long)."""
-    problem = None
-    if hasattr(request, "scope"):  # served by this ASGI process: include its own hub
-        from realtime_app.hub.core import get_hub
-
-        try:
-            await get_hub()
-        except BackplaneUnavailable as exc:
-            problem = str(exc)
-    probe = await cluster_probe()
-    if problem is not None or not probe["complete"]:
-        probe["unavailable"] = problem or "the backplane did not answer: other processes are not listed"
-    # The serving process's HTTP pools, also under a WSGI server (which has no hub to publish them).
-    probe["http_pools"] = pools_probe()
-    probe["write_behind"] = stores_probe()
-    return probe
+    return await served_probe(serving=hasattr(request, "scope"))  # served by this ASGI process: its own hub too
 
 
 async def health(request: HttpRequest) -> HttpResponse:
@@ -96,7 +78,6 @@ async def close_connection(request: HttpRequest) -> HttpResponse:
     except (ValueError, KeyError, TypeError):
         return JsonResponse({"error": 'expected {"instance": str, "connection": int}'}, status=400)
     from realtime_app.endpoint.operator import close_connection as close
-    from realtime_app.exceptions import BackplaneUnavailable
 
     user = await request.auser()
     logger.warning(

@@ -140,3 +140,30 @@ def test_what_realtime_probe_reads_is_in_the_schema() -> None:
     known = all_field_names() | {"served", "failed", "instances", "totals", "clustered", "complete", "stale"}
     known |= {"json", "watch"}  # the command's own options
     assert read <= known, sorted(read - known)
+
+
+async def test_the_prometheus_text_is_prometheus_clients_byte_for_byte(hub) -> None:
+    """render writes the text itself (prometheus_client's validation per sample was most
+    of a read's CPU): the same bytes, for label values that need escaping and values
+    that Go prints with an exponent."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from realtime_app.observability.probes import cluster_probe
+
+    base = await cluster_probe()
+    labels = st.text(min_size=1, max_size=12)
+    values = st.one_of(
+        st.integers(min_value=0, max_value=10**12),
+        st.floats(allow_nan=True, allow_infinity=True),
+    )
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(host=labels, channels=st.dictionaries(labels, values, max_size=4), refused=st.dictionaries(labels, values))
+    def same(host: str, channels: dict[str, float], refused: dict[str, float]) -> None:
+        instance = {**base["instances"][0], "host": host, "refused": refused, "published": channels.get("", 7)}
+        instance["history"] = {**instance["history"], "channels": {c: {"kept": v} for c, v in channels.items()}}
+        probe = {**base, "instances": [instance, {**instance, "instance": 'other\n"\\'}]}
+        assert metrics.render(probe) == metrics.render_with_client(probe)
+
+    same()

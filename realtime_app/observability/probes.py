@@ -8,10 +8,12 @@ from typing import Any
 
 from realtime_app.cluster.factory import make_backplane
 from realtime_app.exceptions import BackplaneUnavailable
-from realtime_app.hub.core import hub_of_current_loop
+from realtime_app.hub.core import get_hub, hub_of_current_loop
+from realtime_app.inbound.pools import pools_probe
 from realtime_app.observability.schema import BackpressureProbe, ProcessProbe, fields_of
+from realtime_app.persistence.write_behind import stores_probe
 
-__all__ = ["PROBE_FIELDS", "cluster_probe", "totals"]
+__all__ = ["PROBE_FIELDS", "cluster_probe", "served_probe", "totals"]
 
 #: Numeric fields of an instance's probe, in the order the table and metrics show them.
 PROBE_FIELDS = ("connections", "subscriptions", "published")
@@ -54,6 +56,26 @@ async def cluster_probe() -> dict[str, Any]:
         "instances": instances,
         "totals": totals(instances),
     }
+
+
+async def served_probe(*, serving: bool) -> dict[str, Any]:
+    """The cluster probe as the HTTP probes show it; with ``serving`` (an ASGI process),
+    its own hub started and included. ``"unavailable"`` says why it is incomplete when
+    the backplane does not answer (the page answers all the same: no page waits on Redis
+    for long)."""
+    problem = None
+    if serving:
+        try:
+            await get_hub()
+        except BackplaneUnavailable as exc:
+            problem = str(exc)
+    probe = await cluster_probe()
+    if problem is not None or not probe["complete"]:
+        probe["unavailable"] = problem or "the backplane did not answer: other processes are not listed"
+    # The serving process's HTTP pools, also under a WSGI server (which has no hub to publish them).
+    probe["http_pools"] = pools_probe()
+    probe["write_behind"] = stores_probe()
+    return probe
 
 
 def totals(instances: list[ProcessProbe]) -> dict[str, Any]:
