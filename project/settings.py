@@ -80,6 +80,9 @@ def _database(url: str | None) -> dict[str, object]:
 DATABASES = {"default": _database(os.environ.get("DATABASE_URL"))}
 
 REDIS_URL = os.environ.get("REDIS_URL")
+# The backplane on a Redis Cluster (its node URLs, comma-separated); the channel layer stays
+# on REDIS_URL (a plain Redis: channels-redis cannot use a cluster) or in memory.
+REDIS_CLUSTER = [url.strip() for url in os.environ.get("REDIS_CLUSTER", "").split(",") if url.strip()]
 REDIS_HOSTS = [url.strip() for url in (REDIS_URL or "").split(",") if url.strip()]  # each a shard
 REALTIME_KEY_PREFIX = os.environ.get("REALTIME_KEY_PREFIX", "realtime")
 if REDIS_URL and os.environ.get("REALTIME_CHANNEL_LAYER") == "pubsub":
@@ -138,6 +141,8 @@ REALTIME_APP = {
         if key
     ],
 }
+if REDIS_CLUSTER:
+    REALTIME_APP["REDIS_CLUSTER"] = REDIS_CLUSTER
 
 AUTH_PASSWORD_VALIDATORS: list[dict[str, str]] = []  # demo users have demo passwords
 LOGIN_URL = "/accounts/login/"

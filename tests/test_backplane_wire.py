@@ -16,7 +16,8 @@ import redis
 from django.test import override_settings
 
 from realtime_app.cluster.base import Delivery
-from realtime_app.cluster.redis import RedisBackplane, layer_hosts
+from realtime_app.cluster.hosts import layer_hosts
+from realtime_app.cluster.redis import RedisBackplane
 from realtime_app.wire.history import HistoryPolicy
 from realtime_app.wire.protocol import notification_text
 from tests.support.private_redis import PrivateRedis

@@ -87,8 +87,8 @@ def cluster_bus_free(port: int) -> bool:
 
 
 async def test_a_redis_cluster_node_is_refused_with_a_clear_message(tmp_path):
-    """Redis Cluster is not used (a channel's keys are on one plain server, or Sentinel
-    service, of REDIS_SHARDS): a node in cluster mode is an outage that says so."""
+    """A Redis Cluster node named as a plain server (REDIS_URL, REDIS_SHARDS) is an outage
+    that says what to set instead: REDIS_CLUSTER (docs/redis-cluster.md)."""
     from realtime_app.cluster.redis import ClusterModeRefused, RedisBackplane
 
     node = PrivateRedis("--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / "nodes.conf"))
@@ -97,7 +97,7 @@ async def test_a_redis_cluster_node_is_refused_with_a_clear_message(tmp_path):
     node.start()
     backplane = RedisBackplane(config={"REDIS_URL": node.url, "KEY_PREFIX": PREFIX})
     try:
-        with pytest.raises(ClusterModeRefused, match="Redis Cluster node.*REDIS_SHARDS"):
+        with pytest.raises(ClusterModeRefused, match="Redis Cluster node: set REALTIME_APP\\['REDIS_CLUSTER'\\]"):
             await backplane.check()
         assert isinstance(ClusterModeRefused("x"), backplane.errors)  # down, logged once: not a crash
     finally:

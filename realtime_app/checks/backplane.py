@@ -1,5 +1,6 @@
-"""Checks of the backplane's settings: which backplane (E003, E005) and its Redis servers
-(E011). Called by :func:`realtime_app.checks.configuration.check_settings`."""
+"""Checks of the backplane's settings: which backplane (E003, E005), its Redis servers
+(E011) and its Redis Cluster (E014). Called by
+:func:`realtime_app.checks.configuration.check_settings`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from django.core.checks import CheckMessage, Error
 
 from realtime_app.conf import get_config
 
-__all__ = ["check_backplane", "check_shards"]
+__all__ = ["check_backplane", "check_cluster", "check_shards"]
 
 
 def check_shards(value: Any) -> list[CheckMessage]:
@@ -45,6 +46,35 @@ def check_shards(value: Any) -> list[CheckMessage]:
     ]
 
 
+def check_cluster(config: dict[str, Any]) -> list[CheckMessage]:
+    """E014: ``REDIS_CLUSTER`` that is not a list of ``redis://`` / ``rediss://`` URLs, or
+    that another setting contradicts (a second Redis for the backplane, a backplane that is
+    not Redis, a key prefix with a hash tag of its own)."""
+    value = config.get("REDIS_CLUSTER")
+    if value is None:
+        return []
+    problem = None
+    if not isinstance(value, (list, tuple)) or not value:
+        problem = "must be a non-empty list of the cluster's startup node URLs"
+    elif bad := [url for url in value if not (isinstance(url, str) and url.startswith(("redis://", "rediss://")))]:
+        problem = f"lists {bad[0]!r}, not a redis:// or rediss:// URL"
+    elif config.get("REDIS_SHARDS") or config.get("REDIS_URL"):
+        problem = "is set beside REDIS_SHARDS or REDIS_URL: the backplane uses one of them, say which"
+    elif str(config.get("BACKPLANE")) not in ("auto", "redis"):
+        problem = f"is set but BACKPLANE is {config.get('BACKPLANE')!r}: the cluster would not be used"
+    elif any(c in str(config.get("KEY_PREFIX", "")) for c in "{}"):
+        problem = "is set and KEY_PREFIX has a brace: it would be the hash tag of every key (one slot for all)"
+    if problem is None:
+        return []
+    return [
+        Error(
+            f"REALTIME_APP['REDIS_CLUSTER'] {problem}, got {value!r}.",
+            hint='e.g. ["redis://10.0.0.1:6379", "redis://10.0.0.2:6379"] (docs/redis-cluster.md).',
+            id="realtime_app.E014",
+        )
+    ]
+
+
 def _server(entry: Any) -> str:
     """Which server and database a host names, whatever the spelling: ``redis://A:6379``
     and ``redis://a:6379/0`` are one."""
@@ -70,9 +100,10 @@ def check_backplane(backplane: Any) -> list[CheckMessage]:
     if backplane in ("auto", "memory"):
         return []
     if backplane == "redis":
-        from realtime_app.cluster.redis import uses_channels_redis
+        from realtime_app.cluster.hosts import uses_channels_redis
 
-        if uses_channels_redis() or get_config()["REDIS_URL"] or get_config()["REDIS_SHARDS"]:
+        config = get_config()
+        if uses_channels_redis() or config["REDIS_URL"] or config["REDIS_SHARDS"] or config["REDIS_CLUSTER"]:
             return []
         return [
             Error(

@@ -12,7 +12,7 @@ from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
 from realtime_app.channels.policies import Rule, configured_rules, matching_rule
 from realtime_app.channels.registry import Family, registry
-from realtime_app.checks.backplane import check_backplane, check_shards
+from realtime_app.checks.backplane import check_backplane, check_cluster, check_shards
 from realtime_app.conf import DEFAULTS, chosen_backplane, get_config
 
 __all__ = ["check_channels", "check_layer", "check_policies", "check_server_versions", "check_settings"]
@@ -129,7 +129,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             )
         )
     messages += check_backplane(config["BACKPLANE"])
-    messages += check_shards(config["REDIS_SHARDS"])
+    messages += check_shards(config["REDIS_SHARDS"]) + check_cluster(config)
     capacity, refill = config["ADMISSION_BUCKET_CAPACITY"], config["ADMISSION_REFILL_PER_S"]
     numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in (capacity, refill))
     if not numbers or (capacity and not refill):
@@ -395,7 +395,7 @@ def check_layer(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """E008: ``BACKPLANE = "auto"`` with a channel layer the cluster cannot be carried on."""
     from django.conf import settings
 
-    from realtime_app.cluster.redis import REDIS_LAYERS, layer_kind
+    from realtime_app.cluster.hosts import REDIS_LAYERS, layer_kind
 
     if chosen_backplane(get_config(), layer_kind()) != "unsupported_layer":
         return []

@@ -16,7 +16,7 @@ def backplane_class() -> type[Backplane]:
     from django.core.exceptions import ImproperlyConfigured
     from django.utils.module_loading import import_string
 
-    from realtime_app.cluster.redis import layer_kind
+    from realtime_app.cluster.hosts import layer_kind
     from realtime_app.conf import chosen_backplane, get_config
 
     choice = chosen_backplane(get_config(), layer_kind())
@@ -36,10 +36,16 @@ def backplane_class() -> type[Backplane]:
 
 
 def redis_backplane_class() -> type[Backplane]:
-    """One Redis server, or several: a sharded backplane (:mod:`realtime_app.cluster.shards`)."""
-    from realtime_app.cluster.redis import RedisBackplane, shard_hosts
+    """One Redis server, or several: a sharded backplane (:mod:`realtime_app.cluster.shards`);
+    or a Redis Cluster (:mod:`realtime_app.cluster.redis_cluster`)."""
+    from realtime_app.cluster.hosts import shard_hosts
+    from realtime_app.cluster.redis import RedisBackplane
     from realtime_app.conf import get_config
 
+    if get_config()["REDIS_CLUSTER"]:
+        from realtime_app.cluster.redis_cluster import ClusterBackplane
+
+        return ClusterBackplane
     if len(shard_hosts(get_config())) > 1:
         from realtime_app.cluster.shards import ShardedBackplane
 

@@ -1,5 +1,5 @@
-"""Redis hosts as channels-redis reads them, the pool of a Sentinel service, and the
-backplane's client on any of them — rules of this package, on redis-py's public API.
+"""Redis hosts as channels-redis reads them, which of them the backplane uses, the pool of
+a Sentinel service, and the backplane's client on any of them — rules of this package, on redis-py's public API.
 
 The shapes are channels-redis' (``CONFIG["hosts"]`` of its layers: a URL, a
 ``(host, port)`` pair, or a dict of connection keywords, Sentinel services with
@@ -17,7 +17,17 @@ from typing import Any
 from redis import asyncio as aioredis
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 
-__all__ = ["decode_hosts", "redis_client", "sentinel_pool"]
+__all__ = [
+    "REDIS_LAYERS",
+    "decode_hosts",
+    "host_label",
+    "layer_hosts",
+    "layer_kind",
+    "redis_client",
+    "sentinel_pool",
+    "shard_hosts",
+    "uses_channels_redis",
+]
 
 
 def decode_hosts(hosts: Sequence[Any] | None) -> list[dict[str, Any]]:
@@ -74,3 +84,62 @@ def redis_client(settings: dict[str, Any], host: dict[str, Any]) -> Any:
     else:
         raise ValueError("the Redis backplane needs REDIS_SHARDS, REDIS_URL or a channels-redis layer with hosts")
     return aioredis.Redis(connection_pool=pool)
+
+
+def layer_kind() -> str:
+    """What the default channel layer is, for the backplane's choice: ``"redis"`` (one of
+    channels-redis' layers: the cluster is carried on its Redis), ``"memory"`` (none, or
+    Channels' in-memory layer: one process) or ``"other"`` (a layer the backplane cannot
+    carry a cluster on: check E008, never a silent fallback to one process)."""
+    from django.conf import settings
+
+    backend = (getattr(settings, "CHANNEL_LAYERS", {}) or {}).get("default", {}).get("BACKEND")
+    if backend is None or backend == "channels.layers.InMemoryChannelLayer":
+        return "memory"
+    if backend in REDIS_LAYERS:
+        return "redis"
+    return "other"
+
+
+#: The channel layers whose Redis carries the cluster (their ``CONFIG["hosts"]``).
+REDIS_LAYERS = ("channels_redis.core.RedisChannelLayer", "channels_redis.pubsub.RedisPubSubChannelLayer")
+
+
+def uses_channels_redis() -> bool:
+    """True when the default channel layer is one of channels-redis' (either of them)."""
+    return layer_kind() == "redis"
+
+
+def layer_hosts() -> list[dict[str, Any]]:
+    """The default layer's Redis hosts, as channels-redis reads them (``[]`` if none)."""
+    from django.conf import settings
+
+    layer = (getattr(settings, "CHANNEL_LAYERS", {}) or {}).get("default", {})
+    hosts = (layer.get("CONFIG") or {}).get("hosts")
+    return list(decode_hosts(hosts)) if hosts else []
+
+
+def shard_hosts(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Redis servers of the backplane, in channels-redis' host shape: ``REDIS_SHARDS``
+    (URLs or host dicts, Sentinel ones included), else ``REDIS_URL``, else every host of
+    the default channels-redis layer; more than one shards the channels
+    (:mod:`realtime_app.cluster.shards`)."""
+    if config.get("REDIS_SHARDS"):
+        return list(decode_hosts(config["REDIS_SHARDS"]))
+    if config.get("REDIS_URL"):
+        return [{"address": config["REDIS_URL"]}]
+    return layer_hosts()
+
+
+def host_label(host: dict[str, Any]) -> str:
+    """Where a host is, for logs and the probe: ``host:port/db`` or the Sentinel service
+    name, never a password."""
+    from urllib.parse import urlsplit
+
+    if host.get("master_name"):
+        return f"sentinel:{host['master_name']}"
+    address = host.get("address")
+    if isinstance(address, str):
+        parts = urlsplit(address)
+        return f"{parts.hostname}:{parts.port or 6379}{parts.path or '/0'}"
+    return f"{host.get('host', '?')}:{host.get('port', 6379)}"

@@ -1,6 +1,7 @@
-"""The check that goes online: every Redis server the backplane is configured with is
-reached, asked ``PING`` and whether it is a plain Redis — so that an unreachable,
-misspelled or wrong-kind host is found before deploying, not by the first page.
+"""The check that goes online: every Redis server the backplane (and the channels-redis
+layer) is configured with is reached, asked ``PING`` and what kind it is — a plain Redis,
+or a Redis Cluster node of Redis 7 or newer for ``REDIS_CLUSTER`` — so that an
+unreachable, misspelled or wrong-kind host is found before deploying, not by the first page.
 
 Asked for by its tag (``manage.py check --tag realtime_backplane``) or with ``--deploy``;
 plain ``check`` — and every command that runs the checks — stays offline. Django's check
@@ -19,7 +20,7 @@ from django.core.checks import CheckMessage, Error, register
 
 from realtime_app.conf import get_config
 
-__all__ = ["TAG", "asked", "check_backplane_servers"]
+__all__ = ["TAG", "asked", "check_backplane_servers", "why_not"]
 
 TAG = "realtime_backplane"
 #: How long each server may take to answer, seconds (at most the backplane's own timeout).
@@ -34,39 +35,80 @@ def asked(argv: list[str] | None = None) -> bool:
 
 @register(TAG)
 def check_backplane_servers(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """E012: a configured Redis server that does not answer, or is a Redis Cluster node."""
+    """E012: a configured Redis server that does not answer, a Redis Cluster node where a
+    plain server is expected (the backplane's or the channel layer's), or a
+    ``REDIS_CLUSTER`` node that is not one, runs Redis below 7 or whose cluster is down."""
     if not asked():
         return []
     from realtime_app.cluster.factory import backplane_class
-    from realtime_app.cluster.redis import RedisBackplane, host_label, shard_hosts
+    from realtime_app.cluster.hosts import host_label, layer_hosts, shard_hosts, uses_channels_redis
+    from realtime_app.cluster.redis import RedisBackplane
 
     config = get_config()
     try:
-        if not issubclass(backplane_class(), RedisBackplane):
+        if not issubclass(backplane_class(), RedisBackplane) and not config["REDIS_CLUSTER"]:
             return []
-        hosts = shard_hosts(config)
-    except Exception:  # the offline checks (E003, E005, E008, E011) say what is wrong
+        cluster = list(config["REDIS_CLUSTER"] or [])
+        hosts = [] if cluster else shard_hosts(config)
+        layer = layer_hosts() if uses_channels_redis() else []
+    except Exception:  # the offline checks (E003, E005, E008, E011, E014) say what is wrong
         return []
-    problems = asyncio.run(_ask_all(config, hosts))
-    return [
-        Error(
-            f"The backplane's Redis {host_label(host)} {problem}.",
-            hint="Check REALTIME_APP['REDIS_URL'] / ['REDIS_SHARDS'] or the channel layer's hosts: the realtime "
-            "endpoint is down while its Redis is (pages are not) — docs/deployment.md.",
-            obj=host_label(host),
-            id="realtime_app.E012",
-        )
-        for host, problem in zip(hosts, problems, strict=True)
-        if problem is not None
-    ]
+    asked_hosts = [*hosts, *[{"address": url} for url in cluster], *layer]
+    kinds = ["backplane"] * len(hosts) + ["cluster"] * len(cluster) + ["layer"] * len(layer)
+    answers = asyncio.run(_ask_all(config, asked_hosts))
+    errors = []
+    for host, kind, answer in zip(asked_hosts, kinds, answers, strict=True):
+        problem = answer if isinstance(answer, str) else why_not(kind, answer)
+        if problem is not None:
+            errors.append(
+                Error(
+                    f"The {'channel layer' if kind == 'layer' else 'backplane'}'s Redis {host_label(host)} {problem}.",
+                    hint=HINTS[kind],
+                    obj=host_label(host),
+                    id="realtime_app.E012",
+                )
+            )
+    return errors
 
 
-async def _ask_all(config: dict[str, Any], hosts: list[dict[str, Any]]) -> list[str | None]:
+HINTS = {
+    "backplane": "Check REALTIME_APP['REDIS_URL'] / ['REDIS_SHARDS'] or the channel layer's hosts: the realtime "
+    "endpoint is down while its Redis is (pages are not) — docs/deployment.md.",
+    "cluster": "REALTIME_APP['REDIS_CLUSTER'] lists startup nodes of a Redis Cluster, Redis 7 or newer "
+    "(docs/redis-cluster.md).",
+    "layer": "channels-redis cannot use a Redis Cluster: keep the channel layer on a plain Redis (or the in-memory "
+    "layer for one process) and the backplane on REALTIME_APP['REDIS_CLUSTER'] (docs/redis-cluster.md).",
+}
+
+
+def why_not(kind: str, info: dict[str, Any]) -> str | None:
+    """Why a server that answered cannot be what it is configured as (None: it can).
+    ``info``: its ``redis_version``, ``cluster_enabled`` and ``cluster_state``."""
+    clustered = bool(int(info.get("cluster_enabled", 0)))
+    if kind != "cluster":
+        if clustered:
+            where = "REDIS_URL / REDIS_SHARDS" if kind == "backplane" else "the channel layer"
+            return (
+                f"is a Redis Cluster node: set REALTIME_APP['REDIS_CLUSTER'] to the cluster's node URLs instead of "
+                f"naming it in {where}"
+            )
+        return None
+    if not clustered:
+        return "is not a Redis Cluster node (cluster_enabled:0): name a plain server in REDIS_URL or REDIS_SHARDS"
+    version = str(info.get("redis_version", "0"))
+    if int(version.split(".")[0] or 0) < 7:
+        return f"runs Redis {version}: the backplane's sharded pub/sub (SPUBLISH, SSUBSCRIBE) needs Redis 7 or newer"
+    if info.get("cluster_state") != "ok":
+        return f"says its cluster is {info.get('cluster_state')!r}, not 'ok': a slot has no master"
+    return None
+
+
+async def _ask_all(config: dict[str, Any], hosts: list[dict[str, Any]]) -> list[str | dict[str, Any]]:
     return list(await asyncio.gather(*(_ask(config, host) for host in hosts)))
 
 
-async def _ask(config: dict[str, Any], host: dict[str, Any]) -> str | None:
-    """Why ``host`` cannot carry the backplane (None: it can)."""
+async def _ask(config: dict[str, Any], host: dict[str, Any]) -> str | dict[str, Any]:
+    """What ``host`` says of itself, or why it does not answer."""
     from realtime_app.cluster.hosts import redis_client
 
     timeout_ms = min(config["REDIS_TIMEOUT_MS"], int(TIMEOUT_S * 1000))
@@ -74,11 +116,22 @@ async def _ask(config: dict[str, Any], host: dict[str, Any]) -> str | None:
     try:
         async with asyncio.timeout(TIMEOUT_S * 2):
             await client.ping()
-            cluster = await client.info("cluster")
+            info = {**(await client.info("server")), **(await client.info("cluster"))}
+            if int(info.get("cluster_enabled", 0)):
+                info["cluster_state"] = _text(await client.execute_command("CLUSTER INFO"))
     except Exception as exc:
         return f"does not answer ({type(exc).__name__}: {exc})"
     finally:
         await client.aclose()
-    if int(cluster.get("cluster_enabled", 0)):
-        return "is a Redis Cluster node: the backplane uses plain Redis servers or Sentinel services (REDIS_SHARDS)"
-    return None
+    return info
+
+
+def _text(cluster_info: Any) -> str:
+    """``cluster_state`` of ``CLUSTER INFO`` (redis-py parses it to a dict, or not)."""
+    if isinstance(cluster_info, dict):
+        return str(cluster_info.get("cluster_state", ""))
+    text = cluster_info.decode() if isinstance(cluster_info, bytes) else str(cluster_info)
+    for line in text.splitlines():
+        if line.startswith("cluster_state:"):
+            return line.partition(":")[2].strip()
+    return ""

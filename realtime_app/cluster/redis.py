@@ -37,22 +37,14 @@ from redis.exceptions import TimeoutError as RedisTimeout
 from realtime_app.cancellation import cancel_and_wait
 from realtime_app.cluster import redis_scripts as scripts
 from realtime_app.cluster.base import Backplane, Deliver, Delivery, now_ms
-from realtime_app.cluster.hosts import redis_client
+from realtime_app.cluster.hosts import host_label, redis_client, shard_hosts
 from realtime_app.inbound.admission import retry_after_ms
 from realtime_app.observability.schema import ProcessProbe, ShardProbe
 from realtime_app.wire.history import PAGE, PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, Since, epoch_suffix
 from realtime_app.wire.names import group_name
 from realtime_app.wire.protocol import notification_head
 
-__all__ = [
-    "REDIS_LAYERS",
-    "ClusterModeRefused",
-    "RedisBackplane",
-    "layer_hosts",
-    "layer_kind",
-    "shard_hosts",
-    "uses_channels_redis",
-]
+__all__ = ["ClusterModeRefused", "RedisBackplane"]
 
 logger = logging.getLogger("realtime_app.backplane")
 
@@ -61,71 +53,8 @@ logger = logging.getLogger("realtime_app.backplane")
 IDLE_READ_S = 5.0
 
 
-def layer_kind() -> str:
-    """What the default channel layer is, for the backplane's choice: ``"redis"`` (one of
-    channels-redis' layers: the cluster is carried on its Redis), ``"memory"`` (none, or
-    Channels' in-memory layer: one process) or ``"other"`` (a layer the backplane cannot
-    carry a cluster on: check E008, never a silent fallback to one process)."""
-    from django.conf import settings
-
-    backend = (getattr(settings, "CHANNEL_LAYERS", {}) or {}).get("default", {}).get("BACKEND")
-    if backend is None or backend == "channels.layers.InMemoryChannelLayer":
-        return "memory"
-    if backend in REDIS_LAYERS:
-        return "redis"
-    return "other"
-
-
-#: The channel layers whose Redis carries the cluster (their ``CONFIG["hosts"]``).
-REDIS_LAYERS = ("channels_redis.core.RedisChannelLayer", "channels_redis.pubsub.RedisPubSubChannelLayer")
-
-
-def uses_channels_redis() -> bool:
-    """True when the default channel layer is one of channels-redis' (either of them)."""
-    return layer_kind() == "redis"
-
-
-def layer_hosts() -> list[dict[str, Any]]:
-    """The default layer's Redis hosts, as channels-redis reads them (``[]`` if none)."""
-    from django.conf import settings
-
-    from realtime_app.cluster.hosts import decode_hosts
-
-    layer = (getattr(settings, "CHANNEL_LAYERS", {}) or {}).get("default", {})
-    hosts = (layer.get("CONFIG") or {}).get("hosts")
-    return list(decode_hosts(hosts)) if hosts else []
-
-
 class ClusterModeRefused(RedisError):
     """The server is a Redis Cluster node: not used (an outage until it is configured away)."""
-
-
-def shard_hosts(config: dict[str, Any]) -> list[dict[str, Any]]:
-    """The Redis servers of the backplane, in channels-redis' host shape: ``REDIS_SHARDS``
-    (URLs or host dicts, Sentinel ones included), else ``REDIS_URL``, else every host of
-    the default channels-redis layer; more than one shards the channels
-    (:mod:`realtime_app.cluster.shards`)."""
-    from realtime_app.cluster.hosts import decode_hosts
-
-    if config.get("REDIS_SHARDS"):
-        return list(decode_hosts(config["REDIS_SHARDS"]))
-    if config.get("REDIS_URL"):
-        return [{"address": config["REDIS_URL"]}]
-    return layer_hosts()
-
-
-def host_label(host: dict[str, Any]) -> str:
-    """Where a host is, for logs and the probe: ``host:port/db`` or the Sentinel service
-    name, never a password."""
-    from urllib.parse import urlsplit
-
-    if host.get("master_name"):
-        return f"sentinel:{host['master_name']}"
-    address = host.get("address")
-    if isinstance(address, str):
-        parts = urlsplit(address)
-        return f"{parts.hostname}:{parts.port or 6379}{parts.path or '/0'}"
-    return f"{host.get('host', '?')}:{host.get('port', 6379)}"
 
 
 class RedisBackplane(Backplane):
@@ -155,18 +84,19 @@ class RedisBackplane(Backplane):
         self.address = host_label(host)
         self.redis = redis if redis is not None else redis_client(settings, host)
         self._owns_pool = redis is None  # a pool made here is closed by stop()
-        self._renew = self.redis.register_script(scripts.RENEW)
-        self._release = self.redis.register_script(scripts.RELEASE)
-        self._seq = self.redis.register_script(scripts.SEQ)
-        self._reseed = self.redis.register_script(scripts.RESEED)
-        self._take = self.redis.register_script(scripts.TAKE)
-        self._once = {name: self.redis.register_script(getattr(scripts, f"{name.upper()}_ONCE")) for name in ONCE}
-        self._publish = self.redis.register_script(scripts.PUBLISH)
-        self._publish_kept = self.redis.register_script(scripts.PUBLISH_KEPT)
-        self._publish_kept_once = self.redis.register_script(scripts.PUBLISH_KEPT_ONCE)
-        self._read_kept = self.redis.register_script(scripts.READ_KEPT)
-        self._read_page = self.redis.register_script(scripts.READ_PAGE)
-        self._presence = {k: self.redis.register_script(getattr(scripts, f"PRESENCE_{k}")) for k in ("PUT", "READ")}
+        script = self.script
+        self._renew = script(scripts.RENEW)
+        self._release = script(scripts.RELEASE)
+        self._seq = script(scripts.SEQ)
+        self._reseed = script(scripts.RESEED)
+        self._take = script(scripts.TAKE)
+        self._once = {name: script(getattr(scripts, f"{name.upper()}_ONCE")) for name in ONCE}
+        self._publish = script(scripts.PUBLISH)
+        self._publish_kept = script(scripts.PUBLISH_KEPT)
+        self._publish_kept_once = script(scripts.PUBLISH_KEPT_ONCE)
+        self._read_kept = script(scripts.READ_KEPT)
+        self._read_page = script(scripts.READ_PAGE)
+        self._presence = {k: script(getattr(scripts, f"PRESENCE_{k}")) for k in ("PUT", "READ")}
         self._pubsub: Any = None
         # SUBSCRIBE / UNSUBSCRIBE waiting for the receiver, the only task that uses the pub/sub
         # connection (two tasks reconnecting it at once read the same socket); a message on
@@ -177,9 +107,29 @@ class RedisBackplane(Backplane):
         self._receive_errors: set[type[BaseException]] = set()  # logged once per kind
         self._run_id: str | None = None
         self._receiver: asyncio.Task[None] | None = None
+        self.refuse_cluster = True  # a Redis Cluster node is refused (not its own node backplane)
+
+    #: The pub/sub verbs of a channel's Redis channel (a Redis Cluster node: the sharded ones).
+    SUBSCRIBE, UNSUBSCRIBE, MESSAGE = "subscribe", "unsubscribe", "message"
+
+    def script(self, text: str) -> Any:
+        return self.redis.register_script(text)
 
     def key(self, kind: str, channel: str) -> str:
         return f"{self.prefix}:{kind}:{group_name(channel)}"
+
+    def once_key(self, name: str) -> str:
+        """The key of a call run once, on the shard of its name."""
+        return f"{self.prefix}:{name}"
+
+    def home_key(self, name: str) -> str:
+        """A key of the cluster's own state (instances, probes, shared buckets, calls run once)."""
+        return f"{self.prefix}:{name}"
+
+    @property
+    def alive_key(self) -> str:
+        """This process's sentinel key on this server (:meth:`check`)."""
+        return f"{self.prefix}:alive:{self.instance_id}"
 
     def redis_channel(self, channel: str) -> str:
         """The Redis pub/sub channel that carries ``channel``'s frames."""
@@ -190,7 +140,7 @@ class RedisBackplane(Backplane):
     async def start(self, deliver: Deliver) -> None:
         # One pub/sub connection, subscribed first to a channel of this process's own so
         # that it exists (and reconnects) before any channel is joined.
-        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        pubsub = self.redis.pubsub()  # (confirmations read and skipped: an unsubscribe may be the server's)
         try:
             await pubsub.subscribe(self.own_channel)
         except BaseException:  # unreachable, or cancelled: nothing left open
@@ -220,7 +170,7 @@ class RedisBackplane(Backplane):
         while True:
             try:
                 await self._run_commands(pubsub)
-                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=IDLE_READ_S)
+                message = await pubsub.get_message(ignore_subscribe_messages=False, timeout=IDLE_READ_S)
             except asyncio.CancelledError:
                 raise
             except RedisTimeout:
@@ -235,7 +185,11 @@ class RedisBackplane(Backplane):
                     logger.exception("receiving from the backplane failed; going on")
                 await asyncio.sleep(0.1)
                 continue
-            if message is None or message.get("type") != "message":
+            if message is None:
+                continue
+            if message.get("type") != self.MESSAGE:
+                if message.get("type") == "sunsubscribe" and message["channel"] in self._names:
+                    self.dropped(message["channel"])  # by the server: its slot moved
                 continue
             channel = self._names.get(message["channel"])
             if channel is None:
@@ -254,14 +208,17 @@ class RedisBackplane(Backplane):
         """False when the sentinel key vanished (restart, flush, eviction; and every
         ``REASSERT_INTERVAL_MS``) or Redis' ``run_id`` changed (a restart that restored a
         snapshot brings the sentinel back, not what happened since)."""
-        if self._run_id is None and int((await self.redis.info("cluster")).get("cluster_enabled", 0)):
+        if (
+            self._run_id is None
+            and self.refuse_cluster
+            and int((await self.redis.info("cluster")).get("cluster_enabled", 0))
+        ):
             raise ClusterModeRefused(
-                f"{self.address} is a Redis Cluster node: the backplane does not use Redis Cluster; "
-                "list the servers in REALTIME_APP['REDIS_SHARDS'] (each a plain Redis or a Sentinel "
-                "service) and each channel lives on one of them (docs/capacity.md)"
+                f"{self.address} is a Redis Cluster node: set REALTIME_APP['REDIS_CLUSTER'] to the cluster's "
+                "node URLs instead (docs/redis-cluster.md), and keep the channel layer on a plain Redis"
             )
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(f"{self.prefix}:alive:{self.instance_id}", 1, nx=True, px=self.reassert_ms)
+            pipe.set(self.alive_key, 1, nx=True, px=self.reassert_ms)
             pipe.info("server")
             created, info = await pipe.execute()
         run_id, self._run_id = self._run_id, str(info.get("run_id", ""))
@@ -274,12 +231,12 @@ class RedisBackplane(Backplane):
         names = {self.redis_channel(channel).encode(): channel for channel in channels}
         self._names.update(names)
         if names:
-            await self._command("subscribe", list(names))
+            await self._command(self.SUBSCRIBE, list(names))
 
     async def leave(self, channel: str) -> None:
         name = self.redis_channel(channel).encode()
         self._names.pop(name, None)
-        await self._command("unsubscribe", [name])
+        await self._command(self.UNSUBSCRIBE, [name])
 
     async def _command(self, verb: str, names: list[bytes]) -> None:
         """Have the receiver send ``verb`` on the pub/sub connection, and wait for it."""
@@ -298,13 +255,19 @@ class RedisBackplane(Backplane):
             if future.done():
                 continue
             try:
-                await getattr(pubsub, verb)(*names)
+                await self._send(pubsub, verb, names)
             except self.errors as exc:
                 if not future.done():
                     future.set_exception(exc)
             else:
                 if not future.done():
                     future.set_result(None)
+
+    async def _send(self, pubsub: Any, verb: str, names: list[bytes]) -> None:
+        await getattr(pubsub, verb)(*names)
+
+    def dropped(self, name: bytes) -> None:
+        """The server unsubscribed this process from ``name`` (a Redis Cluster slot moved)."""
 
     def _kept_keys(self, channel: str) -> list[str]:
         return [
@@ -397,9 +360,9 @@ class RedisBackplane(Backplane):
 
     async def put_probe(self, probe: ProcessProbe, ttl_ms: int) -> None:
         now = now_ms()
-        instances = f"{self.prefix}:instances"
+        instances = self.home_key("instances")
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(f"{self.prefix}:probe:{self.instance_id}", json.dumps(probe), px=ttl_ms)
+            pipe.set(self.home_key(f"probe:{self.instance_id}"), json.dumps(probe), px=ttl_ms)
             pipe.zadd(instances, {self.instance_id: now + ttl_ms})
             pipe.zremrangebyscore(instances, "-inf", now)
             pipe.pexpire(instances, ttl_ms)  # gone with the last live process's probe
@@ -407,20 +370,21 @@ class RedisBackplane(Backplane):
 
     async def drop_probe(self) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.delete(f"{self.prefix}:probe:{self.instance_id}", f"{self.prefix}:alive:{self.instance_id}")
-            pipe.zrem(f"{self.prefix}:instances", self.instance_id)
+            pipe.delete(self.home_key(f"probe:{self.instance_id}"))
+            pipe.delete(self.alive_key)
+            pipe.zrem(self.home_key("instances"), self.instance_id)
             await pipe.execute()
 
     async def drop_alive(self) -> None:
         """Withdraw this process's sentinel key (a shard other than the home one)."""
-        await self.redis.delete(f"{self.prefix}:alive:{self.instance_id}")
+        await self.redis.delete(self.alive_key)
 
     async def cluster_probes(self) -> list[ProcessProbe]:
-        ids = await self.redis.zrangebyscore(f"{self.prefix}:instances", now_ms(), "+inf")
+        ids = await self.redis.zrangebyscore(self.home_key("instances"), now_ms(), "+inf")
         if not ids:
             return []
         names = [i.decode() if isinstance(i, bytes) else i for i in ids]
-        raw = await self.redis.mget([f"{self.prefix}:probe:{n}" for n in names])
+        raw = await self.redis.mget([self.home_key(f"probe:{n}") for n in names])
         return [json.loads(r) for r in raw if r]
 
     async def put_presence(self, parts: dict[str, str | None], ttl_ms: int) -> None:
@@ -450,20 +414,20 @@ class RedisBackplane(Backplane):
     async def take_tokens(self, identity: str, cost: float, capacity: float, refill_per_s: float) -> int | None:
         refill_ms = int(capacity / refill_per_s * 1000) + 1000  # a full bucket needs no key
         wait = await self._take(
-            keys=[f"{self.prefix}:bucket:{identity}"], args=[repr(cost), repr(capacity), repr(refill_per_s), refill_ms]
+            keys=[self.home_key(f"bucket:{identity}")], args=[repr(cost), repr(capacity), repr(refill_per_s), refill_ms]
         )
         seconds = float(wait.decode() if isinstance(wait, bytes) else wait)
         return retry_after_ms(seconds) if seconds > 0 else None
 
     async def claim_once(self, name: str, owner: str, ttl_ms: int) -> tuple[Any, str | None]:
-        state, answer = await self._once["claim"](keys=[f"{self.prefix}:{name}"], args=[owner, ttl_ms])
+        state, answer = await self._once["claim"](keys=[self.once_key(name)], args=[owner, ttl_ms])
         return _text(state), _text(answer) if _text(state) == "answer" else None
 
     async def keep_once(self, name: str, owner: str, answer: str, ttl_ms: int) -> None:
-        await self._once["keep"](keys=[f"{self.prefix}:{name}"], args=[owner, answer, ttl_ms])
+        await self._once["keep"](keys=[self.once_key(name)], args=[owner, answer, ttl_ms])
 
     async def renew_once(self, name: str, owner: str, ttl_ms: int) -> None:
-        await self._once["renew"](keys=[f"{self.prefix}:{name}"], args=[owner, ttl_ms])
+        await self._once["renew"](keys=[self.once_key(name)], args=[owner, ttl_ms])
 
 
 #: The scripts of calls that run once (``redis_scripts.CLAIM_ONCE`` …).

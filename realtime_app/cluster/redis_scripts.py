@@ -6,6 +6,7 @@ from __future__ import annotations
 
 __all__ = [
     "KEEP_LINEAGE_MS",
+    "for_cluster",
     "PRESENCE_PUT",
     "PRESENCE_READ",
     "PUBLISH",
@@ -74,6 +75,7 @@ return 0
 # and kept in one call: the stream's order is seq order.
 _LINEAGE = """
 local run = string.match(redis.call('info', 'server'), 'run_id:(%x+)') or ''
+local previous = nil
 local stored = redis.call('get', KEYS[2])
 local epoch, owner
 if stored then epoch, owner = string.match(stored, '^(%S+) (%S*)$') end
@@ -89,7 +91,8 @@ local function renew()
   epoch = string.format('%011x', ms) .. ARGV[1]
   redis.call('del', KEYS[3], KEYS[4])
 end
-if not epoch or owner ~= run or not top then renew() end
+if not epoch or (owner ~= run and owner ~= previous) or not top then renew() end
+local restamp = owner ~= run  -- the data came through a failover: the epoch goes on, owned anew
 """
 # KEYS: seq, epoch, stream, largest entry, Redis channel; ARGV: new epoch, keep ms, floor,
 # head, ts, size, ttl ms
@@ -110,7 +113,7 @@ if type(added) == 'table' and added.err then
   renew()  -- the stream outlived the count: a new history
   add()
 end
-if renewed or v ~= incremented or redis.call('pttl', KEYS[1]) < tonumber(ARGV[2]) / 2 then
+if renewed or restamp or v ~= incremented or redis.call('pttl', KEYS[1]) < tonumber(ARGV[2]) / 2 then
   redis.call('set', KEYS[1], s, 'PX', ARGV[2])  -- INCR keeps the TTL: set it now and then
   redis.call('set', KEYS[2], epoch .. ' ' .. run, 'PX', ARGV[2])
 end
@@ -282,3 +285,26 @@ end
 return out
 """
 )
+
+
+#: The line of :data:`_LINEAGE` that names whose data a history is, and what a Redis
+#: Cluster node says instead (:func:`for_cluster`).
+_RUN = "local run = string.match(redis.call('info', 'server'), 'run_id:(%x+)') or ''\nlocal previous = nil\n"
+_REPLICATION = (
+    "local replication = redis.call('info', 'replication')\n"
+    "local run = string.match(replication, 'master_replid:(%x+)') or ''\n"
+    "local previous = string.match(replication, 'master_replid2:(%x+)')\n"
+)
+
+
+def for_cluster(script: str) -> str:
+    """``script`` as it runs on a Redis Cluster master (:mod:`realtime_app.cluster.redis_cluster`):
+    it publishes with ``SPUBLISH`` (sharded pub/sub: on the channel's own shard, not
+    broadcast to every node), and a history belongs to the shard's replication history
+    rather than to one server's run: a replica promoted with the data keeps the epoch
+    (its previous replication id is the old master's), a server that lost it starts a new one."""
+    if _RUN in script:
+        script = script.replace(_RUN, _REPLICATION)
+    elif "run" in script and "info" in script:
+        raise ValueError("a script reads the server's run id in a way for_cluster does not know")
+    return script.replace("redis.call('publish',", "redis.call('spublish',")

@@ -30,7 +30,8 @@ from typing import Any, TypeVar
 
 from realtime_app.channels.registry import FED_PREFIX, RESERVED
 from realtime_app.cluster.base import Backplane, Deliver
-from realtime_app.cluster.redis import RedisBackplane, shard_hosts
+from realtime_app.cluster.hosts import shard_hosts
+from realtime_app.cluster.redis import RedisBackplane
 from realtime_app.observability.logsafe import Outage
 from realtime_app.observability.schema import ProcessProbe, ShardProbe
 from realtime_app.wire.history import PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, Since
@@ -102,6 +103,10 @@ class ShardedBackplane(Backplane):
 
     clustered = True
     errors = RedisBackplane.errors
+    #: Errors of a shard that answered: not an outage (a Redis Cluster's ``MOVED``).
+    not_outages: tuple[type[BaseException], ...] = ()
+
+    home: RedisBackplane
 
     def __init__(
         self,
@@ -120,7 +125,8 @@ class ShardedBackplane(Backplane):
             shard.outage.what = f"backplane shard {index} ({shard.address})"
             shard.histories = self.histories  # one view: a channel lives on one shard
         self.outage = ShardsOutage(self.shards)
-        self.home = self.shards[0]
+        if self.shards:  # (a Redis Cluster's are found when it is first used)
+            self.home = self.shards[0]
         #: A maintenance call's bound: within the beat's own bound on its check (the beat is
         #: a third of the lease TTL; hub.convergence.beat), so that a shard that hangs costs
         #: the beat no more than that.
@@ -140,6 +146,8 @@ class ShardedBackplane(Backplane):
         """``call`` on ``shard`` (within ``bound`` seconds), its outage told how it went."""
         try:
             result = await (asyncio.wait_for(call, bound) if bound else call)
+        except self.not_outages:
+            raise
         except shard.errors as exc:
             shard.outage.failed(exc)
             self.stalled.add(shard)
@@ -294,7 +302,8 @@ class ShardedBackplane(Backplane):
     async def drop_probe(self) -> None:
         """The probe from the home shard, the sentinel key from every shard, at once."""
         calls = [self._on(self.home, self.home.drop_probe(), self.beat_call_s)]
-        calls += [self._on(shard, shard.drop_alive(), self.beat_call_s) for shard in self.shards[1:]]
+        others = [shard for shard in self.shards if shard is not self.home]
+        calls += [self._on(shard, shard.drop_alive(), self.beat_call_s) for shard in others]
         results = await asyncio.gather(*calls, return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):

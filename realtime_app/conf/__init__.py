@@ -37,7 +37,7 @@ DEFAULTS: dict[str, Any] = {
     "MAX_CHANNEL_NAME": 200,
     # Subscriptions one connection may hold at once; 0 = unlimited.
     "MAX_SUBSCRIPTIONS": 100,
-    # Backplane: "auto" = Redis when REDIS_URL or REDIS_SHARDS names one or the default
+    # Backplane: "auto" = Redis when REDIS_URL, REDIS_SHARDS or REDIS_CLUSTER names one or the default
     # channel layer is channels-redis', else in-process (chosen_backplane). Or "memory",
     # "redis", or a dotted path to a Backplane class.
     "BACKPLANE": "auto",
@@ -46,6 +46,9 @@ DEFAULTS: dict[str, Any] = {
     # The backplane's Redis servers, each channel on one (URLs or channels-redis host dicts,
     # Sentinel ones included; docs/capacity.md). None = REDIS_URL, else the layer's hosts.
     "REDIS_SHARDS": None,
+    # A Redis Cluster for the backplane: its startup nodes' URLs (docs/redis-cluster.md); the
+    # slots are discovered, each channel on its slot's master. None = not a cluster.
+    "REDIS_CLUSTER": None,
     # Prefix of every Redis key the backplane writes (leases, sequences, probes).
     "KEY_PREFIX": "realtime",
     # Lifetime of a ticker lease, milliseconds: the failover time when a process dies. The
@@ -232,13 +235,13 @@ def chosen_backplane(config: dict[str, Any], layer: str) -> str:
     """The one rule of which backplane the settings choose: ``"memory"``, ``"redis"``, a
     dotted path, or ``"unsupported_layer"`` (``"auto"`` with a channel layer no cluster can
     be carried on: check E008, never a silent single process). ``layer`` is the default
-    channel layer's kind (``cluster.redis.layer_kind``: ``"redis"``, ``"memory"``,
-    ``"other"``). A Redis named in ``REALTIME_APP`` (``REDIS_URL`` or ``REDIS_SHARDS``)
-    chooses Redis as a channels-redis layer does."""
+    channel layer's kind (``cluster.hosts.layer_kind``: ``"redis"``, ``"memory"``,
+    ``"other"``). A Redis named in ``REALTIME_APP`` (``REDIS_URL``, ``REDIS_SHARDS`` or
+    ``REDIS_CLUSTER``) chooses Redis as a channels-redis layer does."""
     choice = str(config["BACKPLANE"])
     if choice != "auto":
         return choice
-    if layer == "redis" or config.get("REDIS_URL") or config.get("REDIS_SHARDS"):
+    if layer == "redis" or config.get("REDIS_URL") or config.get("REDIS_SHARDS") or config.get("REDIS_CLUSTER"):
         return "redis"
     return "unsupported_layer" if layer == "other" else "memory"
 

@@ -36,6 +36,7 @@ class Settings:
     backplane: str
     redis_url: str | None
     redis_shards: list[Any] | None
+    redis_cluster: list[str] | None
     key_prefix: str
     lease_ttl_ms: int
     reassert_interval_ms: int
