@@ -38,6 +38,15 @@ def cluster():
 
 
 @pytest.fixture
+def own_cluster():
+    """A cluster of the test's own: one that kills or hangs a master leaves the others a
+    settled one (a replica elected again at once can take longer than the test waits)."""
+    started = PrivateRedisCluster(masters=3, replicas=1).start()
+    yield started
+    started.close()
+
+
+@pytest.fixture
 def config(cluster):
     prefix = f"{os.environ['REALTIME_TEST_PREFIX']}-{secrets.token_hex(3)}"
     # A beat of 1 s (a third of the lease), so that a failover is found soon.
@@ -141,8 +150,8 @@ async def test_a_graceful_failover_keeps_epochs_and_frames_keep_coming(config, c
         master = cluster.master_of(a.shard(channel).key("seq", channel))
         replica = next(s for s in cluster.shards() if s["master"] == master.port)["replicas"][0]
         cluster.node(replica).client().execute_command("CLUSTER FAILOVER")
-        cluster_has = lambda: cluster.master_of(a.shard(channel).key("seq", channel)).port == replica  # noqa: E731
-        await eventually(cluster_has, 15, "the replica promoted")
+        key = a.shard(channel).key("seq", channel)
+        await eventually(lambda: getattr(cluster.owner(key), "port", None) == replica, 15, "the replica promoted")
 
         async def delivered_again() -> bool:
             with _quiet(a.errors):
@@ -171,10 +180,12 @@ class _quiet:
         return kind is not None and issubclass(kind, self.errors)
 
 
-async def test_a_master_killed_its_replica_takes_over_with_the_data(config, cluster):
+async def test_a_master_killed_its_replica_takes_over_with_the_data(config, own_cluster):
     """SIGKILL of a master: its replica is promoted; the beat finds the new map (check()
     says False: the hub re-asserts), publications go on above what was seen, and a history
     whose data was replicated keeps its epoch."""
+    cluster = own_cluster
+    config = {**config, "REDIS_CLUSTER": [cluster.urls[0]]}
     a, received = await started(config, "a")
     b, _ = await started(config, "b")
     try:
@@ -194,8 +205,8 @@ async def test_a_master_killed_its_replica_takes_over_with_the_data(config, clus
                     return True
             return False
 
-        await eventually(moved_on, 20, "the map with the promoted replica")
-        await eventually(lambda: _publishes(b, channel), 20, "publishing on the new master")
+        await eventually(moved_on, 45, "the map with the promoted replica")
+        await eventually(lambda: _publishes(b, channel), 45, "publishing on the new master")
 
         async def delivered() -> bool:
             return len(received.seqs(channel)) >= 4
@@ -404,3 +415,125 @@ async def test_the_demo_follows_a_masters_crash(cluster, redis_url, database):
                 assert after["seq"] > before["seq"] and after["epoch"] == before["epoch"]
             finally:
                 await asyncio.to_thread(cluster.rejoin, master)
+
+
+def test_the_map_gives_every_slot_to_the_master_that_serves_it_in_either_protocol():
+    """The pure core of the routing: any split of the slots over masters (several ranges
+    each, shards without a serving master left out), read from RESP3 maps or RESP2 flat
+    lists, bytes or text: each slot's owner is the master whose range holds it."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @st.composite
+    def splits(draw: Any) -> list[tuple[int, list[tuple[int, int]], bool]]:
+        cuts = sorted(draw(st.sets(st.integers(1, 16383), max_size=12)))
+        bounds = [0, *cuts, 16384]
+        ranges = [(bounds[i], bounds[i + 1] - 1) for i in range(len(bounds) - 1)]
+        masters = draw(st.integers(1, 5))
+        owners = [draw(st.integers(0, masters - 1)) for _ in ranges]
+        online = [draw(st.booleans()) or m == 0 for m in range(masters)]
+        return [(m, [r for r, o in zip(ranges, owners, strict=True) if o == m], online[m]) for m in range(masters)]
+
+    def raw(split: list[tuple[int, list[tuple[int, int]], bool]], resp3: bool, as_bytes: bool) -> list[Any]:
+        def b(value: Any) -> Any:
+            return value.encode() if as_bytes and isinstance(value, str) else value
+
+        out = []
+        for m, ranges, online in split:
+            slots = [s for r in ranges for s in r]
+            node = {"id": b(f"n{m}"), "port": 7000 + m, "ip": b("10.0.0.1"), "endpoint": b("10.0.0.1")}
+            node |= {"role": b("master"), "health": b("online" if online else "fail")}
+            replica = {**node, "port": 8000 + m, "role": b("replica")}
+            if resp3:
+                out.append({b("slots"): slots, b("nodes"): [{b(k): v for k, v in n.items()} for n in (node, replica)]})
+            else:
+                flat = [[x for k, v in n.items() for x in (b(k), v)] for n in (node, replica)]
+                out.append([b("slots"), slots, b("nodes"), flat])
+        return out
+
+    @settings(max_examples=60, deadline=None)
+    @given(split=splits(), resp3=st.booleans(), as_bytes=st.booleans(), probes=st.lists(st.integers(0, 16383)))
+    def holds(split: Any, resp3: bool, as_bytes: bool, probes: list[int]) -> None:
+        topology = parse_shards(raw(split, resp3, as_bytes))
+        for slot in probes + [0, 16383]:
+            expected = next((m for m, ranges, _ in split if any(a <= slot <= z for a, z in ranges)), None)
+            m, _, online = split[expected]
+            assert topology.owner(slot) == (f"10.0.0.1:{7000 + m}" if online else "")
+
+    holds()
+
+
+async def test_a_master_that_hangs_is_replaced_at_the_beat(config, own_cluster):
+    """Found: the map was asked of the known nodes one after another, the hung master
+    first, each longer than the beat allows: every check timed out and a process that only
+    listens never followed the promotion. Now every node is asked at once, each bounded."""
+    cluster = own_cluster
+    config = {**config, "REDIS_CLUSTER": [cluster.urls[0]]}
+    a, received = await started(config, "a")
+    b, _ = await started(config, "b")
+    channel = "demo:hung"
+    await a.join([channel])
+    master = cluster.master_of(a.shard(channel).key("seq", channel))
+    master.pause()  # SIGSTOP: connections open, nothing answered
+    try:
+
+        async def beat() -> bool:  # what the hub does each beat: check() within its period
+            try:
+                async with asyncio.timeout(1):
+                    if not await a.check():
+                        await a.join([channel])
+                        return True
+            except (*a.errors, TimeoutError):
+                pass
+            return False
+
+        await eventually(beat, 45, "the beat finding the promoted replica")
+        await eventually(lambda: _publishes(b, channel), 45, "publishing on the new master")
+
+        async def delivered() -> bool:
+            await _publishes(b, channel)
+            return bool(received.seqs(channel))
+
+        await eventually(delivered, 15, "a frame through the new master")
+    finally:
+        master.resume()
+        await a.stop()
+        await b.stop()
+        await asyncio.to_thread(cluster.wait_ok)
+
+
+async def test_subscriptions_come_back_after_the_pubsub_connection_is_cut(config, cluster):
+    """Found: after a reconnect redis-py subscribed every channel of a node in one SSUBSCRIBE,
+    refused across slots: the process heard nothing until the hub re-asserted. Now the
+    refusal has them joined again at once, without a beat."""
+    a, received = await started(config, "a")
+    b, _ = await started(config, "b")
+    try:
+        channels = spread(a)
+        await a.join(channels)
+        for node in cluster.live():
+            with contextlib.suppress(redis.ResponseError):
+                node.client().execute_command("CLIENT KILL TYPE pubsub")
+
+        async def all_heard() -> bool:
+            for channel in channels:
+                if not received.seqs(channel):
+                    with _quiet(a.errors):
+                        await b.publish(channel, "{}")
+            return all(received.seqs(c) for c in channels)
+
+        await eventually(all_heard, 20, "every channel heard again without a check()")
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_stopping_while_the_map_is_read_leaves_nothing_running(config):
+    backplane, _ = await started(config, "a")
+    reading = asyncio.get_running_loop().create_task(backplane.remap())
+    await asyncio.sleep(0)  # (it has begun)
+    await backplane.stop()
+    with contextlib.suppress(asyncio.CancelledError, *backplane.errors):
+        await reading
+    left = [t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("realtime-")]
+    assert left == []

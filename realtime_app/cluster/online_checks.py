@@ -49,8 +49,8 @@ def check_backplane_servers(app_configs: Any = None, **kwargs: Any) -> list[Chec
         if not issubclass(backplane_class(), RedisBackplane) and not config["REDIS_CLUSTER"]:
             return []
         cluster = list(config["REDIS_CLUSTER"] or [])
-        hosts = [] if cluster else shard_hosts(config)
-        layer = layer_hosts() if uses_channels_redis() else []
+        hosts = [] if cluster or not (config["REDIS_URL"] or config["REDIS_SHARDS"]) else shard_hosts(config)
+        layer = layer_hosts() if uses_channels_redis() else []  # (the backplane's too, when nothing else is named)
     except Exception:  # the offline checks (E003, E005, E008, E011, E014) say what is wrong
         return []
     asked_hosts = [*hosts, *[{"address": url} for url in cluster], *layer]
@@ -76,8 +76,8 @@ HINTS = {
     "endpoint is down while its Redis is (pages are not) — docs/deployment.md.",
     "cluster": "REALTIME_APP['REDIS_CLUSTER'] lists startup nodes of a Redis Cluster, Redis 7 or newer "
     "(docs/redis-cluster.md).",
-    "layer": "channels-redis cannot use a Redis Cluster: keep the channel layer on a plain Redis (or the in-memory "
-    "layer for one process) and the backplane on REALTIME_APP['REDIS_CLUSTER'] (docs/redis-cluster.md).",
+    "layer": "Check CHANNEL_LAYERS['default']['CONFIG']['hosts']: the channel layer (and the backplane, unless "
+    "REALTIME_APP names its Redis) is down while its Redis is — docs/deployment.md, docs/redis-cluster.md.",
 }
 
 
@@ -86,11 +86,16 @@ def why_not(kind: str, info: dict[str, Any]) -> str | None:
     ``info``: its ``redis_version``, ``cluster_enabled`` and ``cluster_state``."""
     clustered = bool(int(info.get("cluster_enabled", 0)))
     if kind != "cluster":
-        if clustered:
-            where = "REDIS_URL / REDIS_SHARDS" if kind == "backplane" else "the channel layer"
+        if clustered and kind == "layer":
             return (
-                f"is a Redis Cluster node: set REALTIME_APP['REDIS_CLUSTER'] to the cluster's node URLs instead of "
-                f"naming it in {where}"
+                "is a Redis Cluster node: channels-redis cannot use a Redis Cluster — keep the channel layer on a "
+                "plain Redis (or the in-memory layer) and set REALTIME_APP['REDIS_CLUSTER'] to the cluster's node "
+                "URLs for the backplane"
+            )
+        if clustered:
+            return (
+                "is a Redis Cluster node: set REALTIME_APP['REDIS_CLUSTER'] to the cluster's node URLs instead of "
+                "naming it in REDIS_URL / REDIS_SHARDS"
             )
         return None
     if not clustered:

@@ -104,6 +104,7 @@ class RedisBackplane(Backplane):
         self._commands: list[tuple[str, list[bytes], asyncio.Future[None]]] = []
         self.own_channel = f"{self.prefix}:proc:{self.instance_id}"
         self._names: dict[bytes, str] = {}  # Redis channel -> channel, for what this process subscribed
+        self._leaving: dict[bytes, int] = {}  # unsubscribes asked for and not yet confirmed
         self._receive_errors: set[type[BaseException]] = set()  # logged once per kind
         self._run_id: str | None = None
         self._receiver: asyncio.Task[None] | None = None
@@ -176,6 +177,8 @@ class RedisBackplane(Backplane):
             except RedisTimeout:
                 continue  # an idle read outliving the socket timeout: not an outage
             except self.errors as exc:
+                if self.refused(exc):
+                    continue
                 self.outage.failed(exc)
                 await asyncio.sleep(0.5)
                 continue
@@ -188,8 +191,8 @@ class RedisBackplane(Backplane):
             if message is None:
                 continue
             if message.get("type") != self.MESSAGE:
-                if message.get("type") == "sunsubscribe" and message["channel"] in self._names:
-                    self.dropped(message["channel"])  # by the server: its slot moved
+                if message.get("type") == self.UNSUBSCRIBE:
+                    self._unsubscribed(message["channel"])
                 continue
             channel = self._names.get(message["channel"])
             if channel is None:
@@ -236,7 +239,23 @@ class RedisBackplane(Backplane):
     async def leave(self, channel: str) -> None:
         name = self.redis_channel(channel).encode()
         self._names.pop(name, None)
-        await self._command(self.UNSUBSCRIBE, [name])
+        self._leaving[name] = self._leaving.get(name, 0) + 1  # its confirmation is ours
+        try:
+            await self._command(self.UNSUBSCRIBE, [name])
+        except BaseException:
+            self._unsubscribed(name, ours_only=True)
+            raise
+
+    def _unsubscribed(self, name: bytes, *, ours_only: bool = False) -> None:
+        """An unsubscribe confirmed: one this process asked for, else the server's own."""
+        pending = self._leaving.get(name, 0)
+        if pending:
+            if pending == 1:
+                del self._leaving[name]
+            else:
+                self._leaving[name] = pending - 1
+        elif not ours_only and name in self._names:
+            self.dropped(name)  # by the server (a Redis Cluster slot moved)
 
     async def _command(self, verb: str, names: list[bytes]) -> None:
         """Have the receiver send ``verb`` on the pub/sub connection, and wait for it."""
@@ -268,6 +287,11 @@ class RedisBackplane(Backplane):
 
     def dropped(self, name: bytes) -> None:
         """The server unsubscribed this process from ``name`` (a Redis Cluster slot moved)."""
+
+    def refused(self, exc: BaseException) -> bool:
+        """True when ``exc``, read on the pub/sub connection, is a subscription refused by a
+        server that answers (a Redis Cluster node), handled: not an outage."""
+        return False
 
     def _kept_keys(self, channel: str) -> list[str]:
         return [

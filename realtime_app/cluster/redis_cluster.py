@@ -27,20 +27,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from redis.crc import key_slot
-from redis.exceptions import AskError
+from redis.exceptions import AskError, ClusterCrossSlotError, TryAgainError
 
 from realtime_app.cancellation import cancel_and_wait
 from realtime_app.channels.registry import FED_PREFIX
 from realtime_app.cluster.hosts import redis_client
 from realtime_app.cluster.redis import RedisBackplane
 from realtime_app.cluster.redis_scripts import for_cluster
-from realtime_app.cluster.shards import ShardedBackplane
+from realtime_app.cluster.shards import ShardedBackplane, ShardUnavailable
 from realtime_app.wire.names import group_name
 
 __all__ = ["ClusterBackplane", "ClusterNode", "Topology", "parse_shards", "tag_of"]
@@ -48,6 +47,7 @@ __all__ = ["ClusterBackplane", "ClusterNode", "Topology", "parse_shards", "tag_o
 logger = logging.getLogger("realtime_app.backplane")
 
 T = TypeVar("T")
+P = ParamSpec("P")
 SLOTS = 16384
 #: The hash tag of the cluster's own state: one slot, one master.
 HOME_TAG = "home"
@@ -78,6 +78,11 @@ class Topology:
     def owner(self, slot: int) -> str:
         """The master of ``slot``; ``""`` when none serves it (the cluster is missing a shard)."""
         return self._owner[slot]
+
+    @property
+    def complete(self) -> bool:
+        """Every slot has a master."""
+        return "" not in self._owner
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Topology) and self.masters == other.masters
@@ -137,14 +142,14 @@ class ClusterNode(RedisBackplane):
         config: dict[str, Any] | None,
         url: str,
         ranges: list[tuple[int, int]],
-        on_dropped: Callable[[str], None],
+        owner: ClusterBackplane,
     ) -> None:
         super().__init__(instance_id=instance_id, config=config, hosts=[{"address": url}])
         self.refuse_cluster = False
         self.url = url
         self.ranges = ranges
         self.node_tag = _tag_within(ranges, f"{self.prefix}-node")
-        self.on_dropped = on_dropped
+        self.owner = owner
         # Classic pub/sub (broadcast by the cluster bus) for the wake-ups of this node's receiver.
         self.own_channel = f"{self.prefix}:proc:{self.instance_id}:{self.address}"
 
@@ -177,34 +182,53 @@ class ClusterNode(RedisBackplane):
         for name in names:
             await getattr(pubsub, verb)(name)
 
+    def _forget(self, names: list[bytes]) -> list[str]:
+        """Drop ``names`` from what this node carries, and from what redis-py would subscribe
+        again on a reconnect (all at once: across slots, refused); their channels."""
+        remembered = getattr(self._pubsub, "shard_channels", {})
+        for name in names:
+            remembered.pop(name, None)
+        return [channel for name in names if (channel := self._names.pop(name, None)) is not None]
+
     def dropped(self, name: bytes) -> None:
-        channel = self._names.pop(name, None)
-        if channel is not None:
-            # redis-py would subscribe to it again on a reconnect: unsubscribed on our side too.
-            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            future.add_done_callback(lambda f: f.cancelled() or f.exception())
-            self._commands.append((self.UNSUBSCRIBE, [name], future))
-            self.on_dropped(channel)
+        """The master unsubscribed this process (the slot moved): joined again on its owner."""
+        self.owner.rejoin(self._forget([name]))
+
+    def refused(self, exc: BaseException) -> bool:
+        """A subscription refused by this node — its slot is elsewhere (``MOVED``: a join on
+        a map out of date), or redis-py resubscribed every channel in one command after a
+        reconnect (across slots: refused) — is joined again where it belongs. Not an
+        outage: the node answered."""
+        if isinstance(exc, AskError):  # the channels of that slot only
+            self.owner.rejoin(self._forget([n for n in self._names if key_slot(n) == exc.slot_id]))
+            return True
+        if isinstance(exc, ClusterCrossSlotError):  # redis-py resubscribed them all in one command
+            self.owner.rejoin(self._forget(list(self._names)))
+            return True
+        return False
 
 
-def _routed(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+def _routed(
+    method: Callable[Concatenate[Any, P], Coroutine[Any, Any, T]],
+) -> Callable[Concatenate[Any, P], Coroutine[Any, Any, T]]:
     """A backplane call on the cluster: the map read first if it never was; made once more
-    on the new owner when it meets ``MOVED`` (nothing ran: Redis refuses before running),
-    or when it failed on a node and the map read again has moved that node's slots (a
-    failover: a publisher follows it without waiting for the beat)."""
+    when it was refused before anything ran — ``MOVED``/``ASK`` (after reading the map), or
+    a node known to be down whose slots the map read again gives to another (a failover: a
+    publisher follows it without waiting for the beat). An error after the command may have
+    run (a connection lost meanwhile) is not retried: it could run twice."""
 
-    @functools.wraps(method)
-    async def routed(self: ClusterBackplane, *args: Any, **kwargs: Any) -> T:
+    async def routed(self: Any, /, *args: P.args, **kwargs: P.kwargs) -> T:
         await self.mapped()
         try:
             return await method(self, *args, **kwargs)
-        except AskError:  # MOVED (a subclass), or ASK while a slot migrates: made once more
+        except AskError:  # MOVED (a subclass), or ASK while a slot migrates
             await self.remap()
-        except self.errors:
-            if not await self.remap_soon():  # a node down: a failover may have moved its slots
+        except ShardUnavailable:  # refused here, never sent
+            if not await self.remap_soon():
                 raise
         return await method(self, *args, **kwargs)
 
+    routed.__name__, routed.__doc__ = method.__name__, method.__doc__
     return routed
 
 
@@ -212,7 +236,29 @@ class ClusterBackplane(ShardedBackplane):
     """A :class:`ClusterNode` per master of the cluster, each channel on the master of its
     slot (see the module's docstring)."""
 
-    not_outages = (AskError,)  # a redirection (MOVED is one): the node answered
+    #: Redirections and a retry asked for while a slot migrates: the node answered.
+    not_outages = (AskError, TryAgainError)
+
+    # Every call: on the map (read first if it never was), redirections followed.
+    publish = _routed(ShardedBackplane.publish)
+    history = _routed(ShardedBackplane.history)
+    history_page = _routed(ShardedBackplane.history_page)
+    reseed = _routed(ShardedBackplane.reseed)
+    acquire = _routed(ShardedBackplane.acquire)
+    renew = _routed(ShardedBackplane.renew)
+    release = _routed(ShardedBackplane.release)
+    put_presence = _routed(ShardedBackplane.put_presence)
+    read_presence = _routed(ShardedBackplane.read_presence)
+    put_probe = _routed(ShardedBackplane.put_probe)
+    drop_probe = _routed(ShardedBackplane.drop_probe)
+    cluster_probes = _routed(ShardedBackplane.cluster_probes)
+    take_tokens = _routed(ShardedBackplane.take_tokens)
+    publish_once = _routed(ShardedBackplane.publish_once)
+    claim_once = _routed(ShardedBackplane.claim_once)
+    keep_once = _routed(ShardedBackplane.keep_once)
+    renew_once = _routed(ShardedBackplane.renew_once)
+    _join = _routed(ShardedBackplane.join)
+    _leave = _routed(ShardedBackplane.leave)
 
     def __init__(self, *, instance_id: str = "headless", config: dict[str, Any] | None = None) -> None:
         super().__init__(instance_id=instance_id, config=config, hosts=[])
@@ -223,20 +269,19 @@ class ClusterBackplane(ShardedBackplane):
         self.topology: Topology | None = None
         self.nodes: dict[str, ClusterNode] = {}  # by "host:port"
         self._changed = False  # the map changed since the last check: the hub re-asserts
-        self._remapping = asyncio.Lock()
-        self._dropped: set[str] = set()
-        self._rejoin: asyncio.Task[None] | None = None
+        self._remapping: asyncio.Task[bool] | None = None
         self._remapped_at = float("-inf")
+        self._wanted: set[str] = set()  # the channels joined and not left
+        self._dropped: set[str] = set()
+        self._rejoining: asyncio.Task[None] | None = None
+        self._stopped = False
 
     # -- the map -------------------------------------------------------------------------
 
     def shard(self, channel: str) -> RedisBackplane:
         assert self.topology is not None
-        owner = self.topology.owner(slot_of(tag_of(channel)))
-        node = self.nodes.get(owner)
+        node = self.nodes.get(self.topology.owner(slot_of(tag_of(channel))))
         if node is None:
-            from realtime_app.cluster.shards import ShardUnavailable
-
             raise ShardUnavailable(f"no master of the Redis Cluster serves the slot of {channel!r} now")
         return node
 
@@ -245,48 +290,65 @@ class ClusterBackplane(ShardedBackplane):
             await self.remap()
 
     async def remap(self) -> bool:
-        """Read the slots again and carry every master; True when the map changed."""
+        """Read the slots again and carry every master; True when the map changed. One
+        reading at a time, in a task of this backplane's: a caller that gives up (the
+        beat's bound, a cancelled request) leaves it to finish, never half-adopted."""
         self._remapped_at = asyncio.get_running_loop().time()
-        async with self._remapping:
-            topology = await self._read()
-            if topology == self.topology:
-                return False
-            await self._adopt(topology)
-            return True
+        if self._remapping is None or self._remapping.done():
+            self._remapping = asyncio.get_running_loop().create_task(self._remap(), name="realtime-cluster-map")
+            self._remapping.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return await asyncio.shield(self._remapping)
 
     async def remap_soon(self) -> bool:
         """:meth:`remap` unless one was tried in the last :data:`REMAP_EVERY_S` (a node that
         is down fails many calls at once); True when the map changed."""
-        now = asyncio.get_running_loop().time()
-        if now - self._remapped_at < REMAP_EVERY_S:
+        if asyncio.get_running_loop().time() - self._remapped_at < REMAP_EVERY_S:
             return False
-        self._remapped_at = now
         try:
             return await self.remap()
         except self.errors:
             return False
 
-    async def _read(self) -> Topology:
-        """``CLUSTER SHARDS`` from the first node that answers: the masters known, then the startup nodes."""
-        timeout_ms = min(self.settings["REDIS_TIMEOUT_MS"], 3000)
-        urls = [node.url for node in self.nodes.values()] + [u for u in self.startup if u not in self._urls()]
-        failure: BaseException | None = None
-        for url in urls:
-            client = redis_client({**self.settings, "REDIS_TIMEOUT_MS": timeout_ms}, {"address": url})
-            try:
-                topology = parse_shards(await client.execute_command("CLUSTER SHARDS"))
-            except self.errors as exc:
-                failure = exc
-                continue
-            finally:
-                with contextlib.suppress(Exception):
-                    await client.aclose(close_connection_pool=True)
-            if topology.masters:
-                return topology
-        raise failure or ConnectionError("no node of REDIS_CLUSTER answered")
+    async def _remap(self) -> bool:
+        topology = await self._read()
+        if topology == self.topology or self._stopped:
+            return False
+        await self._adopt(topology)
+        return True
 
-    def _urls(self) -> set[str]:
-        return {node.url for node in self.nodes.values()}
+    async def _read(self) -> Topology:
+        """``CLUSTER SHARDS`` from the first node to answer, all asked at once — the masters
+        that answer, the startup nodes, the masters that do not — each within a bound below
+        the beat's, so that one that hangs delays nothing."""
+        stalled = [node.url for node in self.nodes.values() if node in self.stalled]
+        urls = [node.url for node in self.nodes.values() if node.url not in stalled]
+        urls += [url for url in [*self.startup, *stalled] if url not in urls]
+        bound = min(self.settings["REDIS_TIMEOUT_MS"] / 1000, max(self.beat_call_s, 0.5))
+        asks = [asyncio.get_running_loop().create_task(self._ask(url, bound)) for url in dict.fromkeys(urls)]
+        failure: BaseException | None = None
+        unanswered: tuple[type[BaseException], ...] = (*self.errors, ValueError)
+        try:
+            for done in asyncio.as_completed(asks):
+                try:
+                    topology = await done
+                except unanswered as exc:
+                    failure = exc
+                    continue
+                if topology.masters:
+                    return topology
+        finally:
+            for ask in asks:
+                await cancel_and_wait(ask)
+        raise ConnectionError(f"no node of REDIS_CLUSTER answered CLUSTER SHARDS ({failure})")
+
+    async def _ask(self, url: str, bound: float) -> Topology:
+        client = redis_client({**self.settings, "REDIS_TIMEOUT_MS": int(bound * 1000)}, {"address": url})
+        try:
+            async with asyncio.timeout(bound):
+                return parse_shards(await client.execute_command("CLUSTER SHARDS"))
+        finally:
+            with contextlib.suppress(Exception):
+                await client.aclose(close_connection_pool=True)
 
     async def _adopt(self, topology: Topology) -> None:
         first = self.topology is None
@@ -298,7 +360,7 @@ class ClusterBackplane(ShardedBackplane):
                     config=self.config,
                     url=self._url_of(address),
                     ranges=ranges,
-                    on_dropped=self._on_dropped,
+                    owner=self,
                 )
                 node.histories = self.histories
                 node.outage.what = f"Redis Cluster master {address}"
@@ -316,24 +378,14 @@ class ClusterBackplane(ShardedBackplane):
             await node.stop()
         self.shards[:] = list(self.nodes.values())  # the outage's view too
         self.topology = topology
-        self.home = self.shard_of_tag(HOME_TAG)
+        home = self.nodes.get(topology.owner(slot_of(HOME_TAG)))
+        self.home = home if home is not None else next(iter(self.nodes.values()))  # (calls there say why)
         if not first:
             self._changed = True
             logger.warning(
                 "the Redis Cluster's map changed: masters %s; re-asserting what this process holds",
                 ", ".join(sorted(topology.masters)),
             )
-
-    def shard_of_tag(self, tag: str) -> RedisBackplane:
-        assert self.nodes
-        owner = self.nodes.get(self._owner_of(tag))
-        return owner if owner is not None else next(iter(self.nodes.values()))
-
-    def _owner_of(self, tag: str) -> str:
-        topology = self.topology
-        if topology is None or not self.nodes:
-            return ""
-        return topology.owner(slot_of(tag))
 
     def _url_of(self, address: str) -> str:
         """A master's URL: the startup URL's scheme, credentials and options on its address."""
@@ -344,21 +396,32 @@ class ClusterBackplane(ShardedBackplane):
         netloc = f"{credentials}@{address}" if credentials else address
         return urlunsplit((template.scheme, netloc, "/0", template.query, ""))
 
-    def _on_dropped(self, channel: str) -> None:
-        """A master unsubscribed this process from ``channel`` (its slot moved): join it
-        again on its new owner now, not at the next beat."""
-        self._dropped.add(channel)
-        if self._rejoin is None or self._rejoin.done():
-            self._rejoin = asyncio.get_running_loop().create_task(self._join_dropped(), name="realtime-cluster-rejoin")
+    # -- subscriptions a node lost -------------------------------------------------------
 
-    async def _join_dropped(self) -> None:
-        for attempt in range(20):  # the cluster's gossip may lag the failover for a moment
-            channels, self._dropped = sorted(self._dropped), set()
-            if not channels:
+    async def join(self, channels: list[str]) -> None:
+        self._wanted.update(channels)
+        await self._join(channels)
+
+    async def leave(self, channel: str) -> None:
+        self._wanted.discard(channel)
+        self._dropped.discard(channel)
+        await self._leave(channel)
+
+    def rejoin(self, channels: list[str]) -> None:
+        """Join ``channels`` again where the map says, now (a node lost their subscriptions)."""
+        self._dropped.update(c for c in channels if c in self._wanted)
+        if self._dropped and not self._stopped and (self._rejoining is None or self._rejoining.done()):
+            self._rejoining = asyncio.get_running_loop().create_task(self._rejoin(), name="realtime-cluster-rejoin")
+
+    async def _rejoin(self) -> None:
+        for attempt in range(20):  # the cluster's gossip may lag a failover for a moment
+            channels = sorted(self._dropped & self._wanted)
+            self._dropped.clear()
+            if not channels or self._stopped:
                 return
             try:
-                await self.remap()
-                await self.join(channels)
+                await self.remap_soon()
+                await self._join(channels)
             except self.errors as exc:
                 logger.info("joining %d channels again after a slot moved: %s; retrying", len(channels), exc)
                 self._dropped.update(channels)
@@ -377,41 +440,22 @@ class ClusterBackplane(ShardedBackplane):
             raise next(r for r in results if isinstance(r, BaseException))
 
     async def stop(self) -> None:
-        await cancel_and_wait(self._rejoin)
+        self._stopped, self._deliver = True, None  # nothing started or rejoined from here
+        await cancel_and_wait(self._rejoining)
+        await cancel_and_wait(self._remapping)
+        # Every node, one adopted mid-way by a cancelled reading included.
+        every: list[RedisBackplane] = [*self.shards, *self.nodes.values()]
+        self.shards[:] = list(dict.fromkeys(every))
         await super().stop()
 
     async def check(self) -> bool:
         """The shards' check, after reading the map again when a node failed since the
-        last one (a failover) or said ``MOVED``; False when the map changed."""
+        last one (a failover), or a slot had no master; False when the map changed."""
         await self.mapped()
-        if self.stalled or self._unstarted:
+        assert self.topology is not None
+        if self.stalled or self._unstarted or not self.topology.complete:
             with contextlib.suppress(*self.errors):
                 await self.remap()
         intact = await super().check()
         changed, self._changed = self._changed, False
         return intact and not changed
-
-
-for _name in (
-    "join",
-    "leave",
-    "publish",
-    "history",
-    "history_page",
-    "reseed",
-    "acquire",
-    "renew",
-    "release",
-    "put_presence",
-    "read_presence",
-    "put_probe",
-    "drop_probe",
-    "cluster_probes",
-    "take_tokens",
-    "publish_once",
-    "claim_once",
-    "keep_once",
-    "renew_once",
-):
-    setattr(ClusterBackplane, _name, _routed(getattr(ShardedBackplane, _name)))
-del _name

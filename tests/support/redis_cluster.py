@@ -98,13 +98,23 @@ class PrivateRedisCluster:
         return next(node for node in self.nodes if node.port == port)
 
     def master_of(self, key: str) -> PrivateRedis:
+        """The master of ``key``'s slot (waiting, while a failover is under way, for one)."""
+        deadline = time.monotonic() + 30
+        while (master := self.owner(key)) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no master holds the slot of {key!r}")
+            time.sleep(0.05)
+        return master
+
+    def owner(self, key: str) -> PrivateRedis | None:
+        """The master of ``key``'s slot as a live node sees it now; None while it has none."""
         from redis.crc import key_slot
 
         slot = key_slot(key.encode())
         for shard in self.shards():
             if any(a <= slot <= b for a, b in shard["slots"]):
                 return self.node(shard["master"])
-        raise RuntimeError(f"no master holds slot {slot}")
+        return None
 
     def rejoin(self, node: PrivateRedis) -> None:
         """Start a killed node again: it rejoins as a replica of whoever took its slots."""
@@ -112,12 +122,22 @@ class PrivateRedisCluster:
         wait_for(lambda: node.client().info("replication").get("master_link_status") == "up")
         wait_for(lambda: all(n.client().cluster("info")["cluster_state"] == "ok" for n in self.live()))
 
+    def wait_ok(self) -> None:
+        """Every live node says the cluster is ok and every replica is in sync."""
+        wait_for(lambda: all(n.client().cluster("info")["cluster_state"] == "ok" for n in self.live()))
+        wait_for(lambda: all(_synced(n.client()) for n in self.live()))
+
     def live(self) -> list[PrivateRedis]:
         return [n for n in self.nodes if n.process is not None and n.process.poll() is None]
 
     def close(self) -> None:
         for node in self.nodes:
             node.close()
+
+
+def _synced(client: redis.Redis) -> bool:
+    replication = client.info("replication")
+    return replication["role"] == "master" or replication.get("master_link_status") == "up"
 
 
 def _replicate(client: redis.Redis, master: str) -> bool:
