@@ -124,7 +124,7 @@ class RedisBackplane(Backplane):
         return f"{self.prefix}:{name}"
 
     def home_key(self, name: str) -> str:
-        """A key of the cluster's own state (instances, probes, shared buckets, calls run once)."""
+        """A key of the cluster's own state (instances, probes, shared buckets)."""
         return f"{self.prefix}:{name}"
 
     @property
@@ -133,8 +133,8 @@ class RedisBackplane(Backplane):
         return f"{self.prefix}:alive:{self.instance_id}"
 
     def redis_channel(self, channel: str) -> str:
-        """The Redis pub/sub channel that carries ``channel``'s frames."""
-        return f"{self.prefix}:ch:{group_name(channel)}"
+        """The Redis pub/sub channel that carries ``channel``'s frames (named as its keys are)."""
+        return self.key("ch", channel)
 
     # -- lifecycle ----------------------------------------------------------------
 

@@ -165,9 +165,6 @@ class ClusterNode(RedisBackplane):
     def key(self, kind: str, channel: str) -> str:
         return f"{self.prefix}:{kind}:{{{tag_of(channel)}}}{group_name(channel)}"
 
-    def redis_channel(self, channel: str) -> str:
-        return f"{self.prefix}:ch:{{{tag_of(channel)}}}{group_name(channel)}"
-
     def home_key(self, name: str) -> str:
         return f"{self.prefix}:{{{HOME_TAG}}}:{name}"
 
