@@ -184,6 +184,23 @@ async def test_the_list_of_live_processes_expires_with_the_last_probe(redis_url,
             client.close()
 
 
+async def test_the_cluster_view_reads_the_others_probes_and_decodes_only_what_changed(redis_url, prefix) -> None:
+    """A scrape reads every other process's probe; each is republished every few seconds
+    and read far more often. Found: the process's own probe was read and decoded on every
+    scrape only to be dropped for its fresh one, and every other probe decoded again."""
+    async with Process(redis_url, prefix) as a, Process(redis_url, prefix) as b:
+        await a.backplane.put_probe({"instance": a.backplane.instance_id, "n": 1}, 5000)
+        await b.backplane.put_probe({"instance": b.backplane.instance_id, "n": 1}, 5000)
+        first = await a.backplane.cluster_probes()
+        assert first == [{"instance": b.backplane.instance_id, "n": 1}]  # not its own
+        again = await a.backplane.cluster_probes()
+        assert again[0] is first[0]  # the same bytes: not decoded again
+        await b.backplane.put_probe({"instance": b.backplane.instance_id, "n": 2}, 5000)
+        assert (await a.backplane.cluster_probes()) == [{"instance": b.backplane.instance_id, "n": 2}]
+        await b.backplane.drop_probe()
+        assert await a.backplane.cluster_probes() == []
+
+
 async def test_stopping_ends_a_receiver_that_swallowed_the_cancel_and_closes_the_pool(redis_url, prefix) -> None:
     """Found: a stop hung when redis-py's ``wait_for`` swallowed the cancel of the receive
     loop (Python 3.11), and the backplane's own Redis connections stayed open after it."""

@@ -105,6 +105,7 @@ class RedisBackplane(Backplane):
         self.own_channel = f"{self.prefix}:proc:{self.instance_id}"
         self._names: dict[bytes, str] = {}  # Redis channel -> channel, for what this process subscribed
         self._leaving: dict[bytes, int] = {}  # unsubscribes asked for and not yet confirmed
+        self._probes: dict[str, tuple[bytes, ProcessProbe]] = {}  # the others' probes as last read
         self._receive_errors: set[type[BaseException]] = set()  # logged once per kind
         self._run_id: str | None = None
         self._receiver: asyncio.Task[None] | None = None
@@ -404,12 +405,18 @@ class RedisBackplane(Backplane):
         await self.redis.delete(self.alive_key)
 
     async def cluster_probes(self) -> list[ProcessProbe]:
+        """The other live processes' probes (this process's own is its hub's, fresh). A
+        probe is republished every few seconds and read far more often: one whose bytes
+        did not change is not decoded again (callers do not change what they are given)."""
         ids = await self.redis.zrangebyscore(self.home_key("instances"), now_ms(), "+inf")
-        if not ids:
-            return []
-        names = [i.decode() if isinstance(i, bytes) else i for i in ids]
-        raw = await self.redis.mget([self.home_key(f"probe:{n}") for n in names])
-        return [json.loads(r) for r in raw if r]
+        names = [name for name in map(_text, ids) if name != self.instance_id]
+        raw = await self.redis.mget([self.home_key(f"probe:{n}") for n in names]) if names else []
+        seen, self._probes = self._probes, {}
+        for name, data in zip(names, raw, strict=True):
+            if data:
+                known = seen.get(name)
+                self._probes[name] = (data, known[1] if known is not None and known[0] == data else json.loads(data))
+        return [probe for _, probe in self._probes.values()]
 
     async def put_presence(self, parts: dict[str, str | None], ttl_ms: int) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:

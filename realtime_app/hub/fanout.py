@@ -75,6 +75,8 @@ class Fanout:
         self.delta_subs: dict[str, set[Connection]] = {}  # channel -> its delta subscribers here
         self.deltas = ChannelDeltas()
         self.holding: set[Connection] = set()  # connections with conflated frames held back
+        #: Set while ``holding`` is not empty: the drain loop sleeps on it, not on a timer.
+        self.some_held = asyncio.Event()
         self.send_failures = 0  # connections closed because a send raised
         self.unread_refused = 0  # requests not run: their connection does not read its answers
         #: Connections that lagged since the probe last found them clear (their guards note
@@ -201,7 +203,7 @@ class Fanout:
                 self._send_failed(conn, exc)
                 continue
             if decision is HOLD:
-                self.holding.add(conn)
+                self._hold(conn)
                 self.conflated += guard.conflated - before
 
     def send_merged(self, conn: Connection, key: str, payload: bytes) -> Decision | None:
@@ -214,8 +216,12 @@ class Fanout:
             self._send_failed(conn, exc)
             return None
         if decision is HOLD:
-            self.holding.add(conn)
+            self._hold(conn)
         return decision
+
+    def _hold(self, conn: Connection) -> None:
+        self.holding.add(conn)
+        self.some_held.set()
 
     def drain_held(self) -> int:
         """Write the held frames of every connection whose queue drained; returns how many."""
@@ -413,8 +419,14 @@ DRAIN_INTERVAL_S = 0.05
 async def drain_held(hub: HoldsFrames) -> None:
     """Write each conflated channel's newest frame once its connection's queue drains:
     a slow client converges to the latest state within this interval of its socket
-    draining (there is no portable "drained" event across daphne and uvicorn)."""
+    draining (there is no portable "drained" event across daphne and uvicorn). While
+    nothing is held it waits for something to be: an idle process is not woken 20 times
+    a second for nothing."""
+    fanout = hub.fanout
     while True:
+        if not fanout.holding:
+            fanout.some_held.clear()
+            await fanout.some_held.wait()
         await asyncio.sleep(DRAIN_INTERVAL_S)
-        if hub.fanout.holding:
-            hub.fanout.drain_held()
+        if fanout.holding:
+            fanout.drain_held()

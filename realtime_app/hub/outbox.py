@@ -92,19 +92,25 @@ class OutboxDrain:
         if not _any_durable():
             return 0
         published = 0
+        counting = time.monotonic() - self._counted >= beat_period_s(get_config())
+        counts: list[tuple[int, datetime.datetime | None]] = []
         for alias in get_config()["OUTBOX_DATABASES"]:
             try:
-                for channel in await sync_to_async(outbox.channels_waiting)(alias, CHANNELS_PER_PASS):
+                waiting = await sync_to_async(outbox.channels_waiting)(alias, CHANNELS_PER_PASS)
+                for channel in waiting:
                     published += await self._drain_channel(alias, channel)
-                if time.monotonic() - self._counted >= beat_period_s(get_config()):
-                    self.rows, self.oldest = await sync_to_async(outbox.stats)(alias)
-                    self._counted = time.monotonic()
+                if counting:  # an empty outbox is not asked twice
+                    counts.append(await sync_to_async(outbox.stats)(alias) if waiting else (0, None))
             except Exception as exc:  # the database or the backplane: the rows wait, in order
                 self.failures += 1
                 if not self._failing:
                     logger.warning("outbox of %r not drained: %s (the rows wait; retried each beat)", alias, exc)
                 self._failing = True
                 return published
+        if counting:  # every database's rows, the oldest of them all
+            self.rows = sum(rows for rows, _ in counts)
+            self.oldest = min((oldest for _, oldest in counts if oldest is not None), default=None)
+            self._counted = time.monotonic()
         if self._failing:
             logger.info("outbox drained again")
         self._failing = False

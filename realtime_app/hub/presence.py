@@ -87,6 +87,7 @@ class Presence:
         self.reads = 0
         self.failures = 0
         self._writing = asyncio.Lock()  # one write at a time: an older part never lands last
+        self._entered = asyncio.Event()  # a room was opened: the loop, asleep while none is, runs
 
     # -- the books (synchronous, at once) ------------------------------------------------
 
@@ -96,6 +97,7 @@ class Presence:
         room = self.rooms.get(spec.base)
         if room is None:
             room = self.rooms[spec.base] = Room()
+            self._entered.set()
         room.names.add(spec.name)
         user, info = conn.member if conn.member is not None else (None, None)
         if room.local.enter(conn.id, user, info):
@@ -181,13 +183,17 @@ class Presence:
 
     async def run(self) -> None:
         """Write changed parts a few times per interval, renew them every beat, read and
-        send once per interval (the hub runs it while it runs; nothing ends it but that)."""
+        send once per interval (the hub runs it while it runs; nothing ends it but that).
+        While no room is open here it sleeps until one is."""
         config = get_config()
         interval = self._interval()
         beat = beat_period_s(config)
         next_read = next_beat = time.monotonic()
         failing: set[type[BaseException]] = set()
         while True:
+            if not self.rooms:  # no one present here: nothing to write or read until someone is
+                self._entered.clear()
+                await self._entered.wait()
             await asyncio.sleep(interval / WRITES_PER_INTERVAL)
             now = time.monotonic()
             renew = now >= next_beat
