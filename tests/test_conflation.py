@@ -7,41 +7,16 @@ offered, it holds every channel's latest value."""
 
 from __future__ import annotations
 
-from collections import deque
-
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from realtime_app.outbound.backpressure import HOLD, SEND, BackpressureConfig
-from realtime_app.outbound.base import Transport
 from realtime_app.outbound.conflation import Held
 from realtime_app.outbound.guard import Guard
+from tests.support.queue_model import QueueModel, frame
 
 CHANNELS = ["a", "b", "c"]
-
-
-class QueueModel(Transport):
-    """A connection's queue: what was written and not yet read by the client."""
-
-    measurable = True
-
-    def __init__(self) -> None:
-        self.queue: deque[bytes] = deque()
-
-    def buffered(self) -> int:
-        return sum(len(p) for p in self.queue)
-
-    def write(self, payload: bytes, frame: bytes | None = None) -> bool:
-        self.queue.append(payload)
-        return True
-
-    def close(self, code: int, reason: str, drain_s: float) -> None:
-        raise AssertionError("a conflated channel never closes its connection")
-
-
-def frame(channel: str, value: int, size: int) -> bytes:
-    return f"{channel}:{value}:".encode() + b"x" * size
 
 
 class Conflating(RuleBasedStateMachine):

@@ -18,7 +18,7 @@ from realtime_app.hub.fanout import DRAIN_INTERVAL_S, Fanout, drain_held
 from realtime_app.hub.presence import WRITES_PER_INTERVAL, Presence
 from realtime_app.outbound.backpressure import HOLD, SEND, BackpressureConfig
 from realtime_app.outbound.guard import Guard
-from tests.test_conflation import QueueModel, frame
+from tests.support.queue_model import QueueModel, frame
 
 
 @pytest.fixture
