@@ -167,3 +167,15 @@ async def test_the_prometheus_text_is_prometheus_clients_byte_for_byte(hub) -> N
         assert metrics.render(probe) == metrics.render_with_client(probe)
 
     same()
+    # Found in review: families whose last label differs by name only (pool, store, template,
+    # reason, result) shared one remembered label text when their keys were the same word.
+    instance = dict(base["instances"][0])
+    instance["write_behind"] = {"default": {"flushes": 2}}
+    instance["http_pools"] = {"default": {"refused": {"default": 1}, "wait_ms": {"p50": 1, "p99": 2}}}
+    instance["templates"] = {"default": {}}
+    instance["admission"] = {**instance["admission"], "refused": {"default": 3}}
+    instance["history"] = {**instance["history"], "recoveries": {"default": 4}}
+    probe = {**base, "instances": [instance]}
+    text = metrics.render(probe)
+    assert text == metrics.render_with_client(probe)
+    assert b'store="default"} 2.0' in text and b'reason="default"} 3.0' in text

@@ -93,28 +93,42 @@ class OutboxDrain:
             return 0
         published = 0
         counting = time.monotonic() - self._counted >= beat_period_s(get_config())
-        counts: list[tuple[int, datetime.datetime | None]] = []
+        empty: set[str] = set()  # databases with nothing waiting: counted without asking again
         for alias in get_config()["OUTBOX_DATABASES"]:
             try:
                 waiting = await sync_to_async(outbox.channels_waiting)(alias, CHANNELS_PER_PASS)
+                if not waiting:
+                    empty.add(alias)
                 for channel in waiting:
                     published += await self._drain_channel(alias, channel)
-                if counting:  # an empty outbox is not asked twice
-                    counts.append(await sync_to_async(outbox.stats)(alias) if waiting else (0, None))
             except Exception as exc:  # the database or the backplane: the rows wait, in order
                 self.failures += 1
                 if not self._failing:
                     logger.warning("outbox of %r not drained: %s (the rows wait; retried each beat)", alias, exc)
                 self._failing = True
+                if counting:  # what waits is counted all the same: OUTBOX_MAX_ROWS holds during an outage
+                    await self._count(empty)
                 return published
-        if counting:  # every database's rows, the oldest of them all
-            self.rows = sum(rows for rows, _ in counts)
-            self.oldest = min((oldest for _, oldest in counts if oldest is not None), default=None)
-            self._counted = time.monotonic()
+        if counting:
+            await self._count(empty)
         if self._failing:
             logger.info("outbox drained again")
         self._failing = False
         return published
+
+    async def _count(self, empty: set[str]) -> None:
+        """Rows waiting in every outbox database and the oldest of them all (a database
+        that does not answer is left out; none answering keeps the last count)."""
+        counts: list[tuple[int, datetime.datetime | None]] = []
+        for alias in get_config()["OUTBOX_DATABASES"]:
+            try:
+                counts.append((0, None) if alias in empty else await sync_to_async(outbox.stats)(alias))
+            except Exception:  # said by the drain's warning
+                logger.debug("outbox of %r not counted", alias)
+        if counts:
+            self.rows = sum(rows for rows, _ in counts)
+            self.oldest = min((oldest for _, oldest in counts if oldest is not None), default=None)
+        self._counted = time.monotonic()
 
     async def _drain_channel(self, alias: str, channel: str) -> int:
         backplane = self.hub.backplane

@@ -78,14 +78,14 @@ class Family:
 
     def text(self, out: list[str], labelled: dict[tuple[Any, ...], str]) -> None:
         """Append this family's lines to ``out``; ``labelled`` remembers each set of label
-        values as written (one process's labels recur in every family)."""
+        names and values as written (one process's labels recur in every family)."""
         header, names, order = _layout(self.name, self.kind, self.help, self.labels)
         out.append(header)
         name = names[0]
         for values, value in self.samples:
-            labels = labelled.get((order, values))
+            labels = labelled.get((self.labels, values))
             if labels is None:
-                labels = labelled[order, values] = (
+                labels = labelled[self.labels, values] = (
                     "{" + ",".join(f'{n}="{_escape(values[i])}"' for n, i in zip(names[1:], order, strict=True)) + "}"
                     if order
                     else ""
