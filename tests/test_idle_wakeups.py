@@ -42,6 +42,8 @@ async def _settle() -> None:
 
 
 async def _until(condition: Any, timeout: float = 5.0) -> None:
+    """``tests.support.waiting.eventually``, but polling on a timer of its own length
+    (10 ms): its 50 ms is the drain loop's, which these tests look for."""
     deadline = asyncio.get_running_loop().time() + timeout
     while not condition():
         assert asyncio.get_running_loop().time() < deadline, "condition not met in time"

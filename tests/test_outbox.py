@@ -17,6 +17,7 @@ from realtime_app.conf import get_config
 from realtime_app.exceptions import ConfigurationError
 from realtime_app.models import OutboxEntry
 from tests.support.asgi_client import Client
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -92,10 +93,7 @@ async def test_rows_wait_while_redis_does_not_answer_and_go_out_in_order_after(p
                 assert await sync_to_async(_rows)() == 10
                 # Found in review: a drain stopped by the outage left the count as it was
                 # (0), so OUTBOX_MAX_ROWS never held while rows piled up.
-                deadline = asyncio.get_running_loop().time() + 30
-                while hub.probe()["outbox"]["rows"] != 10:
-                    assert asyncio.get_running_loop().time() < deadline, hub.probe()["outbox"]
-                    await asyncio.sleep(0.05)
+                await eventually(lambda: hub.probe()["outbox"]["rows"] == 10, 30, "the rows counted during the outage")
                 private_redis.resume()
                 frames = await c.frames(10, timeout=30)
             assert [f["data"]["text"] for f in frames] == [f"while down {i}" for i in range(10)]
