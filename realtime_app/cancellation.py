@@ -4,16 +4,20 @@ On Python 3.11 a cancellation can be swallowed inside a library: ``asyncio.wait_
 (redis-py wraps every send in one when a socket timeout is set) drops a cancel that
 lands as the awaited call completes, and the task goes on — a receive loop then blocks
 in its next ``BZPOPMIN`` and ``await task`` hangs a shutdown. A cancel that is not
-honoured is repeated until the task ends.
+honoured is repeated until the task ends. The other way round, a step that must not be
+cut — closing connections — runs to its end whatever its caller hears.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
-__all__ = ["cancel_and_wait"]
+__all__ = ["cancel_and_wait", "uninterrupted"]
+
+T = TypeVar("T")
 
 
 async def cancel_and_wait(*tasks: asyncio.Task[Any] | None, every_s: float = 0.1) -> None:
@@ -28,3 +32,22 @@ async def cancel_and_wait(*tasks: asyncio.Task[Any] | None, every_s: float = 0.1
         if ended is not None and ended.done() and not ended.cancelled():
             with contextlib.suppress(BaseException):
                 ended.exception()
+
+
+async def uninterrupted(step: Awaitable[T]) -> T:
+    """Await ``step`` to its end even when the caller is cancelled meanwhile, then pass
+    the cancel on. For closing: a close cut in half leaves the sockets it had not closed
+    yet open, owned by nothing. Only for steps bounded of their own (a Redis close has
+    its socket timeout); the caller waits that long at most."""
+    task = asyncio.ensure_future(step)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.wait([task])  # (a cancel of this wait leaves the task running)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        if not task.cancelled():
+            task.exception()  # retrieved: the cancel is what the caller hears
+        raise asyncio.CancelledError
+    return task.result()

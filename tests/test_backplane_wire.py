@@ -18,6 +18,7 @@ from django.test import override_settings
 from realtime_app.cluster.base import Delivery
 from realtime_app.cluster.hosts import layer_hosts
 from realtime_app.cluster.redis import RedisBackplane
+from realtime_app.cluster.shards import ShardedBackplane
 from realtime_app.wire.history import HistoryPolicy
 from realtime_app.wire.protocol import notification_text
 from tests.support.private_redis import PrivateRedis
@@ -255,3 +256,65 @@ async def test_calls_that_run_once_keep_their_book_on_redis_for_every_process(re
         assert await b.backplane.claim_once(name, "other", 600) == ("running", None)
         assert await once_b.run(alice, "k2", execute, "demo.bid", {}) == (True, {"price": 110})  # after its lease
         assert runs == ["demo.bid", "demo.bid"]
+
+
+def make_backplane(instance_id: str, config: dict) -> RedisBackplane | ShardedBackplane:
+    if "REDIS_SHARDS" in config:
+        return ShardedBackplane(instance_id=instance_id, config=config)
+    return RedisBackplane(instance_id=instance_id, config=config)
+
+
+def _clients_but_one(server: PrivateRedis) -> int:
+    """Connections open on ``server`` but the one asking."""
+    client = server.client()
+    try:
+        return len(client.client_list()) - 1
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("shards", [1, 2], ids=["one-server", "sharded"])
+async def test_a_stop_cancelled_at_any_step_still_closes_every_connection(shards: int) -> None:
+    """Found: a cluster's failover left a Redis connection open that nothing owned (a
+    ResourceWarning when collected). A stop is itself cancelled — the caller's bound, the
+    repeated cancel of :func:`cancel_and_wait` — and one cut inside its closing left the
+    connections it had not closed yet open, in a pool nothing would close again. Each step
+    of a stop cancelled in turn: every connection is closed all the same, before the
+    backplane is collected, and no task is left."""
+    from realtime_app.cancellation import cancel_and_wait
+
+    server = PrivateRedis().start()
+    try:
+        steps = 0
+        while True:
+            urls = [f"redis://127.0.0.1:{server.port}/{db}" for db in range(shards)]
+            config = {"REDIS_SHARDS": urls} if shards > 1 else {"REDIS_URL": urls[0]}
+            backplane = make_backplane(f"stop-{steps}", config)
+
+            async def deliver(delivery: Delivery) -> None:
+                pass
+
+            await backplane.start(deliver)
+            channels = [f"wire:stop{i}" for i in range(4)]  # (over both shards)
+            await backplane.join(channels)
+            await asyncio.gather(*(backplane.publish(c, DATA) for c in channels for _ in range(2)))  # a few connections
+            assert await asyncio.to_thread(_clients_but_one, server) >= 2
+            before = asyncio.all_tasks()
+            stopping = asyncio.get_running_loop().create_task(backplane.stop())
+            for _ in range(steps + 1):
+                await asyncio.sleep(0)
+            finished = stopping.done()
+            async with asyncio.timeout(30):
+                await cancel_and_wait(stopping)
+            assert not (asyncio.all_tasks() - before), f"a task left by a stop cancelled after {steps} steps"
+
+            async def closed() -> bool:  # (the server hears of each close a moment later)
+                return await asyncio.to_thread(_clients_but_one, server) == 0
+
+            await eventually(closed, 10, f"every connection closed by a stop cancelled after {steps} steps")
+            if finished:
+                break
+            steps += 1
+        assert steps >= 3  # the stop was cut at several places before it could finish
+    finally:
+        server.close()

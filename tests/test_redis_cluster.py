@@ -543,3 +543,49 @@ async def test_stopping_while_the_map_is_read_leaves_nothing_running(config):
         await reading
     left = [t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("realtime-")]
     assert left == []
+
+
+def _app_clients(cluster: PrivateRedisCluster) -> int:
+    """Connections open on the cluster's nodes but replication's and the one asking."""
+    count = 0
+    for node in cluster.nodes:
+        client = node.client()
+        try:
+            count += sum(1 for c in client.client_list() if "S" not in c["flags"] and "M" not in c["flags"]) - 1
+        finally:
+            client.close()
+    return count
+
+
+async def test_a_stop_cancelled_at_any_step_still_closes_every_connection(config, cluster):
+    """Found: a failover left a connection to a master open that nothing owned (a
+    ResourceWarning when collected): the repeated cancel of a stop, or of a reading of the
+    map, cut the close of a node's pool. Each step of a stop cancelled in turn: every
+    connection to every node is closed all the same, and no task is left."""
+    from realtime_app.cancellation import cancel_and_wait
+
+    baseline = await asyncio.to_thread(_app_clients, cluster)
+    steps = 0
+    while True:
+        backplane, _ = await started(config, f"stop-{steps}")
+        channels = spread(backplane, 6)
+        await backplane.join(channels)
+        await asyncio.gather(*(backplane.publish(c, "{}") for c in channels))
+        assert await asyncio.to_thread(_app_clients, cluster) >= baseline + 6
+        before = asyncio.all_tasks()
+        stopping = asyncio.get_running_loop().create_task(backplane.stop())
+        for _ in range(steps + 1):
+            await asyncio.sleep(0)
+        finished = stopping.done()
+        async with asyncio.timeout(30):
+            await cancel_and_wait(stopping)
+        assert not (asyncio.all_tasks() - before), f"a task left by a stop cancelled after {steps} steps"
+
+        async def closed() -> bool:  # (each node hears of a close a moment later)
+            return await asyncio.to_thread(_app_clients, cluster) == baseline
+
+        await eventually(closed, 10, f"every connection closed by a stop cancelled after {steps} steps")
+        if finished:
+            break
+        steps += 1
+    assert steps >= 3  # the stop was cut at several places before it could finish

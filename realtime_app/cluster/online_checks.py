@@ -114,6 +114,7 @@ async def _ask_all(config: dict[str, Any], hosts: list[dict[str, Any]]) -> list[
 
 async def _ask(config: dict[str, Any], host: dict[str, Any]) -> str | dict[str, Any]:
     """What ``host`` says of itself, or why it does not answer."""
+    from realtime_app.cancellation import uninterrupted
     from realtime_app.cluster.hosts import redis_client
 
     timeout_ms = min(config["REDIS_TIMEOUT_MS"], int(TIMEOUT_S * 1000))
@@ -127,7 +128,7 @@ async def _ask(config: dict[str, Any], host: dict[str, Any]) -> str | dict[str, 
     except Exception as exc:
         return f"does not answer ({type(exc).__name__}: {exc})"
     finally:
-        await client.aclose()
+        await uninterrupted(client.aclose())
     return info
 
 

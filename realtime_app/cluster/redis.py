@@ -34,7 +34,7 @@ from typing import Any
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeout
 
-from realtime_app.cancellation import cancel_and_wait
+from realtime_app.cancellation import cancel_and_wait, uninterrupted
 from realtime_app.cluster import redis_scripts as scripts
 from realtime_app.cluster.base import Backplane, Deliver, Delivery, now_ms
 from realtime_app.cluster.hosts import host_label, redis_client, shard_hosts
@@ -147,12 +147,18 @@ class RedisBackplane(Backplane):
             await pubsub.subscribe(self.own_channel)
         except BaseException:  # unreachable, or cancelled: nothing left open
             with contextlib.suppress(Exception):
-                await pubsub.aclose()
+                await uninterrupted(pubsub.aclose())
             raise
         self._pubsub = pubsub
         self._receiver = asyncio.get_running_loop().create_task(self._receive(deliver), name="realtime-receive")
 
     async def stop(self) -> None:
+        """Stopped to the end once begun, whatever the caller hears meanwhile (a cancel
+        of a half-done stop would leave connections open that nothing owns any more);
+        bounded by ``REDIS_TIMEOUT_MS``, the socket timeout of each close."""
+        await uninterrupted(self._stop())
+
+    async def _stop(self) -> None:
         receiver, self._receiver = self._receiver, None
         await cancel_and_wait(receiver)
         pubsub, self._pubsub = self._pubsub, None

@@ -34,7 +34,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from redis.crc import key_slot
 from redis.exceptions import AskError, ClusterCrossSlotError, TryAgainError
 
-from realtime_app.cancellation import cancel_and_wait
+from realtime_app.cancellation import cancel_and_wait, uninterrupted
 from realtime_app.channels.registry import FED_PREFIX
 from realtime_app.cluster.hosts import redis_client
 from realtime_app.cluster.redis import RedisBackplane
@@ -333,9 +333,8 @@ class ClusterBackplane(ShardedBackplane):
                     continue
                 if topology.masters:
                     return topology
-        finally:
-            for ask in asks:
-                await cancel_and_wait(ask)
+        finally:  # every ask ended here, even when this reading is cancelled meanwhile
+            await uninterrupted(cancel_and_wait(*asks))
         raise ConnectionError(f"no node of REDIS_CLUSTER answered CLUSTER SHARDS ({failure})")
 
     async def _ask(self, url: str, bound: float) -> Topology:
@@ -344,8 +343,8 @@ class ClusterBackplane(ShardedBackplane):
             async with asyncio.timeout(bound):
                 return parse_shards(await client.execute_command("CLUSTER SHARDS"))
         finally:
-            with contextlib.suppress(Exception):
-                await client.aclose(close_connection_pool=True)
+            with contextlib.suppress(Exception):  # (closed whole when this ask is cancelled)
+                await uninterrupted(client.aclose(close_connection_pool=True))
 
     async def _adopt(self, topology: Topology) -> None:
         first = self.topology is None
@@ -437,6 +436,9 @@ class ClusterBackplane(ShardedBackplane):
             raise next(r for r in results if isinstance(r, BaseException))
 
     async def stop(self) -> None:
+        await uninterrupted(self._stop())  # (as each node's: once begun, to the end)
+
+    async def _stop(self) -> None:
         self._stopped, self._deliver = True, None  # nothing started or rejoined from here
         await cancel_and_wait(self._rejoining)
         await cancel_and_wait(self._remapping)

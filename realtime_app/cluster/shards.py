@@ -28,6 +28,7 @@ import logging
 from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
+from realtime_app.cancellation import uninterrupted
 from realtime_app.channels.registry import FED_PREFIX, RESERVED
 from realtime_app.cluster.base import Backplane, Deliver
 from realtime_app.cluster.hosts import shard_hosts
@@ -205,7 +206,9 @@ class ShardedBackplane(Backplane):
         self._unstarted.discard(shard)
 
     async def stop(self) -> None:
-        await asyncio.gather(*(shard.stop() for shard in self.shards), return_exceptions=True)
+        """Every shard stopped, even when the caller is cancelled meanwhile (a shard's stop
+        cancelled before its first step would never close its connections)."""
+        await uninterrupted(asyncio.gather(*(shard.stop() for shard in self.shards), return_exceptions=True))
 
     async def check(self) -> bool:
         """Each shard's check at once, each within its bound: False when any lost what it
