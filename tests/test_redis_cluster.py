@@ -219,6 +219,7 @@ async def test_a_master_killed_its_replica_takes_over_with_the_data(config, own_
         await a.stop()
         await b.stop()
         await asyncio.to_thread(cluster.rejoin, master)
+        gc.collect()  # a connection left open by the failover is found here, failing this test
 
 
 async def _publishes(backplane: ClusterBackplane, channel: str) -> bool:
@@ -464,10 +465,6 @@ def test_the_map_gives_every_slot_to_the_master_that_serves_it_in_either_protoco
     holds()
 
 
-# redis-py drops, without closing, a connection that a command cancelled by the beat's
-# timeout was still opening to a master answering CLUSTERDOWN mid-failover; the collector
-# closes its socket. Seen once in five runs; tolerated here, the rest of the test holds.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 async def test_a_master_that_hangs_is_replaced_at_the_beat(config, own_cluster):
     """Found: the map was asked of the known nodes one after another, the hung master
     first, each longer than the beat allows: every check timed out and a process that only
@@ -505,7 +502,7 @@ async def test_a_master_that_hangs_is_replaced_at_the_beat(config, own_cluster):
         await a.stop()
         await b.stop()
         await asyncio.to_thread(cluster.wait_ok)
-        gc.collect()  # such a connection is collected here, within the test that tolerates it
+        gc.collect()  # a connection left open by the failover is found here, failing this test
 
 
 async def test_subscriptions_come_back_after_the_pubsub_connection_is_cut(config, cluster):
