@@ -318,3 +318,33 @@ async def test_a_stop_cancelled_at_any_step_still_closes_every_connection(shards
         assert steps >= 3  # the stop was cut at several places before it could finish
     finally:
         server.close()
+
+
+async def test_calls_under_way_or_made_after_a_stop_open_no_connection() -> None:
+    """Found by a review of the fix above: a call begun just before the stop (its connect
+    under way, which the pool's close skips) or made after it (a request task cancelled
+    once and still running) opened a socket in a pool that nothing closed again. Once
+    stopped, the backplane opens no connection: such a call fails as an outage would."""
+    server = PrivateRedis().start()
+    try:
+        for steps in range(8):
+            backplane = RedisBackplane(instance_id=f"late-{steps}", config={"REDIS_URL": server.url})
+
+            async def deliver(delivery: Delivery) -> None:
+                pass
+
+            await backplane.start(deliver)
+            calls = [asyncio.get_running_loop().create_task(backplane.publish(f"wire:late{i}", DATA)) for i in range(4)]
+            for _ in range(steps):
+                await asyncio.sleep(0)
+            await backplane.stop()
+            await asyncio.gather(*calls, return_exceptions=True)
+            with pytest.raises(backplane.errors):
+                await backplane.publish("wire:late", DATA)
+
+            async def closed() -> bool:
+                return await asyncio.to_thread(_clients_but_one, server) == 0
+
+            await eventually(closed, 10, f"no connection left by calls {steps} steps into the stop")
+    finally:
+        server.close()

@@ -34,8 +34,12 @@ class Closing:
 async def scenario(steps: int, fails: bool, cancels: list[int], repeated: bool) -> None:
     closing = Closing(steps, fails)
 
+    swallowed: list[bool] = []
+
     async def caller() -> str:
-        return await uninterrupted(closing.close())
+        result = await uninterrupted(closing.close())
+        swallowed.append(asyncio.current_task().cancelling() > 0)  # a cancel came, and no CancelledError
+        return result
 
     before = asyncio.all_tasks()
     task = asyncio.get_running_loop().create_task(caller())
@@ -54,6 +58,7 @@ async def scenario(steps: int, fails: bool, cancels: list[int], repeated: bool) 
     leftover = asyncio.all_tasks() - before - {asyncio.current_task()}
     assert not leftover, f"tasks left: {leftover}"
     assert closing.ended == closing.began  # begun means finished, whatever the caller heard
+    assert swallowed in ([], [False]), "a cancel was swallowed"
     if not closing.began:
         assert task.cancelled()  # cancelled before its first step: nothing begun, nothing to close
     elif task.cancelled():
@@ -85,3 +90,4 @@ async def test_the_caller_hears_the_cancel_after_the_close_ended() -> None:
         async with asyncio.timeout(0):
             await uninterrupted(closing.close())
     assert closing.ended
+    assert asyncio.current_task().cancelling() == 0  # the bound's cancel consumed, none left pending

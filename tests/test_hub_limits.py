@@ -404,3 +404,45 @@ async def test_a_hub_runs_what_the_wiring_lists_however_it_was_started():
         assert set(hub.parts.handlers) == {"logout", "close_connection"} == set(parts().handlers)
     finally:
         await hub.aclose()
+
+
+async def test_a_close_of_the_hub_cancelled_at_any_step_leaves_no_loop_and_no_connection(private_redis):
+    """Found by a review: ``Hub.aclose`` cut by a cancel (a shutdown's bound, the repeated
+    cancel of a task that stops it) skipped the rest of the close — the loops went on and
+    the backplane was never stopped, its Redis connections open, owned by nothing. Each
+    step of a close cancelled in turn: no task of the hub's and no connection left."""
+    from realtime_app.cancellation import cancel_and_wait
+    from realtime_app.hub.core import Hub
+    from tests.support.waiting import eventually
+
+    def open_connections() -> int:
+        client = private_redis.client()
+        try:
+            return len(client.client_list()) - 1
+        finally:
+            client.close()
+
+    with settings_with(BACKPLANE="redis", REDIS_URL=private_redis.url, KEY_PREFIX="closing"):
+        steps = 0
+        while True:
+            before = asyncio.all_tasks()
+            hub = Hub()  # (a closed hub stays closed: one each time)
+            await hub.start()
+            assert await asyncio.to_thread(open_connections) >= 1
+            closing = asyncio.get_running_loop().create_task(hub.aclose())
+            for _ in range(steps + 1):
+                await asyncio.sleep(0)
+            finished = closing.done()
+            async with asyncio.timeout(30):
+                await cancel_and_wait(closing)
+            left = [t.get_name() for t in asyncio.all_tasks() - before if t.get_name().startswith("realtime-")]
+            assert left == [], f"the hub's tasks left by a close cancelled after {steps} steps"
+
+            async def closed() -> bool:
+                return await asyncio.to_thread(open_connections) == 0
+
+            await eventually(closed, 10, f"every connection closed by a close cancelled after {steps} steps")
+            if finished:
+                break
+            steps += 1
+        assert steps >= 3

@@ -11,14 +11,20 @@ them to the library's on every shape.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
 from redis import asyncio as aioredis
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.exceptions import RedisError
+
+from realtime_app.cancellation import uninterrupted
 
 __all__ = [
     "REDIS_LAYERS",
+    "ConnectGate",
+    "close_client",
     "decode_hosts",
     "host_label",
     "layer_hosts",
@@ -70,6 +76,7 @@ def redis_client(settings: dict[str, Any], host: dict[str, Any]) -> Any:
         "max_connections": settings["REDIS_MAX_CONNECTIONS"],
         "socket_timeout": timeout_s,
         "socket_connect_timeout": timeout_s,
+        "redis_connect_func": ConnectGate().connect,
     }
     url = host.get("address") if isinstance(host.get("address"), str) else None
     if url:
@@ -84,6 +91,39 @@ def redis_client(settings: dict[str, Any], host: dict[str, Any]) -> Any:
     else:
         raise ValueError("the Redis backplane needs REDIS_SHARDS, REDIS_URL or a channels-redis layer with hosts")
     return aioredis.Redis(connection_pool=pool)
+
+
+class ConnectGate:
+    """Every connection of a :func:`redis_client` is set up by :meth:`connect` once its
+    socket is open (redis-py's ``redis_connect_func``), and refused once the client is closed: a call
+    still under way when its pool was closed — its connect in progress, which the pool's
+    close skips, or begun after — would otherwise open a socket in a pool that nothing
+    closes again. Refused with an error redis-py does not retry, the socket closed."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    async def connect(self, connection: Any) -> None:
+        if self.closed:
+            raise RedisError("this Redis client is closed")
+        await connection.on_connect()
+
+
+async def close_client(client: Any) -> None:
+    """Close ``client`` and its pool (and a Sentinel service's sentinels) for good: no
+    connection opened after (:class:`ConnectGate`), and the close finished even when the
+    caller is cancelled meanwhile (a close cut in half leaves the sockets not closed yet
+    open); each socket's close is bounded by the client's ``REDIS_TIMEOUT_MS``."""
+    gate = getattr(client.connection_pool.connection_kwargs.get("redis_connect_func"), "__self__", None)
+    if isinstance(gate, ConnectGate):
+        gate.closed = True
+    manager = getattr(client.connection_pool, "sentinel_manager", None)
+    try:
+        await uninterrupted(client.aclose(close_connection_pool=True))
+    finally:  # a Sentinel service: its sentinels' connections too
+        for sentinel in getattr(manager, "sentinels", ()):
+            with contextlib.suppress(RedisError, OSError):
+                await uninterrupted(sentinel.aclose())
 
 
 def layer_kind() -> str:

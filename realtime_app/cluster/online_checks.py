@@ -114,8 +114,7 @@ async def _ask_all(config: dict[str, Any], hosts: list[dict[str, Any]]) -> list[
 
 async def _ask(config: dict[str, Any], host: dict[str, Any]) -> str | dict[str, Any]:
     """What ``host`` says of itself, or why it does not answer."""
-    from realtime_app.cancellation import uninterrupted
-    from realtime_app.cluster.hosts import redis_client
+    from realtime_app.cluster.hosts import close_client, redis_client
 
     timeout_ms = min(config["REDIS_TIMEOUT_MS"], int(TIMEOUT_S * 1000))
     client = redis_client({**config, "REDIS_TIMEOUT_MS": timeout_ms}, host)
@@ -128,7 +127,7 @@ async def _ask(config: dict[str, Any], host: dict[str, Any]) -> str | dict[str, 
     except Exception as exc:
         return f"does not answer ({type(exc).__name__}: {exc})"
     finally:
-        await uninterrupted(client.aclose())
+        await close_client(client)
     return info
 
 

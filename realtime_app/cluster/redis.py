@@ -37,7 +37,7 @@ from redis.exceptions import TimeoutError as RedisTimeout
 from realtime_app.cancellation import cancel_and_wait, uninterrupted
 from realtime_app.cluster import redis_scripts as scripts
 from realtime_app.cluster.base import Backplane, Deliver, Delivery, now_ms
-from realtime_app.cluster.hosts import host_label, redis_client, shard_hosts
+from realtime_app.cluster.hosts import close_client, host_label, redis_client, shard_hosts
 from realtime_app.inbound.admission import retry_after_ms
 from realtime_app.observability.schema import ProcessProbe, ShardProbe
 from realtime_app.wire.history import PAGE, PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, Since, epoch_suffix
@@ -154,8 +154,7 @@ class RedisBackplane(Backplane):
 
     async def stop(self) -> None:
         """Stopped to the end once begun, whatever the caller hears meanwhile (a cancel
-        of a half-done stop would leave connections open that nothing owns any more);
-        bounded by ``REDIS_TIMEOUT_MS``, the socket timeout of each close."""
+        of a half-done stop would leave connections open that nothing owns any more)."""
         await uninterrupted(self._stop())
 
     async def _stop(self) -> None:
@@ -165,12 +164,10 @@ class RedisBackplane(Backplane):
         if pubsub is not None:
             with contextlib.suppress(*self.errors):
                 await pubsub.aclose()
-        await self.redis.aclose(close_connection_pool=self._owns_pool or None)
-        manager = getattr(self.redis.connection_pool, "sentinel_manager", None)
-        if manager is not None and self._owns_pool:  # a Sentinel service: its sentinels' connections too
-            for sentinel in manager.sentinels:
-                with contextlib.suppress(*self.errors):
-                    await sentinel.aclose()
+        if self._owns_pool:
+            await close_client(self.redis)
+        else:  # a client given: its pool is its owner's to close
+            await self.redis.aclose()
 
     async def _receive(self, deliver: Deliver) -> None:
         pubsub = self._pubsub

@@ -36,7 +36,7 @@ from redis.exceptions import AskError, ClusterCrossSlotError, TryAgainError
 
 from realtime_app.cancellation import cancel_and_wait, uninterrupted
 from realtime_app.channels.registry import FED_PREFIX
-from realtime_app.cluster.hosts import redis_client
+from realtime_app.cluster.hosts import close_client, redis_client
 from realtime_app.cluster.redis import RedisBackplane
 from realtime_app.cluster.redis_scripts import for_cluster
 from realtime_app.cluster.shards import ShardedBackplane, ShardUnavailable
@@ -344,7 +344,7 @@ class ClusterBackplane(ShardedBackplane):
                 return parse_shards(await client.execute_command("CLUSTER SHARDS"))
         finally:
             with contextlib.suppress(Exception):  # (closed whole when this ask is cancelled)
-                await uninterrupted(client.aclose(close_connection_pool=True))
+                await close_client(client)
 
     async def _adopt(self, topology: Topology) -> None:
         first = self.topology is None

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.utils.module_loading import import_string
 
-from realtime_app.cancellation import cancel_and_wait
+from realtime_app.cancellation import cancel_and_wait, uninterrupted
 from realtime_app.channels.instances import InstanceBook
 from realtime_app.channels.registry import FED_PREFIX, RESERVED, ChannelSpec, registry
 from realtime_app.cluster.base import Backplane, Delivery
@@ -65,8 +65,7 @@ __all__ = ["CONTROL_CHANNEL", "HUB_PARTS", "Connection", "Hub", "HubParts", "get
 
 logger = logging.getLogger("realtime_app.hub")
 
-#: The backplane channel of the cluster's control messages (never a client's channel:
-#: the registry refuses the name).
+#: The cluster's control messages' channel (never a client's: the registry refuses it).
 CONTROL_CHANNEL = RESERVED
 #: After a failed start, the callers that waited for it get the same error for this long.
 START_RETRY_S = 2.0
@@ -115,8 +114,7 @@ class Hub:
         self._background: set[asyncio.Task[Any]] = set()
         self._start_lock = asyncio.Lock()
         self._failed: tuple[float, BackplaneUnavailable] | None = None  # the last failed start
-        self.started = False
-        self._closed = False
+        self.started, self._closed = False, False
         self.parts = HubParts()  # read at start (HUB_PARTS)
 
     @property
@@ -181,12 +179,15 @@ class Hub:
             logger.info("hub %s started on %s", self.instance_id, type(self.backplane).__name__)
 
     async def aclose(self) -> None:
-        """Stop tickers, hand leases over, leave groups and stop the loops."""
+        """Stop tickers, hand leases over, leave groups and stop the loops; to the end once
+        begun (cut by a cancel, loops would run on and Redis connections stay open)."""
         if not self.started:
             return
-        self.started = False
-        self._closed = True
+        self.started, self._closed = False, True
         self.pool.close()
+        await uninterrupted(self._close())
+
+    async def _close(self) -> None:
         for conn in list(self.connections):
             await self.remove_connection(conn)
         await cancel_and_wait(*self._tasks)
