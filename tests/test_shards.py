@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 import pytest
+import redis
 
 from realtime_app.cluster.shards import shard_of
 from realtime_app.wire.names import group_name
@@ -293,6 +295,20 @@ async def test_a_sentinel_service_is_a_shard(tmp_path):
         seq = await backplane.publish(channel, "{}")
         assert master.client().get(f"{PREFIX}:seq:{group_name(channel)}") == str(seq)  # on the master
         assert backplane.shards_probe()[1]["address"] == "sentinel:svc"
+        await backplane.stop()
+        with pytest.raises(backplane.errors):  # a call after the stop (a task that outlived it)
+            await backplane.publish(channel, "{}")
+
+        def sentinel_clients() -> int:  # but the one asking
+            client = redis.Redis(port=port, socket_timeout=5)
+            try:
+                return int(client.info("clients")["connected_clients"]) - 1
+            finally:
+                client.close()
+
+        # Found: the sentinels' own connections were not gated; a late call's lookup of the
+        # master opened one, in a client nothing closed again.
+        await eventually(lambda: sentinel_clients() == 0, 10, "no connection to the sentinel left")
     finally:
         await backplane.stop()
         sentinel.terminate()
@@ -331,3 +347,27 @@ def test_an_app_fed_value_lives_on_the_shard_of_its_channel():
 
     for n in range(50):
         assert shard_of(fed_channel(f"lot:{n}"), 4) == shard_of(f"lot:{n}", 4)
+
+
+async def test_a_call_on_a_shard_stopped_meanwhile_is_no_outage(caplog):
+    """A call that picked its shard just before the shard was stopped (a Redis Cluster
+    dropping a node from its map) is refused unsent, as :class:`ShardStopped`: the shard is
+    not marked stalled for good nor logged unreachable (it was, once the stopped client
+    refused to connect)."""
+    from realtime_app.cluster.shards import ShardedBackplane
+
+    servers = [PrivateRedis().start(), PrivateRedis().start()]
+    backplane = ShardedBackplane(instance_id="stopped", config={"REDIS_SHARDS": [s.url for s in servers]})
+    channel = next(f"room:{i}" for i in range(100) if shard_of(f"room:{i}", 2) == 1)
+    try:
+        shard = backplane.shards[1]
+        await shard.stop()
+        with caplog.at_level(logging.ERROR, logger="realtime_app"), pytest.raises(backplane.errors) as refused:
+            await backplane.publish(channel, "{}")
+        assert shard not in backplane.stalled and not shard.outage.down
+        assert not [r for r in caplog.records if "unreachable" in r.getMessage()]
+        assert type(refused.value).__name__ == "ShardStopped"  # what a cluster makes again on its new map
+    finally:
+        await backplane.stop()
+        for server in servers:
+            server.close()

@@ -23,6 +23,7 @@ from realtime_app.cancellation import uninterrupted
 
 __all__ = [
     "REDIS_LAYERS",
+    "ClientClosed",
     "ConnectGate",
     "close_client",
     "decode_hosts",
@@ -76,8 +77,8 @@ def redis_client(settings: dict[str, Any], host: dict[str, Any]) -> Any:
         "max_connections": settings["REDIS_MAX_CONNECTIONS"],
         "socket_timeout": timeout_s,
         "socket_connect_timeout": timeout_s,
-        "redis_connect_func": ConnectGate().connect,
     }
+    bounds["redis_connect_func"] = gated = ConnectGate().connect
     url = host.get("address") if isinstance(host.get("address"), str) else None
     if url:
         pool: aioredis.ConnectionPool = aioredis.BlockingConnectionPool.from_url(url, timeout=timeout_s, **bounds)
@@ -85,6 +86,7 @@ def redis_client(settings: dict[str, Any], host: dict[str, Any]) -> Any:
         sentinel_kwargs = host.get("sentinel_kwargs") or {
             k: timeout_s for k in ("socket_timeout", "socket_connect_timeout")
         }
+        sentinel_kwargs = {**sentinel_kwargs, "redis_connect_func": gated}  # the sentinels' connections too
         pool = sentinel_pool({**bounds, **host, "sentinel_kwargs": sentinel_kwargs})  # the master, by its sentinels
     elif host.get("host"):
         pool = aioredis.BlockingConnectionPool(timeout=timeout_s, **{**bounds, **host})
@@ -105,8 +107,12 @@ class ConnectGate:
 
     async def connect(self, connection: Any) -> None:
         if self.closed:
-            raise RedisError("this Redis client is closed")
+            raise ClientClosed("this Redis client is closed")
         await connection.on_connect()
+
+
+class ClientClosed(RedisError):
+    """A call on a client closed meanwhile (:class:`ConnectGate`): never sent, and no outage."""
 
 
 async def close_client(client: Any) -> None:

@@ -158,6 +158,7 @@ class RedisBackplane(Backplane):
         await uninterrupted(self._stop())
 
     async def _stop(self) -> None:
+        self.outage.stop()
         receiver, self._receiver = self._receiver, None
         await cancel_and_wait(receiver)
         pubsub, self._pubsub = self._pubsub, None

@@ -39,7 +39,7 @@ from realtime_app.channels.registry import FED_PREFIX
 from realtime_app.cluster.hosts import close_client, redis_client
 from realtime_app.cluster.redis import RedisBackplane
 from realtime_app.cluster.redis_scripts import for_cluster
-from realtime_app.cluster.shards import ShardedBackplane, ShardUnavailable
+from realtime_app.cluster.shards import ShardedBackplane, ShardStopped, ShardUnavailable
 from realtime_app.wire.names import group_name
 
 __all__ = ["ClusterBackplane", "ClusterNode", "Topology", "parse_shards", "tag_of"]
@@ -220,6 +220,8 @@ def _routed(
             return await method(self, *args, **kwargs)
         except AskError:  # MOVED (a subclass), or ASK while a slot migrates
             await self.remap()
+        except ShardStopped:  # its node dropped from the map meanwhile, never sent: on the new map
+            pass
         except ShardUnavailable:  # refused here, never sent
             if not await self.remap_soon():
                 raise

@@ -31,14 +31,14 @@ from typing import Any, TypeVar
 from realtime_app.cancellation import uninterrupted
 from realtime_app.channels.registry import FED_PREFIX, RESERVED
 from realtime_app.cluster.base import Backplane, Deliver
-from realtime_app.cluster.hosts import shard_hosts
+from realtime_app.cluster.hosts import ClientClosed, shard_hosts
 from realtime_app.cluster.redis import RedisBackplane
 from realtime_app.observability.logsafe import Outage
 from realtime_app.observability.schema import ProcessProbe, ShardProbe
 from realtime_app.wire.history import PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, Since
 from realtime_app.wire.names import group_name
 
-__all__ = ["ShardUnavailable", "ShardedBackplane", "ShardsOutage", "shard_of"]
+__all__ = ["ShardStopped", "ShardUnavailable", "ShardedBackplane", "ShardsOutage", "shard_of"]
 
 logger = logging.getLogger("realtime_app.backplane")
 
@@ -89,6 +89,10 @@ class ShardsOutage(Outage):
 
 class ShardUnavailable(ConnectionError):
     """A call to a shard whose last check failed: refused at once, not after a timeout."""
+
+
+class ShardStopped(ShardUnavailable):
+    """A call on a shard stopped meanwhile: never sent (a cluster makes it on the new map)."""
 
 
 class ShardedBackplane(Backplane):
@@ -149,6 +153,8 @@ class ShardedBackplane(Backplane):
             result = await (asyncio.wait_for(call, bound) if bound else call)
         except self.not_outages:
             raise
+        except ClientClosed as exc:  # stopped meanwhile (dropped from a cluster's map): never sent
+            raise ShardStopped(f"backplane shard {shard.address} was stopped") from exc
         except shard.errors as exc:
             shard.outage.failed(exc)
             self.stalled.add(shard)

@@ -179,24 +179,26 @@ class Hub:
             logger.info("hub %s started on %s", self.instance_id, type(self.backplane).__name__)
 
     async def aclose(self) -> None:
-        """Stop tickers, hand leases over, leave groups and stop the loops; to the end once
-        begun (cut by a cancel, loops would run on and Redis connections stay open)."""
+        """Stop tickers, hand leases over, leave groups and stop the loops. A cancel (a
+        caller's bound) cuts the leaving, never the stop of the loops and the backplane."""
         if not self.started:
             return
         self.started, self._closed = False, True
         self.pool.close()
-        await uninterrupted(self._close())
+        try:
+            for conn in list(self.connections):
+                await self.remove_connection(conn)
+            await cancel_and_wait(*self._tasks)
+            for withdraw in (self.presence.leave_all, self.backplane.drop_probe):  # type: ignore[union-attr]
+                with contextlib.suppress(Exception):  # now, not a lease later
+                    await withdraw()
+        finally:
+            await uninterrupted(self._stop())
 
-    async def _close(self) -> None:
-        for conn in list(self.connections):
-            await self.remove_connection(conn)
+    async def _stop(self) -> None:  # bounded: the loops honour a cancel, each close has its timeout
         await cancel_and_wait(*self._tasks)
         self._tasks.clear()
-        assert self.backplane is not None
-        for withdraw in (self.presence.leave_all, self.backplane.drop_probe):  # now, not a lease later
-            with contextlib.suppress(Exception):
-                await withdraw()
-        await self.backplane.stop()
+        await self.backplane.stop()  # type: ignore[union-attr]
 
     # -- connections and subscriptions --------------------------------------------------
 
@@ -260,17 +262,13 @@ class Hub:
         """Local channels that run something (a ticker, an app-fed cadence) holding a lease."""
         return self.instances.tickers
 
-    def count_refusal(self, reason: str) -> None:
-        """A subscription refused for ``reason`` (``tickers``, ``cadences``, ``instances``):
-        the probe's ``refused``."""
+    def count_refusal(self, reason: str) -> None:  # the probe's ``refused`` (tickers, cadences, instances)
         self.refused[reason] += 1
 
     async def subscribe(self, conn: Connection, spec: ChannelSpec) -> bool:
-        """Add ``conn`` to ``spec``'s subscribers; False if it already was one.
-
-        Returns once the backplane has been asked to deliver the channel here; if it does
-        not answer, the subscription stands and the next beats catch up.
-        """
+        """Add ``conn`` to ``spec``'s subscribers; False if it already was one. Returns once
+        the backplane has been asked to deliver the channel here; if it does not answer,
+        the subscription stands and the next beats catch up."""
         channel = spec.name
         if conn.closed or channel in conn.subscriptions:
             return False

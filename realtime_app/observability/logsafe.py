@@ -57,12 +57,20 @@ class Outage:
         self.outages = 0  # cumulative, for the probe
         self._reminded = 0.0
         self._answering_since: float | None = None
+        self.stopped = False
+
+    def stop(self) -> None:
+        """What this watches was stopped on purpose: a call still under way then fails, and
+        that is no outage (nothing logged, nothing counted)."""
+        self.stopped = True
 
     @property
     def down(self) -> bool:
         return self.down_since is not None
 
     def failed(self, exc: BaseException) -> None:
+        if self.stopped:
+            return
         now = self.clock()
         self.failures += 1
         self._answering_since = None
