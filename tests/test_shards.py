@@ -367,6 +367,18 @@ async def test_a_call_on_a_shard_stopped_meanwhile_is_no_outage(caplog):
         assert shard not in backplane.stalled and not shard.outage.down
         assert not [r for r in caplog.records if "unreachable" in r.getMessage()]
         assert type(refused.value).__name__ == "ShardStopped"  # what a cluster makes again on its new map
+        # Calls under way as their shard stops, cut at each step in turn: whatever each
+        # hears, a shard that was stopped is never left stalled (the beat would read a
+        # cluster's map again on every beat for a node that is gone).
+        for steps in range(8):
+            again = ShardedBackplane(instance_id=f"stopped-{steps}", config={"REDIS_SHARDS": [s.url for s in servers]})
+            calls = [asyncio.get_running_loop().create_task(again.publish(channel, "{}")) for _ in range(3)]
+            for _ in range(steps):
+                await asyncio.sleep(0)
+            await again.shards[1].stop()
+            await asyncio.gather(*calls, return_exceptions=True)
+            assert again.shards[1] not in again.stalled, f"stalled by calls cut {steps} steps in"
+            await again.stop()
     finally:
         await backplane.stop()
         for server in servers:

@@ -369,15 +369,16 @@ class ClusterBackplane(ShardedBackplane):
                         await self._on(node, self._start(node), self.beat_call_s)
             else:
                 node.moved_to(ranges)
-        for address in [a for a in self.nodes if a not in topology.masters]:
-            node = self.nodes.pop(address)
-            self.stalled.discard(node)
-            self._unstarted.discard(node)
-            await node.stop()
+        dropped = [self.nodes.pop(a) for a in [a for a in self.nodes if a not in topology.masters]]
+        self.stalled.difference_update(dropped)
+        self._unstarted.difference_update(dropped)
         self.shards[:] = list(self.nodes.values())  # the outage's view too
         self.topology = topology
         home = self.nodes.get(topology.owner(slot_of(HOME_TAG)))
         self.home = home if home is not None else next(iter(self.nodes.values()))  # (calls there say why)
+        # Stopped once the new map is in place: a call refused by one of them (ShardStopped) is
+        # made again on the new map; all of them, even when this reading is cancelled meanwhile.
+        await uninterrupted(asyncio.gather(*(node.stop() for node in dropped), return_exceptions=True))
         if not first:
             self._changed = True
             logger.warning(

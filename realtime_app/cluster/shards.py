@@ -157,7 +157,8 @@ class ShardedBackplane(Backplane):
             raise ShardStopped(f"backplane shard {shard.address} was stopped") from exc
         except shard.errors as exc:
             shard.outage.failed(exc)
-            self.stalled.add(shard)
+            if not shard.outage.stopped:  # (a shard stopped meanwhile is no longer checked: never stalled)
+                self.stalled.add(shard)
             raise
         shard.outage.succeeded()
         return result
