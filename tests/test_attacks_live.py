@@ -144,7 +144,13 @@ async def test_anonymous_sleepers_do_not_lock_a_user_out(database, sockets):
 
             await asyncio.gather(*(attacker() for _ in range(sockets)))
             await eventually(lambda: staff.instance()["admission"]["running"] >= 10, 10, "the sleepers running")
-            busy_ping, busy_consume = await user_p99(user)
+            # Up to three rounds while the sleepers run: a lockout lasts every round, where one
+            # slow call on a noisy machine (a p99 of 30 is their slowest) passes.
+            for _ in range(3):
+                busy_ping, busy_consume = await user_p99(user)
+                fine = within(busy_ping, idle_ping) and within(busy_consume, idle_consume)
+                if fine or staff.instance()["admission"]["running"] < 10:
+                    break
         print(
             f"{sockets} sockets: ping p99 {idle_ping * 1000:.1f} -> {busy_ping * 1000:.1f} ms, "
             f"consume p99 {idle_consume * 1000:.1f} -> {busy_consume * 1000:.1f} ms"
