@@ -281,7 +281,7 @@ async def test_a_stop_cancelled_at_any_step_still_closes_every_connection(shards
     connections it had not closed yet open, in a pool nothing would close again. Each step
     of a stop cancelled in turn: every connection is closed all the same, before the
     backplane is collected, and no task is left."""
-    from realtime_app.cancellation import cancel_and_wait
+    from tests.support.cancelling import cancelled_after
 
     server = PrivateRedis().start()
     try:
@@ -300,12 +300,7 @@ async def test_a_stop_cancelled_at_any_step_still_closes_every_connection(shards
             await asyncio.gather(*(backplane.publish(c, DATA) for c in channels for _ in range(2)))  # a few connections
             assert await asyncio.to_thread(_clients_but_one, server) >= 2
             before = asyncio.all_tasks()
-            stopping = asyncio.get_running_loop().create_task(backplane.stop())
-            for _ in range(steps + 1):
-                await asyncio.sleep(0)
-            finished = stopping.done()
-            async with asyncio.timeout(30):
-                await cancel_and_wait(stopping)
+            finished = await cancelled_after(steps, backplane.stop())
             assert not (asyncio.all_tasks() - before), f"a task left by a stop cancelled after {steps} steps"
 
             async def closed() -> bool:  # (the server hears of each close a moment later)

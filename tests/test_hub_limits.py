@@ -411,8 +411,8 @@ async def test_a_close_of_the_hub_cancelled_at_any_step_leaves_no_loop_and_no_co
     cancel of a task that stops it) skipped the rest of the close — the loops went on and
     the backplane was never stopped, its Redis connections open, owned by nothing. Each
     step of a close cancelled in turn: no task of the hub's and no connection left."""
-    from realtime_app.cancellation import cancel_and_wait
     from realtime_app.hub.core import Hub
+    from tests.support.cancelling import cancelled_after
     from tests.support.waiting import eventually
 
     def open_connections() -> int:
@@ -429,12 +429,7 @@ async def test_a_close_of_the_hub_cancelled_at_any_step_leaves_no_loop_and_no_co
             hub = Hub()  # (a closed hub stays closed: one each time)
             await hub.start()
             assert await asyncio.to_thread(open_connections) >= 1
-            closing = asyncio.get_running_loop().create_task(hub.aclose())
-            for _ in range(steps + 1):
-                await asyncio.sleep(0)
-            finished = closing.done()
-            async with asyncio.timeout(30):
-                await cancel_and_wait(closing)
+            finished = await cancelled_after(steps, hub.aclose())
             left = [t.get_name() for t in asyncio.all_tasks() - before if t.get_name().startswith("realtime-")]
             assert left == [], f"the hub's tasks left by a close cancelled after {steps} steps"
 

@@ -560,28 +560,24 @@ async def test_a_stop_cancelled_at_any_step_still_closes_every_connection(config
     ResourceWarning when collected): the repeated cancel of a stop, or of a reading of the
     map, cut the close of a node's pool. Each step of a stop cancelled in turn: every
     connection it opened on every node is closed all the same, and no task is left."""
-    from realtime_app.cancellation import cancel_and_wait
+    from tests.support.cancelling import cancelled_after
 
     steps = 0
     while True:
         before_ids = await asyncio.to_thread(_client_ids, cluster)
         backplane, _ = await started(config, f"stop-{steps}")
-        stopping: asyncio.Task[None] | None = None
+        stopping = False
         try:
             channels = spread(backplane, 6)
             await backplane.join(channels)
             await asyncio.gather(*(backplane.publish(c, "{}") for c in channels))
             assert len(await asyncio.to_thread(_client_ids, cluster) - before_ids) >= 6
             before = asyncio.all_tasks()
-            stopping = asyncio.get_running_loop().create_task(backplane.stop())
-            for _ in range(steps + 1):
-                await asyncio.sleep(0)
-            finished = stopping.done()
-            async with asyncio.timeout(30):
-                await cancel_and_wait(stopping)
+            stopping = True
+            finished = await cancelled_after(steps, backplane.stop())
             assert not (asyncio.all_tasks() - before), f"a task left by a stop cancelled after {steps} steps"
         finally:
-            if stopping is None:
+            if not stopping:
                 await backplane.stop()
 
         async def closed(before_ids: set[tuple[int, str]] = before_ids) -> bool:  # (heard a moment later)
