@@ -369,7 +369,7 @@ class ClusterBackplane(ShardedBackplane):
                         await self._on(node, self._start(node), self.beat_call_s)
             else:
                 node.moved_to(ranges)
-        dropped = [self.nodes.pop(a) for a in [a for a in self.nodes if a not in topology.masters]]
+        dropped = [self.nodes.pop(a) for a in list(self.nodes) if a not in topology.masters]
         self.stalled.difference_update(dropped)
         self._unstarted.difference_update(dropped)
         self.shards[:] = list(self.nodes.values())  # the outage's view too
