@@ -95,10 +95,10 @@ if "bench:room:<int:id>" not in registry.templates:  # bench/instances.py: chann
 
     BENCH_LISTED_ROOMS = int(os.environ.get("BENCH_LISTED_ROOMS", "0"))
     BENCH_LISTED_LOTS = int(os.environ.get("BENCH_LISTED_LOTS", "0"))
-    event_channel("bench:room:<int:id>")
+    event_channel("bench:room:<int:id>", public=True)
     for _i in range(BENCH_LISTED_ROOMS):
         event_channel(f"bench:listed-room-{_i}")
-    app_state("bench:lot:<int:id>", default=1000, min=100, max=10000)
+    app_state("bench:lot:<int:id>", default=1000, min=100, max=10000, public=True)
     for _i in range(BENCH_LISTED_LOTS):
         app_state(f"bench:listed-lot-{_i}", default=1000, min=100, max=10000)
 

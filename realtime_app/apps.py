@@ -27,17 +27,20 @@ class RealtimeAppConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
+        from django.conf import settings
         from django.contrib.auth.signals import user_logged_out
 
         from realtime_app import checks  # noqa: F401  (registers the checks, the first afternoon's included)
         from realtime_app.channels.policies import reset_rules
         from realtime_app.cluster import online_checks  # noqa: F401  (registers the deployment check)
+        from realtime_app.cluster.layer_timeouts import unbounded_layer_reads
         from realtime_app.conf import apply_json_encoder, get_config, reset_config
         from realtime_app.endpoint.sessions import on_logout
         from realtime_app.hub.gate import reconfigure_gates
         from realtime_app.persistence import checks as store_checks  # noqa: F401  (registers the store checks)
 
         apply_json_encoder()
+        unbounded_layer_reads(getattr(settings, "CHANNEL_LAYERS", {}))  # the project's consumers stay open idle
 
         setting_changed.connect(reset_config, dispatch_uid="realtime_app.reset_config")
         setting_changed.connect(reset_rules, dispatch_uid="realtime_app.reset_rules")

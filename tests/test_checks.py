@@ -103,7 +103,7 @@ def test_a_rule_on_the_default_cadence_name_matches_nothing_and_says_why():
     rules = [GUARDED, {"pattern": "atelier:load:1000", "subscribe": True}]
     with override_settings(REALTIME_APP={"POLICIES": rules}):
         [message] = check_policies()
-    assert message.id == "realtime_app.W012" and "default cadence" in message.hint
+    assert message.id == "realtime_app.E015" and "default cadence" in message.hint
 
 
 def test_a_rule_on_a_cadence_of_a_registered_family_is_not_unknown():
@@ -176,7 +176,7 @@ def test_a_backplane_path_that_is_not_a_backplane_is_an_error():
 
 @override_settings(REALTIME_APP={"POLICIES": [{"pattern": "atelier:lod", "authenticated": True}]})
 def test_a_pattern_matching_nothing_is_flagged():
-    assert ids(check_policies()) == ["realtime_app.W012"]
+    assert ids(check_policies()) == ["realtime_app.E015"]
 
 
 @override_settings(REALTIME_APP={"POLICIES": [{"pattern": "demo:clock", "publish": True}]})

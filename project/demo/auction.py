@@ -32,8 +32,10 @@ def lot_exists(params: dict[str, Any]) -> bool:
     return 0 < params["id"] < 2**63 and AuctionLot.objects.filter(pk=params["id"]).exists()
 
 
-realtime_app.event_channel(ROOM, history_size=100, history_ttl_s=300, max_bytes=4096, durable=True, presence=True)
-realtime_app.app_state(LOT, default=1000, min=100, max=10000, exists=lot_exists)
+realtime_app.event_channel(
+    ROOM, history_size=100, history_ttl_s=300, max_bytes=4096, durable=True, presence=True, public=True
+)
+realtime_app.app_state(LOT, default=1000, min=100, max=10000, exists=lot_exists, public=True)
 
 
 def _invalid(message: str, reason: str, **data: Any) -> RPCError:

@@ -32,7 +32,8 @@ logger = logging.getLogger("realtime_app.registry")
 
 #: What a template's instances may be given, beside what the channel is
 #: (:meth:`Registry._add_template`): ``exists(params) -> bool`` (sync or async), ``owner``
-#: (the parameter that must be the subscriber's user id) and ``max_instances``.
+#: (the parameter that must be the subscriber's user id), ``max_instances``, and ``public``
+#: (open to every client without a rule; a template is closed until a rule matches it).
 Exists: TypeAlias = Callable[[dict[str, Any]], Any]
 
 
@@ -46,6 +47,7 @@ def family(
     owner: str | None = None,
     max_instances: int = 0,
     presence: bool = False,
+    public: bool = False,
 ) -> Callable[[Factory], Factory]:
     """Decorator: register ``factory(channel, publish) -> cleanup | None`` for a cadenced family.
 
@@ -66,6 +68,7 @@ def family(
             owner=owner,
             max_instances=max_instances,
             presence=_presence(base, presence),
+            public=public,
         )
         return factory
 
@@ -82,6 +85,7 @@ def ticker(
     owner: str | None = None,
     max_instances: int = 0,
     presence: bool = False,
+    public: bool = False,
 ) -> Callable[[Callable[[ChannelSpec], Any]], Callable[[ChannelSpec], Any]]:
     """Decorator: a cadenced family whose frames are ``tick(channel)`` every cadence.
 
@@ -108,6 +112,7 @@ def ticker(
             owner=owner,
             max_instances=max_instances,
             presence=_presence(base, presence),
+            public=public,
         )
         return tick
 
@@ -155,6 +160,7 @@ def app_state(
     owner: str | None = None,
     max_instances: int = 0,
     presence: bool = False,
+    public: bool = False,
 ) -> Family | Declared:
     """Register an app-fed state family: the application sets its value when it changes
     — ``publish(base, value)`` from a view, a signal, a task — and each cadence
@@ -177,6 +183,7 @@ def app_state(
         owner=owner,
         max_instances=max_instances,
         presence=_presence(base, presence),
+        public=public,
     )
 
 
@@ -187,6 +194,7 @@ def state_channel(
     owner: str | None = None,
     max_instances: int = 0,
     presence: bool = False,
+    public: bool = False,
 ) -> Callable[[Factory], Factory]:
     """Decorator: an exact (uncadenced) state channel served by ``factory(channel, publish)``."""
 
@@ -199,6 +207,7 @@ def state_channel(
             owner=owner,
             max_instances=max_instances,
             presence=_presence(name, presence),
+            public=public,
         )
         return factory
 
@@ -220,6 +229,7 @@ def event_channel(
     max_instances: int = 0,
     durable: bool = False,
     presence: bool = False,
+    public: bool = False,
 ) -> ChannelSpec | Declared:
     """Register an event channel: every message counts, published with ``publish()``.
 
@@ -265,6 +275,7 @@ def event_channel(
         owner=owner,
         max_instances=max_instances,
         presence=_presence(name, presence),
+        public=public,
     )
 
 

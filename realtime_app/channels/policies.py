@@ -24,6 +24,11 @@ govern each action (``"publish": True`` allows anyone; ``False`` nobody; ``prese
 who may see who is in a presence channel — is the subscribe rule unless given). Clients may publish only
 where a rule says so. A template declared with ``owner="id"`` is only its user's
 (``user:<int:id>`` for the user whose pk is ``id``), whatever the rules say.
+
+Closed by default: an instance of a template (``order:42`` of ``order:<int:id>``), owner's
+or not, is refused to every client until a rule matches it — unless the template is
+declared ``public=True``. A per-object channel is almost always private, and a rule whose
+pattern is misspelt must not leave it open to everyone (check E015 names such a rule).
 """
 
 from __future__ import annotations
@@ -328,11 +333,14 @@ async def allowed(user: Any, name: str, base: str | None, action: Action) -> boo
 
     spec = registry.find(name)
     channel: str = name
+    rules = active_rules()
     if spec is not None and spec.declared is not None:
         if spec.declared.owner is not None and not owns(user, spec.params[spec.declared.owner]):
             return False
+        if not spec.declared.public and matching_rule(rules, name, base) is None:
+            return False  # closed by default: a per-object channel no rule names is nobody's
         channel = ChannelName(name, spec.params, spec.declared.pattern)
-    req = requirement_for(active_rules(), name, base, action)
+    req = requirement_for(rules, name, base, action)
     if req.needs_database:
         from channels.db import database_sync_to_async
 

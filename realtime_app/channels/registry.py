@@ -140,6 +140,7 @@ class Declared:
     owner: str | None = None  # the parameter that must equal the subscriber's user id
     max_instances: int = 0  # 0: MAX_INSTANCES_PER_TEMPLATE
     presence: bool = False
+    public: bool = False  # open to every client without a rule (closed by default)
 
     @property
     def pattern(self) -> str:
@@ -282,6 +283,7 @@ class Registry:
         exists: Callable[[dict[str, Any]], Any] | None = None,
         owner: str | None = None,
         max_instances: int = 0,
+        public: bool = False,
         **what: Any,
     ) -> Declared:
         template = compile_template(pattern)
@@ -294,7 +296,11 @@ class Registry:
             raise ConfigurationError(
                 f"channel template {pattern!r}: max_instances must be an integer >= 0, got {max_instances!r}"
             )
-        declared = Declared(template, kind, exists=exists, owner=owner, max_instances=max_instances, **what)
+        if not isinstance(public, bool):
+            raise ConfigurationError(f"channel template {pattern!r}: public must be True or False, got {public!r}")
+        declared = Declared(
+            template, kind, exists=exists, owner=owner, max_instances=max_instances, public=public, **what
+        )
         self.templates[pattern] = declared
         self._instances.clear()
         return declared
@@ -389,8 +395,9 @@ def _covers(fam: Family) -> Callable[[str], bool]:
 
 
 def _no_instance_options(name: str, options: dict[str, Any]) -> None:
-    """``exists``, ``owner`` and ``max_instances`` belong to templates."""
-    given = sorted(k for k, v in options.items() if v not in (None, 0))
+    """``exists``, ``owner`` and ``max_instances`` belong to templates (``public`` too, but a
+    channel of one name is open until a rule guards it: saying so is no mistake)."""
+    given = sorted(k for k, v in options.items() if v not in (None, 0) and k != "public")
     if given:
         raise ConfigurationError(f"channel {name!r}: {given} apply to channel templates (a name with <parameters>)")
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterator
 from typing import Any
 
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
+from realtime_app.channels.coverage import cadences_matched, unmatched_rules
 from realtime_app.channels.policies import Rule, configured_rules, matching_rule
 from realtime_app.channels.registry import Family, registry
 from realtime_app.checks.backplane import check_backplane, check_cluster, check_shards
@@ -229,31 +229,12 @@ def _check_forwarded_header(value: Any) -> list[CheckMessage]:
     ]
 
 
-def _cadences_matched(rule: Rule, fam: Family) -> Iterator[str]:
-    """``fam``'s cadence names (``base:<ms>``, not the default) ``rule`` matches, exactly."""
-    base, (default, low, high) = fam.base, fam.bounds
-    if not rule.is_glob:
-        prefix = f"{base}:"
-        if rule.pattern.startswith(prefix) and rule.pattern != prefix:
-            digits = rule.pattern[len(prefix) :]
-            ok = digits.isascii() and digits.isdigit() and str(int(digits)) == digits
-            if ok and low <= int(digits) <= high and int(digits) != default:
-                yield rule.pattern
-            return
-        if not rule.matches(f"{base}:{low if low != default else high}"):
-            return  # a literal pattern matches all cadences of a family or none
-    for ms in range(low, high + 1):
-        name = f"{base}:{ms}"
-        if ms != default and rule.matches(name):
-            yield name
-
-
 def _loosened_cadence(rules: list[Rule], rule: Rule, fam: Family) -> str | None:
     """A cadence of ``fam`` where ``rule`` wins over the family's rule and asks less."""
     family_rule = matching_rule(rules, fam.base)
     if family_rule is None or rule is family_rule or rule.subscribe.implies(family_rule.subscribe):
         return None
-    for name in itertools.islice(_cadences_matched(rule, fam), 5000):
+    for name in itertools.islice(cadences_matched(rule, fam), 5000):
         if matching_rule(rules, name, fam.base) is rule:
             return name
     return None
@@ -262,7 +243,7 @@ def _loosened_cadence(rules: list[Rule], rule: Rule, fam: Family) -> str | None:
 @register(Tags.security)
 def check_policies(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """E010 invalid rules; W010 duplicate patterns; W011 a rule on cadences looser than its
-    family's rule; W012 a rule matching no registered channel; W013 client publishing on a
+    family's rule; E015 a rule matching no declared channel; W013 client publishing on a
     state channel."""
     config = get_config()
     try:
@@ -307,27 +288,16 @@ def check_policies(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                         id="realtime_app.W011",
                     )
                 )
-    if registry.exact or registry.families or registry.templates:
-        samples = [s for d in registry.templates.values() for s in itertools.islice(d.template.samples(), 8)]
-        for rule in rules[:user_count]:
-            if any(rule.matches(name) for name in [*registry.exact, *registry.families, *samples]):
-                continue
-            if any(next(_cadences_matched(rule, fam), None) for fam in registry.families.values()):
-                continue
-            default_name = next(
-                (f for f in (f"{b}:{fam.bounds.default}" for b, fam in registry.families.items()) if rule.matches(f)),
-                None,
+    for rule, hint in unmatched_rules(rules[:user_count], registry):
+        messages.append(
+            Error(
+                f"POLICIES[{rule.index}] pattern {rule.pattern!r} matches no declared channel or template: it guards "
+                "nothing, and a channel template it was meant for stays closed to every client.",
+                hint=hint,
+                obj=rule.pattern,
+                id="realtime_app.E015",
             )
-            hint = "Check the spelling, or that the module registering it is imported."
-            if default_name is not None:
-                hint = f"{default_name!r} is a family's default cadence, named by its base: write the base instead."
-            messages.append(
-                Warning(
-                    f"POLICIES[{rule.index}] pattern {rule.pattern!r} matches no registered channel.",
-                    hint=hint,
-                    id="realtime_app.W012",
-                )
-            )
+        )
     for rule in rules[:user_count]:
         if rule.publish.allowed:
             state = [n for n, s in registry.exact.items() if s.kind == "state" and rule.matches(n)]

@@ -15,7 +15,14 @@ from typing import Any
 
 from django.core.checks import CheckMessage, Tags, Warning, register
 
-__all__ = ["check_auth_middleware", "check_settings_name", "realtime_routes"]
+__all__ = [
+    "CHANNELS_STACK",
+    "OTHER_AUTH",
+    "REALTIME_STACK",
+    "check_auth_middleware",
+    "check_settings_name",
+    "realtime_routes",
+]
 
 SETTING = "REALTIME_APP"
 
@@ -43,7 +50,9 @@ def check_settings_name(app_configs: Any = None, **kwargs: Any) -> list[CheckMes
 @register(Tags.security)
 def check_auth_middleware(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """W041: the ASGI application routes the realtime endpoint with no auth middleware in
-    front of it — every connection is anonymous, every guarded channel refused."""
+    front of it — every connection is anonymous, every guarded channel refused. W042: it
+    routes it behind Channels' own ``AuthMiddlewareStack``, which never reads a connection
+    token — a client with ``Authorization: Bearer`` is refused (4002) instead of signed in."""
     from django.conf import settings
     from django.utils.module_loading import import_string
 
@@ -54,49 +63,79 @@ def check_auth_middleware(app_configs: Any = None, **kwargs: Any) -> list[CheckM
         application = import_string(path)
     except Exception:  # the server reports its own application's import errors
         return []
-    unguarded = sorted({name for name, authed in realtime_routes(application) if not authed})
-    return (
-        [
+    routes = list(realtime_routes(application))
+    messages: list[CheckMessage] = []
+    unguarded = sorted({name for name, stack in routes if stack is None})
+    if unguarded:
+        messages.append(
             Warning(
                 f"{path} routes the realtime endpoint ({', '.join(unguarded)}) without an auth middleware: every "
                 "connection is anonymous, and every channel with a policy is refused (forbidden_channel).",
-                hint="Wrap the WebSocket application: AuthMiddlewareStack(URLRouter([...])) from channels.auth "
+                hint="Wrap the WebSocket application: AuthMiddlewareStack(URLRouter([...])) from realtime_app.routing "
                 "(docs/checks.md).",
                 obj=path,
                 id="realtime_app.W041",
             )
-        ]
-        if unguarded
-        else []
-    )
+        )
+    channels_stack = sorted({name for name, stack in routes if stack == CHANNELS_STACK})
+    if channels_stack:
+        messages.append(
+            Warning(
+                f"{path} routes the realtime endpoint ({', '.join(channels_stack)}) behind Channels' own "
+                "AuthMiddlewareStack: sessions work, but a connection token (Authorization: Bearer) is never read, "
+                "so such a handshake is refused with 4002.",
+                hint="Use realtime_app.routing.AuthMiddlewareStack, a drop-in for Channels' that reads the tokens "
+                "too (docs/auth.md).",
+                obj=path,
+                id="realtime_app.W042",
+            )
+        )
+    return messages
 
 
-def realtime_routes(app: Any, authed: bool = False, depth: int = 0) -> Iterator[tuple[str, bool]]:
-    """``(consumer class name, behind an auth middleware)`` for each route of the ASGI
-    application ``app`` that leads to a :class:`~realtime_app.endpoint.consumer.RealtimeConsumer`.
-    An auth middleware is Channels' ``AuthMiddleware`` or any middleware whose class name
-    says ``Auth`` (token and JWT middlewares are named so)."""
+#: What :func:`realtime_routes` says of a route's auth middleware.
+REALTIME_STACK, CHANNELS_STACK, OTHER_AUTH = "realtime_app", "channels", "other"
+
+
+def _stack_of(app: Any) -> str | None:
+    from channels.auth import AuthMiddleware as ChannelsAuthMiddleware
+
+    from realtime_app.endpoint.auth import AuthMiddleware, AuthStack
+
+    if isinstance(app, AuthStack | AuthMiddleware):
+        return REALTIME_STACK
+    if isinstance(app, ChannelsAuthMiddleware):
+        return CHANNELS_STACK
+    return OTHER_AUTH if "Auth" in type(app).__name__ else None
+
+
+def realtime_routes(app: Any, stack: str | None = None, depth: int = 0) -> Iterator[tuple[str, str | None]]:
+    """``(consumer class name, the auth middleware in front of it)`` for each route of the
+    ASGI application ``app`` that leads to a :class:`~realtime_app.endpoint.consumer.RealtimeConsumer`:
+    :data:`REALTIME_STACK` (this app's ``AuthMiddlewareStack``), :data:`CHANNELS_STACK`
+    (Channels' own), :data:`OTHER_AUTH` (a middleware whose class name says ``Auth``: a
+    token or JWT middleware), or None. The one nearest the consumer tells."""
     from realtime_app.endpoint.consumer import RealtimeConsumer
 
     if app is None or depth > 20:
         return
     mapping = getattr(app, "application_mapping", None)
     if isinstance(mapping, dict):  # ProtocolTypeRouter
-        yield from realtime_routes(mapping.get("websocket"), authed, depth + 1)
+        yield from realtime_routes(mapping.get("websocket"), stack, depth + 1)
         return
     consumer = getattr(app, "consumer_class", None)
     if isinstance(consumer, type):
         if issubclass(consumer, RealtimeConsumer):
-            yield consumer.__name__, authed
+            yield consumer.__name__, stack
         return
-    authed = authed or "Auth" in type(app).__name__
+    stack = _stack_of(app) or stack
     routes = getattr(app, "routes", None)
     if isinstance(routes, list):  # URLRouter
         for route in routes:
-            yield from realtime_routes(getattr(route, "callback", None), authed, depth + 1)
+            yield from realtime_routes(getattr(route, "callback", None), stack, depth + 1)
         return
     for attribute in ("inner", "application", "app"):
         inner = getattr(app, attribute, None)
         if inner is not None and inner is not app:
-            yield from realtime_routes(inner, authed, depth + 1)
+            yield from realtime_routes(inner, stack, depth + 1)
             return

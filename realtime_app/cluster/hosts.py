@@ -87,12 +87,19 @@ def redis_client(settings: dict[str, Any], host: dict[str, Any]) -> Any:
             k: timeout_s for k in ("socket_timeout", "socket_connect_timeout")
         }
         sentinel_kwargs = {**sentinel_kwargs, "redis_connect_func": gated}  # the sentinels' connections too
-        pool = sentinel_pool({**bounds, **host, "sentinel_kwargs": sentinel_kwargs})  # the master, by its sentinels
+        options = {**bounds, **_untimed(host), "sentinel_kwargs": sentinel_kwargs}
+        pool = sentinel_pool(options)  # the master, by its sentinels
     elif host.get("host"):
-        pool = aioredis.BlockingConnectionPool(timeout=timeout_s, **{**bounds, **host})
+        pool = aioredis.BlockingConnectionPool(timeout=timeout_s, **{**bounds, **_untimed(host)})
     else:
         raise ValueError("the Redis backplane needs REDIS_SHARDS, REDIS_URL or a channels-redis layer with hosts")
     return aioredis.Redis(connection_pool=pool)
+
+
+def _untimed(host: dict[str, Any]) -> dict[str, Any]:
+    """A host's keywords but its read and connect timeouts: the backplane's are
+    ``REDIS_TIMEOUT_MS`` (a channels-redis layer's host may say None: its reads block)."""
+    return {k: v for k, v in host.items() if k not in ("socket_timeout", "socket_connect_timeout")}
 
 
 class ConnectGate:

@@ -1,6 +1,12 @@
-"""Channels' auth middleware, made to survive a database outage: a signed-in user's
-handshake that cannot load its session is closed with 1013 ``database unavailable`` (the
-clients retry with backoff) instead of failing with HTTP 500."""
+"""Channels' auth stack, as a drop-in that reads this site's connection tokens too.
+
+For every consumer under it, a WebSocket's scope is the one Channels' ``AuthMiddlewareStack``
+gives — its cookies, its session, its user, and a session or user set by a middleware further
+out kept as they are — except where the handshake's ``Authorization: Bearer`` is a valid
+connection token of this site: then the scope's user is the token's. A Bearer that is not
+(another API's key, a JWT) leaves the session and its user alone; only this app's endpoint
+refuses it (:data:`TOKEN_REFUSED`). A database outage while the user is read makes the user
+anonymous with :data:`AUTH_UNAVAILABLE` set, which the endpoint answers with 1013, not 500."""
 
 from __future__ import annotations
 
@@ -10,11 +16,11 @@ from channels.auth import AuthMiddleware as ChannelsAuthMiddleware
 from channels.sessions import CookieMiddleware, SessionMiddleware
 from django.db import DatabaseError
 
-from realtime_app.endpoint.tokens import AUTH_UNAVAILABLE, TokenAuthMiddleware, bearer
+from realtime_app.endpoint.tokens import AUTH_STACK, AUTH_UNAVAILABLE, with_token
 from realtime_app.observability.logsafe import safe
 from realtime_app.wire.asgi import Receive, Scope, Send
 
-__all__ = ["AUTH_UNAVAILABLE", "AuthMiddleware", "AuthMiddlewareStack", "AuthStack"]
+__all__ = ["AUTH_STACK", "AUTH_UNAVAILABLE", "AuthMiddleware", "AuthMiddlewareStack", "AuthStack"]
 
 
 class AuthMiddleware(ChannelsAuthMiddleware):  # type: ignore[misc]
@@ -33,28 +39,25 @@ class AuthMiddleware(ChannelsAuthMiddleware):  # type: ignore[misc]
 
 
 class AuthStack:
-    """Cookies, the session and the user — or a bearer token's user — of a WebSocket
-    handshake, in one layer. Channels' stack is four (cookies, session, user, and the
-    token's here): each a coroutine frame holding its own copy of the scope for as long as
-    the socket is open, and the session layer's wrapper of ``send``, which saves a session
-    only on an HTTP response, never on a WebSocket — some 3 KiB a connection, for nothing
-    it does after the handshake. The scope the application gets is the same. HTTP, and a
-    scope that already has a session or a user (set by a middleware further out), go
-    through Channels' four layers."""
+    """Cookies, the session and the user of a WebSocket handshake — then a Bearer token's
+    user where the header holds one of this site's — in one layer. Channels' stack is three
+    (cookies, session, user): each a coroutine frame holding its own copy of the scope for as
+    long as the socket is open, and the session layer's wrapper of ``send``, which saves a
+    session only on an HTTP response, never on a WebSocket — some 3 KiB a connection, for
+    nothing it does after the handshake. The scope the application gets is the same, with
+    :data:`AUTH_STACK` set (the endpoint knows a Bearer was read). HTTP goes through
+    Channels' layers."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
-        self.token = TokenAuthMiddleware(inner)
-        self.layers = CookieMiddleware(SessionMiddleware(AuthMiddleware(self.token)))
+        self.layers = CookieMiddleware(SessionMiddleware(AuthMiddleware(inner)))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope.get("type") != "websocket" or "headers" not in scope or "session" in scope or "user" in scope:
+        if scope.get("type") != "websocket" or "headers" not in scope:
             await self.layers(scope, receive, send)
             return
-        if bearer(scope) is not None:  # the token's user; the session is not used
-            await self.token({**scope, "cookies": _cookies(scope)}, receive, send)
-            return
-        await self.inner(await _signed_in(scope), receive, send)
+        outer = bool(getattr(scope.get("user"), "is_authenticated", False))  # set further out: it stands
+        await self.inner(await with_token(await _signed_in(scope), outer), receive, send)
 
 
 def _cookies(scope: Scope) -> dict[str, str]:
@@ -67,7 +70,8 @@ def _cookies(scope: Scope) -> dict[str, str]:
 
 
 async def _signed_in(scope: Scope) -> Scope:
-    """The scope with its cookies, its session and its user, as Channels' layers make it."""
+    """The scope with its cookies, its session and its user, as Channels' three layers make
+    it: what a middleware further out set (a session, a user) is kept, never read again."""
     from importlib import import_module
 
     from channels.auth import UserLazyObject, get_user
@@ -75,23 +79,28 @@ async def _signed_in(scope: Scope) -> Scope:
     from django.contrib.auth.models import AnonymousUser
     from django.utils.functional import LazyObject
 
-    cookies = _cookies(scope)
-    session = LazyObject()
-    session._wrapped = import_module(settings.SESSION_ENGINE).SessionStore(cookies.get(settings.SESSION_COOKIE_NAME))
-    user = UserLazyObject()
-    scope = {**scope, "cookies": cookies, "session": session, "user": user}
-    try:
-        user._wrapped = await get_user(scope)
-    except DatabaseError as exc:
-        user._wrapped = AnonymousUser()
-        scope[AUTH_UNAVAILABLE] = f"{type(exc).__name__}: {safe(exc, 200)}"
+    scope = {**scope, AUTH_STACK: True}
+    if "cookies" not in scope:
+        scope["cookies"] = _cookies(scope)
+    if "session" not in scope:
+        session = LazyObject()
+        store = import_module(settings.SESSION_ENGINE).SessionStore
+        session._wrapped = store(scope["cookies"].get(settings.SESSION_COOKIE_NAME))
+        scope["session"] = session
+    if "user" not in scope:
+        user = scope["user"] = UserLazyObject()
+        try:
+            user._wrapped = await get_user(scope)
+        except DatabaseError as exc:
+            user._wrapped = AnonymousUser()
+            scope[AUTH_UNAVAILABLE] = f"{type(exc).__name__}: {safe(exc, 200)}"
     return scope
 
 
 def AuthMiddlewareStack(inner: Any) -> Any:
     """Drop-in for ``channels.auth.AuthMiddlewareStack``: cookies, sessions, and the user,
-    with :class:`AuthMiddleware` (a database outage is 1013, not a 500); a handshake with
-    ``Authorization: Bearer`` is its token's user instead
-    (:class:`~realtime_app.endpoint.tokens.TokenAuthMiddleware`). A WebSocket goes through
-    one layer (:class:`AuthStack`), not four."""
+    with :class:`AuthMiddleware` (a database outage is 1013, not a 500); a handshake whose
+    ``Authorization: Bearer`` is one of this site's connection tokens is its token's user
+    (:func:`~realtime_app.endpoint.tokens.with_token`). A WebSocket goes through one layer
+    (:class:`AuthStack`), not three."""
     return AuthStack(inner)

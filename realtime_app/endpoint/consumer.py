@@ -36,7 +36,7 @@ from realtime_app.endpoint.refusals import (
 )
 from realtime_app.endpoint.replies import Pending, Reply
 from realtime_app.endpoint.sessions import current_user
-from realtime_app.endpoint.tokens import TOKEN_REFUSED, arm_expiry, cancel_expiry
+from realtime_app.endpoint.tokens import TOKEN_REFUSED, UNREAD_BEARER, arm_expiry, cancel_expiry, unread_bearer
 from realtime_app.exceptions import BackplaneUnavailable, RPCError
 from realtime_app.hub.core import Connection, Hub, get_hub
 from realtime_app.inbound.admission import Refusal
@@ -133,6 +133,8 @@ class RealtimeConsumer:
             return await deny(send, scope, CloseCode.TRY_AGAIN_LATER, "database unavailable")
         if (refused := scope.get(TOKEN_REFUSED)) is not None:  # a bad token is nobody's session
             return await deny(send, scope, refused.close_code, str(refused))
+        if unread_bearer(scope):  # not silently anonymous: the client meant to be its token's user
+            return await deny(send, scope, CloseCode.TOKEN_REFUSED, UNREAD_BEARER)
         if not await self.accept_connection():
             await send({"type": "websocket.close"})
             return

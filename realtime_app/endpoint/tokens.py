@@ -10,7 +10,7 @@ every token issued before) and, optionally, channels its holder may subscribe be
 rules (signed channel access: a private channel with no query per subscribe).
 
 A token is read from the handshake's ``Authorization: Bearer`` header
-(:class:`TokenAuthMiddleware`, inside this app's ``AuthMiddlewareStack``) or from RPC
+(:func:`with_token`, in this app's ``AuthMiddlewareStack``) or from RPC
 ``auth {"token"}``; never from a URL. docs/auth.md says which to use where.
 """
 
@@ -29,6 +29,7 @@ from realtime_app.wire.asgi import Receive, Scope, Send
 from realtime_app.wire.protocol import CloseCode
 
 __all__ = [
+    "AUTH_STACK",
     "AUTH_UNAVAILABLE",
     "TOKEN",
     "TOKEN_REFUSED",
@@ -36,12 +37,15 @@ __all__ = [
     "arm_expiry",
     "cancel_expiry",
     "TokenAuthMiddleware",
+    "UNREAD_BEARER",
     "TokenError",
     "bearer",
     "granted",
     "issue",
     "token_user",
+    "unread_bearer",
     "verify",
+    "with_token",
 ]
 
 logger = logging.getLogger("realtime_app.sessions")
@@ -53,6 +57,10 @@ TOKEN_REFUSED = "realtime_token_refused"
 #: The scope key that says why the user could not be loaded (the database's error): the
 #: consumer closes with 1013, the client comes back (a session's or a token's alike).
 AUTH_UNAVAILABLE = "realtime_auth_unavailable"
+#: Set on a WebSocket's scope by this app's auth stack: its Bearer header, if any, was read
+#: (behind Channels' own stack it is not, and the endpoint refuses it rather than serve an
+#: anonymous user the client did not mean to be).
+AUTH_STACK = "realtime_auth_stack"
 #: Longest token read, bytes (a header or an ``auth`` call): more is refused unread.
 MAX_TOKEN_BYTES = 4096
 _DIGEST_CHARS = 20
@@ -171,37 +179,62 @@ def bearer(scope: Scope) -> str | None:
     return None
 
 
+async def with_token(scope: Scope, outer_user: bool = False) -> Scope:
+    """The scope of a WebSocket handshake, its ``Authorization: Bearer`` read: one of this
+    site's connection tokens makes the scope its user's (``scope[TOKEN]``, and no session:
+    logging a cookie's session out does not close it; the token's own expiry and revocation
+    do). Anything else leaves the scope as it is — the session and its user, or a user a
+    middleware further out set — and only says, in ``scope[TOKEN_REFUSED]``, why the
+    header is not a token of this site's (this app's endpoint closes with 4002 or 4004; the
+    project's own consumers never look). ``outer_user``: a signed-in user was set by a
+    middleware further out (a JWT middleware reading the same header): it stands, and the
+    header is left to it. Marks the scope
+    :data:`AUTH_STACK`: the header was read."""
+    scope = {**scope, AUTH_STACK: True}
+    token = bearer(scope) if scope.get("type") == "websocket" else None
+    if token is None or outer_user:
+        return scope
+    from channels.db import database_sync_to_async
+    from django.db import DatabaseError
+
+    try:
+        claims = verify(token)
+        user = await database_sync_to_async(token_user)(claims)
+    except TokenError as error:
+        return {**scope, TOKEN_REFUSED: error}
+    except DatabaseError as exc:  # an outage: 1013, the client comes back (never a final 4002)
+        return {**scope, AUTH_UNAVAILABLE: f"{type(exc).__name__}"}
+    scope = {key: value for key, value in scope.items() if key != "session"}
+    return {**scope, "user": user, TOKEN: claims}
+
+
+#: The close reason of a Bearer handshake that no auth stack of this app read.
+UNREAD_BEARER = "bearer token not read: wrap the router in realtime_app.routing.AuthMiddlewareStack"
+
+
+def unread_bearer(scope: Scope) -> bool:
+    """A handshake carries a Bearer header that this app's auth stack did not read
+    (Channels' own stack in front) and nothing else signed it in: serving it would make the
+    client anonymous without a word."""
+    if scope.get(AUTH_STACK) or bearer(scope) is None:
+        return False
+    return not getattr(scope.get("user"), "is_authenticated", False)
+
+
 class TokenAuthMiddleware:
-    """A WebSocket handshake with ``Authorization: Bearer <token>`` is the token's user:
-    the session cookie, if any, is not used (logging that session out does not close this
-    socket; the token's own expiry and revocation do). A refused token is not a session of
-    anyone: ``scope[TOKEN_REFUSED]`` says why and the consumer closes with 4002 or 4004."""
+    """A WebSocket handshake's Bearer token read (:func:`with_token`), with no session
+    layer: for an endpoint served by tokens alone (``realtime_app.testing``)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        token = bearer(scope) if scope.get("type") == "websocket" else None
-        if token is None:
-            await self.inner(scope, receive, send)
-            return
-        from channels.db import database_sync_to_async
-        from django.contrib.auth.models import AnonymousUser
-        from django.db import DatabaseError
+        outer = bool(getattr(scope.get("user"), "is_authenticated", False))
+        if scope.get("type") == "websocket" and "user" not in scope:
+            from django.contrib.auth.models import AnonymousUser
 
-        scope = {key: value for key, value in scope.items() if key != "session"}
-        try:
-            claims = verify(token)
-            user = await database_sync_to_async(token_user)(claims)
-        except TokenError as error:
-            await self.inner({**scope, "user": AnonymousUser(), TOKEN_REFUSED: error}, receive, send)
-            return
-        except DatabaseError as exc:  # an outage: 1013, the client comes back (never a final 4002)
-            await self.inner(
-                {**scope, "user": AnonymousUser(), AUTH_UNAVAILABLE: f"{type(exc).__name__}"}, receive, send
-            )
-            return
-        await self.inner({**scope, "user": user, TOKEN: claims}, receive, send)
+            scope = {**scope, "user": AnonymousUser()}
+        await self.inner(await with_token(scope, outer), receive, send)
 
 
 def schedule_expiry(loop: asyncio.AbstractEventLoop, scope: Scope, warn: Any, expire: Any) -> None:

@@ -51,6 +51,7 @@ from realtime_app.hub.presence import Presence
 from realtime_app.hub.probe import process_probe, process_start
 from realtime_app.hub.reconciler import Reconciler
 from realtime_app.hub.replay import Replays
+from realtime_app.hub.start_checks import log_check_errors
 from realtime_app.hub.tickers import Tickers
 from realtime_app.inbound.admission import Admission
 from realtime_app.inbound.workers import RequestPool
@@ -158,6 +159,7 @@ class Hub:
             if self._failed is not None:
                 logger.info("hub %s started after the backplane came back", self.instance_id)
                 self._failed = None
+            log_check_errors()  # the server ran no checks: their errors are said here, once
             self.reconciler.subscribed(CONTROL_CHANNEL, ticker=False)  # wanted as long as the hub runs
             try:
                 await self.convergence.converge(CONTROL_CHANNEL)

@@ -250,13 +250,13 @@ async def bids_exist(params: dict[str, Any]) -> bool:
     return params["lot"] in LOTS
 
 
-realtime_app.app_state("test:lot:<int:id>", default=1000, min=50, max=10000, exists=lot_exists)
-realtime_app.event_channel("test:bids:<int:lot>", history_size=20, history_ttl_s=60, exists=bids_exist)
-realtime_app.event_channel("test:feed:<int:id>", owner="id")
+realtime_app.app_state("test:lot:<int:id>", default=1000, min=50, max=10000, exists=lot_exists, public=True)
+realtime_app.event_channel("test:bids:<int:lot>", history_size=20, history_ttl_s=60, exists=bids_exist, public=True)
+realtime_app.event_channel("test:feed:<int:id>", owner="id", public=True)
 realtime_app.event_channel("test:secret:<slug:name>")
 
 
-@realtime_app.ticker("test:room:<slug:name>:load", default=1000, min=50, max=60000)
+@realtime_app.ticker("test:room:<slug:name>:load", default=1000, min=50, max=60000, public=True)
 def room_load(channel: ChannelSpec) -> dict[str, Any]:
     """Each instance and cadence its own counter; the first tick records the start."""
     n = _room_ticks[channel.name] = _room_ticks.get(channel.name, 0) + 1
@@ -280,10 +280,10 @@ def flaky_exists(params: dict[str, Any]) -> bool:
     return True
 
 
-realtime_app.event_channel("test:flaky:<int:id>", exists=flaky_exists)
+realtime_app.event_channel("test:flaky:<int:id>", exists=flaky_exists, public=True)
 # Presence (docs/presence.md): rooms per name, one whose members only staff may see, a
 # cadenced family whose cadences share one room.
-realtime_app.event_channel("test:room:<slug:name>", history_size=10, history_ttl_s=60, presence=True)
+realtime_app.event_channel("test:room:<slug:name>", history_size=10, history_ttl_s=60, presence=True, public=True)
 realtime_app.event_channel("test:backstage", presence=True)
 
 

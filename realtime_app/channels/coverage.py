@@ -1,0 +1,56 @@
+"""Which rules of ``POLICIES`` guard nothing: a pattern that matches no declared channel,
+family, cadence or template is a typo (``ordr:<int:id>`` for ``order:<int:id>``) or a
+module that was never imported — and with per-object channels closed by default, the
+channel it meant is refused to everyone instead of guarded. One rule, read by the system
+check (E015) and by the hub at start (an ERROR in the server's log: daphne runs no checks)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+from realtime_app.channels.policies import Rule
+from realtime_app.channels.registry import Family, Registry
+
+__all__ = ["cadences_matched", "unmatched_rules"]
+
+
+def cadences_matched(rule: Rule, fam: Family) -> Iterator[str]:
+    """``fam``'s cadence names (``base:<ms>``, not the default) ``rule`` matches, exactly."""
+    base, (default, low, high) = fam.base, fam.bounds
+    if not rule.is_glob:
+        prefix = f"{base}:"
+        if rule.pattern.startswith(prefix) and rule.pattern != prefix:
+            digits = rule.pattern[len(prefix) :]
+            ok = digits.isascii() and digits.isdigit() and str(int(digits)) == digits
+            if ok and low <= int(digits) <= high and int(digits) != default:
+                yield rule.pattern
+            return
+        if not rule.matches(f"{base}:{low if low != default else high}"):
+            return  # a literal pattern matches all cadences of a family or none
+    for ms in range(low, high + 1):
+        name = f"{base}:{ms}"
+        if ms != default and rule.matches(name):
+            yield name
+
+
+def unmatched_rules(rules: list[Rule], registry: Registry) -> list[tuple[Rule, str]]:
+    """The rules of ``rules`` (the user's, compiled) that match no declared channel, each
+    with a hint; none while nothing is declared (the check has nothing to compare with)."""
+    if not (registry.exact or registry.families or registry.templates):
+        return []
+    samples = [s for d in registry.templates.values() for s in itertools.islice(d.template.samples(), 8)]
+    names = [*registry.exact, *registry.families, *samples]
+    found = []
+    for rule in rules:
+        if any(rule.matches(name) for name in names):
+            continue
+        if any(next(cadences_matched(rule, fam), None) for fam in registry.families.values()):
+            continue
+        defaults = (f"{base}:{fam.bounds.default}" for base, fam in registry.families.items())
+        default_name = next((name for name in defaults if rule.matches(name)), None)
+        hint = "Check the spelling, or that the module registering it is imported."
+        if default_name is not None:
+            hint = f"{default_name!r} is a family's default cadence, named by its base: write the base instead."
+        found.append((rule, hint))
+    return found
