@@ -12,6 +12,7 @@ stack in front of the endpoint let a Bearer client in as anonymous without a wor
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 import pytest
@@ -83,8 +84,10 @@ async def _scope_of(app: Any, headers: list[tuple[bytes, bytes]]) -> dict[str, A
 
 
 async def _users(django_user_model: Any) -> tuple[Any, Any]:
+    """Two users of their own (names no other test's user has)."""
     create = sync_to_async(django_user_model.objects.create_user)
-    return await create("ann", password="x" * 8), await create("bob", password="y" * 8)
+    tag = secrets.token_hex(4)
+    return await create(f"ann-{tag}", password="x" * 8), await create(f"bob-{tag}", password="y" * 8)
 
 
 async def _user_of(scope: dict[str, Any]) -> Any:
