@@ -1,8 +1,11 @@
-"""Rights are read again at each subscribe — at most once a second per connection
-(``FRESH_USER_S``, held at zero here so that no test waits for it): a staff user demoted in
-the database is refused the next cadence of a staff family, the family's base, and a
-presence watch only staff may have, on the socket it already has, before any re-validation
-round comes. Through the app's own auth stack, as a project routes it."""
+"""Rights are read again at each subscribe — once per frame that asks, never from a read
+made for an earlier frame: a staff user demoted in the database is refused the next cadence
+of a staff family, the family's base, and a presence watch only staff may have, on the
+socket it already has, at once — not at the next re-validation round. Through the app's own
+auth stack, as a project routes it, and through realtime_app.testing.
+
+Found: a user read for one subscribe was kept a second for the next ones, so a subscribe
+right after a demotion was granted, and closed only by the re-validation ~30 s later."""
 
 from __future__ import annotations
 
@@ -28,12 +31,7 @@ def _cookie(user: Any) -> bytes:
     return f"{settings.SESSION_COOKIE_NAME}={client.cookies[settings.SESSION_COOKIE_NAME].value}".encode()
 
 
-async def test_a_demoted_user_is_refused_at_the_next_subscribe(
-    hub: Any, django_user_model: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from realtime_app.endpoint import consumer
-
-    monkeypatch.setattr(consumer, "FRESH_USER_S", 0.0)
+async def test_a_demoted_user_is_refused_at_the_next_subscribe(hub: Any, django_user_model: Any) -> None:
     create = sync_to_async(django_user_model.objects.create_user)
     staff = await create(f"staff-{secrets.token_hex(4)}", password="x" * 8, is_staff=True)
     cookie = await sync_to_async(_cookie)(staff)
@@ -67,3 +65,15 @@ async def test_a_demoted_user_is_refused_at_the_next_subscribe(
         assert watch.get("result", {}).get("presence") is not True, watch  # its presence no longer shown
     finally:
         await comm.disconnect()
+
+
+async def test_with_the_testing_client_too(realtime_client: Any, django_user_model: Any) -> None:
+    from realtime_app.exceptions import RPCError
+
+    create = sync_to_async(django_user_model.objects.create_user)
+    staff = await create(f"staff-{secrets.token_hex(4)}", password="x" * 8, is_staff=True)
+    client = await realtime_client(staff)
+    await client.subscribe("realtime:socket:700")
+    await sync_to_async(django_user_model.objects.filter(pk=staff.pk).update)(is_staff=False)
+    with pytest.raises(RPCError):
+        await client.subscribe("realtime:socket:1000")

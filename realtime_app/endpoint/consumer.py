@@ -51,9 +51,6 @@ __all__ = ["RealtimeConsumer", "method_costs", "rpc_method"]
 
 logger = logging.getLogger("realtime_app.consumers")
 
-#: How long a re-read user stays fresh for the next guarded requests of one connection.
-FRESH_USER_S = 1.0
-
 
 class RealtimeConsumer:
     """ASGI application of the ``/realtime/`` endpoint. Subclass to add hooks.
@@ -66,7 +63,8 @@ class RealtimeConsumer:
         self.scope: Scope = {}
         self.connection: Connection | None = None
         self.session: ServerSession[ChannelSpec] | None = None  # from the accept on
-        self._fresh: tuple[float, Any] | None = None  # (when, user) of the last re-read
+        self._fresh: tuple[float, Any] | None = None  # (when the read began, user) of the last re-read
+        self._frame_at = 0.0  # when the frame being answered arrived
         self._identity: tuple[str, str] | None = None
 
     @classmethod
@@ -86,11 +84,14 @@ class RealtimeConsumer:
         return self.scope.get("user")
 
     async def current_user(self) -> Any:
-        """The user as the session and the database say now, read at most once a second
-        per connection (a batch of 50 guarded subscribes costs one read, not 50)."""
-        now = time.monotonic()
-        if self._fresh is None or now - self._fresh[0] >= FRESH_USER_S:
-            self._fresh = (now, await current_user(self.scope))
+        """The user as the session and the database say now: read once for each frame that
+        asks (a batch of 50 guarded subscribes costs one read, not 50), never taken from
+        an earlier frame — a right revoked between two frames is refused at the second,
+        not up to a re-validation round later. Each frame's requests cost the client tokens
+        (admission), which bounds the reads."""
+        if self._fresh is None or self._fresh[0] < self._frame_at:
+            began = time.monotonic()
+            self._fresh = (began, await current_user(self.scope))
         return self._fresh[1]
 
     def identity(self) -> tuple[str, str]:
@@ -182,6 +183,7 @@ class RealtimeConsumer:
 
     async def receive_frame(self, text: str | None, data: bytes | None) -> None:
         assert self.connection is not None and self.session is not None
+        self._frame_at = time.monotonic()  # its guarded requests see the user as read from now on
         frame = self.session.receive(text)
         if isinstance(frame, Close):
             return await self.close(frame.code, frame.reason)
