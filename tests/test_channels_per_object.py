@@ -184,6 +184,8 @@ async def test_a_new_subscriber_gets_the_current_value_at_once(hub):
         assert "result" in await first.call("subscribe", {"channel": "test:lot:4:10000"})
         frame = (await first.frames(1, timeout=2))[0]  # not 10 s later
         assert frame["data"] == {"lot": 4, "price": 10} and frame["channel"] == "test:lot:4:10000"
+        assert frame["seq"] >= 1  # the cadence's own frame, numbered
+        assert await first.comm.receive_nothing(1)  # and once: before, a seq-0 copy came first, then seq 1
         assert time.monotonic() - started < 2
         await realtime_app.apublish("test:lot:4", {"lot": 4, "price": 11})
         async with Client() as second:  # a frame of this channel is here now: given at once too
