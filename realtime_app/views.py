@@ -177,9 +177,20 @@ publish_api.csrf_exempt = True  # type: ignore[attr-defined]  # a service with a
 
 
 async def _publish_one(channel: str, data: object) -> dict[str, object]:
-    from realtime_app.exceptions import PublicationTooLarge, RealtimeError, UnknownChannel
+    from realtime_app.channels.instances import exists
+    from realtime_app.channels.registry import registry
+    from realtime_app.exceptions import PublicationTooLarge, RealtimeError, RPCError, UnknownChannel
     from realtime_app.hub.publishing import apublish
 
+    try:  # an outside service is no application code: an instance its template's hook denies is unknown
+        if not await exists(registry.resolve(channel)):
+            raise UnknownChannel(channel)
+    except UnknownChannel:
+        return {"channel": channel, "error": "unknown channel", "status": 404}
+    except RPCError:  # the hook raised (logged there): its database is down, come back later
+        return {"channel": channel, "error": "exists hook failed", "status": 503}
+    except (RealtimeError, ValueError, TypeError) as exc:
+        return {"channel": channel, "error": safe(str(exc), 300), "status": 400}
     try:
         seq = await apublish(channel, data)
     except PublicationTooLarge as exc:

@@ -221,6 +221,22 @@ async def test_the_publish_api_reaches_a_subscriber_with_its_seq(site):
     assert (await asyncio.to_thread(post, url, big, {"Authorization": f"Bearer {KEY}"}))[0] == 413
 
 
+async def test_the_publish_api_refuses_an_instance_its_exists_hook_denies(site):
+    """Found: ``test:lot:999`` (its hook knows lots 1..100) answered 202 and was kept a
+    day; an outside service is not application code that knows what exists."""
+    server, _ = site
+    url, key = f"{server.http}/realtime/api/publish", {"Authorization": f"Bearer {KEY}"}
+
+    def publish(channel: str) -> tuple[int, dict]:
+        return post(url, json.dumps({"channel": channel, "data": {"price": 1}}).encode(), key)
+
+    status, body = await asyncio.to_thread(publish, "test:lot:999")
+    assert status == 404 and body["error"] == "unknown channel", body
+    assert (await asyncio.to_thread(publish, "test:lot:9"))[0] == 202
+    status, body = await asyncio.to_thread(publish, "test:flaky:0")  # a hook whose database is down
+    assert status == 503 and body["error"] == "exists hook failed", body
+
+
 async def test_the_python_client_signs_in_with_a_token_and_refreshes_it(site):
     from realtime_app.client import RealtimeClient
 
