@@ -175,7 +175,7 @@ class RealtimeClient:
     async def _resubscribe(self) -> None:
         for name in list(self.session.handlers):
             try:
-                await self._subscribe_remote(name, renewal=True)
+                await _subscribe_remote(self, name, renewal=True)
             except Refused as refused:  # e.g. too many resumes at once after a deploy: again when told
                 if refused.reason in RENEWAL_RETRY_REASONS:
                     self._spawn(_renew_later(self, name, refused))
@@ -202,7 +202,7 @@ class RealtimeClient:
         elif isinstance(event, Resubscribe):
             logger.warning("%s: a delta frame that does not apply: subscribing again", event.channel)
             for name in event.names:
-                self._spawn(self._subscribe_remote(name))
+                self._spawn(_subscribe_remote(self, name))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -261,26 +261,6 @@ class RealtimeClient:
         """Send a notification (no answer)."""
         await self.socket.send(self.session.notification(method, params))
 
-    async def _subscribe_remote(self, name: str, renewal: bool = False) -> dict[str, Any]:
-        params, canonical, cursor = self.session.subscribe_request(name)
-        timeout = max(self.call_timeout, RESUME_TIMEOUT) if "since" in params else None
-        try:
-            result: dict[str, Any] = await self._call_once("subscribe", params, timeout, (canonical, cursor))
-        except BaseException as error:
-            cursor.closed()  # no resume running: the next subscribe tries again
-            if isinstance(error, RPCError) and name in self.session.handlers:
-                callbacks: list[Callable[..., Any]] = [*self.session.on_error.get(name, [])]
-                callbacks += [partial(f, name) for f in self.on_subscribe_error]
-                if renewal and not callbacks and getattr(error, "reason", "") in RENEWAL_RETRY_REASONS:  # sent again
-                    logger.info("subscribe %s refused for now: %s", name, error)
-                elif renewal and not callbacks:  # nobody else hears of it: the application awaited none
-                    logger.warning("subscribe %s refused: %s", name, error)
-                _fire(callbacks, "error", error)
-            raise
-        self.session.subscribed(name, result)
-        _fire(self.on_subscribed, "subscribed", result)
-        return result
-
     async def subscribe(
         self,
         channel: str,
@@ -308,7 +288,7 @@ class RealtimeClient:
         if self.socket.ws is None:
             await self.wait_open(self.call_timeout)
         try:
-            return await self._subscribe_remote(channel)
+            return await _subscribe_remote(self, channel)
         except Exception:
             if first == "first":
                 self.session.unbook(channel)
@@ -327,6 +307,30 @@ class RealtimeClient:
             with contextlib.suppress(Exception):  # the channel the server subscribed (a nearer cadence, say)
                 return await self.call("unsubscribe", {"channel": canonical})  # type: ignore[no-any-return]
         return None
+
+
+async def _subscribe_remote(client: RealtimeClient, name: str, renewal: bool = False) -> dict[str, Any]:
+    """Send ``subscribe`` for ``name`` as the session books it (with ``since`` where a
+    cursor resumes); a refusal goes to the channel's and the client's error callbacks, and
+    is logged when it is a renewal that nobody else hears of."""
+    params, canonical, cursor = client.session.subscribe_request(name)
+    timeout = max(client.call_timeout, RESUME_TIMEOUT) if "since" in params else None
+    try:
+        result: dict[str, Any] = await client._call_once("subscribe", params, timeout, (canonical, cursor))
+    except BaseException as error:
+        cursor.closed()  # no resume running: the next subscribe tries again
+        if isinstance(error, RPCError) and name in client.session.handlers:
+            callbacks: list[Callable[..., Any]] = [*client.session.on_error.get(name, [])]
+            callbacks += [partial(f, name) for f in client.on_subscribe_error]
+            if renewal and not callbacks and getattr(error, "reason", "") in RENEWAL_RETRY_REASONS:  # sent again
+                logger.info("subscribe %s refused for now: %s", name, error)
+            elif renewal and not callbacks:  # nobody else hears of it: the application awaited none
+                logger.warning("subscribe %s refused: %s", name, error)
+            _fire(callbacks, "error", error)
+        raise
+    client.session.subscribed(name, result)
+    _fire(client.on_subscribed, "subscribed", result)
+    return result
 
 
 async def _recover(client: RealtimeClient, channel: str) -> None:
@@ -357,7 +361,7 @@ async def _renew_later(client: RealtimeClient, name: str, refused: Refused) -> N
         if client.socket.ws is not ws or ws is None or name not in client.session.handlers:
             return  # a new connection renews it anew; an unsubscribe ends it
         try:
-            await client._subscribe_remote(name, renewal=True)
+            await _subscribe_remote(client, name, renewal=True)
             return
         except Refused as again:
             if again.reason not in RENEWAL_RETRY_REASONS:
