@@ -27,8 +27,11 @@ async def test_a_channel_delivers_what_the_application_publishes(realtime_client
     await client.subscribe("test:events")
     seq = await realtime_app.apublish("test:events", {"n": 1})
     message = await client.message("test:events")
-    assert (message["data"], message["seq"]) == ({"n": 1}, seq)
+    assert (message["data"], message["seq"]) == ({"n": 1}, seq)  # message(): the params
     await client.nothing()
+    await realtime_app.apublish("test:events", {"n": 2})
+    whole = await client.notification()  # notification(): the whole of it
+    assert whole["method"] == "message" and whole["params"]["data"] == {"n": 2}
 
 
 async def test_a_ticker_advances_without_sleeping_and_rules_hold(realtime_client, django_user_model):

@@ -117,9 +117,10 @@ class RealtimeTestClient:
     async def unsubscribe(self, channel: str) -> dict[str, Any]:
         return await self.call("unsubscribe", {"channel": channel})  # type: ignore[no-any-return]
 
-    async def receive(self, *, timeout: float = 2.0) -> dict[str, Any]:
-        """The next notification (``{"method", "params"}``: a ``message``, a ``presence``...),
-        ``TimeoutError`` if none comes within ``timeout``."""
+    async def notification(self, *, timeout: float = 2.0) -> dict[str, Any]:
+        """The next notification whole (``{"method", "params"}``: a ``message``, a
+        ``presence``, a ``token_expiring``...), ``TimeoutError`` if none comes within
+        ``timeout``; :meth:`message` is a ``message``'s params."""
         if self._waiting:
             return self._waiting.pop(0)
         return await self._read(timeout)
@@ -129,7 +130,7 @@ class RealtimeTestClient:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
-            note = await self.receive(timeout=max(deadline - loop.time(), 0.001))
+            note = await self.notification(timeout=max(deadline - loop.time(), 0.001))
             params = note.get("params") or {}
             if note.get("method") == "message" and (channel is None or params.get("channel") == channel):
                 return dict(params)
@@ -139,7 +140,7 @@ class RealtimeTestClient:
         if self._waiting:
             raise AssertionError(f"a notification came: {self._waiting[0]}")
         if not await self.communicator.receive_nothing(within):
-            raise AssertionError(f"a notification came: {await self.receive()}")
+            raise AssertionError(f"a notification came: {await self.notification()}")
 
     async def tick(self, channel: str) -> int:
         """:func:`tick`: the ticker of ``channel`` publishes its next frame now."""
