@@ -57,3 +57,60 @@ async def test_a_token_client_is_its_user(realtime_hub, django_user_model):
     with pytest.raises(AssertionError, match="4002"):
         async with RealtimeTestClient(token=token + "x"):
             pass
+
+
+PROJECT_TEST = """
+import pytest
+from asgiref.sync import sync_to_async
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+async def test_a_member_channel(realtime_client, django_user_model):
+    ann = await sync_to_async(django_user_model.objects.create_user)("ann", password="p")
+    client = await realtime_client(ann)
+    await client.subscribe(f"test:member:{ann.pk}")  # its exists hook asks the database
+    with pytest.raises(Exception):
+        await client.subscribe("test:staff")  # a rule read for a user (asgiref's worker thread)
+"""
+
+
+def test_a_projects_tests_on_postgresql_leave_no_connection_behind(tmp_path):
+    """A project's tests with realtime_app.testing, on PostgreSQL, in a pytest of their own.
+    Found: under Channels' test communicator (which skips closing old connections) each pool
+    thread that ran an ``exists`` hook or a rule kept its connection, so pytest-django could
+    not drop the test database ("being accessed by other users") and waited 5 s for it."""
+    import os
+    import secrets
+    import subprocess
+    import sys
+
+    from tests.support.postgres import server_url, with_database
+    from tests.support.servers import ROOT
+
+    (tmp_path / "test_project.py").write_text(PROJECT_TEST)
+    name = f"rt_testing_{secrets.token_hex(4)}"
+    env = {**os.environ, "DATABASE_URL": with_database(server_url(), name), "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-c",
+            str(ROOT / "pyproject.toml"),
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path / "test_project.py"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    output = run.stdout + run.stderr
+    assert run.returncode == 0 and "1 passed" in output, output[-3000:]
+    assert "being accessed by other users" not in output, output[-3000:]

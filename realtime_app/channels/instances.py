@@ -14,9 +14,10 @@ import inspect
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from channels.db import database_sync_to_async
+from asgiref.sync import sync_to_async
 
 from realtime_app.exceptions import RPCError
 from realtime_app.wire.protocol import INTERNAL_ERROR
@@ -24,7 +25,15 @@ from realtime_app.wire.protocol import INTERNAL_ERROR
 if TYPE_CHECKING:
     from realtime_app.channels.registry import ChannelSpec, Declared
 
-__all__ = ["EXISTS_CACHE_SIZE", "EXISTS_NO_S", "EXISTS_YES_S", "InstanceBook", "exists", "forget_exists"]
+__all__ = [
+    "EXISTS_CACHE_SIZE",
+    "EXISTS_NO_S",
+    "EXISTS_YES_S",
+    "InstanceBook",
+    "exists",
+    "forget_exists",
+    "sync_in_pool",
+]
 
 logger = logging.getLogger("realtime_app.registry")
 
@@ -72,6 +81,26 @@ def _asked(key: tuple[str, str], done: asyncio.Task[bool]) -> None:
         done.exception()  # retrieved here: a failure whose askers all went away is no warning
 
 
+async def sync_in_pool(func: Callable[..., Any], *args: Any) -> Any:
+    """``func(*args)`` in a thread of the loop's pool (it may use the ORM), then its
+    connections handled as after a request (``django.db.close_old_connections``): closed
+    unless ``CONN_MAX_AGE`` keeps them. ``database_sync_to_async`` does the same, but
+    through ``channels.db``'s name, which Channels' test communicators replace with a
+    no-op — so in a project's tests each pool thread kept a connection open, and a test
+    database on PostgreSQL could not be dropped."""
+
+    def run() -> Any:
+        from django.db import close_old_connections
+
+        close_old_connections()
+        try:
+            return func(*args)
+        finally:
+            close_old_connections()
+
+    return await sync_to_async(run, thread_sensitive=False)()
+
+
 async def _ask(declared: Declared, key: tuple[str, str], params: dict[str, Any]) -> bool:
     hook = declared.exists
     assert hook is not None
@@ -79,7 +108,7 @@ async def _ask(declared: Declared, key: tuple[str, str], params: dict[str, Any])
         if inspect.iscoroutinefunction(hook):
             answer: Any = await hook(params)
         else:
-            answer = await database_sync_to_async(hook, thread_sensitive=False)(params)
+            answer = await sync_in_pool(hook, params)
             if inspect.isawaitable(answer):
                 answer = await answer
     except Exception:

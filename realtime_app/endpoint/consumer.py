@@ -16,8 +16,7 @@ import time
 from functools import partial
 from typing import Any
 
-from channels.db import database_sync_to_async
-
+from realtime_app.channels.instances import sync_in_pool
 from realtime_app.channels.registry import ChannelSpec
 from realtime_app.conf import get_config
 from realtime_app.endpoint.addresses import client_address, client_network, trusted_networks
@@ -301,7 +300,7 @@ class RealtimeConsumer:
         if registered is None:
             raise RPCError(protocol.METHOD_NOT_FOUND, "Method not found", "unknown_method", method=method[:100])
         if not registered.is_async:
-            return await database_sync_to_async(registered.handler, thread_sensitive=False)(self, params)
+            return await sync_in_pool(registered.handler, self, params)
         result = registered.handler(self, params)
         if inspect.isawaitable(result):
             result = await result

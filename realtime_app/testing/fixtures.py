@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
+from asgiref.sync import sync_to_async
 
 try:  # pytest-asyncio's fixture decorator in its strict mode as in auto; plain pytest otherwise
     from pytest_asyncio import fixture as async_fixture
@@ -44,6 +45,18 @@ async def realtime_hub() -> AsyncIterator[Any]:
         finally:
             await hub.aclose()
             core._hubs.pop(loop, None)
+            await sync_to_async(_close_connections)()  # asgiref's one worker thread: policies, the test's ORM
+
+
+def _close_connections() -> None:
+    """Close this thread's database connections that no transaction holds: Channels' test
+    communicators skip the closing that a request's end does, and a connection left open
+    keeps PostgreSQL from dropping the test database."""
+    from django.db import connections
+
+    for connection in connections.all(initialized_only=True):
+        if not connection.in_atomic_block:
+            connection.close()
 
 
 @async_fixture

@@ -281,6 +281,21 @@ def flaky_exists(params: dict[str, Any]) -> bool:
 
 
 realtime_app.event_channel("test:flaky:<int:id>", exists=flaky_exists, public=True)
+
+#: The database connection each call of ``member_exists`` used (its thread's).
+member_hook_connections: list[Any] = []
+
+
+def member_exists(params: dict[str, Any]) -> bool:
+    """A hook that asks the database, as a project's do (a user of that id exists)."""
+    from django.contrib.auth import get_user_model
+    from django.db import connections
+
+    member_hook_connections.append(connections["default"])
+    return bool(get_user_model().objects.filter(pk=params["id"]).exists())
+
+
+realtime_app.event_channel("test:member:<int:id>", exists=member_exists, public=True)
 # Presence (docs/presence.md): rooms per name, one whose members only staff may see, a
 # cadenced family whose cadences share one room.
 realtime_app.event_channel("test:room:<slug:name>", history_size=10, history_ttl_s=60, presence=True, public=True)
