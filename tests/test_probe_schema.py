@@ -179,3 +179,18 @@ async def test_the_prometheus_text_is_prometheus_clients_byte_for_byte(hub) -> N
     text = metrics.render(probe)
     assert text == metrics.render_with_client(probe)
     assert b'store="default"} 2.0' in text and b'reason="default"} 3.0' in text
+
+
+async def test_the_admin_screen_is_told_each_channels_cadence_not_a_trailing_number(hub) -> None:
+    """Found: the screen read ``order:1`` as a cadence of 1 ms (a trailing number of a
+    template's instance); the probe now says the cadence the registry resolves."""
+    from realtime_app.hub.probe import process_probe
+    from tests.support.asgi_client import Client
+
+    async with Client() as client:
+        for name in ("test:bids:7", "test:lot:3:250", "test:lot:4", "demo:clock"):
+            assert "result" in await client.call("subscribe", {"channel": name}), name
+        cadences = process_probe(hub)["channel_cadences"]
+    assert cadences == {"test:bids:7": None, "test:lot:3:250": 250, "test:lot:4": 1000, "demo:clock": 1000}
+    script = (ROOT / "realtime_app/static/realtime_app/admin_cluster.js").read_text()
+    assert "channel_cadences" in script and r"/:(\d+)$/" not in script

@@ -117,6 +117,15 @@ def top_connections(hub: Probed, top: int, queued: dict[Connection, int]) -> lis
     ]
 
 
+def _cadence(name: str) -> int | None:
+    """A channel's cadence as the registry resolves it (a family's base at its default):
+    never guessed from a trailing number, which may be an instance's id (``order:1``)."""
+    from realtime_app.channels.registry import registry
+
+    spec = registry.find(name)
+    return spec.interval_ms if spec is not None else None
+
+
 def process_probe(hub: Probed) -> ProcessProbe:
     config = get_config()
     top = config["PROBE_TOP_CHANNELS"]
@@ -145,6 +154,7 @@ def process_probe(hub: Probed) -> ProcessProbe:
         "published": hub.published,
         "frames_out": hub.fanout.frames_out,
         "channel_frames": {name: frames.get(name, 0) for name, _ in busiest},
+        "channel_cadences": {name: _cadence(name) for name, _ in busiest},
         "top_connections": top_connections(hub, config["PROBE_TOP_CONNECTIONS"], queued),
         "refused": {**hub.refused, **hub.gate.refused},
         "admission": hub.gate.probe(hub.fanout.unread_refused),

@@ -234,6 +234,9 @@ class ProcessProbe(TypedDict):
     published: Annotated[int, Counter("Publications sent by this process", "realtime_published")]
     frames_out: Annotated[int, Counter("Channel frames handed to this process's connections", "realtime_frames_out")]
     channel_frames: Annotated[dict[str, int], Shown("publications fanned out, per busiest channel")]
+    channel_cadences: Annotated[
+        dict[str, int | None], Shown("cadence (ms) of each busiest channel as the registry resolves it; null: none")
+    ]
     top_connections: Annotated[list[ConnectionProbe], Shown("the drill-down: top connections by queue and drops")]
     refused: Annotated[dict[str, int], Shown("realtime_refused{limit}")]
     admission: AdmissionProbe

@@ -186,10 +186,10 @@ function drill() {
   for (const [name, subscribers] of Object.entries(entry.probe.channels || {})) {
     const tr = document.createElement("tr");
     tr.dataset.channel = name;
-    const cadence = /:(\d+)$/.exec(name);
+    const cadence = (entry.probe.channel_cadences || {})[name];  // the registry's, not a trailing id
     cell(tr, name, "channels");
     cell(tr, subscribers, "num");
-    cell(tr, cadence ? `${cadence[1]} ms` : "default", "num");
+    cell(tr, cadence ? `${cadence} ms` : "–", "num");
     const perS = entry.channelRates ? entry.channelRates[name] : undefined;
     cell(tr, perS === undefined ? "–" : perS.toFixed(1), "num");
     cell(tr, history[name] ? history[name].kept : "–", "num");
