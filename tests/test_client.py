@@ -559,3 +559,54 @@ async def test_a_call_lost_while_it_is_sent_leaves_no_unretrieved_error():
         assert not unretrieved, unretrieved
     finally:
         loop.set_exception_handler(previous)
+
+
+class FlakyServer:
+    """A JSON-RPC endpoint of its own: the first ``refused_handshakes`` handshakes answered
+    503, then the first connection closed with 1013 when it asks ``subscribe``, the next
+    ones answered; counts the subscribes each connection got."""
+
+    def __init__(self, refused_handshakes: int = 0, close_first: bool = True) -> None:
+        self.refused_handshakes, self.close_first = refused_handshakes, close_first
+        self.subscribes: list[list[str]] = []
+
+    def process_request(self, connection, request):
+        if self.refused_handshakes > 0:
+            self.refused_handshakes -= 1
+            return connection.respond(503, "busy\n")
+        return None
+
+    async def handler(self, ws) -> None:
+        mine: list[str] = []
+        self.subscribes.append(mine)
+        async for text in ws:
+            request = json.loads(text)
+            if request.get("method") == "subscribe":
+                mine.append(request["params"]["channel"])
+                if self.close_first and len(self.subscribes) == 1:
+                    await ws.close(1013, "try again later")
+                    return
+                result = {"channel": request["params"]["channel"], "kind": "event", "interval_ms": None}
+                await ws.send(json.dumps({"jsonrpc": "2.0", "id": request["id"], "result": result}))
+
+
+@pytest.mark.parametrize("refused_handshakes", [0, 2])
+async def test_a_subscribe_in_flight_when_the_server_says_1013_waits_for_the_reconnect(refused_handshakes):
+    """Found: a ``subscribe()`` whose connection was closed with 1013 (or whose handshake was
+    refused, which the client takes as 1013) raised, and forgot the channel, while the client
+    was about to reconnect. It now waits: the renewal the next connection makes is its
+    answer, sent once."""
+    from websockets.asyncio.server import serve
+
+    fake = FlakyServer(refused_handshakes=refused_handshakes, close_first=not refused_handshakes)
+    async with serve(fake.handler, "127.0.0.1", 0, process_request=fake.process_request) as server:
+        port = server.sockets[0].getsockname()[1]
+        # a call timeout shorter than the handshakes' backoff: waiting for it is no timeout
+        client = RealtimeClient(f"ws://127.0.0.1:{port}/", call_timeout=0.2, backoff_initial=0.3, backoff_max=0.4)
+        client.socket.start()
+        try:
+            answer = await asyncio.wait_for(client.subscribe("orders", lambda params: None), 10)
+            assert answer["channel"] == "orders" and "orders" in client.session.handlers
+            assert fake.subscribes[-1] == ["orders"]  # the renewal: asked once on the new connection
+        finally:
+            await client.close()

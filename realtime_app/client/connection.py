@@ -20,6 +20,8 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
+import websockets
+
 from realtime_app.client.reconnecting import RECONNECT_CODES, Hooks, ReconnectingSocket, is_reconnectable_close_code
 from realtime_app.exceptions import OutcomeUnknown, Refused, RPCError, error_from_response
 from realtime_app.wire.retry import RENEWAL_RETRY_REASONS, retry_delay_ms
@@ -124,6 +126,7 @@ class RealtimeClient:
         backoff = lambda: (self.backoff_initial, self.backoff_max)  # noqa: E731  (read at each reconnect)
         self.socket = ReconnectingSocket(url, self.origin, headers, backoff, connect_kwargs, hooks)
         self._answers: dict[int, asyncio.Future[Any]] = {}
+        self._renewals: dict[str, list[asyncio.Future[Any]]] = {}  # subscribe()s a reconnect's renewal answers
         self._background: set[asyncio.Task[Any]] = set()
 
     @property
@@ -154,6 +157,7 @@ class RealtimeClient:
             task.cancel()
         await self.socket.stop(code)
         self._lost(code)  # even when the loop was stopped before it heard the close
+        _fail_renewals(self, OutcomeUnknown(f"closed ({code}): not subscribed"))
         self._set_state("closed")
 
     async def reconnect(self, delay_ms: float = 0) -> None:
@@ -166,6 +170,8 @@ class RealtimeClient:
     def _closed(self, code: int | None, reason: str, again: bool) -> None:
         self.last_close = (code, reason)
         self._lost(code)
+        if not again:  # closed for good: no renewal will answer the subscribe()s waiting for one
+            _fail_renewals(self, OutcomeUnknown(f"connection closed ({code}): not subscribed"))
         _fire(self.on_close, "close", code, reason, again)
 
     def _lost(self, code: int | None) -> None:  # the connection ended: what was in flight never will be answered
@@ -273,9 +279,11 @@ class RealtimeClient:
         """Subscribe ``handler(params)`` (sync or async) to ``channel``; kept across reconnects.
 
         Returns the server's answer; raises :class:`RPCError` when it refuses (the handler
-        is not kept). Before :meth:`connect` the subscription is made when the connection
-        opens: a refusal then, or of a renewal after a reconnect, calls ``on_error(error)``
-        and every ``on_subscribe_error(channel, error)`` — logged only when there are none.
+        is not kept). A connection lost meanwhile (1013, a refused handshake) is waited
+        out: the renewal of the next connection answers. Before :meth:`connect` the
+        subscription is made when the connection opens: a refusal then, or of a renewal
+        after a reconnect, calls ``on_error(error)`` and every
+        ``on_subscribe_error(channel, error)`` — logged only when there are none.
         ``presence``: who is in a presence channel, kept (:meth:`members`) and told (``on_presence``).
         """
         if delta is not None and delta != "fossil":
@@ -285,10 +293,8 @@ class RealtimeClient:
             return {"channel": self.session.canonical[channel]}
         if self.socket.stopped:  # not connected yet: subscribed when the connection opens
             return {"channel": channel, "pending": True}
-        if self.socket.ws is None:
-            await self.wait_open(self.call_timeout)
         try:
-            return await _subscribe_remote(self, channel)
+            return await _subscribe_or_renewal(self, channel)
         except Exception:
             if first == "first":
                 self.session.unbook(channel)
@@ -303,6 +309,8 @@ class RealtimeClient:
         """Remove ``handler`` (or all) from ``channel``; the last one out unsubscribes the
         channel the server subscribed, and returns its answer."""
         canonical = self.session.unbook(channel, handler)
+        if channel not in self.session.handlers:  # a subscribe() waiting for a renewal gets none
+            _fail_renewals(self, OutcomeUnknown(f"unsubscribed from {channel}"), channel)
         if canonical is not None and self.socket.ws is not None:
             with contextlib.suppress(Exception):  # the channel the server subscribed (a nearer cadence, say)
                 return await self.call("unsubscribe", {"channel": canonical})  # type: ignore[no-any-return]
@@ -327,10 +335,51 @@ async def _subscribe_remote(client: RealtimeClient, name: str, renewal: bool = F
             elif renewal and not callbacks:  # nobody else hears of it: the application awaited none
                 logger.warning("subscribe %s refused: %s", name, error)
             _fire(callbacks, "error", error)
+        if renewal and isinstance(error, RPCError) and getattr(error, "reason", "") not in RENEWAL_RETRY_REASONS:
+            _answer_renewals(client, name, error)  # refused for good: the subscribe() waiting for it learns why
         raise
     client.session.subscribed(name, result)
     _fire(client.on_subscribed, "subscribed", result)
+    if renewal:
+        _answer_renewals(client, name, result)
     return result
+
+
+async def _subscribe_or_renewal(client: RealtimeClient, channel: str) -> dict[str, Any]:
+    """Send a booked channel's first ``subscribe``, or — the connection reconnecting (a 1013,
+    a refused handshake, a close while it was sent) — wait for the renewal the next
+    connection makes of every booked channel: its answer is this call's. Raises only when
+    the server refuses, or the client is closed for good (cancel it to give up sooner)."""
+    waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    client._renewals.setdefault(channel, []).append(waiter)  # before sending: a quick reconnect cannot miss it
+    try:
+        if client.socket.ws is not None:
+            try:
+                return await _subscribe_remote(client, channel)
+            except (OutcomeUnknown, ConnectionError, websockets.ConnectionClosed) as lost:
+                if client.socket.stopped:
+                    raise
+                logger.info("subscribe %s: %s; answered by the renewal once reconnected", channel, lost)
+        return await waiter  # type: ignore[no-any-return]
+    finally:
+        waiters = client._renewals.get(channel, [])
+        if waiter in waiters:
+            waiters.remove(waiter)
+        if not waiters:
+            client._renewals.pop(channel, None)
+        if waiter.done() and not waiter.cancelled():
+            waiter.exception()  # answered while this call went on by the direct path: retrieved
+
+
+def _answer_renewals(client: RealtimeClient, channel: str, answer: Any) -> None:
+    for waiter in client._renewals.pop(channel, []):
+        if not waiter.done():
+            waiter.set_exception(answer) if isinstance(answer, BaseException) else waiter.set_result(answer)
+
+
+def _fail_renewals(client: RealtimeClient, error: Exception, channel: str | None = None) -> None:
+    for name in [channel] if channel is not None else list(client._renewals):
+        _answer_renewals(client, name, error)
 
 
 async def _recover(client: RealtimeClient, channel: str) -> None:
