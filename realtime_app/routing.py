@@ -1,7 +1,8 @@
 """URL routes of the WebSocket endpoint, for the project's ``URLRouter``.
 
 ``websocket_urlpatterns`` routes ``/realtime/``; wrap the router in this module's
-``AuthMiddlewareStack`` (Channels' own, but a database outage closes a signed-in user's
+``AuthMiddlewareStack`` (a drop-in for Channels' own that also reads this site's connection
+tokens from ``Authorization: Bearer``; a database outage closes a signed-in user's
 handshake with 1013 instead of failing it with HTTP 500). Put ``not_found_urlpatterns`` last in your
 ``URLRouter`` so that a WebSocket to any other path is refused cleanly (HTTP 403, one
 INFO line) instead of Channels' ``ValueError: No route found`` and a 500 with a traceback.

@@ -319,3 +319,14 @@ def test_the_online_backplane_check_runs_only_when_asked():
     assert not asked(["manage.py", "check"]) and not asked(["manage.py", "migrate"])
     assert asked(["manage.py", "check", "--tag", "realtime_backplane"])
     assert asked(["manage.py", "check", "--tag=realtime_backplane"]) and asked(["manage.py", "check", "--deploy"])
+
+
+@pytest.mark.parametrize("pattern", ["test:lot:<int:id>:500", "test:room:vip-*", "test:room:vip:"])
+def test_a_rule_within_a_templates_names_is_a_doubt_not_an_error(pattern):
+    """E015 stops ``migrate``: it is said only where no declared name could match (a
+    typo of the first segment, ``ordr:``). A rule whose literal part overlaps a template's
+    (a cadence of an instance, a glob or a prefix inside its instances) rests on sample
+    names: warning W012."""
+    with override_settings(REALTIME_APP={"POLICIES": [{"pattern": pattern, "authenticated": True}]}):
+        found = ids(check_policies())
+    assert "realtime_app.E015" not in found

@@ -141,6 +141,10 @@ async def test_a_user_set_by_the_projects_outer_middleware_is_kept(host: Host) -
     assert me["user"] == "bob"
     async with _rpc(host.url("realtime/"), {"Authorization": "Bearer jwt.bob"}) as rpc:  # the app's endpoint too
         assert "result" in await rpc.call("subscribe", {"channel": "order:7"})  # signed in: the rule holds
+    # with another user's session cookie beside it: bob is read again by his key, never from ann's session
+    async with _rpc(host.url("realtime/"), {"Authorization": "Bearer jwt.bob", "Cookie": host.cookie}) as rpc:
+        for order in (7, 8):  # two frames: the second reads the user again
+            assert "result" in await rpc.call("subscribe", {"channel": f"order:{order}"}), order
 
 
 async def test_the_apps_endpoint_reads_its_own_tokens_and_refuses_a_foreign_one_clearly(host: Host) -> None:

@@ -7,6 +7,7 @@ check (E015) and by the hub at start (an ERROR in the server's log: daphne runs 
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Iterator
 
 from realtime_app.channels.policies import Rule
@@ -34,13 +35,17 @@ def cadences_matched(rule: Rule, fam: Family) -> Iterator[str]:
             yield name
 
 
-def unmatched_rules(rules: list[Rule], registry: Registry) -> list[tuple[Rule, str]]:
+def unmatched_rules(rules: list[Rule], registry: Registry) -> list[tuple[Rule, str, bool]]:
     """The rules of ``rules`` (the user's, compiled) that match no declared channel, each
-    with a hint; none while nothing is declared (the check has nothing to compare with)."""
+    with a hint and whether that is certain. It is, unless the rule's literal part and a
+    template's overlap (``tenant:acme:`` and ``tenant:<slug:t>:orders``, ``lot:<int:id>:500``
+    and ``lot:<int:id>``): then the answer rests on the template's sample names, a doubt
+    rather than a verdict. None while nothing is declared."""
     if not (registry.exact or registry.families or registry.templates):
         return []
     samples = [s for d in registry.templates.values() for s in itertools.islice(d.template.samples(), 8)]
     names = [*registry.exact, *registry.families, *samples]
+    literals = [_literal(pattern) for pattern in registry.templates]
     found = []
     for rule in rules:
         if any(rule.matches(name) for name in names):
@@ -52,5 +57,12 @@ def unmatched_rules(rules: list[Rule], registry: Registry) -> list[tuple[Rule, s
         hint = "Check the spelling, or that the module registering it is imported."
         if default_name is not None:
             hint = f"{default_name!r} is a family's default cadence, named by its base: write the base instead."
-        found.append((rule, hint))
+        mine = _literal(rule.pattern)
+        doubt = any(mine.startswith(theirs) or theirs.startswith(mine) for theirs in literals)
+        found.append((rule, hint, not doubt))
     return found
+
+
+def _literal(pattern: str) -> str:
+    """What a pattern says literally before its first parameter or glob character."""
+    return re.split(r"[<*?\[]", pattern, maxsplit=1)[0]

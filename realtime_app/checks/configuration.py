@@ -288,16 +288,27 @@ def check_policies(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                         id="realtime_app.W011",
                     )
                 )
-    for rule, hint in unmatched_rules(rules[:user_count], registry):
-        messages.append(
-            Error(
-                f"POLICIES[{rule.index}] pattern {rule.pattern!r} matches no declared channel or template: it guards "
-                "nothing, and a channel template it was meant for stays closed to every client.",
-                hint=hint,
-                obj=rule.pattern,
-                id="realtime_app.E015",
+    for rule, hint, certain in unmatched_rules(rules[:user_count], registry):
+        if certain:  # no declared name even begins so: a typo, or a module never imported
+            messages.append(
+                Error(
+                    f"POLICIES[{rule.index}] pattern {rule.pattern!r} matches no declared channel or template: it "
+                    "guards nothing, and a channel template it was meant for stays closed to every client.",
+                    hint=hint,
+                    obj=rule.pattern,
+                    id="realtime_app.E015",
+                )
             )
-        )
+        else:
+            messages.append(
+                Warning(
+                    f"POLICIES[{rule.index}] pattern {rule.pattern!r} matches none of the declared channels, nor "
+                    "the sample names of their templates.",
+                    hint=hint,
+                    obj=rule.pattern,
+                    id="realtime_app.W012",
+                )
+            )
     for rule in rules[:user_count]:
         if rule.publish.allowed:
             state = [n for n, s in registry.exact.items() if s.kind == "state" and rule.matches(n)]

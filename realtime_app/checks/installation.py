@@ -100,11 +100,12 @@ REALTIME_STACK, CHANNELS_STACK, OTHER_AUTH = "realtime_app", "channels", "other"
 def _stack_of(app: Any) -> str | None:
     from channels.auth import AuthMiddleware as ChannelsAuthMiddleware
 
-    from realtime_app.endpoint.auth import AuthMiddleware, AuthStack
+    from realtime_app.endpoint.auth import AuthStack
+    from realtime_app.endpoint.tokens import TokenAuthMiddleware
 
-    if isinstance(app, AuthStack | AuthMiddleware):
+    if isinstance(app, AuthStack | TokenAuthMiddleware):  # the ones that read a connection token
         return REALTIME_STACK
-    if isinstance(app, ChannelsAuthMiddleware):
+    if isinstance(app, ChannelsAuthMiddleware):  # Channels' own, or this app's outage-proof one alone
         return CHANNELS_STACK
     return OTHER_AUTH if "Auth" in type(app).__name__ else None
 

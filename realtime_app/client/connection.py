@@ -297,7 +297,7 @@ class RealtimeClient:
             return await _subscribe_or_renewal(self, channel)
         except Exception:
             if first == "first":
-                self.session.unbook(channel)
+                self.session.unbook(channel, handler)  # this call's handler: not one booked since
             raise
 
     def members(self, channel: str) -> dict[str, dict[str, Any]]:

@@ -16,7 +16,7 @@ from channels.auth import AuthMiddleware as ChannelsAuthMiddleware
 from channels.sessions import CookieMiddleware, SessionMiddleware
 from django.db import DatabaseError
 
-from realtime_app.endpoint.tokens import AUTH_STACK, AUTH_UNAVAILABLE, with_token
+from realtime_app.endpoint.tokens import AUTH_STACK, AUTH_UNAVAILABLE, USER_FROM_OUTSIDE, with_token
 from realtime_app.observability.logsafe import safe
 from realtime_app.wire.asgi import Receive, Scope, Send
 
@@ -56,8 +56,20 @@ class AuthStack:
         if scope.get("type") != "websocket" or "headers" not in scope:
             await self.layers(scope, receive, send)
             return
-        outer = bool(getattr(scope.get("user"), "is_authenticated", False))  # set further out: it stands
-        await self.inner(await with_token(await _signed_in(scope), outer), receive, send)
+        outer = "user" in scope and _signed_in_user(scope["user"])  # set further out: it stands
+        scope = await _signed_in(scope)
+        if outer:
+            scope[USER_FROM_OUTSIDE] = True  # re-validated by its key, not by the cookie's session
+        await self.inner(await with_token(scope, outer), receive, send)
+
+
+def _signed_in_user(user: Any) -> bool:
+    """Whether a user set further out is signed in; one that cannot say (a lazy object
+    not resolved yet, one that would query the database here) is taken as not."""
+    try:
+        return bool(getattr(user, "is_authenticated", False))
+    except Exception:
+        return False
 
 
 def _cookies(scope: Scope) -> dict[str, str]:

@@ -28,7 +28,7 @@ from typing import Any
 from realtime_app.channels.policies import Action, active_rules, allowed, requirement_for
 from realtime_app.channels.registry import registry
 from realtime_app.conf import get_config
-from realtime_app.endpoint.tokens import TOKEN, TokenError, granted, token_user
+from realtime_app.endpoint.tokens import TOKEN, USER_FROM_OUTSIDE, TokenError, granted, token_user
 from realtime_app.hub.core import Connection, Hub
 from realtime_app.observability.logsafe import safe
 from realtime_app.wire.asgi import Scope
@@ -147,7 +147,7 @@ async def current_user(scope: Scope) -> Any:
     from channels.db import database_sync_to_async
 
     claims = scope.get(TOKEN)
-    key = getattr(scope.get("session"), "session_key", None)
+    key = None if scope.get(USER_FROM_OUTSIDE) else getattr(scope.get("session"), "session_key", None)
     if claims is not None:  # a connection token's user: active, its password unchanged
         fresh = await database_sync_to_async(_token_user)(claims)
     elif key is None:  # authenticated by other middleware: the database alone
@@ -240,7 +240,7 @@ def close_session(hub: Hub, digest: str) -> int:
     closed = 0
     for conn in list(hub.connections):
         key = getattr(conn.scope.get("session"), "session_key", None)
-        if key and session_digest(key) == digest and not conn.closed:
+        if key and session_digest(key) == digest and not conn.closed and not conn.scope.get(USER_FROM_OUTSIDE):
             hub.revoke(conn, int(CloseCode.SESSION_ENDED))
             closed += 1
     return closed

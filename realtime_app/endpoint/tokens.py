@@ -37,6 +37,7 @@ __all__ = [
     "arm_expiry",
     "cancel_expiry",
     "TokenAuthMiddleware",
+    "USER_FROM_OUTSIDE",
     "UNREAD_BEARER",
     "TokenError",
     "bearer",
@@ -61,6 +62,10 @@ AUTH_UNAVAILABLE = "realtime_auth_unavailable"
 #: (behind Channels' own stack it is not, and the endpoint refuses it rather than serve an
 #: anonymous user the client did not mean to be).
 AUTH_STACK = "realtime_auth_stack"
+#: Set when a signed-in user was in the scope before this app's stack (a JWT middleware
+#: further out): re-validation reads that user again by its key, never from the cookie's
+#: session (another user's, or an anonymous cart's), and that session's logout is not its.
+USER_FROM_OUTSIDE = "realtime_user_from_outside"
 #: Longest token read, bytes (a header or an ``auth`` call): more is refused unread.
 MAX_TOKEN_BYTES = 4096
 _DIGEST_CHARS = 20
@@ -204,8 +209,8 @@ async def with_token(scope: Scope, outer_user: bool = False) -> Scope:
         return {**scope, TOKEN_REFUSED: error}
     except DatabaseError as exc:  # an outage: 1013, the client comes back (never a final 4002)
         return {**scope, AUTH_UNAVAILABLE: f"{type(exc).__name__}"}
-    scope = {key: value for key, value in scope.items() if key != "session"}
-    return {**scope, "user": user, TOKEN: claims}
+    scope = {key: value for key, value in scope.items() if key not in ("session", AUTH_UNAVAILABLE)}
+    return {**scope, "user": user, TOKEN: claims}  # the cookie's session, read or not, is not this socket's
 
 
 #: The close reason of a Bearer handshake that no auth stack of this app read.

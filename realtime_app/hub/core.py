@@ -159,7 +159,7 @@ class Hub:
             if self._failed is not None:
                 logger.info("hub %s started after the backplane came back", self.instance_id)
                 self._failed = None
-            log_check_errors()  # the server ran no checks: their errors are said here, once
+            await log_check_errors()  # the server ran no checks: their errors are said here, once
             self.reconciler.subscribed(CONTROL_CHANNEL, ticker=False)  # wanted as long as the hub runs
             try:
                 await self.convergence.converge(CONTROL_CHANNEL)

@@ -118,8 +118,8 @@ class CurrentValues:
         hub, channel = self.hub, spec.name
         text, seq = self.frames.get(channel, (None, 0))
         backplane = hub.backplane
-        if text is None and spec.fed is not None and channel in hub.fed.paces.get(spec.base, {}):
-            return False  # this process paces the cadence: its first frame, due now, is the current value
+        if text is None and spec.fed is not None and hub.fed.frame_coming(spec.base, channel):
+            return False  # this process paces the cadence and its frame is due or on its way: that is the value
         if text is None and spec.fed is not None and backplane is not None:
             try:
                 current = await hub.fed.current(spec.base)

@@ -27,6 +27,9 @@ __all__ = ["MISSING", "FedStates", "Pace", "fed_value"]
 
 logger = logging.getLogger("realtime_app.hub")
 
+#: How long a published frame of a cadence counts as on its way back to this process.
+IN_FLIGHT_S = 1.0
+
 #: What :meth:`Pace.due` returns when nothing is to be sent.
 MISSING: Any = object()
 #: A timer may fire this early (the loop's clock resolution): still on time.
@@ -150,6 +153,17 @@ class FedStates:
         assert backplane is not None
         entries = await backplane.history_page(fed_channel(base), 0, 1)
         return (entries[-1].seq, entries[-1].text) if entries else None
+
+    def frame_coming(self, base: str, channel: str) -> bool:
+        """Whether this process paces ``channel`` and a frame of it is due (a timer) or was
+        just published (on its way back through the backplane): a new subscriber gets that
+        one, not a copy before it. A cadence idle since its last frame has none coming."""
+        entry = self.paces.get(base, {}).get(channel)
+        if entry is None:
+            return False
+        pace = entry[0]
+        just_sent = asyncio.get_running_loop().time() - pace.last_at < IN_FLIGHT_S
+        return channel in self.timers or pace.sent is None or just_sent
 
     def stop(self, base: str, channel: str) -> None:
         timer = self.timers.pop(channel, None)
