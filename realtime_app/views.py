@@ -183,7 +183,7 @@ async def _publish_one(channel: str, data: object) -> dict[str, object]:
     from realtime_app.hub.publishing import apublish
 
     try:  # an outside service is no application code: an instance its template's hook denies is unknown
-        if not await exists(registry.resolve(channel)):
+        if not await exists(registry.resolve(channel), ask_again_if_not=True):
             raise UnknownChannel(channel)
     except UnknownChannel:
         return {"channel": channel, "error": "unknown channel", "status": 404}

@@ -359,3 +359,19 @@ async def test_a_process_without_a_tickers_frame_is_answered_that_frame_alone(hu
         answered = hub.current.answered[channel]
         await hub.control(ask)
         assert hub.current.answered[channel] == answered  # not answered again within ASK_S
+
+
+async def test_the_publish_api_asks_again_where_the_answer_kept_is_no():
+    """An object made just after a client asked for it: its kept "no" (``EXISTS_NO_S``)
+    must not refuse the publication that follows — one refused by the publish API is lost."""
+    from realtime_app.channels.instances import exists
+    from realtime_app.channels.registry import registry
+
+    spec = registry.resolve("test:lot:150")
+    assert not await exists(spec)  # kept: no
+    channels.LOTS.add(150)
+    try:
+        assert not await exists(spec)  # a subscribe is still told no, for a moment
+        assert await exists(spec, ask_again_if_not=True)
+    finally:
+        channels.LOTS.discard(150)

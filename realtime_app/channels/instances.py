@@ -52,18 +52,20 @@ _failed_logged: dict[str, float] = {}  # when each template's hook failure was l
 EXISTS_LOG_S = 60.0
 
 
-async def exists(spec: ChannelSpec) -> bool:
+async def exists(spec: ChannelSpec, *, ask_again_if_not: bool = False) -> bool:
     """Whether the instance ``spec`` exists: True for a listed channel and for a template
     without an ``exists`` hook. Concurrent askers of one instance share one call of the
     hook. A hook that raises is an -32603 ``exists_failed`` (logged at most once a minute,
-    never cached); a sync hook runs in a worker thread (it may query the database)."""
+    never cached); a sync hook runs in a worker thread (it may query the database).
+    ``ask_again_if_not``: a kept "no" is asked again (the publish API: the object may have
+    just been made, and a publication refused is lost)."""
     declared = spec.declared
     if declared is None or declared.exists is None:
         return True
     key = (declared.pattern, spec.base)
     now = time.monotonic()
     cached = _answers.get(key)
-    if cached is not None and cached[0] > now:
+    if cached is not None and cached[0] > now and (cached[1] or not ask_again_if_not):
         _answers.move_to_end(key)
         return cached[1]
     loop = asyncio.get_running_loop()
