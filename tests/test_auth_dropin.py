@@ -27,12 +27,12 @@ from django.conf import settings
 from django.contrib.auth import SESSION_KEY, user_logged_in, user_logged_out
 from django.contrib.auth.models import AnonymousUser
 from django.core.checks import run_checks
-from django.test import Client as DjangoClient
 from django.test import override_settings
 from django.urls import path
 
 from realtime_app.endpoint.tokens import UNREAD_BEARER, issue
 from realtime_app.routing import AuthMiddlewareStack, websocket_urlpatterns
+from tests.support.cookies import session_cookie
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -70,12 +70,6 @@ async def _send(message: dict[str, Any]) -> None:
     return None
 
 
-def _cookie(user: Any) -> bytes:
-    client = DjangoClient()
-    client.force_login(user)
-    return f"{settings.SESSION_COOKIE_NAME}={client.cookies[settings.SESSION_COOKIE_NAME].value}".encode()
-
-
 async def _scope_of(app: Any, headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
     capture = Capture()
     scope = {"type": "websocket", "path": "/chat/", "headers": headers, "client": ("127.0.0.1", 1), "query_string": b""}
@@ -96,7 +90,7 @@ async def _user_of(scope: dict[str, Any]) -> Any:
 
 async def test_a_foreign_bearer_leaves_the_session_and_its_user(stack: Any, django_user_model: Any) -> None:
     ann, _ = await _users(django_user_model)
-    cookie = await sync_to_async(_cookie)(ann)
+    cookie = await sync_to_async(session_cookie)(ann)
     for bearer in (b"Bearer another-apis-key", b"Bearer eyJhbGciOiJIUzI1NiJ9.e30.sig", b"Basic YTpi"):
         scope = await _scope_of(stack, [(b"cookie", cookie), (b"authorization", bearer)])
         assert await _user_of(scope) == ann.pk, bearer
@@ -105,7 +99,7 @@ async def test_a_foreign_bearer_leaves_the_session_and_its_user(stack: Any, djan
 
 async def test_a_user_set_further_out_is_kept(stack: Any, django_user_model: Any) -> None:
     ann, bob = await _users(django_user_model)
-    cookie = await sync_to_async(_cookie)(ann)
+    cookie = await sync_to_async(session_cookie)(ann)
     for headers in ([(b"cookie", cookie)], [(b"authorization", b"Bearer jwt.bob")], []):
         scope = await _scope_of(lambda inner: OuterUser(stack(inner), bob), headers)
         assert await _user_of(scope) == bob.pk, headers

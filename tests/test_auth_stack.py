@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.test import Client as DjangoClient
 
 from realtime_app.endpoint.tokens import AUTH_UNAVAILABLE
 from realtime_app.routing import AuthMiddlewareStack
+from tests.support.cookies import session_cookie
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -46,12 +46,6 @@ async def _receive() -> dict[str, Any]:
     return {"type": "websocket.connect"}
 
 
-def _signed_in_cookie(user: Any) -> bytes:
-    client = DjangoClient()
-    client.force_login(user)
-    return f"{settings.SESSION_COOKIE_NAME}={client.cookies[settings.SESSION_COOKIE_NAME].value}".encode()
-
-
 def _scope(kind: str, headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
     return {"type": kind, "path": "/realtime/", "headers": headers, "client": ("127.0.0.1", 1), "query_string": b""}
 
@@ -60,7 +54,7 @@ async def test_a_websocket_gets_its_cookies_session_and_user_in_one_layer_with_t
     django_user_model: Any,
 ) -> None:
     user = await sync_to_async(django_user_model.objects.create_user)(username="ada", password="x-" * 8)
-    cookie = await sync_to_async(_signed_in_cookie)(user)
+    cookie = await sync_to_async(session_cookie)(user)
     app = Capture()
     await AuthMiddlewareStack(app)(_scope("websocket", [(b"cookie", cookie)]), _receive, _server_send)
     scope = app.scope

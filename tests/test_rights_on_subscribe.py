@@ -17,24 +17,17 @@ import pytest
 from asgiref.sync import sync_to_async
 from channels.routing import URLRouter
 from channels.testing import WebsocketCommunicator
-from django.conf import settings
-from django.test import Client as DjangoClient
 
 from realtime_app.routing import AuthMiddlewareStack, websocket_urlpatterns
+from tests.support.cookies import session_cookie
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def _cookie(user: Any) -> bytes:
-    client = DjangoClient()
-    client.force_login(user)
-    return f"{settings.SESSION_COOKIE_NAME}={client.cookies[settings.SESSION_COOKIE_NAME].value}".encode()
 
 
 async def test_a_demoted_user_is_refused_at_the_next_subscribe(hub: Any, django_user_model: Any) -> None:
     create = sync_to_async(django_user_model.objects.create_user)
     staff = await create(f"staff-{secrets.token_hex(4)}", password="x" * 8, is_staff=True)
-    cookie = await sync_to_async(_cookie)(staff)
+    cookie = await sync_to_async(session_cookie)(staff)
     app = AuthMiddlewareStack(URLRouter(websocket_urlpatterns))
     comm = WebsocketCommunicator(app, "/realtime/", headers=[(b"cookie", cookie)])
     comm.scope["client"] = ("10.77.0.1", 40000)
