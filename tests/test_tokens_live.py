@@ -187,7 +187,8 @@ async def test_a_signed_in_session_gets_a_token_over_http(site):
         assert "result" in await call(ws, "demo.post", {"room": "tokens", "text": "from a token of the API"})
     finally:
         await ws.close()
-    status, body = await asyncio.to_thread(post, f"{server.http}/realtime/api/token", b"{}", anonymous_csrf(server.http))
+    anonymous = await asyncio.to_thread(anonymous_csrf, server.http)
+    status, body = await asyncio.to_thread(post, f"{server.http}/realtime/api/token", b"{}", anonymous)
     assert status == 401 and "token" not in body, body  # anonymous, CSRF token and all: no token
     status, body = await asyncio.to_thread(post, f"{server.http}/realtime/api/token", b"{}", {"Cookie": cookie})
     assert status == 403 and "token" not in body  # signed in, no CSRF token: refused before the view
