@@ -268,3 +268,52 @@ def test_a_delta_search_gives_up_at_its_time_bound_and_the_publication_goes_whol
     deltas = ChannelDeltas()
     deltas.frames("c", notification_text("c", base.decode(), 1, 0), 1)
     assert deltas.frames("c", notification_text("c", target.decode(), 2, 0), 2).delta is None
+
+
+def _ordinary_pair(size: int = 48_000) -> tuple[str, str]:
+    """An ordinary ~48 KB publication and its next one (one field changed): a delta the
+    search finds in well under its bound, reading the clock many times on the way."""
+    text = "".join(hashlib.sha256(str(i).encode()).hexdigest() for i in range(size // 64))
+    base = json.dumps({"s": text, "n": 1})
+    return base, base.replace('"n": 1', '"n": 2')
+
+
+def _clocks(monkeypatch: pytest.MonkeyPatch, *, cpu_step: float, wall_step: float) -> None:
+    """The delta search's clocks, each advancing by its step at every read."""
+    from types import SimpleNamespace
+
+    from realtime_app.wire import fossil
+
+    cpu, wall = [0.0], [0.0]
+
+    def thread_time() -> float:
+        cpu[0] += cpu_step
+        return cpu[0]
+
+    def monotonic() -> float:
+        wall[0] += wall_step
+        return wall[0]
+
+    clock = SimpleNamespace(thread_time=thread_time, monotonic=monotonic, perf_counter=monotonic, time=monotonic)
+    monkeypatch.setattr(fossil, "time", clock)
+
+
+def test_the_delta_bound_is_the_loops_cpu_time_not_the_wall_clock(monkeypatch):
+    """A search preempted for hours by another process (no CPU spent by it) still finds
+    its delta; one that spends 1 ms of CPU between two reads of the clock stops at the
+    4 ms of ``MAX_DELTA_SECONDS`` and the publication goes whole.
+
+    Found: with the clock switched to ``monotonic`` and the bound raised 1,000×, every
+    delta and fossil test passed (their bounds were 0 and 10 s, the same on any clock)."""
+    from realtime_app.wire import deltas as wire_deltas
+
+    assert wire_deltas.MAX_DELTA_SECONDS == 0.004  # 4 ms of the loop (docs/recovery.md)
+    base, target = _ordinary_pair()
+    _clocks(monkeypatch, cpu_step=0.0, wall_step=3600.0)
+    deltas = ChannelDeltas()
+    deltas.frames("c", notification_text("c", base, 1, 0), 1)
+    assert deltas.frames("c", notification_text("c", target, 2, 0), 2).delta is not None
+    _clocks(monkeypatch, cpu_step=0.001, wall_step=0.0)
+    deltas = ChannelDeltas()
+    deltas.frames("c", notification_text("c", base, 1, 0), 1)
+    assert deltas.frames("c", notification_text("c", target, 2, 0), 2).delta is None

@@ -7,6 +7,8 @@ beside the floor); here, which timers are set."""
 from __future__ import annotations
 
 import asyncio
+import types
+from collections.abc import Coroutine, Generator
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,17 +25,54 @@ from tests.support.queue_model import QueueModel, frame
 
 @pytest.fixture
 async def timers(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """The delays of every timer the running loop is asked for from now on."""
+    """The delays of every timer the running loop is asked for from now on, whatever asks
+    (``call_later``, ``sleep``, ``wait_for`` and ``timeout`` all end in ``call_at``).
+
+    Found: only ``call_later`` with one exact delay was looked for, so a poll of another
+    period (0.25 s in the drain, a 0.5 s ``wait_for`` in presence) passed."""
     loop = asyncio.get_running_loop()
     delays: list[float] = []
-    real = loop.call_later
+    real = loop.call_at
 
-    def call_later(delay: float, callback: Any, *args: Any, **kwargs: Any) -> asyncio.TimerHandle:
-        delays.append(delay)
-        return real(delay, callback, *args, **kwargs)
+    def call_at(when: float, callback: Any, *args: Any, **kwargs: Any) -> asyncio.TimerHandle:
+        delays.append(round(when - loop.time(), 3))
+        return real(when, callback, *args, **kwargs)
 
-    monkeypatch.setattr(loop, "call_later", call_later)
+    monkeypatch.setattr(loop, "call_at", call_at)
     return delays
+
+
+def stepping(coro: Coroutine[Any, Any, Any], steps: list[int]) -> Any:
+    """``coro``, counting in ``steps[0]`` each time the loop wakes it: a wake-up with no
+    timer (a ``sleep(0)`` spin, a ``call_soon`` chain) counts too."""
+
+    @types.coroutine
+    def run() -> Generator[Any, Any, Any]:
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            steps[0] += 1
+            try:
+                out = coro.throw(error) if error is not None else coro.send(value)
+            except StopIteration as stop:
+                return stop.value
+            try:
+                value, error = (yield out), None
+            except BaseException as exc:  # a cancellation goes on into the coroutine
+                value, error = None, exc
+
+    return run()
+
+
+async def _asleep(steps: list[int], timers: list[float]) -> None:
+    """No timer of any length, and not one step in 0.3 s (a poll of any period is seen
+    at once: it sets its first timer straight away)."""
+    await _settle()
+    assert timers == [], timers
+    before = steps[0]
+    await asyncio.sleep(0.3)
+    assert steps[0] == before, f"woken {steps[0] - before} times while idle"
+    timers.clear()
 
 
 async def _settle() -> None:
@@ -55,10 +94,10 @@ async def test_the_drain_loop_sets_no_timer_while_nothing_is_held_and_writes_wha
     conn = Connection(send=asyncio.Queue().put)
     conn.guard = Guard(lambda message: None, BackpressureConfig(100, "drop", 5), transport)
     fanout = Fanout({"a": {conn}}, {conn}, lambda c: None)
-    task = asyncio.create_task(drain_held(SimpleNamespace(fanout=fanout)))
+    steps = [0]
+    task = asyncio.ensure_future(stepping(drain_held(SimpleNamespace(fanout=fanout)), steps))
     try:
-        await _settle()
-        assert DRAIN_INTERVAL_S not in timers  # it was a 50 ms timer at once, and every 50 ms after
+        await _asleep(steps, timers)  # it was a 50 ms timer at once, and every 50 ms after
         assert fanout.send_merged(conn, "a", frame("a", 0, 150)) is SEND  # the queue is over the threshold
         assert fanout.send_merged(conn, "a", frame("a", 1, 10)) is HOLD
         transport.queue.clear()  # the client read everything
@@ -67,8 +106,7 @@ async def test_the_drain_loop_sets_no_timer_while_nothing_is_held_and_writes_wha
         assert DRAIN_INTERVAL_S in timers
         await _settle()
         timers.clear()
-        await _settle()
-        assert DRAIN_INTERVAL_S not in timers  # nothing held again: asleep again
+        await _asleep(steps, timers)  # nothing held again: asleep again
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -76,11 +114,11 @@ async def test_the_drain_loop_sets_no_timer_while_nothing_is_held_and_writes_wha
 
 async def test_the_presence_loop_sets_no_timer_while_no_room_is_open(timers: list[float]) -> None:
     presence = Presence(SimpleNamespace(backplane=None, fanout=None))
-    step = presence._interval() / WRITES_PER_INTERVAL
-    task = asyncio.create_task(presence.run())
+    step = round(presence._interval() / WRITES_PER_INTERVAL, 3)
+    steps = [0]
+    task = asyncio.ensure_future(stepping(presence.run(), steps))
     try:
-        await _settle()
-        assert step not in timers
+        await _asleep(steps, timers)
         conn = Connection(send=asyncio.Queue().put)
         presence.enter(conn, SimpleNamespace(name="room:1", base="room:1"))  # type: ignore[arg-type]
         await _settle()
