@@ -307,7 +307,7 @@ def test_the_delta_bound_is_the_loops_cpu_time_not_the_wall_clock(monkeypatch):
     delta and fossil test passed (their bounds were 0 and 10 s, the same on any clock)."""
     from realtime_app.wire import deltas as wire_deltas
 
-    assert wire_deltas.MAX_DELTA_SECONDS == 0.004  # 4 ms of the loop (docs/recovery.md)
+    assert wire_deltas.MAX_DELTA_SECONDS == 0.004  # 4 ms of the loop (docs/performance.md)
     base, target = _ordinary_pair()
     _clocks(monkeypatch, cpu_step=0.0, wall_step=3600.0)
     deltas = ChannelDeltas()
