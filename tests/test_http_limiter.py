@@ -27,10 +27,12 @@ def start(database: dict[str, str], server: str = "daphne", **pool: Any) -> Serv
     return Server(env, server=server).start()
 
 
-def get(server: Server, path: str, timeout: float = 30) -> tuple[int, dict[str, str], bytes]:
+def get(
+    server: Server, path: str, timeout: float = 30, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], bytes]:
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
     try:
-        connection.request("GET", path)
+        connection.request("GET", path, headers=headers or {})
         response = connection.getresponse()
         return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
     finally:
@@ -46,14 +48,17 @@ def seen(pool: dict[str, Any]) -> int:
     return int(pool["waiting"] + pool["admitted"] + sum(pool["refused"].values()))
 
 
-def burst(server: Server, paths: list[str], health: Probe) -> list[tuple[int, dict[str, str], bytes]]:
+def burst(
+    server: Server, paths: list[str], health: Probe, senders: list[str] | None = None
+) -> list[tuple[int, dict[str, str], bytes]]:
     """Start one request per path, each once the pool has counted the one before (a known
-    arrival order, whatever the scheduling), all running or waiting at once."""
+    arrival order, whatever the scheduling), all running or waiting at once; ``senders``,
+    the client address each is forwarded for (the test server trusts 127.0.0.1 as its proxy)."""
     results: list[Any] = [None] * len(paths)
     base = seen(health.pool())
 
     def one(i: int) -> None:
-        results[i] = get(server, paths[i])
+        results[i] = get(server, paths[i], headers={"X-Forwarded-For": senders[i]} if senders else None)
 
     threads = []
     try:
@@ -91,6 +96,29 @@ def test_twenty_at_once_run_two_at_a_time_in_arrival_order_and_the_rest_get_503(
         assert pool["admitted"] == 10 and pool["refused"]["queue_full"] == 10
         assert pool["wait_ms"]["p99"] >= 4000  # the last served ones waited for four turns
         assert get(server, "/demo/heavy-unlimited/")[0] == 200  # matching no pool: untouched
+    finally:
+        server.stop()
+
+
+def test_a_client_is_its_forwarded_address_and_an_ipv6_client_its_64(database):
+    """Who a request's client is, on a live server behind a trusted proxy: the full queue
+    sheds the busiest client's newest, so two addresses of one IPv6 /64 are one client
+    (the second's request is that client's newest: refused), and another network is
+    another client (it takes the busiest one's newest place and is served in turn).
+
+    Found: only the pool was tested with the keys given; a constant client key, or every
+    IPv6 address its own client, passed."""
+    server = start(database, max_concurrent=1, max_waiting=3, wait_timeout_ms=20000)
+    try:
+        health = Probe(server)
+        stats(server, reset=True)
+        senders = ["2001:db8:1:2::a"] * 4 + ["2001:db8:1:2:ffff::b", "203.0.113.2"]
+        tags = ["a0", "a1", "a2", "a3", "a-same-64", "b"]
+        answers = burst(server, [f"/test/limited/?ms=600&tag={tag}" for tag in tags], health, senders)
+        statuses = dict(zip(tags, (status for status, _, _ in answers), strict=True))
+        assert statuses == {"a0": 200, "a1": 200, "a2": 200, "a3": 503, "a-same-64": 503, "b": 200}
+        assert stats(server)["order"] == ["a0", "a1", "b", "a2"]  # in turn: b before a's older a2
+        assert health.pool()["refused"]["queue_full"] == 2
     finally:
         server.stop()
 
