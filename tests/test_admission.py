@@ -192,6 +192,14 @@ async def test_connections_share_their_identitys_bucket_a_user_or_an_anonymous_a
     async with Client(address="203.0.113.7") as again, Client(address="203.0.113.8") as other:
         assert not any(await publish_n(again, 2))  # reconnected: still the same empty bucket
         assert all(await publish_n(other, 18))
+    # IPv6: a host holds a whole /64, so its addresses are one identity; the next /64 is not.
+    # Found: the consumer's /64 grouping was never used by a test (a prefix of 128 passed).
+    async with Client(address="2001:db8:1:2::a") as v6, Client(address="2001:db8:1:2:ffff::b") as same_64:
+        assert all(await publish_n(v6, 10))
+        assert await publish_n(same_64, 10) == [True] * 8 + [False] * 2
+    async with Client(address="2001:db8:1:3::a") as next_64, Client(address="::ffff:203.0.113.8") as mapped:
+        assert all(await publish_n(next_64, 18))
+        assert not any(await publish_n(mapped, 1))  # 203.0.113.8 on a dual-stack bind: its bucket, spent
 
 
 async def test_a_refusal_carries_the_methods_snapshot_and_slots_are_released(hub, monkeypatch):
