@@ -233,3 +233,34 @@ async def test_presence_info_hook_is_listed_bounded(hub, django_user_model):
             await watcher.start()
             await watcher.until(lambda w: "frank" in w.members)
             assert watcher.members["frank"]["info"] == {"name": "Frank"}
+
+
+async def test_the_member_bounds_of_the_settings_hold_at_the_hub(hub, django_user_model):
+    """``PRESENCE_DIFF_MEMBERS``: above it a watcher is told the count only, and back under
+    it a reset lists everyone again; ``PRESENCE_MAX_MEMBERS``: a process lists that many
+    members (the first by name) and counts the rest.
+
+    Found: both were tested only on the pure module with the bounds passed in; the hub
+    could ignore the settings with every presence test green (they never reach 1,000)."""
+    people = [await user(django_user_model, f"cap{n}") for n in range(3)]
+    with override_settings(REALTIME_APP={**get_config(), "PRESENCE_DIFF_MEMBERS": 2}):
+        async with Client() as watching:
+            watcher = Watcher(watching, "test:room:big")
+            await watcher.start()
+            async with Client(people[0]) as a, Client(people[1]) as b:
+                for client in (a, b):
+                    await client.call("subscribe", {"channel": "test:room:big"})
+                await watcher.until(lambda w: set(w.members) == {"cap0", "cap1"})
+                async with Client(people[2]) as c:
+                    await c.call("subscribe", {"channel": "test:room:big"})
+                    await watcher.until(lambda w: w.count == 4)  # three users and the anonymous watcher
+                    assert watcher.frames[-1].get("listed") is False and watcher.members == {}
+                await watcher.until(lambda w: w.count == 3)
+                assert set(watcher.members) == {"cap0", "cap1"}  # under the bound again: listed
+                assert watcher.frames[-1].get("reset") is True
+    with override_settings(REALTIME_APP={**get_config(), "PRESENCE_MAX_MEMBERS": 2}):
+        async with Client(people[2]) as c, Client(people[0]) as a, Client(people[1]) as b, Client() as reader:
+            for client in (c, a, b):
+                await client.call("subscribe", {"channel": "test:room:cap"})
+            answer = await eventually(lambda: _counted(reader, "test:room:cap", 3), 5, "three users counted")
+            assert [m["user"] for m in answer["result"]["members"]] == ["cap0", "cap1"]  # the first two by name
