@@ -152,6 +152,32 @@ async def test_a_decimal_counter_journaled_during_an_outage_comes_back_exact(tmp
     assert not files(tmp_path / "journal")
 
 
+async def test_a_date_journaled_during_an_outage_comes_back_as_it_went_in(tmp_path):
+    """A ``DateTimeField`` value journaled and taken over by the next process is the very
+    value set: its microseconds and its instant, whatever the zone it was given in.
+
+    Found: only a ``Decimal`` was journaled in a test, and Django's JSON encoder cut a
+    datetime's microseconds to milliseconds (12:00:00.123456 came back .123)."""
+    from datetime import datetime
+    from datetime import timezone as tz
+
+    await make_lot("vase")
+    new = datetime(2031, 5, 1, 12, 0, 0, 123456, tzinfo=tz(timedelta(hours=2)))
+    store = lots("test.ends", fields=("ends_at",), counters=())
+    await store.mutate("vase", {"ends_at": new})
+    outage(store)
+    await store.flush(everything=True)
+    assert store.journal_unsaved() == 1
+    store.close()
+    later = lots("test.ends", fields=("ends_at",), counters=())
+    later.start()
+    assert later.probe()["replayed"] == 1
+    assert await later.get("vase") == {"ends_at": new}
+    await later.flush(everything=True)
+    saved = await sync_to_async(lambda: Lot.objects.get(code="vase").ends_at)()
+    assert saved == new and saved.microsecond == 123456
+
+
 async def test_a_malformed_journal_is_moved_aside_and_the_good_ones_applied(tmp_path, caplog):
     await make_lot("vase")
     await make_lot("lamp")

@@ -23,6 +23,7 @@ tokens are kept for good.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import json
 import logging
@@ -48,6 +49,16 @@ Batches = list[tuple[str, list[tuple[tuple[Any, ...], dict[str, Any]]]]]
 Decode = Callable[[list[Any], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]
 
 FORMAT = 2
+
+
+class JournalEncoder(DjangoJSONEncoder):
+    """Django's encoder, but a ``datetime`` or ``time`` keeps its microseconds: Django's
+    cuts them to milliseconds (ECMA-262), and a journaled value comes back as it went in."""
+
+    def default(self, o: Any) -> Any:
+        if isinstance(o, datetime.datetime | datetime.time):
+            return o.isoformat()
+        return super().default(o)
 
 
 def _site() -> dict[str, str]:
@@ -153,7 +164,7 @@ def write(store: str, batches: Batches, owner: dict[str, Any], directory: Path |
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".writing-")  # mode 0600
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(body, f, cls=DjangoJSONEncoder)
+            json.dump(body, f, cls=JournalEncoder)
             f.flush()
             os.fsync(f.fileno())
         path = directory / name
