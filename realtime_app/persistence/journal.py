@@ -51,7 +51,7 @@ Decode = Callable[[list[Any], dict[str, Any]], tuple[tuple[Any, ...], dict[str, 
 FORMAT = 2
 
 
-class JournalEncoder(DjangoJSONEncoder):
+class JournalEncoder(DjangoJSONEncoder):  # type: ignore[misc]  # django has no stubs here
     """Django's encoder, but a ``datetime`` or ``time`` keeps its microseconds: Django's
     cuts them to milliseconds (ECMA-262), and a journaled value comes back as it went in."""
 
