@@ -135,3 +135,60 @@ async def test_a_database_outage_refuses_signed_in_handshakes_with_1013_and_logs
             await rpc.__aexit__(None, None, None)
         server.stop()
         proxy.cut()
+
+
+async def test_a_database_outage_answers_token_handshakes_1013_and_spares_token_sockets(postgres):
+    """A token's user is read from the database too: during an outage its handshake is
+    1013 (come back), never a final 4002; RPC ``auth`` says ``database_unavailable`` with
+    when to come back; re-validation keeps the open token sockets, and after the outage a
+    token connects again.
+
+    Found: only the session path was tested, and RPC ``auth`` answered an outage with
+    -32603 and a traceback per call."""
+    server_url, database = postgres
+    proxy = TcpProxy(urlparse(server_url).port or 5432).restore()
+    overrides = {"REVALIDATE_INTERVAL_MS": 1000, "MAX_CONNECTIONS_PER_USER": 0, "HANDSHAKES_PER_S": 0}
+    env = {
+        "DATABASE_URL": with_port(database, proxy.port),
+        "REDIS_URL": "",
+        "REALTIME_TEST_OVERRIDES": json.dumps(overrides),
+    }
+    token = subprocess.run(
+        [sys.executable, "manage.py", "realtime_token", "demo"],
+        cwd=ROOT,
+        env={**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", **env},
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    server = Server(env).start()
+    sockets: list[RPC] = []
+    try:
+        for _ in range(3):  # token sockets open before the outage
+            rpc = RPC(server.ws, token=token)
+            await rpc.__aenter__()
+            assert "result" in await rpc.call("subscribe", {"channel": "demo:clock"})
+            sockets.append(rpc)
+        proxy.cut()
+        for _ in range(3):
+            assert await closed_with(server.ws, token=token) == (1013, "database unavailable")
+        async with RPC(server.ws) as anonymous:
+            refused = await anonymous.call("auth", {"token": token})
+        assert refused["error"]["data"]["reason"] == "database_unavailable", refused
+        assert refused["error"]["data"]["retry_after_ms"] > 0
+        await eventually(lambda: "re-validation paused" in server.output(), 20, "a round finds the database away")
+        assert "Traceback" not in server.output()
+        assert [rpc.ws.close_code for rpc in sockets if rpc.ws.close_code] == []  # none lost its rights
+        assert [(await rpc.call("ping"))["result"] for rpc in sockets] == ["pong"] * 3
+        proxy.restore()
+
+        async def accepted() -> bool:
+            async with RPC(server.ws, token=token) as rpc:
+                return (await rpc.call("auth", {"token": token}))["result"]["user"] == "demo"
+
+        await eventually(accepted, 20, "a token connects again after the outage")
+    finally:
+        for rpc in sockets:
+            await rpc.__aexit__(None, None, None)
+        server.stop()
+        proxy.cut()

@@ -9,6 +9,7 @@ from functools import partial
 from typing import Any, Protocol
 
 from channels.db import database_sync_to_async
+from django.db import DatabaseError
 
 from realtime_app.channels.policies import Action, allowed
 from realtime_app.channels.registry import ChannelSpec, registry
@@ -159,6 +160,10 @@ async def auth(consumer: Caller, params: Any) -> dict[str, Any]:
         user = await database_sync_to_async(token_user)(claims)
     except TokenError as error:
         raise RPCError(protocol.FORBIDDEN_CHANNEL, f"Token {error.reason}", f"token_{error.reason}") from None
+    except DatabaseError:  # an outage: the token may be good, ask again (it was -32603 and a traceback)
+        raise RPCError(
+            protocol.OVERLOADED, "Database unavailable", "database_unavailable", retry_after_ms=1000
+        ) from None
     held: Claims | None = consumer.scope.get(TOKEN)
     current = consumer.user if getattr(consumer.user, "is_authenticated", False) else None
     conn, hub = consumer.connection, await get_hub()

@@ -23,8 +23,9 @@ class RPC:
         ssl: Any = None,
         address: str | None = None,
         sock: Any = None,
+        token: str | None = None,
     ) -> None:
-        """``address``: the client's address as a trusted proxy forwards it (the test
+        """``token``: a connection token, sent as ``Authorization: Bearer``. ``address``: the client's address as a trusted proxy forwards it (the test
         settings trust 127.0.0.1): a client of its own, not one of 127.0.0.1's sockets.
         ``sock``: a connected socket to use (a small receive buffer, say)."""
         self.url = url
@@ -33,6 +34,8 @@ class RPC:
         self.headers = {"Cookie": cookie} if cookie else {}
         if address is not None:
             self.headers["X-Forwarded-For"] = address
+        if token is not None:
+            self.headers["Authorization"] = f"Bearer {token}"
         host = url.split("/")[2]
         self.origin = origin or f"{'https' if url.startswith('wss') else 'http'}://{host}"
         self.ids = itertools.count(1)
@@ -104,11 +107,15 @@ async def close_code(ws: Any, timeout: float = 30) -> int:
     raise AssertionError(f"still open after {timeout} s")
 
 
-async def closed_with(url: str, cookie: str | None = None, timeout: float = 30) -> tuple[int, str]:
-    """Open a WebSocket (signed in with ``cookie``) and read until the server closes it:
-    its close code and reason. Fails if a frame comes instead."""
+async def closed_with(
+    url: str, cookie: str | None = None, timeout: float = 30, token: str | None = None
+) -> tuple[int, str]:
+    """Open a WebSocket (signed in with ``cookie``, or a connection ``token``) and read until
+    the server closes it: its close code and reason. Fails if a frame comes instead."""
     origin = "http://" + url.split("/")[2]
     headers = {"Cookie": cookie} if cookie else {}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
     async with websockets.connect(url, origin=origin, additional_headers=headers) as ws:
         try:
             await asyncio.wait_for(ws.recv(), timeout)
