@@ -153,7 +153,7 @@ async def test_a_database_outage_answers_token_handshakes_1013_and_spares_token_
         "REDIS_URL": "",
         "REALTIME_TEST_OVERRIDES": json.dumps(overrides),
     }
-    token = subprocess.run(
+    token = subprocess.run(  # noqa: ASYNC221 -- before the server starts: nothing else runs
         [sys.executable, "manage.py", "realtime_token", "demo"],
         cwd=ROOT,
         env={**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", **env},

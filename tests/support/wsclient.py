@@ -25,7 +25,8 @@ class RPC:
         sock: Any = None,
         token: str | None = None,
     ) -> None:
-        """``token``: a connection token, sent as ``Authorization: Bearer``. ``address``: the client's address as a trusted proxy forwards it (the test
+        """``token``: a connection token, sent as ``Authorization: Bearer``.
+        ``address``: the client's address as a trusted proxy forwards it (the test
         settings trust 127.0.0.1): a client of its own, not one of 127.0.0.1's sockets.
         ``sock``: a connected socket to use (a small receive buffer, say)."""
         self.url = url
