@@ -13,6 +13,7 @@ from realtime_app.wire.deltas import FULL_EVERY, ChannelDeltas, split_notificati
 from realtime_app.wire.fossil import DeltaError, apply_delta
 from realtime_app.wire.protocol import notification_text
 from tests.support.asgi_client import Client
+from tests.support.overfull import Overfull
 
 
 class Rebuilder:
@@ -31,20 +32,6 @@ class Rebuilder:
         else:
             self.base = params["data"].encode("utf-8")
         return json.loads(self.base)
-
-
-class Overfull:
-    """A connection's transport whose queue reads over any threshold (the guard drops what
-    it would write); everything else is the real transport's."""
-
-    def __init__(self, real: object) -> None:
-        self.real = real
-
-    def buffered(self) -> int:
-        return 1 << 40
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.real, name)
 
 
 def digest(data: object) -> str:

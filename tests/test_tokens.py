@@ -76,3 +76,23 @@ async def test_a_refused_auth_keeps_the_connection_counted_as_it_was(realtime_hu
                 assert refused.value.reason == "too_many_connections"
                 assert realtime_hub.gate.open == counted  # still the address's, as it was
                 assert counted["address"] == before["address"] + 1
+
+
+async def test_token_expiring_goes_through_a_full_queue_where_frames_are_dropped(realtime_hub, django_user_model):
+    """The notice that a token expires is a response: over the backpressure threshold,
+    where a publication is dropped, it is written all the same (the client would be closed
+    with 4004 for want of it). Found: no test held this."""
+    import realtime_app
+    from tests.support.overfull import Overfull
+
+    ann = await user(django_user_model, "ann-expiring")
+    with override_settings(REALTIME_APP={**get_config(), "TOKEN_REFRESH_BEFORE_S": 59}):
+        token, expires_at = issue(ann, 60)  # told about 1 s from now
+        async with RealtimeTestClient(token=token) as client:
+            await client.call("subscribe", {"channel": "demo:events"})
+            [conn] = [c for c in realtime_hub.connections if not c.closed]
+            conn.guard.transport = Overfull(conn.guard.transport)  # the client reads nothing any more
+            await realtime_app.apublish("demo:events", {"n": 1})
+            note = await client.notification(timeout=5)
+            assert (note["method"], note["params"]) == ("token_expiring", {"expires_at": expires_at}), note
+            assert conn.guard.state.drops >= 1 and not conn.closed  # publications were dropped, not it
