@@ -94,8 +94,7 @@ def ready(base: str) -> int:
 async def test_sigterm_drains_the_connections_over_drain_seconds_then_the_process_exits(
     tmp_path, server_kind, monkeypatch
 ):
-    from realtime_app.client import RealtimeClient
-    from realtime_app.client import reconnecting
+    from realtime_app.client import RealtimeClient, reconnecting
 
     waits: list[float] = []  # what the Python client chose to wait before reconnecting
 
