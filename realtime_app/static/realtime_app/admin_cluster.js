@@ -312,4 +312,6 @@ client.addEventListener("state", (e) => {
 });
 client.subscribe(root.dataset.channel, (params) => record(params.data));
 client.connect();
-window.realtimeCluster = { client, charts, seen };
+// For the browser console and the tests: the client, the charts, what was seen, and the
+// renderer of one probe of the health channel.
+window.realtimeCluster = { client, charts, seen, record };
