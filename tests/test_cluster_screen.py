@@ -14,7 +14,6 @@ import secrets
 
 import pytest
 import redis
-from selenium.webdriver.common.by import By
 
 from tests.support.browser import chromium, log_in, wait
 from tests.support.servers import prepare_database, servers
@@ -28,7 +27,8 @@ def card_states(browser) -> dict[str, tuple[str, str]]:
     """``{pid: (state, why)}`` of every card on the screen."""
     return browser.execute_script(
         "return Object.fromEntries([...document.querySelectorAll('#rc-cards [data-instance]')].map(c => "
-        "[c.dataset.instance.split('-').slice(-2)[0], [c.dataset.state, (c.querySelector('.why') || {}).textContent || '']]))"
+        "[c.dataset.instance.split('-').slice(-2)[0], "
+        "[c.dataset.state, (c.querySelector('.why') || {}).textContent || '']]))"
     )
 
 
@@ -46,6 +46,7 @@ async def test_a_killed_process_is_gone_and_a_backplane_down_is_degraded_with_it
             await asyncio.to_thread(browser.get, b.http + "/accounts/login/")  # b's hub starts with a request
             await asyncio.to_thread(browser.get, a.http + SCREEN)
             pids = {str(a.process.pid), str(b.process.pid)}
+
             def both(br):
                 states = card_states(br)
                 return states if set(states) == pids else False
@@ -53,6 +54,7 @@ async def test_a_killed_process_is_gone_and_a_backplane_down_is_degraded_with_it
             states = await until(both)
             assert {state for state, _ in states.values()} == {"healthy"}, states
             b.process.kill()  # no drain, no goodbye: its probe just stops
+
             def b_gone(br):
                 states = card_states(br)
                 return states if states.get(str(b.process.pid), ("",))[0] == "gone" else False
@@ -71,10 +73,12 @@ async def test_a_killed_process_is_gone_and_a_backplane_down_is_degraded_with_it
                 probe.backplane = {...probe.backplane, up: false, shards: [
                   {index: 0, address: "r0:6379", up: true}, {index: 1, address: "r1:6379", up: false}]};
                 rc.record({generated_at: at, instances: [probe]});
-                const sharded = [...document.querySelectorAll('#rc-cards [data-state=degraded] .why')].map(e => e.textContent);
+                const why = () => [...document.querySelectorAll('#rc-cards [data-state=degraded] .why')]
+                  .map(e => e.textContent);
+                const sharded = why();
                 probe.backplane = {up: false};
                 rc.record({generated_at: at + 1, instances: [probe]});
-                const whole = [...document.querySelectorAll('#rc-cards [data-state=degraded] .why')].map(e => e.textContent);
+                const whole = why();
                 return [sharded, whole];
             """
             sharded, whole = await asyncio.to_thread(browser.execute_script, script)
