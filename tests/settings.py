@@ -37,6 +37,9 @@ REALTIME_APP = {
 DATABASES["default"].setdefault("TEST", {})  # noqa: F405
 if os.environ.get("REALTIME_TEST_DB_FILE"):
     DATABASES["default"]["TEST"]["NAME"] = os.environ["REALTIME_TEST_DB_FILE"]  # noqa: F405
+# A second database, as a project with two has: publications on commit of its transactions
+# (publish(using=)). Nothing of the app's lives there; tests that use it say so.
+DATABASES["other"] = {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}  # noqa: F405
 
 # Fault and limit tests start servers with settings of their own, as JSON in the environment.
 REALTIME_APP.update(json.loads(os.environ.get("REALTIME_TEST_OVERRIDES") or "{}"))

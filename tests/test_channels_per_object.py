@@ -246,6 +246,34 @@ async def test_an_exists_hook_that_raises_is_a_clear_error_logged_once(hub, capl
     assert len(logged) == 1
 
 
+async def test_a_hook_that_keeps_failing_is_logged_once_a_minute_on_a_fake_clock(hub, caplog, monkeypatch):
+    """Found: the once-a-minute bound was only tested within a second (a hook logged once
+    ever passed), and the last failure's time leaked from one test into the next."""
+    from types import SimpleNamespace
+
+    from realtime_app.channels import instances
+
+    now = [5000.0]
+    monkeypatch.setattr(instances, "time", SimpleNamespace(monotonic=lambda: now[0]))
+
+    async def fail_at(offset: float) -> None:
+        now[0] += offset
+        async with Client() as c:
+            assert (await c.call("subscribe", {"channel": "test:flaky:0"}))["error"]["data"]["reason"] == "exists_failed"
+
+    def logged() -> int:
+        return len([r for r in caplog.records if "exists hook of test:flaky:<int:id> failed" in r.getMessage()])
+
+    await fail_at(0)
+    await fail_at(instances.EXISTS_LOG_S - 1)  # 59 s later: not again
+    assert logged() == 1
+    await fail_at(2)  # 61 s after the first: again
+    assert logged() == 2
+    forget_exists()
+    await fail_at(1)  # forgotten (between tests): logged at once
+    assert logged() == 3
+
+
 async def test_a_huge_id_is_just_no_lot(hub):
     async with Client() as c:
         error = (await c.call("subscribe", {"channel": "demo:lot:" + "9" * 30}))["error"]

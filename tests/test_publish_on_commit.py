@@ -52,6 +52,32 @@ async def test_publications_inside_a_transaction_go_out_on_commit_never_on_rollb
     assert returned == [None, first["seq"] + 2, first["seq"] + 3]  # deferred: no seq yet
 
 
+def _publish_with_two_databases() -> None:
+    with transaction.atomic(using="other"):
+        realtime_app.publish("test:big-history", {"n": "other, rolled back"}, using="other")
+        transaction.set_rollback(True, using="other")
+    with transaction.atomic(using="default"):  # no transaction on "other": sent at once
+        realtime_app.publish("test:big-history", {"n": "other, at once"}, using="other")
+        transaction.set_rollback(True, using="default")
+    with transaction.atomic(using="other"):
+        realtime_app.publish("test:big-history", {"n": "other, committed"}, using="other")
+    with transaction.atomic(using="other"):  # none on the default database: sent at once
+        realtime_app.publish("test:big-history", {"n": "default, at once"})
+        transaction.set_rollback(True, using="other")
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "other"])
+async def test_a_publication_follows_the_transaction_of_its_own_database(hub):
+    """``publish(using=)`` waits for that database's transaction, not the default one's.
+    Found: only the default database was tested; dropping ``using`` passed."""
+    async with Client() as c:
+        await c.call("subscribe", {"channel": "test:big-history"})
+        await sync_to_async(_publish_with_two_databases)()
+        frames = await c.frames(3)
+        assert [f["data"]["n"] for f in frames] == ["other, at once", "other, committed", "default, at once"]
+        assert await c.comm.receive_nothing(0.2)
+
+
 async def test_apublish_outside_a_transaction_goes_at_once(hub):
     async with Client() as c:
         first = (await c.call("subscribe", {"channel": "test:big-history"}))["result"]

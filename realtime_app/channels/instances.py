@@ -129,10 +129,13 @@ async def _ask(declared: Declared, key: tuple[str, str], params: dict[str, Any])
 
 def forget_exists(pattern: str | None = None) -> None:
     """Forget the kept answers (of one template): after the application created or
-    deleted objects and wants it seen at once in this process, and between tests."""
+    deleted objects and wants it seen at once in this process, and between tests. A hook
+    failing after this is logged at once again."""
     if pattern is None:
         _answers.clear()
+        _failed_logged.clear()
         return
+    _failed_logged.pop(pattern, None)
     for key in [k for k in _answers if k[0] == pattern]:
         del _answers[key]
 
