@@ -90,8 +90,12 @@ async def test_rooms_and_lots_on_two_processes(demo_cluster):
             for seen in (seen_a, seen_b):
                 prices = [f["data"]["price"] for f in seen]
                 assert prices == sorted(set(prices)), prices  # only changes, in order
-                gaps = [y["ts"] - x["ts"] for x, y in zip(seen, seen[1:], strict=False)]
-                assert all(gap >= 200 for gap in gaps), gaps  # at most once per 250 ms (ms timestamps, a margin)
+                # At most once per 250 ms: exactly on a fake clock in tests/test_instance_lifetime.py
+                # (Pacing). Here the stamps are taken when published, after the pacing fired, so
+                # a stall delays one stamp and shortens one gap: the frames' span is checked
+                # instead, allowing one period for such a stall.
+                span = seen[-1]["ts"] - seen[0]["ts"]
+                assert span >= (len(seen) - 2) * 250, ([f["ts"] for f in seen], span)
             published = lambda seen: {f["seq"]: f["data"] for f in seen if f["seq"]}  # noqa: E731
             common = set(published(seen_a)) & set(published(seen_b))
             assert max(published(seen_a)) == max(published(seen_b)) in common  # the last frame: one seq on both
