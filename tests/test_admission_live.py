@@ -231,8 +231,9 @@ async def test_a_signed_in_users_call_runs_beside_a_pool_filled_by_anonymous_add
     Had it queued, it would wait for a 5 s sleep to end; the bound is half of one."""
     server = start(database)
     abusers = [RPC(server.ws, address=f"198.51.100.{i}") for i in range(10)]
-    user = RPC(server.ws, cookie=login(server.http, "demo", "demo"))  # signed in before the flood
+    user: RPC | None = None
     try:
+        user = RPC(server.ws, cookie=login(server.http, "demo", "demo"))  # signed in before the flood
         health = Probe(server)
         await user.__aenter__()
         for rpc in abusers:
@@ -248,15 +249,16 @@ async def test_a_signed_in_users_call_runs_beside_a_pool_filled_by_anonymous_add
         )
         answer = await user.call("demo.sleep", {"ms": 1}, timeout=10)
         assert "result" in answer, answer
-        # A reserved slot, not one behind a running sleep: when it answered, no sleep had
-        # ended — the pool completed this call alone (a condition, not a wall-clock bound).
+        # A reserved slot, not one behind a running sleep: when it answered, none of the 5 s
+        # sleeps had ended — the pool completed this call alone (queued, it would have waited
+        # for one to end).
         after = health.admission()
         assert after["completed"] == full["completed"] + 1, (full, after)
         assert after["running"] == ANONYMOUS_SHARE
     finally:
-        await user.__aexit__(None, None, None)
-        for rpc in abusers:
-            await rpc.__aexit__(None, None, None)
+        for rpc in [user, *abusers]:
+            if rpc is not None and rpc.ws is not None:
+                await rpc.__aexit__(None, None, None)
         server.stop()
 
 

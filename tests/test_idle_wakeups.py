@@ -35,7 +35,7 @@ async def timers(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     real = loop.call_at
 
     def call_at(when: float, callback: Any, *args: Any, **kwargs: Any) -> asyncio.TimerHandle:
-        delays.append(round(when - loop.time(), 3))
+        delays.append(when - loop.time())
         return real(when, callback, *args, **kwargs)
 
     monkeypatch.setattr(loop, "call_at", call_at)
@@ -62,6 +62,11 @@ def stepping(coro: Coroutine[Any, Any, Any], steps: list[int]) -> Any:
                 value, error = None, exc
 
     return run()
+
+
+def near(delay: float, timers: list[float]) -> bool:
+    """A timer of about ``delay`` was set (its clock read twice: a preemption between)."""
+    return any(abs(d - delay) < 0.005 for d in timers)
 
 
 async def _asleep(steps: list[int], timers: list[float]) -> None:
@@ -103,7 +108,7 @@ async def test_the_drain_loop_sets_no_timer_while_nothing_is_held_and_writes_wha
         transport.queue.clear()  # the client read everything
         await _until(lambda: not fanout.holding)
         assert [p.split(b":")[:2] for p in transport.queue] == [[b"a", b"1"]]
-        assert DRAIN_INTERVAL_S in timers
+        assert near(DRAIN_INTERVAL_S, timers)
         await _settle()
         timers.clear()
         await _asleep(steps, timers)  # nothing held again: asleep again
@@ -114,7 +119,7 @@ async def test_the_drain_loop_sets_no_timer_while_nothing_is_held_and_writes_wha
 
 async def test_the_presence_loop_sets_no_timer_while_no_room_is_open(timers: list[float]) -> None:
     presence = Presence(SimpleNamespace(backplane=None, fanout=None))
-    step = round(presence._interval() / WRITES_PER_INTERVAL, 3)
+    step = presence._interval() / WRITES_PER_INTERVAL
     steps = [0]
     task = asyncio.ensure_future(stepping(presence.run(), steps))
     try:
@@ -122,7 +127,7 @@ async def test_the_presence_loop_sets_no_timer_while_no_room_is_open(timers: lis
         conn = Connection(send=asyncio.Queue().put)
         presence.enter(conn, SimpleNamespace(name="room:1", base="room:1"))  # type: ignore[arg-type]
         await _settle()
-        assert step in timers  # someone is present here: written and renewed on the interval
+        assert near(step, timers)  # someone is present here: written and renewed on the interval
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -7,6 +7,7 @@ counted nowhere; a garbage ``auth`` first let a later one pass after anonymous c
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 
@@ -86,12 +87,14 @@ async def test_token_expiring_goes_through_a_full_queue_where_frames_are_dropped
     from tests.support.overfull import Overfull
 
     ann = await user(django_user_model, "ann-expiring")
-    with override_settings(REALTIME_APP={**get_config(), "TOKEN_REFRESH_BEFORE_S": 59}):
-        token, expires_at = issue(ann, 60)  # told about 1 s from now
+    with override_settings(REALTIME_APP={**get_config(), "TOKEN_REFRESH_BEFORE_S": 58}):
+        token, expires_at = issue(ann, 60)  # told about 2 s from now
         async with RealtimeTestClient(token=token) as client:
             await client.call("subscribe", {"channel": "demo:events"})
             [conn] = [c for c in realtime_hub.connections if not c.closed]
             conn.guard.transport = Overfull(conn.guard.transport)  # the client reads nothing any more
+            warn = min(conn.scope["realtime_token_timers"], key=lambda handle: handle.when())
+            assert warn.when() > asyncio.get_running_loop().time()  # the notice is still to come: through Overfull
             await realtime_app.apublish("demo:events", {"n": 1})
             note = await client.notification(timeout=5)
             assert (note["method"], note["params"]) == ("token_expiring", {"expires_at": expires_at}), note

@@ -52,13 +52,14 @@ FORMAT = 2
 
 
 class JournalEncoder(DjangoJSONEncoder):  # type: ignore[misc]  # django has no stubs here
-    """Django's encoder, but a ``datetime`` or ``time`` keeps its microseconds: Django's
-    cuts them to milliseconds (ECMA-262), and a journaled value comes back as it went in."""
+    """Django's encoder, but a ``datetime`` or a naive ``time`` keeps its microseconds:
+    Django's cuts them to milliseconds (ECMA-262), and a journaled value comes back as it
+    went in."""
 
     def default(self, o: Any) -> Any:
-        if isinstance(o, datetime.datetime | datetime.time):
+        if isinstance(o, datetime.datetime) or (isinstance(o, datetime.time) and o.utcoffset() is None):
             return o.isoformat()
-        return super().default(o)
+        return super().default(o)  # an aware time: refused, as Django refuses it (its offset would be lost)
 
 
 def _site() -> dict[str, str]:
