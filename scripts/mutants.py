@@ -138,15 +138,9 @@ def copy_tree(destination: Path) -> None:
             shutil.copy2(source, target)
 
 
-#: Binary operators swapped for ones these values cannot take (``a + b`` into ``a | b``,
-#: ``a ** b``...): a TypeError on the first call, killed by any test that reaches the line,
-#: and a third of all mutants. Left out for time; the arithmetic swaps (+ - * /) are kept.
-CRASH_ONLY = re.compile(r"ReplaceBinaryOperator_\w+_(BitOr|BitXor|BitAnd|LShift|RShift|Pow|MatMult|FloorDiv|Mod)$")
-
-
 def skip_outside(session: Path, tree: Path, target: Target) -> tuple[int, int]:
-    """Mark the mutants outside the target's functions, on a ``pragma: no mutate`` line, or
-    of a crash-only operator, as skipped: ``(kept, total)``."""
+    """Mark the mutants outside the target's functions, or on a ``pragma: no mutate`` line,
+    as skipped: ``(kept, total)``."""
     from cosmic_ray.work_db import use_db
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
@@ -160,7 +154,6 @@ def skip_outside(session: Path, tree: Path, target: Target) -> tuple[int, int]:
             inside = all(
                 any(first <= m.start_pos[0] <= last for first, last in ranges)
                 and "pragma: no mutate" not in lines[m.start_pos[0] - 1]
-                and not CRASH_ONLY.search(m.operator_name)
                 for m in item.mutations
             )
             if inside:
@@ -173,8 +166,12 @@ def skip_outside(session: Path, tree: Path, target: Target) -> tuple[int, int]:
     return kept, total
 
 
+FAILED = re.compile(r"\b\d+ failed\b")
+
+
 def results(session: Path) -> list[tuple[str, str, str]]:
-    """``(outcome, worker outcome, diff)`` of each mutant run."""
+    """``(outcome, worker outcome, diff)`` of each mutant run. A run counts as killed only
+    when a test failed: pytest stopped by an error, or collecting nothing, is ``error``."""
     from cosmic_ray.work_db import WorkDB, use_db
 
     out = []
@@ -183,13 +180,16 @@ def results(session: Path) -> list[tuple[str, str, str]]:
             worker = getattr(result.worker_outcome, "value", result.worker_outcome)
             if worker == "skipped":
                 continue
-            outcome = getattr(result.test_outcome, "value", result.test_outcome)
-            out.append((str(outcome), str(worker), result.diff or ""))
+            outcome = str(getattr(result.test_outcome, "value", result.test_outcome))
+            if outcome == "killed" and not FAILED.search(result.output or ""):
+                outcome = "error"
+            out.append((outcome, str(worker), result.diff or ""))
     return out
 
 
 def run(target: Target, tree: Path, work: Path, timeout: float) -> tuple[int, int, list[str]]:
-    """Mutate one target: ``(mutants run, killed, survivors' diffs)``."""
+    """Mutate one target: ``(mutants run, killed, the others' diffs)``: a mutant not killed
+    (survived, a timeout, an error) fails the run."""
     test = shlex.join([PYTHON, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *target.tests])
     config = work / f"{target.name}.toml"
     config.write_text(
@@ -201,8 +201,17 @@ def run(target: Target, tree: Path, work: Path, timeout: float) -> tuple[int, in
         '[cosmic-ray.distributor]\nname = "local"\n'
     )
     session = work / f"{target.name}.sqlite"
+    began = time.monotonic()
+    baseline = subprocess.run(shlex.split(test), cwd=tree, capture_output=True, text=True)
+    if baseline.returncode != 0:  # every mutant would count as killed
+        raise SystemExit(f"{target.name}: the tests fail without any mutant:\n{baseline.stdout[-3000:]}")
+    # a mutant that loops forever is a timeout (not killed): three times the clean run
+    limit = timeout or max(20.0, 3 * (time.monotonic() - began))
+    config.write_text(config.read_text().replace("timeout = 0.0\n", f"timeout = {limit:.0f}\n"))
     cosmic = [str(Path(PYTHON).parent / "cosmic-ray")]
-    subprocess.run([*cosmic, "init", str(config), str(session)], cwd=tree, check=True, capture_output=True)
+    init = subprocess.run([*cosmic, "init", str(config), str(session)], cwd=tree, capture_output=True, text=True)
+    if init.returncode != 0:
+        raise SystemExit(f"{target.name}: cosmic-ray init failed:\n{init.stderr[-3000:]}")
     kept, total = skip_outside(session, tree, target)
     print(f"==> {target.name}: {kept} mutants in {', '.join(target.functions)} ({total} in the module)", flush=True)
     done = threading.Event()
@@ -224,7 +233,7 @@ def run(target: Target, tree: Path, work: Path, timeout: float) -> tuple[int, in
         done.set()
         watcher.join()
     outcomes = results(session)
-    survivors = [diff for outcome, _, diff in outcomes if outcome == "survived"]
+    survivors = [f"({outcome}) {diff}" for outcome, _, diff in outcomes if outcome != "killed"]
     killed = sum(1 for outcome, _, _ in outcomes if outcome == "killed")
     return len(outcomes), killed, survivors
 
@@ -233,7 +242,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("targets", nargs="*", help="target names (default: all)")
     parser.add_argument("--list", action="store_true", help="list the targets and exit")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant's test run")
+    parser.add_argument(
+        "--timeout", type=float, default=0.0, help="seconds per mutant's test run (default: 3x the clean run)"
+    )
     args = parser.parse_args()
     if args.list:
         for t in TARGETS:

@@ -363,12 +363,23 @@ def test_anonymous_handshakes_share_one_process_bucket_signed_in_ones_do_not():
         ("unknown", 32, 64, "unknown"),
         ("::ffff:198.51.100.7", 32, 64, "198.51.100.7"),  # review: a dual-stack bind's IPv4 clients were one /64
         ("::ffff:203.0.113.9", 32, 64, "203.0.113.9"),
+        ("198.51.100.7", 40, 64, "198.51.100.7"),  # a prefix longer than the address: the address
+        ("2001:db8::1", 32, 200, "2001:db8::1"),
+        ("2001:db8:1:2:aaaa::1", 32, 63, "2001:db8:1:2::/63"),
+        ("198.51.100.7", 31, 64, "198.51.100.6/31"),
     ],
 )
 def test_anonymous_clients_are_counted_by_network(address, v4, v6, expected):
     from realtime_app.endpoint.addresses import client_network
 
     assert client_network(address, v4, v6) == expected
+
+
+def test_the_networks_by_default_are_an_ipv4_address_and_an_ipv6_64():
+    from realtime_app.endpoint.addresses import client_network
+
+    assert client_network("2001:db8:1:2:aaaa::1") == "2001:db8:1:2::/64"
+    assert client_network("198.51.100.7") == "198.51.100.7"
 
 
 def test_one_address_over_its_own_handshake_rate_takes_nothing_from_the_others():

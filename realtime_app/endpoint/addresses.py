@@ -83,9 +83,10 @@ def client_network(address: str, v4_prefix: int = 32, v6_prefix: int = 64) -> st
     ip = _ip(address)
     if ip is None:
         return address
-    if ip.version == 6 and ip.ipv4_mapped is not None:  # an IPv4 client of a dual-stack bind
+    # an IPv4 client of a dual-stack bind
+    if ip.version == 6 and ip.ipv4_mapped is not None:  # pragma: no mutate (>= 6: the same: 4 or 6)
         ip = ip.ipv4_mapped
-    prefix = v4_prefix if ip.version == 4 else v6_prefix
+    prefix = v4_prefix if ip.version == 4 else v6_prefix  # pragma: no mutate (<= 4: the same)
     if prefix >= ip.max_prefixlen:
         return str(ip)
     return str(ipaddress.ip_network(f"{ip}/{prefix}", strict=False))
@@ -96,13 +97,14 @@ def client_address(scope: Scope, trusted: Sequence[Network] = (), header: str = 
     proxy — the nearest untrusted hop its forwarding ``header`` names (the leftmost when
     every hop is trusted; any other forwarding header is ignored). A malformed hop ends
     the walk at the last good address."""
-    peer = str((scope.get("client") or ("unknown", 0))[0])
+    client = scope.get("client")
+    peer = str(client[0]) if client else "unknown"
     if not trusted or not _trusted(peer, trusted):
         return peer
     value = _header(scope, header.lower().encode("latin-1"))
     if value is None:
         hops: list[str] = []
-    elif header.lower() == "forwarded":
+    elif header.lower() == "forwarded":  # pragma: no mutate (<=: the same for the three headers allowed)
         hops = _forwarded_for(value)
     else:
         hops = [hop.strip() for hop in value.split(",")]
