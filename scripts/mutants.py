@@ -46,13 +46,17 @@ TARGETS = (
         "token-view",
         "realtime_app/views.py",
         ("issue_token",),
-        ("tests/test_tokens_live.py", "-k", "signed_in_session_gets"),
+        ("tests/test_http_api.py", "tests/test_tokens_live.py::test_a_signed_in_session_gets_a_token_over_http"),
     ),
     Target(
         "publish-view",
         "realtime_app/views.py",
         ("publish_api",),
-        ("tests/test_tokens_live.py", "-k", "publish_api"),
+        (
+            "tests/test_http_api.py",
+            "tests/test_tokens_live.py::test_the_publish_api_reaches_a_subscriber_with_its_seq",
+            "tests/test_tokens_live.py::test_the_publish_api_refuses_an_instance_its_exists_hook_denies",
+        ),
     ),
     Target(
         "addresses",
