@@ -95,9 +95,15 @@ TARGETS = (
         ("tests/test_presence_endpoint.py",),
     ),
     Target(
-        "outbox-once",
-        "realtime_app/hub/outbox.py",
-        ("OutboxDrain._drain_channel",),
+        "outbox-once-memory",
+        "realtime_app/cluster/memory.py",
+        ("MemoryBackplane.publish_once",),
+        ("tests/test_outbox.py",),
+    ),
+    Target(
+        "outbox-once-redis",
+        "realtime_app/cluster/redis.py",
+        ("RedisBackplane.publish_once",),
         ("tests/test_outbox.py",),
     ),
     Target(

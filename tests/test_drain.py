@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import time
 import urllib.error
@@ -31,10 +32,13 @@ def test_the_closes_spread_evenly_and_each_is_told_when_to_come_back():
     assert times == sorted(times) and times[0] == 0 and times[-1] < 20 * DRAIN_SHARE
     assert times[100] == pytest.approx(20 * DRAIN_SHARE / 2)
     assert all(0 <= retry <= 80 for _, retry in plan)  # up to one spacing (80 ms) more
+    assert max(retry for _, retry in plan) > 60  # spread over it, in ms (seeded: exact run to run)
+    crowded = [retry for _, retry in schedule(1000, 10, random.Random(1))]  # 8 ms apart: at least 50 ms
+    assert 8 < max(crowded) <= 50
     assert schedule(0, 20) == [] and [at for at, _ in schedule(3, 0)] == [0, 0, 0]
 
 
-async def test_the_drain_closes_each_connection_at_its_turn_on_a_fake_clock(hub, monkeypatch):
+async def test_the_drain_closes_each_connection_at_its_turn_on_a_fake_clock(hub, monkeypatch, caplog):
     """The drain itself, not only its schedule: with the clock its own (each sleep moves a
     fake clock by what was asked), 20 connections are closed at 0, 1, 2 … 19 spacings —
     exactly, whatever the machine is doing — each told its own ``retry_after_ms``.
@@ -62,10 +66,24 @@ async def test_the_drain_closes_each_connection_at_its_turn_on_a_fake_clock(hub,
     for client in clients:
         await client.__aenter__()
     try:
-        assert await drain_module.drain(hub, 10) == 20
+        await clients[0].call("subscribe", {"channel": "test:drift:1000"})  # a ticker this process runs
+        held = lambda: getattr(hub.reconciler.channels.get("test:drift:1000"), "held", False)  # noqa: E731
+        await eventually(held, 5, "its lease held here")
+        yielded: list[list[str]] = []
+        real_yield = hub.reconciler.yield_leases
+        monkeypatch.setattr(hub.reconciler, "yield_leases", lambda: yielded.append(real_yield()) or yielded[-1])
+        with caplog.at_level(logging.INFO, logger="realtime_app.hub"):
+            assert await drain_module.drain(hub, 10) == 20
+        assert hub.gate.draining and yielded == [["test:drift:1000"]]  # its ticker handed over first
+        assert "draining 20 connection(s) over 8.0 s" in caplog.text
         spacing = 10 * DRAIN_SHARE / 20
         assert closed_at == pytest.approx([i * spacing for i in range(20)])
-        reasons = [(await client.comm.receive_output(2)) for client in clients]
+        assert now[0] - 1000.0 == pytest.approx(19 * spacing + 1.0)  # then a margin: min(1 s, the 20 % left)
+        reasons = []
+        for client in clients:  # past the ticker's frames, to the close
+            while (message := await client.comm.receive_output(2))["type"] != "websocket.close":
+                pass
+            reasons.append(message)
         assert {r["code"] for r in reasons} == {1012}
         assert all(0 <= retry_after_ms(r["reason"]) <= spacing * 1000 for r in reasons)
     finally:

@@ -115,6 +115,22 @@ async def test_a_drain_repeated_after_a_crash_publishes_nothing_twice(either_hub
     assert await sync_to_async(_rows)() == 0
 
 
+async def test_a_row_is_published_once_within_the_dedupe_window_and_its_key_forgotten_after(either_hub):
+    """The backplane's own rule, on each backplane: the same row's key again within the
+    window publishes nothing (None); another key, or the same key once the window passed,
+    publishes; the seq goes on from the floor given."""
+    from realtime_app.channels.registry import registry
+
+    backplane, history = either_hub.backplane, registry.resolve(CHANNEL).history
+    first = await backplane.publish_once(CHANNEL, '{"n": 1}', 0, history, "default:1", 300)
+    assert first is not None
+    assert await backplane.publish_once(CHANNEL, '{"n": 1}', 0, history, "default:1", 300) is None
+    assert await backplane.publish_once(CHANNEL, '{"n": 2}', 0, history, "default:2", 300) == first + 1
+    assert await backplane.publish_once(CHANNEL, '{"n": 3}', first + 10, history, "default:3", 300) == first + 11
+    await asyncio.sleep(0.4)  # past the 300 ms window (a lower bound: never too early)
+    assert await backplane.publish_once(CHANNEL, '{"n": 1}', 0, history, "default:1", 300) == first + 12
+
+
 async def test_rows_wait_while_redis_does_not_answer_and_go_out_in_order_after(private_redis):
     from realtime_app.hub import get_hub
 
