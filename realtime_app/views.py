@@ -142,7 +142,9 @@ async def publish_api(request: HttpRequest) -> HttpResponse:
         return response
     from django.conf import settings
 
-    bound = min(int(config["MAX_PUBLICATION_BYTES"]) * PUBLISH_BATCH, settings.DATA_UPLOAD_MAX_MEMORY_SIZE or 2**62)
+    bound = int(config["MAX_PUBLICATION_BYTES"]) * PUBLISH_BATCH  # a batch's worth, within Django's own bound
+    if settings.DATA_UPLOAD_MAX_MEMORY_SIZE is not None:
+        bound = min(bound, settings.DATA_UPLOAD_MAX_MEMORY_SIZE)
     declared = request.headers.get("Content-Length", "")
     if declared.isdigit() and int(declared) > bound:
         return JsonResponse({"error": f"body over {bound} bytes"}, status=413)
@@ -156,7 +158,7 @@ async def publish_api(request: HttpRequest) -> HttpResponse:
         body = json.loads(raw)
         batch = body["publications"] if "publications" in body else None
         items = batch if batch is not None else [body]
-        if not isinstance(items, list) or not 0 < len(items) <= PUBLISH_BATCH:
+        if not isinstance(items, list) or not items or len(items) > PUBLISH_BATCH:
             raise TypeError
         pairs = [(item["channel"], item["data"]) for item in items]
         if not all(isinstance(channel, str) for channel, _ in pairs):
@@ -166,10 +168,11 @@ async def publish_api(request: HttpRequest) -> HttpResponse:
         return JsonResponse({"error": f"expected {shape}"}, status=400)
     results = [await _publish_one(channel, data) for channel, data in pairs]
     if batch is None:
-        status = results[0].pop("status", 202)
-        return JsonResponse(results[0], status=status)
+        (result,) = results
+        status = result.pop("status")
+        return JsonResponse(result, status=status)
     for result in results:
-        result.pop("status", None)
+        del result["status"]
     return JsonResponse({"results": results}, status=202)
 
 

@@ -176,12 +176,13 @@ def skip_outside(session: Path, tree: Path, target: Target) -> tuple[int, int]:
     return kept, total
 
 
-FAILED = re.compile(r"\b\d+ failed\b")
+FAILED = re.compile(r"\b\d+ (failed|errors?)\b")
 
 
 def results(session: Path) -> list[tuple[str, str, str]]:
     """``(outcome, worker outcome, diff)`` of each mutant run. A run counts as killed only
-    when a test failed: pytest stopped by an error, or collecting nothing, is ``error``."""
+    when a test failed or errored (the clean run passed: the mutant did it — a module that
+    no longer imports, say); pytest collecting nothing, or stopped otherwise, is ``error``."""
     from cosmic_ray.work_db import WorkDB, use_db
 
     out = []
