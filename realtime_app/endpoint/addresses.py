@@ -76,7 +76,11 @@ def _forwarded_for(value: str) -> list[str]:
     return hops
 
 
-def client_network(address: str, v4_prefix: int = 32, v6_prefix: int = 64) -> str:
+def client_network(
+    address: str,
+    v4_prefix: int = 32,  # pragma: no mutate (33 or more: the address itself, as with 32)
+    v6_prefix: int = 64,
+) -> str:
     """The network an anonymous client is counted by: its IPv4 address (``/32``) and its
     IPv6 ``/64`` by default — one host holds a whole /64, each address of it is not a new
     client. Anything that is not an address is itself."""
