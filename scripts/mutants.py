@@ -182,7 +182,8 @@ FAILED = re.compile(r"\b\d+ (failed|errors?)\b")
 def results(session: Path) -> list[tuple[str, str, str]]:
     """``(outcome, worker outcome, diff)`` of each mutant run. A run counts as killed only
     when a test failed or errored (the clean run passed: the mutant did it — a module that
-    no longer imports, say); pytest collecting nothing, or stopped otherwise, is ``error``."""
+    no longer imports, say) or the tests hung past the timeout; pytest collecting nothing,
+    or stopped otherwise, is ``error``."""
     from cosmic_ray.work_db import WorkDB, use_db
 
     out = []
@@ -192,8 +193,9 @@ def results(session: Path) -> list[tuple[str, str, str]]:
             if worker == "skipped":
                 continue
             outcome = str(getattr(result.test_outcome, "value", result.test_outcome))
-            if outcome == "killed" and not FAILED.search(result.output or ""):
-                outcome = "error"
+            output = result.output or ""
+            if outcome == "killed" and output != "timeout" and not FAILED.search(output):
+                outcome = "error"  # a hang (cosmic-ray's "timeout") is a kill: the suite would not pass
             out.append((outcome, str(worker), result.diff or ""))
     return out
 

@@ -226,3 +226,16 @@ def test_a_client_keeps_the_reset_sent_before_the_answer_names_the_canonical_cha
     assert session.unbook("lot:0042") == "lot:42" and session.unbook("other") == "other"
     late = {**reset, "reset": False, "members": []}
     assert session.receive(json.dumps({"jsonrpc": "2.0", "method": "presence", "params": late})) == []
+
+
+def test_a_view_lists_up_to_its_bound_included_and_zero_is_no_bound():
+    """Found by mutation testing: the bound's own size (``<=``) and 0 (no bound) untested."""
+    two = Snapshot(users={"ann": (1, None), "bob": (2, None)}, anonymous=1)
+    assert view(two, 2) == {
+        "count": 3,
+        "anonymous": 1,
+        "listed": True,
+        "members": [{"user": "ann", "connections": 1}, {"user": "bob", "connections": 2}],
+    }
+    assert view(two, 1) == {"count": 3, "anonymous": 1, "listed": False, "members": []}
+    assert view(two, 0)["listed"] is True and len(view(two, 0)["members"]) == 2

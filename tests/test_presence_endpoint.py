@@ -258,6 +258,15 @@ async def test_the_member_bounds_of_the_settings_hold_at_the_hub(hub, django_use
                 await watcher.until(lambda w: w.count == 3)
                 assert set(watcher.members) == {"cap0", "cap1"}  # under the bound again: listed
                 assert watcher.frames[-1].get("reset") is True
+                async with Client() as late_client:  # a watcher arriving with the room at its bound
+                    late = Watcher(late_client, "test:room:big")
+                    await late.start()
+                    await late.until(lambda w: set(w.members) == {"cap0", "cap1"})
+                    async with Client(people[0]) as second_tab:
+                        await second_tab.call("subscribe", {"channel": "test:room:big"})
+                        for w in (watcher, late):  # at the bound, listed: a change is a diff, not a reset
+                            await w.until(lambda w: w.members["cap0"]["connections"] == 2)
+                            assert w.frames[-1].get("reset") is not True and w.frames[-1]["updated"], w.frames[-1]
     with override_settings(REALTIME_APP={**get_config(), "PRESENCE_MAX_MEMBERS": 2}):
         async with Client(people[2]) as c, Client(people[0]) as a, Client(people[1]) as b, Client() as reader:
             for client in (c, a, b):

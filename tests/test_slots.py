@@ -211,3 +211,55 @@ def test_anonymous_identities_together_keep_to_their_share_of_the_pool():
     [user_job] = core.submit(Ticket("u", "user", False))
     assert user_job.identity == "user"  # the reserved slot
     assert [job.identity for job in core.finished(started[0])] == [("address", "2")]
+
+
+def _pool(max_running: int, anonymous_share: int = 0) -> tuple[Admission, PoolCore[Ticket]]:
+    admission = Admission(AdmissionLimits(max_pending=20, max_per_identity=0, bucket_capacity=0))
+    return admission, PoolCore(admission, max_running, anonymous_share)
+
+
+def _submit(admission: Admission, core: PoolCore[Ticket], identity: Hashable) -> list[Job[Ticket]]:
+    assert admission.admit(identity, 1.0) is None
+    return core.submit(Ticket(str(identity), identity, False))
+
+
+def test_a_pool_lowered_while_full_starts_nothing_until_under_its_new_bound():
+    """The settings may lower the pool while more run than the new bound (gate.py): no
+    job starts until fewer run than that. Found by mutation testing: ``!=`` for ``<``
+    passed, and would have started jobs past the bound — and after ``close()``."""
+    admission, core = _pool(3)
+    running = [job for n in range(3) for job in _submit(admission, core, f"u{n}")]
+    assert len(running) == 3 and _submit(admission, core, "w") == []
+    core.max_running = 1
+    assert core.finished(running[0]) == [] and core.finished(running[1]) == []  # 1 runs: at the bound
+    assert [job.identity for job in core.finished(running[2])] == ["w"]
+
+
+def test_a_closed_pool_starts_nothing_more():
+    admission, core = _pool(2)
+    running = _submit(admission, core, "a") + _submit(admission, core, "b")
+    removed, to_cancel = core.close()
+    assert removed == [] and set(to_cancel) == set(running)
+    assert admission.admit("c", 1.0) is None
+    assert core.submit(Ticket("c", "c", False)) == [] and core.finished(running[0]) == []
+
+
+def test_an_anonymous_share_lowered_while_over_it_starts_no_anonymous_job():
+    admission, core = _pool(5, anonymous_share=3)
+    running = [job for n in range(3) for job in _submit(admission, core, ("address", str(n)))]
+    assert len(running) == 3 and _submit(admission, core, ("address", "late")) == []
+    core.anonymous_share = 1
+    assert core.finished(running[0]) == [] and core.finished(running[1]) == []  # 1 anonymous runs: full
+    assert [job.identity for job in core.finished(running[2])] == [("address", "late")]
+
+
+def test_an_identity_whose_jobs_ended_is_idle_again_and_waits_its_turn_in_order():
+    """Busy counts go back to zero: an identity whose job ran and ended is as idle as one
+    that never ran, so the two are served in arrival order."""
+    admission, core = _pool(1)
+    [first] = _submit(admission, core, "a")
+    assert core.finished(first) == []
+    [holder] = _submit(admission, core, "c")
+    assert _submit(admission, core, "a") == [] and _submit(admission, core, "b") == []  # a, then b, wait
+    assert [job.identity for job in core.finished(holder)] == ["a"]
+    assert core.busy("c") == 0 and core.busy("a") == 1

@@ -113,7 +113,7 @@ def create_delta(
     deadline = None if max_seconds is None else time.thread_time() + max_seconds
 
     def in_time() -> None:
-        if deadline is not None and time.thread_time() >= deadline:
+        if deadline is not None and time.thread_time() >= deadline:  # pragma: no mutate (>: one float instant)
             raise TooCostly(f"longer than {max_seconds} s for a {len(target)}-byte target")
 
     out = bytearray()
