@@ -70,18 +70,20 @@ def near(delay: float, timers: list[float]) -> bool:
 
 
 async def _asleep(steps: list[int], timers: list[float]) -> None:
-    """No timer of any length, and not one step in 0.3 s (a poll of any period is seen
-    at once: it sets its first timer straight away)."""
+    """No timer of any length (a poll of any period is seen at once: it sets its first
+    timer straight away), and not one step while the loop turns 200 times (a wake-up with
+    no timer — a ``sleep(0)`` spin, a ``call_soon`` chain — would take some)."""
     await _settle()
     assert timers == [], timers
     before = steps[0]
-    await asyncio.sleep(0.3)
+    await _settle(200)
     assert steps[0] == before, f"woken {steps[0] - before} times while idle"
     timers.clear()
 
 
-async def _settle() -> None:
-    for _ in range(20):
+async def _settle(turns: int = 20) -> None:
+    """Let the loop turn ``turns`` times (no timer: no wall-clock time waited for)."""
+    for _ in range(turns):
         await asyncio.sleep(0)
 
 
