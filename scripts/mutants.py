@@ -115,8 +115,13 @@ TARGETS = (
 )
 
 
-def spans(path: Path, names: tuple[str, ...]) -> list[tuple[int, int]]:
-    """The line spans (first, last) of the named functions of ``path``."""
+Position = tuple[int, int]  # (line, column), as cosmic-ray gives them
+
+
+def spans(path: Path, names: tuple[str, ...]) -> tuple[list[tuple[int, int]], list[tuple[Position, Position]]]:
+    """The line spans (first, last) of the named functions of ``path``, and the spans of
+    every annotation in the module: with ``from __future__ import annotations`` they are
+    strings never evaluated, so a mutant there cannot change anything."""
     tree = ast.parse(path.read_text(), str(path))
     found: dict[str, tuple[int, int]] = {}
 
@@ -132,7 +137,14 @@ def spans(path: Path, names: tuple[str, ...]) -> list[tuple[int, int]]:
     missing = [name for name in names if name not in found]
     if missing:
         raise SystemExit(f"{path}: no function {', '.join(missing)} (the target list is out of date)")
-    return [found[name] for name in names]
+    annotations = [
+        ((a.lineno, a.col_offset), (a.end_lineno or a.lineno, a.end_col_offset or 0))
+        for node in ast.walk(tree)
+        for a in ([node.returns] if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) else [])
+        + ([node.annotation] if isinstance(node, ast.arg | ast.AnnAssign) else [])
+        if a is not None
+    ]
+    return [found[name] for name in names], annotations
 
 
 def copy_tree(destination: Path) -> None:
@@ -149,14 +161,15 @@ def copy_tree(destination: Path) -> None:
 
 
 def skip_outside(session: Path, tree: Path, target: Target) -> tuple[int, int]:
-    """Mark the mutants outside the target's functions, or on a ``pragma: no mutate`` line,
-    as skipped: ``(kept, total)``."""
+    """Mark the mutants outside the target's functions, in an annotation, or on a
+    ``pragma: no mutate`` line, as skipped: ``(kept, total)``."""
     from cosmic_ray.work_db import use_db
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
     path = tree / target.module
     lines = path.read_text().splitlines()
-    ranges = spans(path, target.functions)
+    ranges, annotations = spans(path, target.functions)
+    future = "from __future__ import annotations" in path.read_text()
     kept = total = 0
     with use_db(str(session)) as db:
         for item in db.work_items:
@@ -164,6 +177,7 @@ def skip_outside(session: Path, tree: Path, target: Target) -> tuple[int, int]:
             inside = all(
                 any(first <= m.start_pos[0] <= last for first, last in ranges)
                 and "pragma: no mutate" not in lines[m.start_pos[0] - 1]
+                and not (future and any(a <= tuple(m.start_pos) < b for a, b in annotations))
                 for m in item.mutations
             )
             if inside:

@@ -134,6 +134,25 @@ async def test_a_row_is_published_once_within_the_dedupe_window_and_its_key_forg
     assert await eventually(again, 5, "the key forgotten once the window passed") == first + 12
 
 
+async def test_the_in_memory_dedupe_window_is_exact_on_a_fake_clock(hub, monkeypatch):
+    """A key is kept for its window to the end (at exactly 1 s of a 1 s window, still
+    kept) and forgotten just after. Found by mutation testing: a window off by 0.1 % passed."""
+    from types import SimpleNamespace
+
+    from realtime_app.channels.registry import registry
+    from realtime_app.cluster import memory
+
+    now = [100.0]
+    monkeypatch.setattr(memory, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    backplane, history = hub.backplane, registry.resolve(CHANNEL).history
+    first = await backplane.publish_once(CHANNEL, "{}", 0, history, "default:7", 1000)
+    for at in (100.9995, 101.0):
+        now[0] = at
+        assert await backplane.publish_once(CHANNEL, "{}", 0, history, "default:7", 1000) is None, at
+    now[0] = 101.0005
+    assert await backplane.publish_once(CHANNEL, "{}", 0, history, "default:7", 1000) == first + 1
+
+
 async def test_rows_wait_while_redis_does_not_answer_and_go_out_in_order_after(private_redis):
     from realtime_app.hub import get_hub
 
