@@ -312,28 +312,32 @@ class RedisBackplane(Backplane):
         if history is None:
             keys = [self.key("seq", channel), self.redis_channel(channel)]
             return int(await self._publish(keys=keys, args=[floor, self.seq_ttl_ms, head, ts]))
-        keep = max(self.seq_ttl_ms, history.ttl_ms, scripts.KEEP_LINEAGE_MS)
         seq_, epoch_ = await self._publish_kept(
             keys=[*self._kept_keys(channel), self.redis_channel(channel)],
-            args=[epoch_suffix(), keep, floor, head, ts, history.size, history.ttl_ms],
+            args=[epoch_suffix(), self._keep_ms(history), floor, head, ts, history.size, history.ttl_ms],
         )
-        seq, epoch = int(seq_), _text(epoch_)
-        seen, kept = self.histories.get(channel, ("", 0))  # counted exactly at each read
-        self.histories[channel] = (epoch, min(history.size, kept + 1) if seen == epoch else 1)
-        return seq
+        return self._counted(channel, seq_, epoch_, history)
 
     async def publish_once(
         self, channel: str, data_json: str, floor: int, history: HistoryPolicy, key: str, window_ms: int
     ) -> int | None:
         ts = now_ms()
-        keep = max(self.seq_ttl_ms, history.ttl_ms, scripts.KEEP_LINEAGE_MS)
+        head = notification_head(channel, data_json)
         seq_, epoch_ = await self._publish_kept_once(
             keys=[*self._kept_keys(channel), self.redis_channel(channel), self.key("outbox-done", channel)],
-            args=[epoch_suffix(), keep, floor, notification_head(channel, data_json), ts, history.size]
+            args=[epoch_suffix(), self._keep_ms(history), floor, head, ts, history.size]
             + [history.ttl_ms, key, ts, window_ms],
         )
-        if int(seq_) < 0:
+        if int(seq_) == -1:  # published already, within the window
             return None
+        return self._counted(channel, seq_, epoch_, history)
+
+    def _keep_ms(self, history: HistoryPolicy) -> int:
+        """How long a channel's seq, epoch and history keys live (its lineage outlives its history)."""
+        return max(self.seq_ttl_ms, history.ttl_ms, scripts.KEEP_LINEAGE_MS)
+
+    def _counted(self, channel: str, seq_: Any, epoch_: Any, history: HistoryPolicy) -> int:
+        """A kept publication's seq; the history's size counted (exactly again at each read)."""
         seq, epoch = int(seq_), _text(epoch_)
         seen, kept = self.histories.get(channel, ("", 0))
         self.histories[channel] = (epoch, min(history.size, kept + 1) if seen == epoch else 1)
@@ -342,7 +346,7 @@ class RedisBackplane(Backplane):
     async def history(
         self, channel: str, policy: HistoryPolicy, since: Since | None = None, floor: int = 0
     ) -> HistoryRead:
-        keep = max(self.seq_ttl_ms, policy.ttl_ms, scripts.KEEP_LINEAGE_MS)
+        keep = self._keep_ms(policy)
         epoch_, top, size, raw = await self._read_kept(
             keys=self._kept_keys(channel),
             args=[
