@@ -79,7 +79,7 @@ TARGETS = (
     Target(
         "delta-bound",
         "realtime_app/wire/fossil.py",
-        ("create_delta.in_time",),
+        ("cpu_bound",),
         ("tests/test_deltas.py", "tests/test_fossil.py"),
     ),
     Target(

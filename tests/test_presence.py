@@ -239,3 +239,4 @@ def test_a_view_lists_up_to_its_bound_included_and_zero_is_no_bound():
     }
     assert view(two, 1) == {"count": 3, "anonymous": 1, "listed": False, "members": []}
     assert view(two, 0)["listed"] is True and len(view(two, 0)["members"]) == 2
+    assert view(two, 3)["listed"] is True  # under the bound

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import struct
 import time
+from collections.abc import Callable
 
 __all__ = ["DeltaError", "TooCostly", "apply_delta", "create_delta", "output_size"]
 
@@ -100,6 +101,22 @@ def _forward(src: bytes, x: int, out: bytes, y: int) -> int:
     return matched
 
 
+def cpu_bound(max_seconds: float | None, size: int) -> Callable[[], None]:
+    """A check to call as the search goes: it raises :class:`TooCostly` once this thread
+    spent ``max_seconds`` of CPU since (None: never). CPU time of this thread — the event
+    loop's — is what the input costs, not a preemption by another process on a loaded
+    machine."""
+    if max_seconds is None:
+        return lambda: None
+    deadline = time.thread_time() + max_seconds
+
+    def in_time() -> None:
+        if time.thread_time() >= deadline:  # pragma: no mutate (>: the same but at one float instant)
+            raise TooCostly(f"longer than {max_seconds} s for a {size}-byte target")
+
+    return in_time
+
+
 def create_delta(
     base: bytes, target: bytes, work_per_byte: int = WORK_PER_BYTE, max_seconds: float | None = None
 ) -> bytes:
@@ -108,13 +125,7 @@ def create_delta(
     or — with ``max_seconds`` — more CPU time than that: a bound on the time it holds its thread
     (the event loop's, for the fan-out), whatever the input's shape or size."""
     budget = work_per_byte * len(target) + 4096
-    # CPU time of this thread (the event loop's): what the input costs, not a preemption by
-    # another process on a loaded machine
-    deadline = None if max_seconds is None else time.thread_time() + max_seconds
-
-    def in_time() -> None:
-        if deadline is not None and time.thread_time() >= deadline:  # pragma: no mutate (>: one float instant)
-            raise TooCostly(f"longer than {max_seconds} s for a {len(target)}-byte target")
+    in_time = cpu_bound(max_seconds, len(target))
 
     out = bytearray()
     _put_int(len(target), out)
