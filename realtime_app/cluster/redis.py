@@ -328,7 +328,7 @@ class RedisBackplane(Backplane):
             args=[epoch_suffix(), self._keep_ms(history), floor, head, ts, history.size]
             + [history.ttl_ms, key, ts, window_ms],
         )
-        if int(seq_) == -1:  # published already, within the window
+        if int(seq_) == -1:  # published already, within the window  # pragma: no mutate (<= -1: seqs are >= 1)
             return None
         return self._counted(channel, seq_, epoch_, history)
 
