@@ -36,6 +36,20 @@ def test_the_closes_spread_evenly_and_each_is_told_when_to_come_back():
     crowded = [retry for _, retry in schedule(1000, 10, random.Random(1))]  # 8 ms apart: at least 50 ms
     assert 8 < max(crowded) <= 50
     assert schedule(0, 20) == [] and [at for at, _ in schedule(3, 0)] == [0, 0, 0]
+    assert [at for at, _ in schedule(3, -5)] == [0, 0, 0]  # no window: all at once, never "before"
+
+
+class Longest(random.Random):
+    """An rng whose every draw is the top of its range."""
+
+    def uniform(self, a: float, b: float) -> float:
+        return b
+
+
+def test_each_is_told_up_to_one_spacing_in_milliseconds_at_least_50():
+    assert schedule(8, 10, Longest()) == [(float(i), 1000) for i in range(8)]  # 1 s apart: up to 1000 ms
+    assert schedule(1, 10, Longest()) == [(0.0, 8000)]  # one connection: the whole window
+    assert schedule(1000, 10, Longest())[1] == (0.008, 50)  # 8 ms apart: 50 ms all the same
 
 
 async def test_the_drain_closes_each_connection_at_its_turn_on_a_fake_clock(hub, monkeypatch, caplog):
@@ -61,7 +75,16 @@ async def test_the_drain_closes_each_connection_at_its_turn_on_a_fake_clock(hub,
     monkeypatch.setattr(drain_module, "asyncio", fake)
     closed_at: list[float] = []
     forget = hub.forget
-    monkeypatch.setattr(hub, "forget", lambda conn: (closed_at.append(now[0] - 1000.0), forget(conn))[1])
+
+    def forgotten(conn: object) -> None:
+        closed_at.append(now[0] - 1000.0)
+        forget(conn)
+        if len(closed_at) == 5:  # the 11th connection goes on its own before its turn: skipped, not the end
+            rest = [c for c in hub.connections if not c.closed]  # the drain's order (a set, only shrunk)
+            rest[5].guard.close(4010, "closed by staff")  # as the operations screen closes one
+            forget(rest[5])
+
+    monkeypatch.setattr(hub, "forget", forgotten)
     clients = [Client() for _ in range(20)]
     for client in clients:
         await client.__aenter__()
@@ -73,19 +96,19 @@ async def test_the_drain_closes_each_connection_at_its_turn_on_a_fake_clock(hub,
         real_yield = hub.reconciler.yield_leases
         monkeypatch.setattr(hub.reconciler, "yield_leases", lambda: yielded.append(real_yield()) or yielded[-1])
         with caplog.at_level(logging.INFO, logger="realtime_app.hub"):
-            assert await drain_module.drain(hub, 10) == 20
+            assert await drain_module.drain(hub, 2) == 19  # one of the 20 gone on its own meanwhile
         assert hub.gate.draining and yielded == [["test:drift:1000"]]  # its ticker handed over first
-        assert "draining 20 connection(s) over 8.0 s" in caplog.text
-        spacing = 10 * DRAIN_SHARE / 20
-        assert closed_at == pytest.approx([i * spacing for i in range(20)])
-        assert now[0] - 1000.0 == pytest.approx(19 * spacing + 1.0)  # then a margin: min(1 s, the 20 % left)
+        assert "draining 20 connection(s) over 1.6 s" in caplog.text
+        spacing = 2 * DRAIN_SHARE / 20
+        assert closed_at == pytest.approx([i * spacing for i in range(20) if i != 10])
+        assert now[0] - 1000.0 == pytest.approx(19 * spacing + 0.4)  # then a margin: the 20 % left (at most 1 s)
         reasons = []
         for client in clients:  # past the ticker's frames, to the close
             while (message := await client.comm.receive_output(2))["type"] != "websocket.close":
                 pass
             reasons.append(message)
-        assert {r["code"] for r in reasons} == {1012}
-        assert all(0 <= retry_after_ms(r["reason"]) <= spacing * 1000 for r in reasons)
+        assert sorted(r["code"] for r in reasons) == [1012] * 19 + [4010]
+        assert all(0 <= retry_after_ms(r["reason"]) <= spacing * 1000 for r in reasons if r["code"] == 1012)
     finally:
         for client in clients:
             await client.__aexit__(None, None, None)

@@ -48,7 +48,7 @@ def schedule(connections: int, seconds: float, rng: random.Random | None = None)
     """When (seconds after the drain began) each of ``connections`` is closed, and the
     ``retry_after_ms`` it is told: evenly over ``DRAIN_SHARE`` of ``seconds``; each waits
     up to one spacing more before it comes back, so that reconnections spread too."""
-    if connections <= 0:
+    if not connections:
         return []
     rng = rng or random.Random()
     window = max(seconds, 0.0) * DRAIN_SHARE
@@ -72,15 +72,16 @@ async def drain(hub: Hub, seconds: float) -> int:
     loop = asyncio.get_running_loop()
     start = loop.time()
     closed = 0
-    for conn, (at, retry_ms) in zip(connections, schedule(len(connections), seconds), strict=True):
-        await asyncio.sleep(max(0.0, start + at - loop.time()))
+    plan = schedule(len(connections), seconds)
+    for conn, (at, retry_ms) in zip(connections, plan, strict=True):  # pragma: no mutate (strict: same lengths)
+        await asyncio.sleep(start + at - loop.time())  # late: no wait (a delay <= 0 is none)
         if conn.closed:
             continue
         conn.guard.close(int(CloseCode.SERVICE_RESTART), f"retry_after_ms={retry_ms}")
         hub.forget(conn)
         closed += 1
     # the last close frames on their way before the server stops (within the margin left)
-    await asyncio.sleep(min(1.0, max(seconds, 0.0) * (1 - DRAIN_SHARE)))
+    await asyncio.sleep(min(1.0, seconds * (1 - DRAIN_SHARE)))
     return closed
 
 
