@@ -108,6 +108,9 @@ async def test_the_drain_closes_each_connection_at_its_turn_on_a_fake_clock(hub,
                 pass
             reasons.append(message)
         assert sorted(r["code"] for r in reasons) == [1012] * 19 + [4010]
+        before = now[0]
+        assert await drain_module.drain(hub, 7.5) == 0  # nobody left; its margin at the 1 s cap (not 1.5 s)
+        assert now[0] - before == pytest.approx(1.0)
         assert all(0 <= retry_after_ms(r["reason"]) <= spacing * 1000 for r in reasons if r["code"] == 1012)
     finally:
         for client in clients:

@@ -81,7 +81,7 @@ async def drain(hub: Hub, seconds: float) -> int:
         hub.forget(conn)
         closed += 1
     # the last close frames on their way before the server stops (within the margin left)
-    await asyncio.sleep(min(1.0, seconds * (1 - DRAIN_SHARE)))
+    await asyncio.sleep(min(1.0, seconds * (1 - DRAIN_SHARE)))  # pragma: no mutate (1 % 0.8 is 1 - 0.8)
     return closed
 
 
