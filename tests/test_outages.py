@@ -11,6 +11,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from typing import Any
 from urllib.parse import urlparse
 
 import pytest
@@ -33,6 +34,16 @@ def get(url: str, cookie: str | None = None) -> tuple[int, str]:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as error:
         return error.code, error.read().decode()
+
+
+async def subscribes(url: str, **connect: Any) -> bool:
+    """A connection (``RPC``'s keyword arguments) subscribes to demo:clock; False while the
+    server still turns it away (1013, or no answer)."""
+    try:
+        async with RPC(url, **connect) as rpc:
+            return "result" in await rpc.call("subscribe", {"channel": "demo:clock"})
+    except (websockets.ConnectionClosed, OSError):
+        return False
 
 
 def backplane_check(redis_url: str) -> subprocess.CompletedProcess[str]:
@@ -74,14 +85,7 @@ async def test_with_redis_down_every_page_answers_and_realtime_says_what_is_down
         if how == "stopped":  # Redis back: realtime comes back by itself, no restart
             private_redis.start()
 
-            async def subscribed() -> bool:
-                try:
-                    async with RPC(server.ws, cookie=cookie) as rpc:
-                        return "result" in await rpc.call("subscribe", {"channel": "demo:clock"})
-                except (websockets.ConnectionClosed, OSError):
-                    return False
-
-            await eventually(subscribed, 30, "a subscribe once Redis is back")
+            await eventually(lambda: subscribes(server.ws, cookie=cookie), 30, "a subscribe once Redis is back")
             assert (await asyncio.to_thread(backplane_check, redis_url)).returncode == 0
     finally:
         server.stop()
@@ -125,14 +129,7 @@ async def test_a_database_outage_refuses_signed_in_handshakes_with_1013_and_logs
         proxy.restore()
         await eventually(lambda: any("re-validation resumed" in line for line in revalidation_lines()), 20, "resumed")
 
-        async def accepted() -> bool:
-            try:
-                async with RPC(server.ws, cookie=cookie) as rpc:
-                    return "result" in await rpc.call("subscribe", {"channel": "demo:clock"})
-            except (websockets.ConnectionClosed, OSError):
-                return False
-
-        await eventually(accepted, 20, "a signed-in handshake accepted again")
+        await eventually(lambda: subscribes(server.ws, cookie=cookie), 20, "a signed-in handshake accepted again")
     finally:
         for rpc in sockets:
             await rpc.__aexit__(None, None, None)
