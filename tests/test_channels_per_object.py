@@ -123,7 +123,7 @@ async def test_a_ticker_template_runs_one_ticker_per_instance_and_cadence_with_i
 
 
 async def test_instances_are_bounded_per_template_and_per_process_and_forgotten_when_unused(hub):
-    with settings_with(MAX_INSTANCES_PER_TEMPLATE=2, MAX_INSTANCES=3):
+    with settings_with(MAX_INSTANCES_PER_TEMPLATE=2, MAX_INSTANCES=3, SIGNED_IN_RESERVE=0):  # anonymous: all of them
         async with Client() as c:
             for name in ("test:bids:1", "test:bids:2", "test:lot:1:250", "test:lot:1:500"):  # lot 1: one instance
                 assert "result" in await c.call("subscribe", {"channel": name}), name
@@ -378,7 +378,7 @@ async def test_the_current_value_follows_the_answer_of_a_batch(hub):
 
 
 async def test_app_fed_cadences_count_as_tickers(hub):
-    with settings_with(MAX_TICKERS=2):
+    with settings_with(MAX_TICKERS=2, SIGNED_IN_RESERVE=0):
         async with Client() as c:
             assert "result" in await c.call("subscribe", {"channel": "test:lot:1:250"})
             assert "result" in await c.call("subscribe", {"channel": "test:lot:1:500"})

@@ -82,6 +82,13 @@ DEFAULTS: dict[str, Any] = {
     # either, subscribing to a new instance gets -32003 too_many_instances; 0 = unlimited.
     "MAX_INSTANCES": 100_000,
     "MAX_INSTANCES_PER_TEMPLATE": 20_000,
+    # Each identity's share (a user, or an anonymous client's network): tickers and live
+    # instances its subscriptions hold in a process, whoever opened them (past it -32003
+    # with bound "identity"). Anonymous identities together never take the last
+    # SIGNED_IN_RESERVE of MAX_TICKERS, MAX_INSTANCES and a template's bound (bound
+    # "anonymous"). 0 = no share.
+    "MAX_TICKERS_PER_IDENTITY": 50,
+    "MAX_INSTANCES_PER_IDENTITY": 500,
     "MAX_CONNECTIONS_PER_USER": 100,
     "MAX_CONNECTIONS_PER_ADDRESS": 50,
     # WebSocket handshakes per second of one identity (a user, or an anonymous client's

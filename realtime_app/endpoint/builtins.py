@@ -109,7 +109,8 @@ async def subscribe(consumer: Caller, params: Any) -> dict[str, Any]:
     watch = await presence_param(consumer, spec, params)
     hub = await get_hub()
     if spec.name not in hub.subscribers:
-        spec = await bounded(hub, spec, config, partial(require, consumer, action="subscribe"))
+        anonymous = conn.owner is not None and conn.owner[0] != "user"
+        spec = await bounded(hub, spec, config, partial(require, consumer, action="subscribe"), anonymous)
     answer: dict[str, Any] = {"channel": spec.name, "kind": spec.kind, "interval_ms": spec.interval_ms}
     if spec.presence and conn.member is None:  # who it is in presence channels, asked once
         conn.member = await database_sync_to_async(member_of)(consumer.user)

@@ -262,6 +262,8 @@ class RealtimeConsumer:
     def signed_in(self, user: Any) -> None:
         """The connection is ``user``'s from now on (RPC ``auth``): rights, identity, bucket."""
         self.scope["user"], self._fresh, self._identity = user, None, None
+        if self.connection is not None and getattr(user, "is_authenticated", False):
+            self.connection.owner = ("user", str(user.pk))  # its next subscriptions count in the user's shares
 
     async def execute(self, method: str, params: Any) -> tuple[bool, Any]:
         """Run one (possibly merged) call: ``(True, result)`` or ``(False, error object)``."""

@@ -35,10 +35,14 @@ async def bounded(
     spec: ChannelSpec,
     config: dict[str, Any],
     require: Callable[[ChannelSpec], Awaitable[None]],
+    anonymous: bool = False,
 ) -> ChannelSpec:
     """Keep what clients can start bounded: past ``MAX_CADENCES_PER_FAMILY`` the nearest
     running cadence instead of a new one (``require``-d again); past ``MAX_TICKERS``, or
-    the bounds on live instances of templates, a refusal."""
+    the bounds on live instances of templates, a refusal. An ``anonymous`` subscriber
+    never takes the last ``SIGNED_IN_RESERVE`` of them (``bound: "anonymous"``); each
+    identity's own share is the hub's (:mod:`realtime_app.hub.shares`)."""
+    share = 1 - float(config["SIGNED_IN_RESERVE"]) if anonymous else 1.0
     family = registry.family_of(spec.name)
     cap = config["MAX_CADENCES_PER_FAMILY"]
     if family is not None and spec.interval_ms is not None and cap:
@@ -49,7 +53,7 @@ async def bounded(
             await require(spec)
             hub.count_refusal("cadences")
             return spec
-    refused = instance_refusal(hub, spec, config)
+    refused = instance_refusal(hub, spec, config, share)
     if refused is not None:
         which, limit = refused
         hub.count_refusal("instances")
@@ -62,20 +66,36 @@ async def bounded(
             retry_after_ms=INSTANCE_RETRY_MS,
         )
     tickers = config["MAX_TICKERS"]
-    if spec.has_ticker and tickers and hub.ticker_count() >= tickers:
+    if spec.has_ticker and tickers and hub.ticker_count() >= shared(tickers, share):
+        bound, limit = ("process", tickers) if hub.ticker_count() >= tickers else ("anonymous", shared(tickers, share))
         hub.count_refusal("tickers")
         raise RPCError(
-            protocol.OVERLOADED, "Too many tickers", "too_many_tickers", limit=tickers, retry_after_ms=INSTANCE_RETRY_MS
+            protocol.OVERLOADED,
+            "Too many tickers",
+            "too_many_tickers",
+            limit=limit,
+            bound=bound,
+            retry_after_ms=INSTANCE_RETRY_MS,
         )
     return spec
 
 
-def instance_refusal(hub: Hub, spec: ChannelSpec, config: dict[str, Any]) -> tuple[str, int] | None:
+def shared(limit: int, share: float) -> int:
+    """What of ``limit`` (0: none) a subscriber with ``share`` of it may fill: at least one."""
+    return limit if not limit or share >= 1 else max(1, int(limit * share))
+
+
+def instance_refusal(hub: Hub, spec: ChannelSpec, config: dict[str, Any], share: float = 1.0) -> tuple[str, int] | None:
     """Which bound a new instance of a template would pass in ``hub``'s process
     (``MAX_INSTANCES``, ``MAX_INSTANCES_PER_TEMPLATE`` or the template's own
-    ``max_instances``), or None."""
+    ``max_instances``; ``"anonymous"`` when only an anonymous subscriber's ``share`` of
+    them is full), or None."""
     declared = spec.declared
     if declared is None:
         return None
-    per_template = declared.max_instances or config["MAX_INSTANCES_PER_TEMPLATE"]
-    return hub.instances.refusal(declared.pattern, spec.base, per_template, config["MAX_INSTANCES"])
+    limits = (declared.max_instances or config["MAX_INSTANCES_PER_TEMPLATE"], config["MAX_INSTANCES"])
+    refused = hub.instances.refusal(declared.pattern, spec.base, *limits)
+    if refused is not None or share >= 1:
+        return refused
+    anonymous = hub.instances.refusal(declared.pattern, spec.base, *(shared(n, share) for n in limits))
+    return None if anonymous is None else ("anonymous", anonymous[1])

@@ -25,6 +25,9 @@ class Connection:
     subscriptions: set[str] = field(default_factory=set)
     closed: bool = False
     identity: tuple[str, str] | None = None
+    #: Whose shares of tickers and instances its subscriptions count in (hub.shares): its
+    #: identity, the user's once it signs in with RPC ``auth``.
+    owner: tuple[str, str] | None = None
     address: str | None = None  # the client's, read through TRUSTED_PROXIES (the probe shows it)
     unread_bytes: int = 0  # answers written over the threshold since the queue was last under it
     #: Per channel with history: the (epoch, seq) last sent, below which nothing is sent again.

@@ -51,6 +51,7 @@ from realtime_app.hub.presence import Presence
 from realtime_app.hub.probe import process_probe, process_start
 from realtime_app.hub.reconciler import Reconciler
 from realtime_app.hub.replay import Replays
+from realtime_app.hub.shares import ShareBook
 from realtime_app.hub.start_checks import log_check_errors
 from realtime_app.hub.tickers import Tickers
 from realtime_app.inbound.admission import Admission
@@ -102,6 +103,7 @@ class Hub:
         self.template_published: dict[str, int] = {}  # publications per template, from this process
         self.published = 0
         self.refused: dict[str, int] = {"tickers": 0, "cadences": 0, "instances": 0, "revoked": 0}
+        self.shares = ShareBook(self.refused)  # each identity's tickers and instances
         self.gate = Gate()
         self.fanout = Fanout(self.subscribers, self.connections, self.forget)
         self.ordering = Ordering(self.fanout.fanout)
@@ -211,7 +213,7 @@ class Hub:
             refused = self.gate.enter(identity)
             if refused is not None:
                 return refused
-            conn.identity = identity
+            conn.identity = conn.owner = identity
         self.connections.add(conn)
         conn.guard.watch(self.fanout.watched, conn)
         return None
@@ -233,6 +235,7 @@ class Hub:
     def _drop_local(self, conn: Connection, channel: str) -> bool:
         """Remove one local subscription; True when it was the channel's last."""
         self.presence.exit(conn, channel)
+        self.shares.give(conn, channel)
         conn.subscriptions.discard(channel)
         conn.positions.pop(channel, None)
         if conn.guard.held:  # a conflated frame of a channel it left: never sent
@@ -256,8 +259,7 @@ class Hub:
         self.reconciler.unsubscribed(channel)
         return True
 
-    def running_cadences(self, base: str) -> list[int]:
-        """Cadences (ms) of family ``base`` with local subscribers in this process."""
+    def running_cadences(self, base: str) -> list[int]:  # of family ``base``, with local subscribers (ms)
         return sorted(self.instances.cadences.get(base, ()))
 
     def ticker_count(self) -> int:
@@ -274,6 +276,7 @@ class Hub:
         channel = spec.name
         if conn.closed or channel in conn.subscriptions:
             return False
+        self.shares.take(conn, conn.owner, spec)  # past its identity's share: refused here
         subs = self.subscribers.get(channel)
         if subs is None:
             subs = self.subscribers[channel] = set()
@@ -436,8 +439,6 @@ def _log_death(task: asyncio.Task[Any]) -> None:  # a loop must never end while 
 
 
 _hubs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Hub] = weakref.WeakKeyDictionary()
-
-
 _starting: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Task[Any]] = weakref.WeakKeyDictionary()
 
 
@@ -493,8 +494,7 @@ def start_failure() -> str | None:
 
 def hub_of_current_loop() -> Hub | None:
     try:
-        loop = asyncio.get_running_loop()
+        hub = _hubs.get(asyncio.get_running_loop())
     except RuntimeError:
         return None
-    hub = _hubs.get(loop)
     return hub if hub is not None and hub.started else None
