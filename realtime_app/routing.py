@@ -19,6 +19,7 @@ from django.urls import path, re_path
 
 from realtime_app.endpoint.auth import AuthMiddlewareStack
 from realtime_app.endpoint.consumer import RealtimeConsumer
+from realtime_app.endpoint.doors import Answer
 from realtime_app.observability.logsafe import safe
 from realtime_app.wire.asgi import ASGIApp, Receive, Scope, Send
 
@@ -78,28 +79,56 @@ class WebSocketNotFound:
 
 
 class MetricsShortcut:
-    """Wraps the project's HTTP application: a ``GET`` of the metrics URL that carries the
-    ``METRICS_TOKEN`` bearer (a Prometheus scrape) is answered here, before Django, so a
-    read costs the probe and its text and not a request through every middleware (two
-    thirds of a read's CPU with the demo's seven, docs/observability.md). The same bytes
-    as the view. Anything else — no token or a wrong one, a staff session, another
-    method or path — goes to the wrapped application unchanged, which answers as before."""
+    """Wraps the project's HTTP application and answers, before Django's middleware:
+
+    * a ``GET`` of the metrics URL that carries the ``METRICS_TOKEN`` bearer (a Prometheus
+      scrape), so a read costs the probe and its text and not a request through every
+      middleware (two thirds of a read's CPU with the demo's seven, docs/observability.md);
+    * ``GET /realtime/ready`` (a load balancer's poll: a drain's 503 is a state, not the
+      ERROR line Django writes for every 5xx);
+    * a ``POST`` of the publish API without a valid key: 401, or 429 for an address
+      that keeps failing (:class:`~realtime_app.endpoint.doors.PublishDoor`), so a
+      keyless flood costs a header comparison.
+
+    The same bytes as the views. Anything else goes to the wrapped application unchanged."""
 
     def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-        self._path: str | None = None
+        from realtime_app.endpoint.doors import PublishDoor
 
-    def _metrics_path(self) -> str:
-        """The view's path below the script prefix; ``""`` when the app's URLs are not included."""
-        if self._path is None:
+        self.app = app
+        self._paths: dict[str, str] = {}
+        self.publish_door = PublishDoor()
+
+    def _path_of(self, name: str) -> str:
+        """A view's path below the script prefix; ``""`` when the app's URLs are not included."""
+        path = self._paths.get(name)
+        if path is None:
             from django.conf import settings
             from django.urls import NoReverseMatch, reverse
 
             try:
-                self._path = reverse("realtime_app:metrics", urlconf=settings.ROOT_URLCONF)
+                path = reverse(f"realtime_app:{name}", urlconf=settings.ROOT_URLCONF)
             except NoReverseMatch:
-                self._path = ""
-        return self._path
+                path = ""
+            self._paths[name] = path
+        return path
+
+    def _metrics_path(self) -> str:
+        return self._path_of("metrics")
+
+    def _door(self, scope: Scope) -> Answer | None:
+        """The answer given here to a ready poll or a publish without a valid key; None
+        for anything else."""
+        from realtime_app.endpoint.doors import readiness
+
+        method, path = scope.get("method"), _below_root(scope)
+        if not path:
+            return None
+        if method in ("GET", "HEAD") and path == self._path_of("ready"):
+            return readiness()
+        if method == "POST" and path == self._path_of("publish"):
+            return self.publish_door.answer(scope)
+        return None
 
     def _authorized(self, scope: Scope) -> bool:
         from realtime_app.conf import get_config
@@ -107,16 +136,20 @@ class MetricsShortcut:
         token = get_config()["METRICS_TOKEN"]
         if not token or scope.get("method") != "GET":
             return False
-        path: str = scope.get("path", "")
-        root = scope.get("root_path", "")
-        if root and path.startswith(root):
-            path = path[len(root) :]
+        path = _below_root(scope)
         if not path or path != self._metrics_path():
             return False
         header = next((v for k, v in scope.get("headers", ()) if k.lower() == b"authorization"), b"")
         return hmac.compare_digest(header, f"Bearer {token}".encode())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") == "http" and (answer := self._door(scope)) is not None:
+            from realtime_app.endpoint.doors import encode_answer
+
+            status, headers, body = encode_answer(answer)
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": b"" if scope.get("method") == "HEAD" else body})
+            return
         if scope.get("type") != "http" or not self._authorized(scope):
             await self.app(scope, receive, send)
             return
@@ -133,6 +166,13 @@ class MetricsShortcut:
         ]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+def _below_root(scope: Scope) -> str:
+    """The request's path below the script prefix (``root_path``)."""
+    path: str = scope.get("path", "")
+    root = scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
 
 
 def _installed() -> None:

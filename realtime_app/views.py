@@ -14,6 +14,7 @@ from realtime_app.conf import get_config
 from realtime_app.exceptions import BackplaneUnavailable
 from realtime_app.observability.logsafe import safe
 from realtime_app.observability.probes import served_probe
+from realtime_app.wire.protocol import MAX_DEPTH, scan
 
 __all__ = ["close_connection", "health", "issue_token", "metrics", "publish_api", "ready"]
 
@@ -134,9 +135,10 @@ async def publish_api(request: HttpRequest) -> HttpResponse:
     413 over ``MAX_PUBLICATION_BYTES`` (a publication, or a body of more than a batch of them)."""
     if request.method != "POST":
         return HttpResponseNotAllowed(["POST"])
+    from realtime_app.endpoint.doors import valid_key
+
     config = get_config()
-    header = request.headers.get("Authorization", "").encode()
-    if not any(hmac.compare_digest(header, f"Bearer {key}".encode()) for key in config["PUBLISH_API_KEYS"]):
+    if not valid_key(request.headers.get("Authorization", "").encode()):  # MetricsShortcut checked it first
         response = JsonResponse({"error": "a key of PUBLISH_API_KEYS is required"}, status=401)
         response["WWW-Authenticate"] = 'Bearer realm="realtime publish"'
         return response
@@ -163,9 +165,16 @@ async def publish_api(request: HttpRequest) -> HttpResponse:
         pairs = [(item["channel"], item["data"]) for item in items]
         if not all(isinstance(channel, str) for channel, _ in pairs):
             raise TypeError
+    except RecursionError:
+        return JsonResponse({"error": f"body nested deeper than {MAX_DEPTH} levels", "reason": "too_deep"}, status=400)
     except (ValueError, KeyError, TypeError, AttributeError):
         shape = f'{{"channel": name, "data": json}} or {{"publications": [...]}} (at most {PUBLISH_BATCH})'
         return JsonResponse({"error": f"expected {shape}"}, status=400)
+    if any(scan(data)[0] > MAX_DEPTH for _, data in pairs):  # as on the socket: never a recursion error later
+        return JsonResponse(
+            {"error": f"data nested deeper than {MAX_DEPTH} levels", "reason": "too_deep", "limit": MAX_DEPTH},
+            status=400,
+        )
     results = [await _publish_one(channel, data) for channel, data in pairs]
     if batch is None:
         (result,) = results
@@ -212,10 +221,10 @@ async def _publish_one(channel: str, data: object) -> dict[str, object]:
 
 async def ready(request: HttpRequest) -> HttpResponse:
     """``GET /realtime/ready``: 200 while this process takes connections, 503 once it
-    drains (SIGTERM): what a load balancer's readiness check reads. No auth, no Redis."""
-    from realtime_app.hub.core import hub_of_current_loop, running_hub
+    drains (SIGTERM), or while a write-behind journal cannot be written: what a load
+    balancer's readiness check reads. No auth, no Redis. :class:`~realtime_app.routing.MetricsShortcut`
+    answers it before Django (whose log has every 5xx as an ERROR)."""
+    from realtime_app.endpoint.doors import readiness
 
-    hub = hub_of_current_loop() or running_hub()
-    if hub is not None and hub.gate.draining:
-        return JsonResponse({"ready": False, "draining": True}, status=503)
-    return JsonResponse({"ready": True})
+    status, body, _ = readiness()
+    return JsonResponse(body, status=status)

@@ -87,6 +87,13 @@ async def test_a_token_lives_what_was_asked_and_is_never_cached(ann):
     assert (await token_answer(ann, b'{"ttl": null}'))[0] == 200  # null: the default
 
 
+def _nested(depth: int) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 async def publish(
     body: Any = None, *, raw: bytes | None = None, key: str | None = KEY, method: str = "post", **meta: Any
 ) -> tuple[int, dict[str, Any], Any]:
@@ -182,3 +189,25 @@ async def test_a_body_over_djangos_bound_is_413_even_undeclared(api, settings):
     settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 100
     status, _, body = await publish({"channel": "test:events", "data": "x" * 200}, CONTENT_LENGTH="")
     assert status == 413 and "DATA_UPLOAD_MAX_MEMORY_SIZE" in body["error"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b'{"channel": "test:events", "data": ' + b"[" * 1000 + b"]" * 1000 + b"}", "too_deep"),  # json.loads recurses
+        (
+            json.dumps({"channel": "test:events", "data": _nested(40)}).encode(),
+            "too_deep",
+        ),  # parsed, over the socket's bound
+    ],
+)
+async def test_a_body_nested_too_deep_is_400_not_a_500(api, raw, reason):
+    status, _, body = await publish(raw=raw)
+    assert status == 400 and body["reason"] == reason, body
+
+
+async def test_data_at_the_sockets_depth_bound_goes_out(api):
+    from realtime_app.wire.protocol import MAX_DEPTH
+
+    status, _, body = await publish({"channel": "test:events", "data": _nested(MAX_DEPTH - 1)})
+    assert status == 202, body

@@ -317,6 +317,34 @@ async def test_an_unusable_journal_directory_is_a_check_error_and_an_error_at_st
     assert "writable by other users" in error.msg
 
 
+async def test_a_process_whose_journal_cannot_be_written_is_not_ready_until_it_can(
+    tmp_path, settings, caplog, monkeypatch
+):
+    """Found: with the journal directory unusable, daphne served and acknowledged changes
+    it lost at the stop (40 of 40), saying nothing until then. Now /realtime/ready is 503
+    while it lasts (a load balancer sends nobody), said once as ERROR, and 200 again once
+    the directory is fixed (said once as INFO)."""
+    from types import SimpleNamespace
+
+    from realtime_app.endpoint.doors import readiness
+
+    now = [1000.0]
+    monkeypatch.setattr(lifecycle, "time", SimpleNamespace(monotonic=lambda: now[0]))  # the recheck's clock
+    later = tmp_path / "journals"
+    later.write_text("")  # a file where the directory should be
+    settings.REALTIME_APP = {**settings.REALTIME_APP, "WRITE_BEHIND_JOURNAL_DIR": str(later)}
+    lots()
+    with caplog.at_level(logging.INFO, "realtime_app.write_behind"):
+        for _ in range(3):  # polled again and again, looked at again past each recheck period
+            status, body, _ = readiness()
+            assert status == 503 and body["reason"] == "journal" and "not a directory" in body["why"], body
+            now[0] += lifecycle.JOURNAL_RECHECK_S
+        later.unlink()
+        assert readiness()[0] == 200
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "journal directory" in r.getMessage()]
+    assert [level for level, _ in said] == ["ERROR", "INFO"], said
+
+
 def test_the_default_journal_directory_is_the_sites_own_and_private(tmp_path, monkeypatch, settings):
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     default = journal.default_dir()

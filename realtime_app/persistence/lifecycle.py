@@ -16,6 +16,7 @@ __all__ = [
     "Store",
     "flush_all",
     "install_shutdown_flush",
+    "journal_problem",
     "register",
     "start_all",
     "store_probe",
@@ -120,7 +121,40 @@ def stores_probe() -> dict[str, StoreProbe]:
 
 _shutdown_installed = False
 _atexit_installed = False
-_dir_reported = False
+#: The journal directory as last looked at: (when, which, why it is unusable or None).
+_journal_state: tuple[float, str, str | None] | None = None
+#: How long a look at the journal directory is kept (readiness polls it every second).
+JOURNAL_RECHECK_S = 10.0
+
+
+def journal_problem(now: float | None = None) -> str | None:
+    """Why this process's write-behind journal cannot be written (None: it can, or no
+    store is registered): a process that cannot keep what it acknowledges reports not
+    ready. Looked at again every :data:`JOURNAL_RECHECK_S`; logged as ERROR once when it
+    breaks, INFO once when it is fixed."""
+    global _journal_state
+    if not stores():
+        return None
+    from realtime_app.persistence import journal
+
+    now = time.monotonic() if now is None else now
+    directory = journal.journal_dir()
+    kept = _journal_state
+    if kept is not None and kept[1] == str(directory) and now - kept[0] < JOURNAL_RECHECK_S:
+        return kept[2]
+    why = journal.problem(directory)
+    before = kept[2] if kept is not None and kept[1] == str(directory) else None  # another one: said anew
+    _journal_state = (now, str(directory), why)
+    if why is not None and before is None:
+        logger.error(
+            "the write-behind journal directory is unusable, so changes accepted during a database outage "
+            "would be lost at a stop; /realtime/ready answers 503 until it is fixed: %s "
+            "(WRITE_BEHIND_JOURNAL_DIR; check E031)",
+            why,
+        )
+    elif why is None and before is not None:
+        logger.info("the write-behind journal directory is usable again; ready")
+    return why
 
 
 def _flush_at_exit() -> None:
@@ -188,17 +222,6 @@ async def flush_all() -> int:
 def start_all() -> None:
     """Start every store's flush loop on the running loop, taking over journals (a
     server's start: the hub's, the ASGI lifespan's)."""
-    global _dir_reported
-    if stores() and not _dir_reported:
-        from realtime_app.persistence import journal
-
-        why = journal.problem(journal.journal_dir())
-        _dir_reported = why is not None  # once per process: a start may be tried again
-        if why is not None:
-            logger.error(
-                "the write-behind journal directory is unusable, so changes accepted during a "
-                "database outage would be lost at a stop: %s (WRITE_BEHIND_JOURNAL_DIR; check E031)",
-                why,
-            )
+    journal_problem()  # said at once, not first at the stop that loses the changes
     for store in stores():
         store.start()
