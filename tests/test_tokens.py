@@ -99,3 +99,58 @@ async def test_token_expiring_goes_through_a_full_queue_where_frames_are_dropped
             note = await client.notification(timeout=5)
             assert (note["method"], note["params"]) == ("token_expiring", {"expires_at": expires_at}), note
             assert conn.guard.state.drops >= 1 and not conn.closed  # publications were dropped, not it
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_token_of_another_site_sharing_the_secret_key_is_refused(django_user_model, settings):
+    """Found: the salt was a constant, so a staging copy with the same SECRET_KEY and user
+    table issued tokens this site accepted. It now includes TOKEN_SALT, by default the
+    settings module and ALLOWED_HOSTS."""
+    ann = await user(django_user_model, "ann")
+    settings.ALLOWED_HOSTS = ["staging.example.com"]
+    token, _ = issue(ann)
+    assert verify(token).user == str(ann.pk)  # its own site takes it
+    settings.ALLOWED_HOSTS = ["www.example.com"]
+    with pytest.raises(TokenError, match="invalid"):
+        verify(token)
+    both = {**settings.REALTIME_APP, "TOKEN_SALT": "shop-2026"}  # sites that mean to share tokens say so
+    settings.REALTIME_APP = both
+    token, _ = issue(ann)
+    settings.ALLOWED_HOSTS = ["staging.example.com"]
+    assert verify(token).user == str(ann.pk)
+    settings.REALTIME_APP = {**both, "TOKEN_SALT": "shop-2027"}  # a new salt: every earlier token refused
+    with pytest.raises(TokenError, match="invalid"):
+        verify(token)
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_token_handshakes_good_or_bad_draw_on_their_addresss_handshake_bucket(realtime_hub, django_user_model):
+    """Found: handshakes with a bad or expired token skipped every handshake bound (300
+    from one address in half a second) and no counter saw them."""
+    from channels.routing import URLRouter
+    from channels.testing import WebsocketCommunicator
+
+    from realtime_app.routing import AuthMiddlewareStack, websocket_urlpatterns
+
+    app = AuthMiddlewareStack(URLRouter(websocket_urlpatterns))
+    good, _ = issue(await user(django_user_model, "bo"))
+
+    async def handshake(token: str, address: str) -> tuple[bool, int | None, str]:
+        comm = WebsocketCommunicator(app, "/realtime/", headers=[(b"authorization", f"Bearer {token}".encode())])
+        comm.scope["client"] = (address, 40000)
+        connected, _ = await comm.connect()
+        assert connected  # accepted, then closed with a code the client reads
+        if await comm.receive_nothing(0.3):  # open: it would have been closed at once
+            await comm.disconnect()
+            return True, None, ""
+        message = await comm.receive_output(3)
+        return False, message.get("code"), message.get("reason", "")
+
+    with override_settings(REALTIME_APP={**get_config(), "HANDSHAKES_PER_S": 1.0, "HANDSHAKE_BURST": 3}):
+        realtime_hub.gate.handshakes.clock = lambda: 1000.0  # no refill: the counts are exact on a slow machine
+        answers = [await handshake("not-a-token", "192.0.2.61") for _ in range(3)]
+        assert [a[1] for a in answers] == [4002] * 3
+        assert await handshake("not-a-token", "192.0.2.61") == (False, 1013, "too many handshakes")
+        assert await handshake(good, "192.0.2.61") == (False, 1013, "too many handshakes")  # good or bad
+        assert (await handshake(good, "192.0.2.62"))[0]  # another address: its own bucket
+        assert realtime_hub.probe()["refused"]["tokens"] == 3

@@ -146,6 +146,8 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     if not _callable_or_none(config["PRESENCE_INFO"]) or not isinstance(config["PRESENCE_LIST_ANONYMOUS"], bool):
         why = "PRESENCE_INFO must be None, a callable or its dotted path; PRESENCE_LIST_ANONYMOUS a bool"
         messages.append(Error(f"REALTIME_APP: {why}.", hint="See docs/presence.md.", id="realtime_app.E002"))
+    if config["TOKEN_SALT"] is not None and not (isinstance(config["TOKEN_SALT"], str) and config["TOKEN_SALT"]):
+        messages.append(Error("REALTIME_APP['TOKEN_SALT'] must be None or a non-empty string", id="realtime_app.E002"))
     for key in ("TOKEN_ORIGINS", "PUBLISH_API_KEYS"):  # lists of non-empty strings (a "" key would be no key)
         if not isinstance(config[key], (list, tuple)) or not all(isinstance(v, str) and v for v in config[key]):
             messages.append(Error(f"REALTIME_APP[{key!r}] must be a list of non-empty strings", id="realtime_app.E002"))

@@ -209,6 +209,10 @@ DEFAULTS: dict[str, Any] = {
     "TOKEN_MAX_TTL_S": 30 * 86400,
     "TOKEN_REFRESH_BEFORE_S": 60,
     "TOKEN_ORIGINS": [],
+    # What this site's tokens are signed for besides SECRET_KEY: another site sharing the
+    # key (a staging copy) does not accept them. None: the settings module and
+    # ALLOWED_HOSTS. Changing it refuses every token issued before.
+    "TOKEN_SALT": None,
     # On SIGTERM (daphne), a process closes its connections with 1012 spread over this many
     # seconds (each told when to come back), after it stopped accepting and /realtime/ready
     # answers 503 (docs/deployment.md); sized to end inside a 30 s grace period. 0: at once.

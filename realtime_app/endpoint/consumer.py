@@ -32,10 +32,11 @@ from realtime_app.endpoint.refusals import (
     refusal_response,
     refuse,
     refused_socket,
+    token_refusal,
 )
 from realtime_app.endpoint.replies import Pending, Reply
 from realtime_app.endpoint.sessions import current_user
-from realtime_app.endpoint.tokens import TOKEN_REFUSED, UNREAD_BEARER, arm_expiry, cancel_expiry, unread_bearer
+from realtime_app.endpoint.tokens import UNREAD_BEARER, arm_expiry, cancel_expiry, unread_bearer
 from realtime_app.exceptions import BackplaneUnavailable, RPCError
 from realtime_app.hub.core import Connection, Hub, get_hub
 from realtime_app.inbound.admission import Refusal
@@ -101,8 +102,7 @@ class RealtimeConsumer:
         user = self.user
         if user is not None and getattr(user, "is_authenticated", False):
             return ("user", str(user.pk))
-        config = get_config()
-        return ("address", client_network(self.address(), config["ADDRESS_PREFIX_V4"], config["ADDRESS_PREFIX_V6"]))
+        return self.address_identity()
 
     def address(self) -> str:
         """The client's address, read through the ``TRUSTED_PROXIES`` only."""
@@ -110,6 +110,11 @@ class RealtimeConsumer:
         return client_address(
             self.scope, trusted_networks(tuple(config["TRUSTED_PROXIES"])), config["FORWARDED_HEADER"]
         )
+
+    def address_identity(self) -> tuple[str, str]:
+        """The client's network, whoever it signs in as (a token handshake's bucket)."""
+        config = get_config()
+        return ("address", client_network(self.address(), config["ADDRESS_PREFIX_V4"], config["ADDRESS_PREFIX_V6"]))
 
     def admission_identity(self) -> tuple[str, str]:
         """Whose bucket and cap a request draws on: the user's (shared by all of its
@@ -131,8 +136,8 @@ class RealtimeConsumer:
         if scope.get(AUTH_UNAVAILABLE):  # the session could not be read: come back, rights intact
             log_auth_outage(scope[AUTH_UNAVAILABLE])
             return await deny(send, scope, CloseCode.TRY_AGAIN_LATER, "database unavailable")
-        if (refused := scope.get(TOKEN_REFUSED)) is not None:  # a bad token is nobody's session
-            return await deny(send, scope, refused.close_code, str(refused))
+        if (refused := await token_refusal(scope, self.address_identity())) is not None:
+            return await deny(send, scope, *refused)  # a bad token is nobody's session
         if unread_bearer(scope):  # not silently anonymous: the client meant to be its token's user
             return await deny(send, scope, CloseCode.TOKEN_REFUSED, UNREAD_BEARER)
         if not await self.accept_connection():

@@ -25,6 +25,7 @@ __all__ = [
     "deny",
     "refusal_response",
     "refused_socket",
+    "token_refusal",
     "log_auth_outage",
     "log_refused_connection",
     "log_unsupported_once",
@@ -143,6 +144,31 @@ async def refused_socket(hub: Hub, conn: Connection, identity: tuple[str, str]) 
     code = CloseCode.TRY_AGAIN_LATER if refused == "server full" else CloseCode.POLICY_VIOLATION
     await deny(conn.send, conn.scope, code, refused, conn.guard)
     return True
+
+
+async def token_refusal(scope: Scope, address: tuple[str, str]) -> tuple[CloseCode, str] | None:
+    """The door of a handshake that carries a token, good or bad: it draws on its
+    address's handshake bucket (and the process's anonymous one) as an anonymous
+    handshake does — 300 bad tokens from one address in half a second passed every bound
+    before. ``(close code, reason)`` when refused: 1013 past the bucket, the token's own
+    code (4002, 4004) for a bad one (counted in the probe's ``refused.tokens``)."""
+    from realtime_app.endpoint.tokens import TOKEN, TOKEN_REFUSED
+    from realtime_app.exceptions import BackplaneUnavailable
+    from realtime_app.hub.core import get_hub
+
+    refused = scope.get(TOKEN_REFUSED)
+    if refused is None and TOKEN not in scope:
+        return None
+    try:
+        hub = await get_hub()
+    except BackplaneUnavailable:  # logged by the hub, once per outage: the client retries later
+        return CloseCode.TRY_AGAIN_LATER, "backplane unavailable"
+    if not hub.gate.handshake(address):
+        return CloseCode.TRY_AGAIN_LATER, "too many handshakes"
+    if refused is not None:
+        hub.gate.refused["tokens"] = hub.gate.refused.get("tokens", 0) + 1
+        return CloseCode(refused.close_code), str(refused)
+    return None
 
 
 def log_refused_connection(reason: str, kind: str) -> None:

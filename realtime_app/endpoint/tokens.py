@@ -52,6 +52,20 @@ __all__ = [
 logger = logging.getLogger("realtime_app.sessions")
 
 SALT = "realtime_app.connection-token"
+
+
+def site_salt() -> str:
+    """The salt of this site's tokens: :data:`SALT` and ``TOKEN_SALT`` — by default the
+    settings module and ``ALLOWED_HOSTS``, so that another site sharing ``SECRET_KEY`` and
+    a user table (a staging copy, a second project) does not take this one's tokens."""
+    from django.conf import settings
+
+    own = get_config()["TOKEN_SALT"]
+    if own is None:
+        own = f"{settings.SETTINGS_MODULE}|{','.join(sorted(map(str, settings.ALLOWED_HOSTS)))}"
+    return f"{SALT}:{own}"
+
+
 #: The scope keys: the verified token's claims, and why a handshake's token was refused.
 TOKEN = "realtime_token"
 TOKEN_REFUSED = "realtime_token_refused"
@@ -113,7 +127,7 @@ def issue(user: Any, ttl_s: int | None = None, channels: tuple[str, ...] | list[
     payload: dict[str, Any] = {"u": str(user.pk), "e": expires_at, "h": _digest(user)}
     if channels:
         payload["c"] = [str(c) for c in channels]
-    token = signing.dumps(payload, salt=SALT, compress=True)
+    token = signing.dumps(payload, salt=site_salt(), compress=True)
     if len(token) > MAX_TOKEN_BYTES:
         raise ValueError(f"a token over {MAX_TOKEN_BYTES} bytes would be refused: grant fewer channels")
     return token, expires_at
@@ -124,7 +138,7 @@ def verify(token: Any, now: float | None = None) -> Claims:
     if not isinstance(token, str) or not token or len(token.encode("utf-8", "replace")) > MAX_TOKEN_BYTES:
         raise TokenError("invalid")
     try:
-        raw = signing.loads(token, salt=SALT)
+        raw = signing.loads(token, salt=site_salt())
         claims = Claims(str(raw["u"]), int(raw["e"]), str(raw["h"]), tuple(str(c) for c in raw.get("c", ())))
     except (signing.BadSignature, KeyError, TypeError, ValueError, AttributeError):
         raise TokenError("invalid") from None
