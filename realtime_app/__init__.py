@@ -50,6 +50,7 @@ _EXPORTS = {
     "ConfigurationError": "exceptions",
     "CloseCode": "wire.protocol",
     "BackplaneUnavailable": "exceptions",
+    "OutboxFull": "exceptions",
     "PublicationError": "exceptions",
     "PublicationTooLarge": "exceptions",
     "Backplane": "cluster.base",

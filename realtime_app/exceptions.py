@@ -27,6 +27,7 @@ __all__ = [
     "ConfigurationError",
     "ForbiddenChannel",
     "NO_USER_HINT",
+    "OutboxFull",
     "OutcomeUnknown",
     "PublicationError",
     "PublicationTooLarge",
@@ -79,6 +80,23 @@ class PublicationTooLarge(PublicationError):
         super().__init__(channel, f"frame of {size} bytes is over {bound} ({limit})")
         self.size = size
         self.limit = limit
+
+
+class OutboxFull(PublicationError):
+    """A durable publication refused: the outbox holds ``OUTBOX_MAX_ROWS`` rows (the
+    backplane is down, or nothing drains). A :class:`PublicationError` to the code that
+    published; to the client whose call published it, -32003 ``outbox_full`` with
+    ``limit`` and ``retry_after_ms`` (:meth:`as_rpc`), never an internal error."""
+
+    def __init__(self, channel: str, limit: int, retry_after_ms: int) -> None:
+        super().__init__(
+            channel, f"the outbox is full (OUTBOX_MAX_ROWS {limit}): the backplane is down or nothing drains"
+        )
+        self.limit = limit
+        self.retry_after_ms = retry_after_ms
+
+    def as_rpc(self) -> RPCError:
+        return RPCError(-32003, "Outbox full", "outbox_full", limit=self.limit, retry_after_ms=self.retry_after_ms)
 
 
 class RPCError(RealtimeError):

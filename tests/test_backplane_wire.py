@@ -343,3 +343,40 @@ async def test_calls_under_way_or_made_after_a_stop_open_no_connection() -> None
             await eventually(closed, 10, f"no connection left by calls {steps} steps into the stop")
     finally:
         server.close()
+
+
+async def test_one_identitys_idempotent_answers_on_redis_are_bounded_in_bytes(redis_url, prefix) -> None:
+    """Found: a method echoing a 50 KB document kept 57.7 KB on Redis per anonymous call,
+    149 MB per address over the TTL. An identity's answers kept through a process are now
+    bounded in bytes (IDEMPOTENCY_MAX_BYTES_PER_IDENTITY): past it a new key is refused
+    -32003 idempotency_full before it runs; its kept answers still answer their repeats."""
+    from realtime_app.conf import DEFAULTS
+    from realtime_app.conf.typed import Settings
+    from realtime_app.hub.once import Once
+
+    settings = Settings.from_config({**DEFAULTS, "IDEMPOTENCY_MAX_BYTES_PER_IDENTITY": 150_000})
+    runs: list[str] = []
+
+    async def echo(method: str, params: dict) -> tuple[bool, dict]:
+        runs.append(params["k"])
+        return True, {"doc": "x" * 50_000}
+
+    async with Process(redis_url, prefix) as a:
+        once = Once(settings, lambda: a.backplane)
+        attacker, other = ("address", "198.51.100.9"), ("address", "198.51.100.10")
+        answers = [await once.run(attacker, f"k{n}", echo, "demo.echo", {"k": f"k{n}"}) for n in range(4)]
+        assert [ok for ok, _ in answers] == [True, True, True, False]  # 3 x 50 KB reach the bound
+        refused = answers[3][1]
+        assert (refused["code"], refused["data"]["reason"], refused["data"]["limit"]) == (
+            -32003,
+            "idempotency_full",
+            150_000,
+        )
+        assert refused["data"]["retry_after_ms"] > 0 and runs == ["k0", "k1", "k2"]  # refused before it ran
+        assert (await once.run(attacker, "k1", echo, "demo.echo", {"k": "k1"}))[0] is True  # a repeat: its answer
+        assert runs == ["k0", "k1", "k2"]
+        assert (await once.run(other, "k0", echo, "demo.echo", {"k": "o0"}))[0] is True  # another identity's own
+        probe = once.probe()
+        assert probe["refused_full"] == 1 and probe["kept_bytes"] >= 4 * 50_000
+        stored = [k for k in redis.Redis.from_url(redis_url).scan_iter(f"{prefix}*once*")]
+        assert len(stored) == 4 + 1  # 3 + 1 answers, and the refusal kept until it may come back

@@ -106,3 +106,33 @@ async def test_a_keyed_call_runs_to_its_end_when_its_connection_closes(hub, djan
     async with Client(alice) as again:  # the connection closed mid-call; the retry
         answer = await again.call("test.once", {"idempotency_key": key, "seconds": 0.3})
     assert answer["result"]["run"] == 1 and once_runs[key] == 1
+
+
+async def test_the_per_identity_bound_frees_as_answers_expire_and_a_refusal_is_kept_until_its_retry():
+    """One process, a fake clock: an identity over IDEMPOTENCY_MAX_BYTES_PER_IDENTITY is
+    refused a new key until its oldest answer expires; the refusal answers that key's
+    repeats only until its retry_after_ms, then the key runs (nothing ran the first time)."""
+    from realtime_app.conf import DEFAULTS
+    from realtime_app.conf.typed import Settings
+    from realtime_app.hub.once import Once
+
+    now = [1000.0]
+    settings = Settings.from_config({**DEFAULTS, "IDEMPOTENCY_TTL_S": 10, "IDEMPOTENCY_MAX_BYTES_PER_IDENTITY": 2500})
+    once = Once(settings, lambda: None, clock=lambda: now[0])
+    once.local.clock = once.clock
+    ran: list[str] = []
+
+    async def big(method: str, params: dict) -> tuple[bool, dict]:
+        ran.append(params["k"])
+        return True, {"doc": "y" * 1000}
+
+    who = ("address", "192.0.2.1")
+    assert [(await once.run(who, k, big, "m", {"k": k}))[0] for k in ("a", "b", "c")] == [True, True, True]
+    ok, refused = await once.run(who, "d", big, "m", {"k": "d"})
+    assert not ok and refused["data"]["reason"] == "idempotency_full" and ran == ["a", "b", "c"]
+    assert 0 < refused["data"]["retry_after_ms"] <= 10_000
+    now[0] += 5
+    assert (await once.run(who, "d", big, "m", {"k": "d"}))[1] == refused  # kept until its retry time
+    now[0] = 1000.0 + 10.001  # the first three expired: room again, and the refusal with them
+    assert (await once.run(who, "d", big, "m", {"k": "d"}))[0] is True and ran == ["a", "b", "c", "d"]
+    assert once.probe()["refused_full"] == 1 and once.kept_bytes[who] < 2500

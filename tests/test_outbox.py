@@ -195,3 +195,54 @@ def test_outbox_checks_name_an_unknown_database_and_an_outbox_nothing_drains():
         [warning] = check_outbox(databases=["default"])
     assert warning.id == "realtime_app.W032" and "1 row(s)" in warning.msg
     assert check_outbox() == []  # without --database, no query
+
+
+async def test_a_full_outbox_is_an_exact_bound_and_a_documented_refusal_not_a_traceback(private_redis):
+    """Found: with the outbox full, demo.post answered internal_error with a 40-line
+    traceback per call, and 13 posts were acknowledged past OUTBOX_MAX_ROWS (counted once
+    a beat). Now near the bound each durable publication counts the rows in its own
+    transaction: exactly OUTBOX_MAX_ROWS are taken, the rest answered -32003 outbox_full
+    with retry_after_ms, said once as a WARNING, and none of them is an ERROR."""
+    import logging
+
+    from realtime_app.hub import get_hub
+
+    config = {
+        **get_config(),
+        "BACKPLANE": "redis",
+        "REDIS_URL": private_redis.url,
+        "KEY_PREFIX": "outbox-full",
+        "OUTBOX_MAX_ROWS": 5,
+    }
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("realtime_app").addHandler(handler)
+    with override_settings(REALTIME_APP=config):
+        hub = await get_hub()
+        try:
+            async with Client() as c:
+                private_redis.pause()  # nothing drains: the rows stay
+                answers = [await c.call("test.post_durable", {"text": f"p{i}"}) for i in range(9)]
+                assert [a.get("result") for a in answers[:5]] == ["posted"] * 5
+                for answer in answers[5:]:
+                    error = answer["error"]
+                    assert (error["code"], error["data"]["reason"], error["data"]["limit"]) == (
+                        -32003,
+                        "outbox_full",
+                        5,
+                    )
+                    assert error["data"]["retry_after_ms"] > 0
+                assert await sync_to_async(_rows)() == 5  # exactly the bound, not a beat's worth past it
+                assert hub.probe()["outbox"]["refused"] == 4
+                private_redis.resume()
+                await _drained(30)
+                await eventually(lambda: hub.probe()["outbox"]["rows"] == 0, 30, "the drain counted the empty outbox")
+                assert "result" in await c.call("test.post_durable", {"text": "after"})
+        finally:
+            private_redis.resume()
+            await asyncio.wait_for(hub.aclose(), 20)
+            logging.getLogger("realtime_app").removeHandler(handler)
+    assert not [r for r in records if r.levelno >= logging.ERROR], [r.getMessage() for r in records]
+    full = [r for r in records if "outbox is full" in r.getMessage()]
+    assert len(full) == 1 and full[0].levelname == "WARNING"

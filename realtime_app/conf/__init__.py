@@ -142,10 +142,14 @@ DEFAULTS: dict[str, Any] = {
     # Idempotent methods (rpc_method(idempotent=True), docs/transactions.md): how long the
     # answer of a call with an "idempotency_key" is kept for its repeats, seconds; the
     # largest answer kept, bytes (a larger one is not: its repeats get -32603
-    # answer_not_kept); and, on one process, the bytes of every answer kept together.
+    # answer_not_kept); on one process, the bytes of every answer kept together; and the
+    # bytes of the answers one identity's calls keep (on Redis as in memory) through this
+    # process — past it its next new key is refused -32003 idempotency_full with
+    # retry_after_ms (0 = no bound).
     "IDEMPOTENCY_TTL_S": 300,
     "IDEMPOTENCY_MAX_ANSWER_BYTES": 64 * 1024,
     "IDEMPOTENCY_MAX_BYTES": 64 * 1024 * 1024,
+    "IDEMPOTENCY_MAX_BYTES_PER_IDENTITY": 1024 * 1024,
     # The outbox of durable channels (event_channel(durable=True), docs/transactions.md):
     # the databases whose outbox the processes drain; rows waiting past which durable
     # publications are refused (PublicationError "outbox full") and the probe raises its

@@ -49,6 +49,8 @@ class Settings:
     max_tickers: int
     max_instances: int
     max_instances_per_template: int
+    max_tickers_per_identity: int
+    max_instances_per_identity: int
     max_connections_per_user: int
     max_connections_per_address: int
     handshakes_per_s: float
@@ -73,6 +75,7 @@ class Settings:
     idempotency_ttl_s: int
     idempotency_max_answer_bytes: int
     idempotency_max_bytes: int
+    idempotency_max_bytes_per_identity: int
     outbox_databases: list[Any]
     outbox_max_rows: int
     outbox_max_age_s: int
@@ -100,6 +103,7 @@ class Settings:
     token_max_ttl_s: int
     token_refresh_before_s: int
     token_origins: list[str]
+    token_salt: str | None
     drain_seconds: int
     heartbeat_seconds: int
     publish_api_keys: list[str]

@@ -37,7 +37,7 @@ from realtime_app.endpoint.refusals import (
 from realtime_app.endpoint.replies import Pending, Reply
 from realtime_app.endpoint.sessions import current_user
 from realtime_app.endpoint.tokens import UNREAD_BEARER, arm_expiry, cancel_expiry, unread_bearer
-from realtime_app.exceptions import BackplaneUnavailable, RPCError
+from realtime_app.exceptions import BackplaneUnavailable, OutboxFull, RPCError
 from realtime_app.hub.core import Connection, Hub, get_hub
 from realtime_app.inbound.admission import Refusal
 from realtime_app.observability.logsafe import safe
@@ -282,6 +282,8 @@ class RealtimeConsumer:
         except BackplaneUnavailable:  # logged once per outage by the hub
             error = RPCError(protocol.OVERLOADED, "Backplane unavailable", "backplane_unavailable", retry_after_ms=1000)
             return {"jsonrpc": "2.0", "error": error.as_error(), "id": request.id}
+        except OutboxFull as full:  # a durable publication refused (said by the outbox): no traceback
+            return {"jsonrpc": "2.0", "error": full.as_rpc().as_error(), "id": request.id}
         except RPCError as exc:
             if exc.code in protocol.LIBRARY_CODES:  # the request was wrong: counted, logged once
                 self.count_error(exc.reason or "error", f"{request.method}: {exc}")

@@ -27,12 +27,13 @@ import json
 import logging
 import secrets
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from realtime_app.conf import beat_period_s
 from realtime_app.conf.typed import Settings
+from realtime_app.inbound.admission import retry_after_ms
 from realtime_app.wire import protocol
 
 if TYPE_CHECKING:
@@ -107,14 +108,21 @@ class OnceBook:
 class Once:
     """Runs idempotent calls once per (identity, method, key): the gate's, one per hub."""
 
-    def __init__(self, settings: Settings, backplane: Callable[[], Backplane | None]) -> None:
+    def __init__(
+        self, settings: Settings, backplane: Callable[[], Backplane | None], clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.settings = settings
         self.local = OnceBook(settings.idempotency_max_bytes)
         self._backplane = backplane  # the hub's, once it started
+        self.clock = clock
+        #: Per identity, the answers its calls kept through this process: (expiry, bytes), oldest first.
+        self.kept_by: dict[tuple[str, str], deque[tuple[float, int]]] = {}
+        self.kept_bytes: dict[tuple[str, str], int] = {}
         self.ran = 0  # first calls run
         self.repeats = 0  # repeats answered with a kept answer
         self.waited = 0  # repeats that waited for a running first call
         self.not_kept = 0  # answers over IDEMPOTENCY_MAX_ANSWER_BYTES
+        self.refused_full = 0  # new keys refused: their identity's answers filled its bytes
 
     @property
     def backplane(self) -> Backplane | None:
@@ -180,25 +188,67 @@ class Once:
         except self._errors() as exc:
             logger.debug("idempotency book unreachable: %s", exc)
             return False, _unavailable()
+        full = self._full(identity)
+        if full is not None:  # nothing runs: the refusal is kept until it may come back
+            self.refused_full += 1
+            await self._settle(name, owner, False, full)
+            return False, full
         self.ran += 1
         renewing = asyncio.get_running_loop().create_task(self._renewing(name, owner, lease_ms))
         try:
             ok, outcome = await execute(method, params)
         finally:  # cancelled (the process stops): the claim stays until its lease lapses
             renewing.cancel()
-        await self._settle(name, owner, ok, outcome)
+        kept = await self._settle(name, owner, ok, outcome)
+        self._count(identity, kept)
         return ok, outcome
 
-    async def _settle(self, name: str, owner: str, ok: bool, outcome: Any) -> None:
-        """Keep the answer, whatever it is, for the repeats."""
+    def _full(self, identity: tuple[str, str]) -> dict[str, Any] | None:
+        """The refusal of a new key of ``identity`` while the answers its calls keep fill
+        ``IDEMPOTENCY_MAX_BYTES_PER_IDENTITY`` (until the oldest expires), else None."""
+        limit = int(self.settings.idempotency_max_bytes_per_identity)
+        kept, now = self.kept_by.get(identity), self.clock()
+        while kept and kept[0][0] <= now:
+            self.kept_bytes[identity] -= kept.popleft()[1]
+        if not kept:
+            self.kept_by.pop(identity, None)
+            self.kept_bytes.pop(identity, None)
+            return None
+        if not limit or self.kept_bytes[identity] < limit:
+            return None
+        retry_ms = max(1, retry_after_ms(kept[0][0] - now))  # when the oldest expires
+        message, reason = "Too many idempotent answers kept", "idempotency_full"
+        return dict(
+            protocol.error_response(None, protocol.OVERLOADED, message, reason, limit=limit, retry_after_ms=retry_ms)[
+                "error"
+            ]
+        )
+
+    def _count(self, identity: tuple[str, str], kept: tuple[int, int] | None) -> None:
+        """An answer of ``identity``'s kept: ``(bytes, ttl_ms)``."""
+        if kept is None:
+            return
+        size, ttl_ms = kept
+        self.kept_by.setdefault(identity, deque()).append((self.clock() + ttl_ms / 1000, size))
+        self.kept_bytes[identity] = self.kept_bytes.get(identity, 0) + size
+
+    async def _settle(self, name: str, owner: str, ok: bool, outcome: Any) -> tuple[int, int] | None:
+        """Keep the answer, whatever it is, for the repeats — a refusal (-32003..-32005
+        with ``retry_after_ms``: nothing was done, come back) only until that time, so the
+        retry it asks for runs. What was kept: ``(bytes, ttl_ms)``."""
+        ttl_ms = int(self.settings.idempotency_ttl_s) * 1000
         try:
             answer = protocol.encode([ok, outcome])
             if len(answer.encode()) > self.settings.idempotency_max_answer_bytes:
                 self.not_kept += 1
                 answer = protocol.encode([False, _not_kept()])
-            await self._keep(name, owner, answer, int(self.settings.idempotency_ttl_s) * 1000)
+            elif not ok and (retry := _retry_after_ms(outcome)) is not None:
+                ttl_ms = max(1, min(ttl_ms, retry))
+            await self._keep(name, owner, answer, ttl_ms)
         except self._errors() as exc:  # the claim lapses with its lease: a repeat then runs again
             logger.warning("the answer of an idempotent call could not be kept: %s", exc)
+            return None
+        return len(name) + len(answer.encode()), ttl_ms
 
     async def _renewing(self, name: str, owner: str, lease_ms: int) -> None:
         while True:
@@ -210,7 +260,25 @@ class Once:
         return self.backplane.errors if self.backplane is not None else ()
 
     def probe(self) -> dict[str, int]:
-        return {"ran": self.ran, "repeats": self.repeats, "waited": self.waited, "not_kept": self.not_kept}
+        return {
+            "ran": self.ran,
+            "repeats": self.repeats,
+            "waited": self.waited,
+            "not_kept": self.not_kept,
+            "refused_full": self.refused_full,
+            "kept_bytes": sum(self.kept_bytes.values()),
+        }
+
+
+def _retry_after_ms(error: Any) -> int | None:
+    """A refusal's ``retry_after_ms`` (an error whose call did nothing), else None."""
+    from realtime_app.exceptions import REFUSAL_CODES
+
+    if not isinstance(error, dict) or error.get("code") not in REFUSAL_CODES:
+        return None
+    data = error.get("data")
+    retry = data.get("retry_after_ms") if isinstance(data, dict) else None
+    return int(retry) if isinstance(retry, (int, float)) and not isinstance(retry, bool) else None
 
 
 def _unavailable() -> dict[str, Any]:

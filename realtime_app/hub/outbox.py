@@ -40,7 +40,20 @@ class Hub(Protocol):
     last_seq: dict[str, int]
 
 
-__all__ = ["OutboxDrain", "drain_outbox", "outbox_full", "outbox_probe"]
+__all__ = [
+    "NEAR_FULL",
+    "OutboxDrain",
+    "drain_outbox",
+    "outbox_full",
+    "outbox_probe",
+    "outbox_refusal",
+    "outbox_written",
+]
+
+#: Past this share of ``OUTBOX_MAX_ROWS`` (as counted at the last beat, plus what this
+#: process wrote since), each durable publication counts the rows waiting in its own
+#: transaction first: the bound holds exactly, not as of the last beat.
+NEAR_FULL = 0.9
 
 logger = logging.getLogger("realtime_app.outbox")
 
@@ -59,6 +72,9 @@ class OutboxDrain:
         self.hub = hub
         self.woken = asyncio.Event()
         self.rows = 0  # waiting, as last counted
+        self.written = 0  # rows this process wrote since (an estimate: some may have rolled back)
+        self.refused = 0  # durable publications refused while full
+        self.full_said = False  # its refusals were logged (once while they last)
         self.oldest: datetime.datetime | None = None
         self.published = 0
         self.duplicates = 0  # rows the backplane had published already (a repeated drain)
@@ -126,7 +142,7 @@ class OutboxDrain:
             except Exception:  # said by the drain's warning
                 logger.debug("outbox of %r not counted", alias)
         if counts:
-            self.rows = sum(rows for rows, _ in counts)
+            self.rows, self.written = sum(rows for rows, _ in counts), 0
             self.oldest = min((oldest for _, oldest in counts if oldest is not None), default=None)
         self._counted = time.monotonic()
 
@@ -192,6 +208,7 @@ class OutboxDrain:
             "published": self.published,
             "duplicates": self.duplicates,
             "failures": self.failures,
+            "refused": self.refused,
             "alarm": alarm,
         }
 
@@ -221,12 +238,54 @@ async def drain_outbox(hub: Hub) -> None:
 def outbox_probe(hub: object) -> OutboxProbe:
     drain = _drains.get(hub)
     if drain is None:
-        return {"rows": 0, "oldest_s": 0.0, "published": 0, "duplicates": 0, "failures": 0, "alarm": ""}
+        return {"rows": 0, "oldest_s": 0.0, "published": 0, "duplicates": 0, "failures": 0, "refused": 0, "alarm": ""}
     return drain.probe()
 
 
 def outbox_full() -> bool:
     """True while the outbox holds ``OUTBOX_MAX_ROWS`` rows or more (as this process's
-    drains last counted): durable publications are refused."""
+    drains last counted)."""
     limit = int(get_config()["OUTBOX_MAX_ROWS"])
     return bool(limit) and any(drain.rows >= limit for drain in list(_drains.values()))
+
+
+def outbox_written() -> None:
+    """A durable publication wrote its row (in the caller's transaction)."""
+    for drain in list(_drains.values()):
+        drain.written += 1
+
+
+def outbox_refusal() -> tuple[int, int] | None:
+    """``(limit, retry_after_ms)`` when a durable publication would pass
+    ``OUTBOX_MAX_ROWS`` (counted exactly, in the caller's thread and transaction, once
+    the estimate is within :data:`NEAR_FULL` of it); None when it fits. Two transactions
+    counting at the same instant may each take the last place."""
+    config = get_config()
+    limit = int(config["OUTBOX_MAX_ROWS"])
+    drains = list(_drains.values())
+    if not limit or not drains or max(d.rows + d.written for d in drains) < limit * NEAR_FULL:
+        return None
+    waiting = 0
+    for alias in config["OUTBOX_DATABASES"]:
+        try:
+            waiting += outbox.rows_up_to(alias, limit)
+        except Exception:  # a database that does not answer: its last count
+            logger.debug("outbox of %r not counted", alias)
+        if waiting >= limit:
+            break
+    if waiting < limit:
+        if any(d.full_said for d in drains):
+            logger.info("the outbox takes durable publications again (%d rows waiting)", waiting)
+        for drain in drains:
+            drain.full_said = False
+        return None
+    if not any(d.full_said for d in drains):  # once while it lasts, not once per publication
+        logger.warning(
+            "the outbox is full (%d rows, OUTBOX_MAX_ROWS): durable publications are refused "
+            "(-32003 outbox_full) until it drains",
+            waiting,
+        )
+    for drain in drains:
+        drain.refused += 1
+        drain.full_said = True
+    return limit, int(beat_period_s(config) * 1000)

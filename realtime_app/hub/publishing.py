@@ -29,7 +29,7 @@ from asgiref.sync import async_to_sync
 
 from realtime_app.channels.registry import fed_channel, registry
 from realtime_app.cluster.factory import make_backplane
-from realtime_app.exceptions import BackplaneUnavailable, ConfigurationError, PublicationError
+from realtime_app.exceptions import BackplaneUnavailable, ConfigurationError, OutboxFull
 from realtime_app.hub.core import hub_of_current_loop, running_hub
 from realtime_app.hub.envelope import encode_publication
 
@@ -67,7 +67,7 @@ def _to_outbox(channel: str, data_json: str, using: str | None) -> None:
     from django.db import DEFAULT_DB_ALIAS
 
     from realtime_app.conf import get_config
-    from realtime_app.hub.outbox import outbox_full
+    from realtime_app.hub.outbox import outbox_refusal, outbox_written
     from realtime_app.persistence import outbox
 
     alias = using or DEFAULT_DB_ALIAS
@@ -76,9 +76,10 @@ def _to_outbox(channel: str, data_json: str, using: str | None) -> None:
             f"durable channel {channel!r} published in a transaction of database {alias!r}, whose outbox "
             "nobody drains: add it to REALTIME_APP['OUTBOX_DATABASES']"
         )
-    if outbox_full():
-        raise PublicationError(channel, "the outbox is full (OUTBOX_MAX_ROWS): the backplane is down or nothing drains")
+    if (refused := outbox_refusal()) is not None:
+        raise OutboxFull(channel, *refused)
     outbox.write(channel, data_json, alias)
+    outbox_written()
 
 
 def _after_commit(channel: str, data_json: str) -> None:

@@ -82,6 +82,10 @@ class AdmissionProbe(TypedDict):
     once_repeats: Annotated[int, Counter("Repeats of idempotent calls answered with the first answer")]
     once_waited: Annotated[int, Counter("Repeats that waited for their first call to answer")]
     once_not_kept: Annotated[int, Counter("Idempotent answers too large to keep for repeats")]
+    once_refused_full: Annotated[
+        int, Counter("New idempotency keys refused: their identity's kept answers filled its bytes")
+    ]
+    once_kept_bytes: Annotated[int, Gauge("Bytes of idempotent answers kept through this process, all identities")]
 
 
 class HistoryChannel(TypedDict):
@@ -191,6 +195,9 @@ class OutboxProbe(TypedDict):
         int, Counter("Outbox rows the backplane had published already (a drain repeated)", "realtime_outbox_duplicates")
     ]
     failures: Annotated[int, Counter("Outbox drain passes stopped by an error", "realtime_outbox_failures")]
+    refused: Annotated[
+        int, Counter("Durable publications refused: the outbox was full (OUTBOX_MAX_ROWS)", "realtime_outbox_refused")
+    ]
     alarm: Annotated[str, Shown("why the outbox needs attention (too many rows, too old), or empty")]
 
 

@@ -92,6 +92,13 @@ def read(alias: str, channel: str, limit: int) -> list[Row]:
     return [Row(r.id, r.channel, r.data) for r in rows.only("id", "channel", "data")]
 
 
+def rows_up_to(alias: str, limit: int) -> int:
+    """Rows waiting, counted up to ``limit`` (a bounded count, in the current transaction)."""
+    from realtime_app.models import OutboxEntry
+
+    return int(OutboxEntry.objects.using(alias).order_by()[:limit].count())
+
+
 def delete(alias: str, ids: list[int]) -> None:
     from realtime_app.models import OutboxEntry
 

@@ -325,6 +325,16 @@ async def run_once(consumer: Any, params: Any) -> dict[str, Any]:
     return {"run": once_runs[key], "pad": "x" * int(params.get("pad", 0))}
 
 
+@realtime_app.rpc_method("test.post_durable")
+def post_durable(consumer: Any, params: Any) -> str:
+    """One durable publication of ``test:durable`` in a transaction (``demo.post``'s shape)."""
+    from django.db import transaction
+
+    with transaction.atomic():
+        realtime_app.publish("test:durable", {"text": params["text"]})
+    return "posted"
+
+
 @realtime_app.rpc_method("test.commit_and_die")
 def commit_and_die(consumer: Any, params: Any) -> None:
     """Commit ``count`` durable publications of ``channel``, one transaction each, then
