@@ -8,9 +8,13 @@ Django's sync path (WSGI servers with threads: a waiter blocks on a
 straight to a waiter — it is never released and re-taken, so a newcomer cannot overtake
 the queue. **Fair per client** (its user, or its address): each client has its own FIFO
 and a freed slot goes to the next client in turn, so one client's backlog delays another
-client by at most one request; when the queue is full, a client with fewer waiters than
-the busiest one takes the busiest one's newest place (that one is answered 503
-``queue_full``) instead of being refused.
+client by at most one request; when the queue is full, a client with fewer requests
+(running and waiting) than the busiest one takes the busiest one's newest place (that one
+is answered 503 ``queue_full``) instead of being refused, and a client below its share
+of the slots with nothing waiting takes a place past ``max_waiting`` (at most
+``max_concurrent`` such places). Found: a client whose flood held every slot and one
+waiting place refused every request of a second client, since only waiters were
+compared.
 
 Every way out is counted exactly once: a slot given back (:meth:`Slot.release` is
 idempotent), a waiter that timed out, one whose client went away, one refused because
@@ -84,17 +88,18 @@ class _Waiter:
 class Slot:
     """A running request's place in its pool; :meth:`release` it exactly once (more is harmless)."""
 
-    __slots__ = ("_pool", "released", "waited_ms")
+    __slots__ = ("_pool", "client", "released", "waited_ms")
 
-    def __init__(self, pool: ConcurrencyPool, waited_ms: float) -> None:
+    def __init__(self, pool: ConcurrencyPool, waited_ms: float, client: Hashable = None) -> None:
         self._pool = pool
         self.waited_ms = waited_ms
+        self.client = client
         self.released = False
 
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self._pool._release()
+            self._pool._release(self.client)
 
 
 class ConcurrencyPool:
@@ -104,6 +109,7 @@ class ConcurrencyPool:
         self.name = name
         self.settings = settings
         self.running = 0
+        self.running_by: dict[Hashable, int] = {}  # slots held per client
         self._queues: OrderedDict[Hashable, deque[_Waiter]] = OrderedDict()  # per client, in turn
         self._lock = threading.Lock()
         self.admitted = 0
@@ -122,24 +128,41 @@ class ConcurrencyPool:
         newest), or Busy(queue_full)."""
         if self.running < self.settings.max_concurrent and not self._queues:
             self.running += 1
+            self.running_by[client] = self.running_by.get(client, 0) + 1
             self.admitted += 1
             self._waits.append(0.0)
-            return Slot(self, 0.0)
-        if self.waiting >= self.settings.max_waiting:
-            mine = len(self._queues.get(client, ()))
-            busiest = max(self._queues, key=lambda c: len(self._queues[c]), default=None)
-            if busiest is None or busiest == client or len(self._queues[busiest]) <= mine + 1:
+            return Slot(self, 0.0, client)
+        waiting = self.waiting
+        if waiting >= self.settings.max_waiting:
+            mine = self._load(client)
+            busiest = max(self._queues, key=self._load, default=None)
+            if busiest is not None and busiest != client and self._load(busiest) > mine + 1:
+                shed = self._queues[busiest].pop()  # the busiest client's newest: its place goes to this one
+                if not self._queues[busiest]:
+                    del self._queues[busiest]
+                shed.state = "shed"
+                self.refused["queue_full"] += 1
+                shed.wake()
+            elif client in self._queues or mine >= self._share(client) or waiting >= self._most_waiting():
                 self.refused["queue_full"] += 1
                 raise Busy(self.name, "queue_full", self._retry_after_s())
-            shed = self._queues[busiest].pop()  # the busiest client's newest: its place goes to this one
-            if not self._queues[busiest]:
-                del self._queues[busiest]
-            shed.state = "shed"
-            self.refused["queue_full"] += 1
-            shed.wake()
         waiter = _Waiter(loop, client)
         self._queues.setdefault(client, deque()).append(waiter)
         return waiter
+
+    def _load(self, client: Hashable) -> int:
+        """A client's requests in the pool: running and waiting."""
+        return self.running_by.get(client, 0) + len(self._queues.get(client, ()))
+
+    def _share(self, client: Hashable) -> int:
+        """A client's fair share of the slots: the slots over the clients with requests
+        in the pool, this one included (at least one)."""
+        active = set(self.running_by) | set(self._queues) | {client}
+        return max(1, self.settings.max_concurrent // len(active))
+
+    def _most_waiting(self) -> int:
+        """Places past ``max_waiting`` for clients below their share: ``max_concurrent`` more."""
+        return self.settings.max_waiting + self.settings.max_concurrent
 
     def _leave(self, waiter: _Waiter, reason: Reason) -> Slot | None:
         """Under the lock: a waiter gives up. If a slot reached it meanwhile it owns it."""
@@ -162,7 +185,7 @@ class ConcurrencyPool:
         waited_ms = (waiter.granted_at - waiter.since) * 1000
         self.admitted += 1
         self._waits.append(waited_ms)
-        return Slot(self, waited_ms)
+        return Slot(self, waited_ms, waiter.client)
 
     def acquire(self, client: Hashable = None) -> Slot:
         """Take a slot for ``client``, waiting at most ``wait_timeout_ms`` (a blocking call:
@@ -210,8 +233,13 @@ class ConcurrencyPool:
 
     # -- giving it back ---------------------------------------------------------------
 
-    def _release(self) -> None:
+    def _release(self, client: Hashable = None) -> None:
         with self._lock:
+            held = self.running_by.get(client, 0) - 1
+            if held > 0:
+                self.running_by[client] = held
+            else:
+                self.running_by.pop(client, None)
             now = time.monotonic()
             timeout_s = self.settings.wait_timeout_ms / 1000
             while self._queues:
@@ -228,6 +256,7 @@ class ConcurrencyPool:
                     waiter.wake()
                     continue
                 waiter.state = "granted"  # the slot passes on: running is unchanged
+                self.running_by[waiter.client] = self.running_by.get(waiter.client, 0) + 1
                 waiter.granted_at = now
                 waiter.wake()
                 return
