@@ -298,7 +298,8 @@ async def test_the_queue_serves_clients_in_turn_and_a_full_one_sheds_the_busiest
     assert pool.refused["queue_full"] == 1 and pool.running == 0 and pool.waiting == 0
 
 
-async def test_a_client_holding_every_slot_and_a_waiting_place_still_leaves_another_its_turn():
+@pytest.mark.parametrize("max_waiting", [1, 0])
+async def test_a_client_holding_every_slot_and_a_waiting_place_still_leaves_another_its_turn(max_waiting):
     """Found: one client's flood held the pool; a second client's 18 requests were all 503
     — the queue compared waiters only, so a client running every slot with one request
     waiting refused everyone else, and with no waiting places at all nobody else could
@@ -308,28 +309,27 @@ async def test_a_client_holding_every_slot_and_a_waiting_place_still_leaves_anot
 
     from realtime_app.inbound.limiter import Busy, ConcurrencyPool, PoolSettings
 
-    for max_waiting in (1, 0):
-        pool = ConcurrencyPool("flood", PoolSettings(max_concurrent=2, max_waiting=max_waiting, wait_timeout_ms=10_000))
-        a, b = ("address", "flooder"), ("address", "second")
-        held = [await pool.aacquire(a), await pool.aacquire(a)]  # the flood runs in every slot
-        loop = asyncio.get_running_loop()
-        flood = [loop.create_task(pool.aacquire(a)) for _ in range(3)]  # and keeps asking
-        if max_waiting == 0:  # refused at once: no place to wait, and the flood is over its share
-            assert all(isinstance(r, Busy) for r in await asyncio.gather(*flood, return_exceptions=True))
-        await eventually(lambda: pool.waiting == max_waiting, 5, "the flood's places taken")
-        second = loop.create_task(pool.aacquire(b))
-        await eventually(lambda: b in pool._queues, 5, "the second client queued, not refused")
-        with pytest.raises(Busy):  # its second request waits for no second place: one below its share
-            await pool.aacquire(b)
-        held.pop().release()  # the next slot is the second client's
-        slot = await asyncio.wait_for(second, 5)
-        assert pool.running_by == {a: 1, b: 1}
-        slot.release()
-        for task in flood:
-            if not task.done():
-                task.cancel()
-        await asyncio.gather(*flood, return_exceptions=True)
-        for s in held:
-            s.release()
-        await eventually(lambda: pool.running == 0 and pool.waiting == 0, 5, "every place given back")
-        assert pool.running_by == {}
+    pool = ConcurrencyPool("flood", PoolSettings(max_concurrent=2, max_waiting=max_waiting, wait_timeout_ms=10_000))
+    a, b = ("address", "flooder"), ("address", "second")
+    held = [await pool.aacquire(a), await pool.aacquire(a)]  # the flood runs in every slot
+    loop = asyncio.get_running_loop()
+    flood = [loop.create_task(pool.aacquire(a)) for _ in range(3)]  # and keeps asking
+    if max_waiting == 0:  # refused at once: no place to wait, and the flood is over its share
+        assert all(isinstance(r, Busy) for r in await asyncio.gather(*flood, return_exceptions=True))
+    await eventually(lambda: pool.waiting == max_waiting, 5, "the flood's places taken")
+    second = loop.create_task(pool.aacquire(b))
+    await eventually(lambda: b in pool._queues, 5, "the second client queued, not refused")
+    with pytest.raises(Busy):  # its second request waits for no second place: one below its share
+        await pool.aacquire(b)
+    held.pop().release()  # the next slot is the second client's
+    slot = await asyncio.wait_for(second, 5)
+    assert pool.running_by == {a: 1, b: 1}
+    slot.release()
+    for task in flood:
+        if not task.done():
+            task.cancel()
+    await asyncio.gather(*flood, return_exceptions=True)
+    for s in held:
+        s.release()
+    await eventually(lambda: pool.running == 0 and pool.waiting == 0, 5, "every place given back")
+    assert pool.running_by == {}
