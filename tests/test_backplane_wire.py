@@ -380,3 +380,24 @@ async def test_one_identitys_idempotent_answers_on_redis_are_bounded_in_bytes(re
         assert probe["refused_full"] == 1 and probe["kept_bytes"] >= 4 * 50_000
         stored = [k for k in redis.Redis.from_url(redis_url).scan_iter(f"{prefix}*once*")]
         assert len(stored) == 4 + 1  # 3 + 1 answers, and the refusal kept until it may come back
+
+
+async def test_a_channel_only_read_keeps_its_keys_for_its_history_ttl_not_a_day(redis_url, prefix) -> None:
+    """Found: each fresh instance a subscribe named left its count and epoch on Redis for
+    24 h (2 keys, 328 B): one address churning rooms held about 765 MB. A read now keeps
+    them for the channel's own history TTL; a publication still keeps them a day."""
+    client = redis.Redis.from_url(redis_url)
+    policy = HistoryPolicy(10, 60)  # 60 s
+    async with Process(redis_url, prefix) as a:
+        keys = [a.backplane.key("seq", "wire:room:fresh"), a.backplane.key("epoch", "wire:room:fresh")]
+        first = await a.backplane.history("wire:room:fresh", policy)
+        assert first.created and first.top == 0
+        assert all(0 < client.pttl(key) <= 60_000 for key in keys), [client.pttl(k) for k in keys]
+        again = await a.backplane.history("wire:room:fresh", policy)
+        assert not again.created and again.epoch == first.epoch  # read again: the same lineage
+        seq = await a.backplane.publish("wire:room:fresh", DATA, history=policy)
+        assert all(client.pttl(key) > 3_600_000 for key in keys)  # published: its lineage lives a day
+        after = await a.backplane.history("wire:room:fresh", policy)
+        assert (after.epoch, after.top, after.created) == (first.epoch, seq, False)
+        assert all(client.pttl(key) > 3_600_000 for key in keys)  # a read never shortens it
+    client.close()

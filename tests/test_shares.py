@@ -165,3 +165,93 @@ def test_the_share_book_counts_what_each_identity_holds(settings):
     settings.REALTIME_APP = {**get_config(), "MAX_TICKERS_PER_IDENTITY": 0, "MAX_INSTANCES_PER_IDENTITY": 0}
     ShareBookMachine.TestCase.settings = hypothesis_settings(max_examples=100, stateful_step_count=30, deadline=None)
     ShareBookMachine.TestCase().runTest()
+
+
+async def test_the_backplane_state_an_identitys_subscribes_keep_live_is_bounded_in_bytes(redis_url):
+    """Found: every fresh instance a subscribe named left keys on Redis that the instance
+    bound never saw; one address churning rooms (subscribe, unsubscribe, next) held about
+    765 MB. What an identity's subscribes make live is now counted in bytes until it
+    expires (the channel's history TTL), bounded by MAX_BACKPLANE_BYTES_PER_IDENTITY."""
+    import os
+    import secrets
+
+    import redis
+
+    from realtime_app.hub import get_hub
+    from realtime_app.hub.shares import lineage_bytes
+
+    prefix = f"{os.environ['REALTIME_TEST_PREFIX']}-shares-{secrets.token_hex(3)}"
+    bound = 3 * lineage_bytes("test:room:churn-0")
+    config = {
+        **get_config(),
+        "BACKPLANE": "redis",
+        "REDIS_URL": redis_url,
+        "KEY_PREFIX": prefix,
+        "MAX_BACKPLANE_BYTES_PER_IDENTITY": bound,
+    }
+    try:
+        with override_settings(REALTIME_APP=config):
+            hub = await get_hub()
+            now = [1000.0]
+            hub.shares.clock = lambda: now[0]
+            try:
+                async with Client(address="203.0.113.66") as churner, Client(address="203.0.113.67") as other:
+                    for n in range(3):  # a fresh room each time, left at once: live, then gone
+                        assert "result" in await churner.call("subscribe", {"channel": f"test:room:churn-{n}"})
+                        await churner.call("unsubscribe", {"channel": f"test:room:churn-{n}"})
+                    answer = await churner.call("subscribe", {"channel": "test:room:churn-3"})
+                    assert refusal(answer) == (-32003, "too_many_instances", "backplane_bytes", bound)
+                    assert 0 < answer["error"]["data"]["retry_after_ms"] <= 60_000  # the room's history TTL
+                    assert "result" in await other.call("subscribe", {"channel": "test:room:churn-4"})
+                    assert hub.probe()["backplane_bytes"] == 4 * lineage_bytes("test:room:churn-0")
+                    assert hub.probe()["refused"]["backplane_bytes"] == 1
+                    now[0] += 60.001  # the rooms' history TTL: their keys expired on Redis too
+                    assert "result" in await churner.call("subscribe", {"channel": "test:room:churn-3"})
+            finally:
+                await hub.aclose()
+    finally:
+        client = redis.Redis.from_url(redis_url)
+        for key in client.scan_iter(match=f"{prefix}*"):
+            client.delete(key)
+        client.close()
+
+
+async def test_an_instance_its_exists_hook_refuses_leaves_no_key_by_subscribe_or_publish_api(redis_url):
+    import json
+    import os
+    import secrets
+
+    import redis
+    from django.test import RequestFactory
+
+    from realtime_app.hub import get_hub
+    from realtime_app.views import publish_api
+    from realtime_app.wire.names import group_name
+
+    prefix = f"{os.environ['REALTIME_TEST_PREFIX']}-exists-{secrets.token_hex(3)}"
+    config = {**get_config(), "BACKPLANE": "redis", "REDIS_URL": redis_url, "KEY_PREFIX": prefix}
+    client = redis.Redis.from_url(redis_url)
+    try:
+        with override_settings(REALTIME_APP={**config, "PUBLISH_API_KEYS": ["k-exists"]}):
+            hub = await get_hub()
+            try:
+                async with Client() as c:
+                    answer = await c.call("subscribe", {"channel": "test:bids:999"})  # lot 999 does not exist
+                    assert answer["error"]["data"]["reason"] == "unknown_channel"
+                    assert "result" in await c.call("subscribe", {"channel": "test:bids:7"})  # one that does
+                request = RequestFactory().post(
+                    "/realtime/api/publish",
+                    data=json.dumps({"channel": "test:bids:999", "data": 1}),
+                    content_type="application/json",
+                    HTTP_AUTHORIZATION="Bearer k-exists",
+                )
+                assert (await publish_api(request)).status_code == 404
+            finally:
+                await hub.aclose()
+        names = [key.decode() for key in client.scan_iter(match=f"{prefix}*")]
+        assert not [name for name in names if name.endswith(group_name("test:bids:999"))], names
+        assert [name for name in names if name.endswith(group_name("test:bids:7"))], names  # it sees keys at all
+    finally:
+        for key in client.scan_iter(match=f"{prefix}*"):
+            client.delete(key)
+        client.close()

@@ -346,23 +346,23 @@ class RedisBackplane(Backplane):
     async def history(
         self, channel: str, policy: HistoryPolicy, since: Since | None = None, floor: int = 0
     ) -> HistoryRead:
-        keep = self._keep_ms(policy)
-        epoch_, top, size, raw = await self._read_kept(
+        epoch_, top, size, raw, created = await self._read_kept(
             keys=self._kept_keys(channel),
             args=[
                 epoch_suffix(),
-                keep,
+                0,
                 since.seq if since else -1,
                 since.epoch if since else "",
                 policy.size,
                 PAGE,
                 floor,
                 PAGE_BYTES,
+                max(policy.ttl_ms, scripts.READ_KEEP_MIN_MS),
             ],
         )
         epoch = _text(epoch_)
         self.histories[channel] = (epoch, int(size))
-        return HistoryRead(epoch, int(top), int(size), _entries(raw))
+        return HistoryRead(epoch, int(top), int(size), _entries(raw), created=bool(created))
 
     async def history_page(
         self, channel: str, after: int, count: int, max_bytes: int = PAGE_BYTES

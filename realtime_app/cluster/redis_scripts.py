@@ -11,6 +11,7 @@ __all__ = [
     "PRESENCE_READ",
     "PUBLISH",
     "PUBLISH_KEPT",
+    "READ_KEEP_MIN_MS",
     "READ_KEPT",
     "READ_PAGE",
     "RELEASE",
@@ -154,24 +155,31 @@ end
 """
 # KEYS: stream, largest entry; ARGV: after, count, bytes
 READ_PAGE = _PAGE + "return page(KEYS[1], KEYS[2], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]))\n"
-# KEYS: seq, epoch, stream, largest entry; ARGV: new epoch, keep ms, since (-1: none), its
-# epoch, size, page, floor, page bytes
+# KEYS: seq, epoch, stream, largest entry; ARGV: new epoch, keep ms (unused: a read never
+# keeps a lineage longer than its history), since (-1: none), its epoch, size, page, floor,
+# page bytes, read ms. A read (a subscribe: anyone's) keeps the count and epoch at least
+# ``read ms`` (the channel's own history TTL) and never longer than a publication made
+# them live: a fresh channel's lineage costs its history's TTL, not a day.
 READ_KEPT = (
     _LINEAGE
     + _PAGE
     + """
 top = math.max(tonumber(top or '0'), tonumber(ARGV[7]))
-redis.call('set', KEYS[1], string.format('%d', top), 'PX', ARGV[2])
-redis.call('set', KEYS[2], epoch .. ' ' .. run, 'PX', ARGV[2])
+local keep = tonumber(ARGV[9])
+if not renewed then keep = math.max(keep, redis.call('pttl', KEYS[2])) end
+redis.call('set', KEYS[1], string.format('%d', top), 'PX', keep)
+redis.call('set', KEYS[2], epoch .. ' ' .. run, 'PX', keep)
 local since = tonumber(ARGV[3])
 local entries = {}
 if since >= 0 and epoch == ARGV[4] and top > since and top - since <= tonumber(ARGV[5]) then
   entries = page(KEYS[3], KEYS[4], since, tonumber(ARGV[6]), tonumber(ARGV[8]))
 end
-return {epoch, top, redis.call('xlen', KEYS[3]), entries}
+return {epoch, top, redis.call('xlen', KEYS[3]), entries, renewed and 1 or 0}
 """
 )
-#: How long a channel's count and epoch outlive its last publication or read (at least):
+#: A read keeps a channel's count and epoch at least this long (a history TTL shorter).
+READ_KEEP_MIN_MS = 1000
+#: How long a channel's count and epoch outlive its last publication (at least):
 #: an idle day does not start a new history, so a client back after it is told exactly
 #: whether it missed anything.
 KEEP_LINEAGE_MS = 86_400_000

@@ -89,6 +89,11 @@ DEFAULTS: dict[str, Any] = {
     # "anonymous"). 0 = no share.
     "MAX_TICKERS_PER_IDENTITY": 50,
     "MAX_INSTANCES_PER_IDENTITY": 500,
+    # Backplane state (a fresh channel's count and epoch on Redis, kept its history TTL)
+    # that one identity's subscribes may keep live through a process, bytes; past it a
+    # subscribe to an instance it does not hold is refused -32003 too_many_instances with
+    # bound "backplane_bytes" until some expires. 0 = no bound.
+    "MAX_BACKPLANE_BYTES_PER_IDENTITY": 256 * 1024,
     "MAX_CONNECTIONS_PER_USER": 100,
     "MAX_CONNECTIONS_PER_ADDRESS": 50,
     # WebSocket handshakes per second of one identity (a user, or an anonymous client's

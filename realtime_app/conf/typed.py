@@ -51,6 +51,7 @@ class Settings:
     max_instances_per_template: int
     max_tickers_per_identity: int
     max_instances_per_identity: int
+    max_backplane_bytes_per_identity: int
     max_connections_per_user: int
     max_connections_per_address: int
     handshakes_per_s: float

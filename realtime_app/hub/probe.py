@@ -25,6 +25,7 @@ from realtime_app.hub.outbox import outbox_probe
 from realtime_app.hub.presence import Presence
 from realtime_app.hub.reconciler import Reconciler
 from realtime_app.hub.replay import Replays
+from realtime_app.hub.shares import ShareBook
 from realtime_app.hub.tickers import Tickers
 from realtime_app.inbound.pools import pools_probe
 from realtime_app.observability.schema import (
@@ -56,6 +57,7 @@ class Probed(Protocol):
     ordering: Ordering
     tickers: Tickers
     instances: InstanceBook
+    shares: ShareBook
     template_published: dict[str, int]
     presence: Presence
 
@@ -157,6 +159,7 @@ def process_probe(hub: Probed) -> ProcessProbe:
         "channel_cadences": {name: _cadence(name) for name, _ in busiest},
         "top_connections": top_connections(hub, config["PROBE_TOP_CONNECTIONS"], queued),
         "refused": {**hub.refused, **hub.gate.refused},
+        "backplane_bytes": hub.shares.total_bytes(),
         "admission": hub.gate.probe(hub.fanout.unread_refused),
         "history": history_probe(hub, top),
         "send_failures": hub.fanout.send_failures,

@@ -21,6 +21,7 @@ from realtime_app.exceptions import BackplaneUnavailable, RPCError
 from realtime_app.hub.connections import Connection
 from realtime_app.hub.fanout import Fanout, Held
 from realtime_app.hub.ordering import Ordering
+from realtime_app.hub.shares import ShareBook, lineage_bytes
 from realtime_app.inbound.admission import Admission
 from realtime_app.wire.deltas import FOSSIL
 from realtime_app.wire.history import PAGE, HistoryEntry, Since, follows, plan_resume
@@ -47,6 +48,7 @@ class Subscriptions(Protocol):
     backplane: Backplane | None
     subscribers: dict[str, set[Connection]]
     last_seq: dict[str, int]
+    shares: ShareBook
 
     async def subscribe(self, conn: Connection, spec: ChannelSpec) -> bool: ...
 
@@ -125,6 +127,8 @@ class Replays:
             added = await hub.subscribe(conn, spec)
             granted = deltas and self.fanout.want_deltas(conn, channel)  # before any frame
             read = await backplane.history(channel, policy, since, hub.last_seq.get(channel, 0))
+            if read.created and conn.owner is not None:  # keys this subscribe made live: its identity's
+                hub.shares.stored_by(conn.owner, lineage_bytes(channel), max(policy.ttl_ms, 1000))
             if channel in hub.subscribers:
                 self.ordering.read(channel, read.epoch, read.top)
             at = conn.positions.get(channel)

@@ -12,18 +12,20 @@ subscription (no await between), so the bound is exact.
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Hashable
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
 from realtime_app.conf import get_config
 from realtime_app.exceptions import RPCError
+from realtime_app.inbound.admission import retry_after_ms
 from realtime_app.wire.protocol import OVERLOADED
 
 if TYPE_CHECKING:
     from realtime_app.channels.registry import ChannelSpec
 
-__all__ = ["SHARE_RETRY_MS", "ShareBook", "share_full", "share_keys"]
+__all__ = ["SHARE_RETRY_MS", "ShareBook", "lineage_bytes", "share_full", "share_keys"]
 
 #: When a subscribe refused for its identity's share may come back (it frees a place by
 #: unsubscribing; nothing frees it sooner).
@@ -31,6 +33,13 @@ SHARE_RETRY_MS = 5000
 
 Identity = tuple[str, str]
 Key = tuple[str, ...]  # ("ticker", channel) or ("instance", template, base)
+
+
+def lineage_bytes(channel: str) -> int:
+    """What a channel's count and epoch cost on Redis, about: two keys named after it, an
+    epoch and a run id, and Redis's own overhead per key (328 B measured for a
+    40-character name)."""
+    return 2 * (len(channel) + 124)
 
 
 def share_keys(spec: ChannelSpec) -> list[Key]:
@@ -47,8 +56,12 @@ class ShareBook:
     """Per identity, which tickers and instances its subscriptions hold (each counted
     once however many of its connections and cadences hold it)."""
 
-    def __init__(self, refused: dict[str, int] | None = None) -> None:
+    def __init__(self, refused: dict[str, int] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.refused = refused if refused is not None else {}  # the probe's, by limit
+        self.clock = clock
+        #: Per identity, backplane state its subscribes made live: (expiry, bytes), oldest first.
+        self.stored: dict[Identity, deque[tuple[float, int]]] = {}
+        self.stored_bytes: dict[Identity, int] = {}
         self.entries: dict[tuple[Hashable, str], tuple[Identity, list[Key]]] = {}  # (holder, channel) ->
         self.refs: dict[Identity, Counter[Key]] = {}
         self.held: dict[Identity, Counter[str]] = {}  # identity -> "ticker"/"instance" -> distinct keys
@@ -74,6 +87,11 @@ class ShareBook:
             return
         config = get_config()
         refused = self.refusal(identity, spec, config["MAX_TICKERS_PER_IDENTITY"], config["MAX_INSTANCES_PER_IDENTITY"])
+        stored = config["MAX_BACKPLANE_BYTES_PER_IDENTITY"]
+        if refused is None and spec.history is not None and stored and self.bytes_of(identity) >= stored:
+            if not any(key in self.refs.get(identity, ()) for key in keys):  # one it holds costs nothing new
+                self.refused["backplane_bytes"] = self.refused.get("backplane_bytes", 0) + 1
+                raise share_full("too_many_instances", stored, "backplane_bytes", self._retry_ms(identity))
         if refused is not None:
             limit = "ticker_shares" if refused[0] == "too_many_tickers" else "instance_shares"
             self.refused[limit] = self.refused.get(limit, 0) + 1
@@ -104,14 +122,37 @@ class ShareBook:
         if not refs:
             del self.refs[identity], self.held[identity]
 
+    def stored_by(self, identity: Identity, nbytes: int, ttl_ms: int) -> None:
+        """``identity``'s subscribe made ``nbytes`` of backplane state live for ``ttl_ms``
+        (a fresh channel's lineage: :attr:`HistoryRead.created`)."""
+        self.stored.setdefault(identity, deque()).append((self.clock() + ttl_ms / 1000, nbytes))
+        self.stored_bytes[identity] = self.stored_bytes.get(identity, 0) + nbytes
+
+    def bytes_of(self, identity: Identity) -> int:
+        """The backplane state ``identity``'s subscribes keep live now (bytes, about)."""
+        kept, now = self.stored.get(identity), self.clock()
+        while kept and kept[0][0] <= now:
+            self.stored_bytes[identity] -= kept.popleft()[1]
+        if not kept:
+            self.stored.pop(identity, None)
+            self.stored_bytes.pop(identity, None)
+            return 0
+        return self.stored_bytes[identity]
+
+    def total_bytes(self) -> int:
+        """Every identity's, as last counted (the probe's gauge)."""
+        return sum(self.stored_bytes.values())
+
+    def _retry_ms(self, identity: Identity) -> int:
+        kept = self.stored.get(identity)
+        return max(1, retry_after_ms(kept[0][0] - self.clock())) if kept else SHARE_RETRY_MS
+
     def count(self, identity: Identity, kind: str) -> int:
         """How many tickers (``"ticker"``) or instances (``"instance"``) ``identity`` holds."""
         return self.held.get(identity, Counter())[kind]
 
 
-def share_full(reason: str, limit: int) -> RPCError:
+def share_full(reason: str, limit: int, bound: str = "identity", retry_ms: int = SHARE_RETRY_MS) -> RPCError:
     """The refusal a client reads: which share is full, and when to come back."""
     what = "tickers" if reason == "too_many_tickers" else "channel instances"
-    return RPCError(
-        OVERLOADED, f"Too many {what}", reason, limit=limit, bound="identity", retry_after_ms=SHARE_RETRY_MS
-    )
+    return RPCError(OVERLOADED, f"Too many {what}", reason, limit=limit, bound=bound, retry_after_ms=retry_ms)

@@ -246,6 +246,13 @@ class ProcessProbe(TypedDict):
     ]
     top_connections: Annotated[list[ConnectionProbe], Shown("the drill-down: top connections by queue and drops")]
     refused: Annotated[dict[str, int], Shown("realtime_refused{limit}")]
+    backplane_bytes: Annotated[
+        int,
+        Gauge(
+            "Backplane state the identities' subscribes keep live through this process (bytes, about)",
+            "realtime_backplane_identity_bytes",
+        ),
+    ]
     admission: AdmissionProbe
     history: HistoryProbe
     send_failures: Annotated[

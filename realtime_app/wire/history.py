@@ -122,6 +122,7 @@ class HistoryRead:
     top: int
     size: int = 0
     entries: list[HistoryEntry] = field(default_factory=list)
+    created: bool = False  # this read started the channel's lineage (keys it made live)
 
 
 @dataclass(frozen=True, slots=True)
