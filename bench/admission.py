@@ -30,11 +30,23 @@
 * ``slowcalls`` — ten addresses each keeping 10 ``demo.sleep 5000`` outstanding: their
   class's share of the pool against fairness among identities alone;
 * ``resumehog`` — one address pipelining resumes of the large history into sockets it
-  never reads: ``MAX_RESUMES_PER_IDENTITY`` against the process's resume slots alone.
+  never reads: ``MAX_RESUMES_PER_IDENTITY`` against the process's resume slots alone;
+* ``tickers``  — 10 idle sockets of one address subscribing lot cadences
+  (``demo:lot:<n>:<ms>``), 8 a second each, holding what they get: each identity's share
+  of the tickers (``MAX_TICKERS_PER_IDENTITY``) against the process's pool alone;
+* ``rooms``    — 40 addresses, 5 idle sockets each, subscribing fresh presence rooms
+  (``demo:room:<slug>``) and holding them: shares of instances and the backplane bytes
+  of fresh rooms, and the upkeep of idle rooms;
+* ``keyless``  — 8 loops of ``POST /realtime/api/publish`` without a key, back to back:
+  the key checked before Django's middleware (``MetricsShortcut``) and the address's
+  failure bucket;
+* ``badtokens`` — handshakes with a bad Bearer token, back to back: each draws on its
+  address's handshake bucket.
 
 Beside the anonymous well-behaved pingers, a **signed-in user** calls ``demo.echo`` (a pool
 method, unlike ping) every 100 ms, and signs in again on a new socket every 2 s (its
-handshake too must get through).
+handshake too must get through), subscribing there ``demo:lot:7`` and a new
+``demo:clock`` cadence (a refused subscribe is a failure: what the ticker attack took).
 
 It prints, per phase: well-behaved ping p50/p99 and p99 over ``idle``'s, the signed-in
 user's call p99 and how many of its calls and handshakes failed, what the attackers got
@@ -42,7 +54,8 @@ done and refused, how often the server closed them, the server's peak RSS and, f
 resume attacks, Redis' longest command.
 
 Usage: python bench/admission.py [--seconds 15]
-       [--attacks sleepers,churn,unknown,resume,addresses,nesting,slowcalls,resumehog]
+       [--attacks sleepers,churn,unknown,resume,addresses,nesting,slowcalls,resumehog,
+                  tickers,rooms,keyless,badtokens]
        [--abusers 100] [--addresses 200] [--polite 20] [--sleep-ms 200] [--window 50]
        [--json FILE] [--plot FILE.png]
 """
@@ -93,9 +106,26 @@ OFF = {
     "MAX_CONNECTIONS": 0,
     "SIGNED_IN_RESERVE": 0.0,
     "MAX_ANONYMOUS_HANDSHAKES_PER_S": 0,
+    "MAX_TICKERS_PER_IDENTITY": 0,
+    "MAX_INSTANCES_PER_IDENTITY": 0,
+    "MAX_BACKPLANE_BYTES_PER_IDENTITY": 0,
+    "MAX_CADENCES_PER_FAMILY": 0,
 }
 OFF_KEEPING_THE_POOL = {**OFF, "ADMISSION_MAX_RUNNING": 64}  # slowcalls: the pool's share is what is measured
-ATTACKS = ("sleepers", "churn", "unknown", "resume", "addresses", "nesting", "slowcalls", "resumehog")
+ATTACKS = (
+    "sleepers",
+    "churn",
+    "unknown",
+    "resume",
+    "addresses",
+    "nesting",
+    "slowcalls",
+    "resumehog",
+    "tickers",
+    "rooms",
+    "keyless",
+    "badtokens",
+)
 RESUMES = ("resume", "resumehog")
 HISTORY = "bench:big-history"
 
@@ -306,6 +336,16 @@ async def signed_in(
     while not stop.is_set():
         try:
             async with websockets.connect(url, origin=origin, additional_headers={"Cookie": cookie}) as ws:
+                for channel in ("demo:lot:7", f"demo:clock:{random.randint(100, 60000)}"):  # what tickers take
+                    request_id = next(ids)
+                    params = {"channel": channel}
+                    await ws.send(
+                        json.dumps({"jsonrpc": "2.0", "method": "subscribe", "params": params, "id": request_id})
+                    )
+                    while (answer := json.loads(await asyncio.wait_for(ws.recv(), 30))).get("id") != request_id:
+                        pass
+                    if "error" in answer:
+                        failures["subscribes"] += 1
                 until = time.monotonic() + 2
                 while not stop.is_set() and time.monotonic() < until:
                     request_id = next(ids)
@@ -340,6 +380,95 @@ async def resumehog(url: str, stop: asyncio.Event, args: argparse.Namespace, sta
             stats["closed"] += 1
 
 
+async def hold_subscribing(
+    url: str, address: str, names: Iterator[str], per_s: float, stop: asyncio.Event, stats: dict[str, Any]
+) -> None:
+    """An idle socket of ``address`` subscribing ``names`` at ``per_s`` and holding them."""
+    ids = itertools.count()
+    while not stop.is_set():
+        try:
+            async with connect(url, address, max_queue=None) as ws:
+
+                async def read() -> None:
+                    async for text in ws:
+                        answer = json.loads(text)
+                        if isinstance(answer, dict) and "id" in answer:
+                            count(stats, answer)
+
+                reader = asyncio.create_task(read())
+                try:
+                    while not stop.is_set():
+                        params = {"channel": next(names)}
+                        await ws.send(
+                            json.dumps({"jsonrpc": "2.0", "method": "subscribe", "params": params, "id": next(ids)})
+                        )
+                        await asyncio.sleep(1 / per_s)
+                finally:
+                    reader.cancel()
+        except (OSError, websockets.WebSocketException):
+            stats["closed"] += 1
+        if not stop.is_set():
+            await asyncio.sleep(1.0)
+
+
+async def tickers(url: str, stop: asyncio.Event, args: argparse.Namespace, stats: dict[str, Any]) -> None:
+    """One of 10 sockets of the attacking address: lot cadences, 8 a second."""
+    n = stats.setdefault("_next", 0)
+    stats["_next"] = n + 1
+    names = (f"demo:lot:{lot}:{ms}" for lot in itertools.count(1 + n * 100) for ms in (250, 500, 750, 1500, 3000))
+    await hold_subscribing(url, args.attack_address, names, 8.0, stop, stats)
+
+
+async def rooms(url: str, stop: asyncio.Event, args: argparse.Namespace, stats: dict[str, Any]) -> None:
+    """One of 200 sockets of 40 addresses: fresh presence rooms, 8 a second."""
+    n = stats.setdefault("_next", 0)
+    stats["_next"] = n + 1
+    names = (f"demo:room:r{n}-{i}" for i in itertools.count())
+    await hold_subscribing(url, f"198.18.1.{n // 5}", names, 8.0, stop, stats)
+
+
+async def keyless(url: str, stop: asyncio.Event, args: argparse.Namespace, stats: dict[str, Any]) -> None:
+    """POSTs to the publish API without a key, back to back, on one kept-alive connection."""
+    port = int(url.split(":")[2].split("/")[0])
+    body = b'{"channel": "demo:events", "data": 1}'
+    head = (
+        "POST /realtime/api/publish HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nX-Forwarded-For: {args.attack_address}\r\n\r\n"
+    ).encode()
+    while not stop.is_set():
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                while not stop.is_set():
+                    writer.write(head + body)
+                    status = (await reader.readline()).split(b" ")[1]
+                    length = 0
+                    while (line := await reader.readline()) not in (b"\r\n", b""):
+                        if line.lower().startswith(b"content-length:"):
+                            length = int(line.split(b":")[1])
+                    await reader.readexactly(length)
+                    stats["refused" if status in (b"401", b"429") else "completed"] += 1
+            finally:
+                writer.close()
+        except (OSError, IndexError, ValueError, asyncio.IncompleteReadError):
+            stats["closed"] += 1
+            await asyncio.sleep(0.1)
+
+
+async def badtokens(url: str, stop: asyncio.Event, args: argparse.Namespace, stats: dict[str, Any]) -> None:
+    """Handshakes with a bad Bearer token, back to back."""
+    headers = {"X-Forwarded-For": args.attack_address, "Authorization": "Bearer not-a-token"}
+    while not stop.is_set():
+        try:
+            async with websockets.connect(url, additional_headers=headers, open_timeout=5) as ws:
+                await asyncio.wait_for(ws.recv(), 5)
+        except websockets.ConnectionClosed as closed:
+            stats["refused" if closed.rcvd and closed.rcvd.code == 1013 else "completed"] += 1
+        except (OSError, TimeoutError, websockets.WebSocketException):
+            stats["closed"] += 1
+            await asyncio.sleep(0.05)
+
+
 async def attackers_main(args: argparse.Namespace) -> None:
     """``--role attackers``: the attack in a process of its own (so that its event loop does
     not delay the well-behaved clients' measurements); prints its stats."""
@@ -354,6 +483,10 @@ async def attackers_main(args: argparse.Namespace) -> None:
         "nesting": nesting,
         "slowcalls": slowcalls,
         "resumehog": resumehog,
+        "tickers": tickers,
+        "rooms": rooms,
+        "keyless": keyless,
+        "badtokens": badtokens,
     }[args.kind]
     n = {
         "sleepers": args.abusers,
@@ -364,6 +497,10 @@ async def attackers_main(args: argparse.Namespace) -> None:
         "nesting": 2,
         "slowcalls": 10,
         "resumehog": 8,
+        "tickers": 10,
+        "rooms": 200,
+        "keyless": 8,
+        "badtokens": 4,
     }[args.kind]
     tasks = [asyncio.create_task(attack(args.url, stop, args, stats)) for _ in range(n)]
     await asyncio.sleep(args.seconds)
@@ -406,7 +543,7 @@ async def phase(
 
         cookie = await asyncio.to_thread(login, f"http://127.0.0.1:{port}", "demo", "demo")
         user_latencies: list[float] = []
-        failures = {"calls": 0, "handshakes": 0}
+        failures = {"calls": 0, "handshakes": 0, "subscribes": 0}
         tasks.append(asyncio.create_task(signed_in(url, cookie, stop, user_latencies, failures)))
         peak = 0
         t0 = time.monotonic()
@@ -433,6 +570,7 @@ async def phase(
         "pings": len(latencies),
         "user_p99_ms": percentile(user_latencies, 99) if user_latencies else float("nan"),
         "user_failed": failures["calls"] + failures["handshakes"],
+        "user_subscribes_refused": failures["subscribes"],
         **stats,
         "redis_longest_ms": None if longest is None else longest / 1000,
         "rss_start_mib": series[0][1] / MIB,
@@ -553,20 +691,22 @@ async def main() -> None:
     finally:
         if redis_server is not None:
             redis_server.close()
-    idle_p99 = results[0]["ping_p99_ms"]
+    idle_p99, idle_user_p99 = results[0]["ping_p99_ms"], results[0]["user_p99_ms"]
     print(
         f"\n{args.polite} well-behaved clients pinging every 100 ms, each from its own address; the attackers "
         f"from one; {args.seconds:.0f} s per phase"
     )
     print(
-        f"{'attack':<10}{'phase':<6}{'ping p50':>9}{'p99 ms':>8}{'p99/idle':>9}{'user p99':>9}{'failed':>7}"
+        f"{'attack':<10}{'phase':<6}{'ping p50':>9}{'p99 ms':>8}{'p99/idle':>9}{'user p99':>9}{'/idle':>7}"
+        f"{'failed':>7}{'subs refused':>13}"
         f"{'done':>9}{'refused':>9}{'closed':>8}{'RSS peak MiB':>13}{'Redis max ms':>13}"
     )
     for row in results:
         longest = "" if row["redis_longest_ms"] is None else f"{row['redis_longest_ms']:.1f}"
         print(
             f"{row['attack'] or '-':<10}{row['phase']:<6}{row['ping_p50_ms']:>9.1f}{row['ping_p99_ms']:>8.1f}"
-            f"{row['ping_p99_ms'] / idle_p99:>9.2f}{row['user_p99_ms']:>9.1f}{row['user_failed']:>7}"
+            f"{row['ping_p99_ms'] / idle_p99:>9.2f}{row['user_p99_ms']:>9.1f}"
+            f"{row['user_p99_ms'] / idle_user_p99:>7.2f}{row['user_failed']:>7}{row['user_subscribes_refused']:>13}"
             f"{row['completed']:>9}{row['refused']:>9}{row['closed']:>8}"
             f"{row['rss_peak_mib']:>13.0f}{longest:>13}"
         )

@@ -121,16 +121,19 @@ async def test_members_across_processes_tabs_and_a_killed_process(demo_cluster):
         await watcher.until(lambda w: connections(w) == {"admin": 1})  # its tab on b remains
         [leases] = list(client.scan_iter(match=f"{prefix}:presence-until:*"))
         before = set(client.zrange(leases, 0, -1))
-        assert len(before) == 2  # a's part and b's, each under its lease (Redis' clock, ms)
+        assert len(before) == 2  # a's part and b's, each under its process's alive mark
+        assert all(who.startswith("@") for who in before)
         killed = time.monotonic()
-        b.kill()  # SIGKILL: no goodbye, its part expires with its lease (kill() waits for the exit)
-        last = {who: int(until) for who, until in client.zrange(leases, 0, -1, withscores=True)}  # b's, final
+        b.kill()  # SIGKILL: no goodbye, its part goes with its mark (kill() waits for the exit)
+        seconds, micros = client.time()
+        now_ms = seconds * 1000 + micros // 1000
+        last = {who: now_ms + client.pttl(f"{prefix}:presence-alive:{who[1:]}") for who in before}  # b's, final
         gone_at = await watcher.until(lambda w: "admin" not in w.members, timeout=30)
         seconds, micros = client.time()
         after = set(client.zrange(leases, 0, -1))
         [expired] = before - after  # b's part, and only it
-        # Gone because its last lease ran out — never before it, by Redis' own clock — and
-        # within a generous deadline (the watcher's 30 s), not a wall-clock window here.
+        # Gone because its mark ran out — never before it, by Redis' own clock — and within
+        # a generous deadline (the watcher's 30 s), not a wall-clock window here.
         assert seconds * 1000 + micros // 1000 >= last[expired]
         bound = (LEASE_MS + LEASE_MS / 3 + INTERVAL_MS) / 1000  # lease + beat + interval
         print(f"SIGKILL -> its members gone in {gone_at - killed:.2f} s (bound {bound:.1f} s)")

@@ -30,7 +30,7 @@ from realtime_app.observability.logsafe import Outage
 from realtime_app.observability.schema import ProcessProbe, ShardProbe
 from realtime_app.wire.history import PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, Since
 
-__all__ = ["Backplane", "Delivery", "Deliver", "now_ms"]
+__all__ = ["PRESENCE_KEEP_MS", "Backplane", "Delivery", "Deliver", "now_ms"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +52,13 @@ logger = logging.getLogger("realtime_app.backplane")
 
 def now_ms() -> int:
     return int(time.time() * 1000)
+
+
+#: How long a presence part of a process marked alive is kept between its writes: its
+#: process renews it a third of this after each write (an idle room costs a write every
+#: 20 minutes, not every beat); a process that dies takes its parts with it as soon as its
+#: alive mark lapses (a lease).
+PRESENCE_KEEP_MS = 3_600_000
 
 
 class Backplane:
@@ -177,12 +184,19 @@ class Backplane:
         repeated after a crash). Without a shared book: published (at least once)."""
         return await self.publish(channel, data_json, floor, history)
 
-    async def put_presence(self, parts: dict[str, str | None], ttl_ms: int) -> None:
+    async def put_presence(self, parts: dict[str, str | None], ttl_ms: int, alive: bool = False) -> None:
         """This process's part of each channel's presence (:mod:`realtime_app.wire.presence`),
         kept ``ttl_ms`` unless written again (a process that dies takes its members with
         it); None: it has none there any more. The same part written again only renews it:
-        readers see no change."""
+        readers see no change. ``alive``: the parts of a process that marks itself alive
+        (:meth:`presence_alive`), gone as soon as its mark lapses."""
         raise NotImplementedError
+
+    async def presence_alive(self, ttl_ms: int) -> tuple[int, bool] | None:
+        """Mark this process alive for ``ttl_ms`` (each beat): ``(how long its parts are
+        kept between writes, whether its mark was still there)``; None where a process
+        cannot be marked (each part then lives ``ttl_ms`` and is written every beat)."""
+        return None
 
     async def read_presence(self, known: dict[str, str]) -> dict[str, tuple[str, list[str]] | None]:
         """Each channel's version and the parts of live processes, or None when its version

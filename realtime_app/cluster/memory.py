@@ -10,7 +10,7 @@ import time
 from collections import deque
 from typing import Any
 
-from realtime_app.cluster.base import Backplane, Deliver, Delivery, now_ms
+from realtime_app.cluster.base import PRESENCE_KEEP_MS, Backplane, Deliver, Delivery, now_ms
 from realtime_app.observability.schema import ProcessProbe
 from realtime_app.wire.history import PAGE, PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, Since, new_epoch
 from realtime_app.wire.protocol import notification_text
@@ -109,8 +109,12 @@ class MemoryBackplane(Backplane):
     async def cluster_probes(self) -> list[ProcessProbe]:
         return [self._probe] if self._probe else []
 
-    async def put_presence(self, parts: dict[str, str | None], ttl_ms: int) -> None:
+    async def put_presence(self, parts: dict[str, str | None], ttl_ms: int, alive: bool = False) -> None:
         self._presence.put(self.instance_id, parts, now_ms() + ttl_ms)
+
+    async def presence_alive(self, ttl_ms: int) -> tuple[int, bool] | None:
+        """One process: nothing of it dies unseen, its parts need no renewal but a rare one."""
+        return PRESENCE_KEEP_MS, True
 
     async def read_presence(self, known: dict[str, str]) -> dict[str, tuple[str, list[str]] | None]:
         return self._presence.read(known, now_ms())

@@ -38,6 +38,7 @@ from realtime_app.cancellation import cancel_and_wait, uninterrupted
 from realtime_app.cluster import redis_scripts as scripts
 from realtime_app.cluster.base import Backplane, Deliver, Delivery, now_ms
 from realtime_app.cluster.hosts import close_client, host_label, redis_client, shard_hosts
+from realtime_app.cluster.redis_presence import RedisPresence
 from realtime_app.inbound.admission import retry_after_ms
 from realtime_app.observability.schema import ProcessProbe, ShardProbe
 from realtime_app.wire.history import PAGE, PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, Since, epoch_suffix
@@ -57,7 +58,7 @@ class ClusterModeRefused(RedisError):
     """The server is a Redis Cluster node: not used (an outage until it is configured away)."""
 
 
-class RedisBackplane(Backplane):
+class RedisBackplane(RedisPresence, Backplane):
     """A cluster of processes sharing one Redis (or one shard of several): its keys, and
     its pub/sub."""
 
@@ -96,7 +97,7 @@ class RedisBackplane(Backplane):
         self._publish_kept_once = script(scripts.PUBLISH_KEPT_ONCE)
         self._read_kept = script(scripts.READ_KEPT)
         self._read_page = script(scripts.READ_PAGE)
-        self._presence = {k: script(getattr(scripts, f"PRESENCE_{k}")) for k in ("PUT", "READ")}
+        self._presence = {k: script(getattr(scripts, f"PRESENCE_{k}")) for k in ("PUT", "READ", "ALIVE")}
         self._pubsub: Any = None
         # SUBSCRIBE / UNSUBSCRIBE waiting for the receiver, the only task that uses the pub/sub
         # connection (two tasks reconnecting it at once read the same socket); a message on
@@ -235,11 +236,19 @@ class RedisBackplane(Backplane):
     # -- groups and publications -----------------------------------------------------
 
     async def join(self, channels: list[str]) -> None:
-        """Subscribe to each channel's Redis channel (again, on a re-assert: idempotent)."""
+        """Subscribe to each channel's Redis channel — not again one the pub/sub
+        connection holds (redis-py subscribes it again on every reconnect): a re-assert of
+        20,000 idle rooms re-subscribed each every minute."""
         names = {self.redis_channel(channel).encode(): channel for channel in channels}
         self._names.update(names)
-        if names:
-            await self._command(self.SUBSCRIBE, list(names))
+        held = self._held_names()
+        fresh = [name for name in names if name not in held or name in self._leaving]  # leaving: asked again
+        if fresh:
+            await self._command(self.SUBSCRIBE, fresh)
+
+    def _held_names(self) -> Any:
+        """The Redis channels the pub/sub connection holds or has asked for."""
+        return self._pubsub.channels if self._pubsub is not None else {}
 
     async def leave(self, channel: str) -> None:
         name = self.redis_channel(channel).encode()
@@ -425,25 +434,6 @@ class RedisBackplane(Backplane):
                 known = seen.get(name)
                 self._probes[name] = (data, known[1] if known is not None and known[0] == data else json.loads(data))
         return [probe for _, probe in self._probes.values()]
-
-    async def put_presence(self, parts: dict[str, str | None], ttl_ms: int) -> None:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for channel, part in parts.items():
-                keys = [self.key("presence", channel), self.key("presence-until", channel)]
-                await self._presence["PUT"](keys=keys, args=[self.instance_id, part or "", ttl_ms], client=pipe)
-            await pipe.execute()
-
-    async def read_presence(self, known: dict[str, str]) -> dict[str, tuple[str, list[str]] | None]:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for channel, version in known.items():
-                keys = [self.key("presence", channel), self.key("presence-until", channel)]
-                await self._presence["READ"](keys=keys, args=[version], client=pipe)
-            answers = await pipe.execute()
-        out: dict[str, tuple[str, list[str]] | None] = {}
-        for (channel, version), answer in zip(known.items(), answers, strict=True):
-            current = _text(answer[0])
-            out[channel] = None if current == version else (current, [_text(part) for part in answer[1:]])
-        return out
 
     def shards_probe(self) -> list[ShardProbe]:
         return [{"index": 0, "address": self.address, "up": not self.outage.down, "outages": self.outage.outages}]

@@ -134,6 +134,10 @@ class ClusterNode(RedisBackplane):
     several differ) and scripts that publish with ``SPUBLISH``."""
 
     SUBSCRIBE, UNSUBSCRIBE, MESSAGE = "ssubscribe", "sunsubscribe", "smessage"
+    presence_liveness = False  # its scripts reach one slot's keys: parts renewed every beat
+
+    def _held_names(self) -> Any:
+        return self._pubsub.shard_channels if self._pubsub is not None else {}
 
     def __init__(
         self,

@@ -7,6 +7,7 @@ from __future__ import annotations
 __all__ = [
     "KEEP_LINEAGE_MS",
     "for_cluster",
+    "PRESENCE_ALIVE",
     "PRESENCE_PUT",
     "PRESENCE_READ",
     "PUBLISH",
@@ -244,11 +245,22 @@ local function bump()
   local v = tonumber(redis.call('hget', KEYS[1], '~v') or '0')
   redis.call('hset', KEYS[1], '~v', math.max(v + 1, now))
 end
-local function prune()
+-- A part expires at its score; one of a process marked alive ("@" and its id: written
+-- with a long score) also goes as soon as that process's alive key (alive .. id) lapses.
+local function prune(alive)
   local gone = redis.call('zrangebyscore', KEYS[2], '-inf', now)
+  if alive ~= '' then
+    for _, who in ipairs(redis.call('zrangebyscore', KEYS[2], '(' .. now, '+inf')) do
+      if string.sub(who, 1, 1) == '@' and redis.call('exists', alive .. string.sub(who, 2)) == 0 then
+        gone[#gone + 1] = who
+      end
+    end
+  end
   if #gone == 0 then return false end
-  for _, who in ipairs(gone) do redis.call('hdel', KEYS[1], who) end
-  redis.call('zremrangebyscore', KEYS[2], '-inf', now)
+  for _, who in ipairs(gone) do
+    redis.call('hdel', KEYS[1], who)
+    redis.call('zrem', KEYS[2], who)
+  end
   return true
 end
 local function empty()
@@ -257,11 +269,11 @@ local function empty()
   return true
 end
 """
-# ARGV: process, part ('' = none left), ttl (ms).
+# ARGV: process, part ('' = none left), ttl (ms), alive keys' prefix ('' : none).
 PRESENCE_PUT = (
     PRESENCE_COMMON
     + """
-local changed = prune()
+local changed = prune(ARGV[4] or '')
 local ttl = tonumber(ARGV[3])
 if ARGV[2] == '' then
   if redis.call('hdel', KEYS[1], ARGV[1]) == 1 then changed = true end
@@ -278,11 +290,11 @@ redis.call('pexpire', KEYS[2], ttl)
 return 1
 """
 )
-# ARGV: the version the reader holds.
+# ARGV: the version the reader holds, alive keys' prefix ('' : none).
 PRESENCE_READ = (
     PRESENCE_COMMON
     + """
-if prune() and not empty() then bump() end
+if prune(ARGV[2] or '') and not empty() then bump() end
 local v = redis.call('hget', KEYS[1], '~v') or '0'
 if v == ARGV[1] then return {v} end
 local out = {v}
@@ -293,6 +305,15 @@ end
 return out
 """
 )
+
+
+# A process's presence liveness (one key per process, renewed every beat): whether it was
+# still there. KEYS: the alive key; ARGV: ttl (ms).
+PRESENCE_ALIVE = """
+local was = redis.call('exists', KEYS[1])
+redis.call('set', KEYS[1], '1', 'PX', ARGV[1])
+return was
+"""
 
 
 #: The line of :data:`_LINEAGE` that names whose data a history is, and what a Redis

@@ -287,9 +287,16 @@ class ShardedBackplane(Backplane):
         shard = self.shard(channel)
         await self._beat_call(shard, shard.release(channel))
 
-    async def put_presence(self, parts: dict[str, str | None], ttl_ms: int) -> None:
+    async def put_presence(self, parts: dict[str, str | None], ttl_ms: int, alive: bool = False) -> None:
         split = self._by_shard(list(parts))
-        await self._each({s: s.put_presence({c: parts[c] for c in part}, ttl_ms) for s, part in split.items()})
+        await self._each({s: s.put_presence({c: parts[c] for c in part}, ttl_ms, alive) for s, part in split.items()})
+
+    async def presence_alive(self, ttl_ms: int) -> tuple[int, bool] | None:
+        """Marked on every shard (each reads its own); not intact when one had lost it."""
+        marks = await asyncio.gather(*(s.presence_alive(ttl_ms) for s in self.shards))
+        if any(mark is None for mark in marks):
+            return None
+        return min(m[0] for m in marks if m), all(m[1] for m in marks if m)
 
     async def read_presence(self, known: dict[str, str]) -> dict[str, tuple[str, list[str]] | None]:
         """Each answering shard's channels (a stalled shard's are read again at the next turn)."""

@@ -24,6 +24,9 @@ from realtime_app.hub.reconciler import REMOTE, Action, Reconciler
 from realtime_app.hub.tickers import Tickers
 from realtime_app.observability.logsafe import safe
 
+#: Channels joined in one call of a re-assert.
+JOIN_BATCH = 500
+
 __all__ = ["Convergence"]
 
 logger = logging.getLogger("realtime_app.hub")
@@ -121,14 +124,41 @@ class Convergence:
         return True
 
     async def converge_all(self, channels: list[str]) -> None:
-        """Converge many channels, a bounded number at a time, each under its own lock."""
+        """Converge many channels, a bounded number at a time, each under its own lock.
+        The joins of a re-assert go first, :data:`JOIN_BATCH` channels a call (one
+        SUBSCRIBE, not one call and one wake-up per channel: 20,000 rooms re-joined one
+        by one cost 3 s of a core every ``REASSERT_INTERVAL_MS``)."""
+        await self._join_batches(channels)
+        reconciler = self.hub.reconciler
         slots = asyncio.Semaphore(max(1, get_config()["PUBLISH_CONCURRENCY"]))
 
         async def one(channel: str) -> None:
             async with slots:
                 await self.converge(channel)
 
-        await asyncio.gather(*(one(c) for c in channels))
+        await asyncio.gather(*(one(c) for c in channels if reconciler.next_action(c) is not None))
+
+    async def _join_batches(self, channels: list[str]) -> None:
+        reconciler, backplane = self.hub.reconciler, self.hub.backplane
+        assert backplane is not None
+        joining = [
+            c
+            for c in channels
+            if reconciler.next_action(c) is Action.JOIN and c not in self._lock_users and not c.startswith(FED_PREFIX)
+        ]
+        for start in range(0, len(joining), JOIN_BATCH):
+            batch = joining[start : start + JOIN_BATCH]
+            try:
+                await backplane.join(batch)
+            except backplane.errors as exc:
+                backplane.outage.failed(exc)
+                for channel in batch:
+                    reconciler.failed(channel, Action.JOIN)
+                return
+            self.rule.answered(recovered=backplane.outage.succeeded())
+            for channel in batch:
+                if reconciler.next_action(channel) is Action.JOIN:  # else converged meanwhile
+                    reconciler.done(channel, Action.JOIN, True)
 
     async def maintain(self) -> None:
         """The beat, every third of a lease TTL; the probe every third of its TTL."""

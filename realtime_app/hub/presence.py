@@ -7,10 +7,13 @@ with ``"presence": true`` also watch it. One loop per process does the rest, a f
 per interval:
 
 * **write**: each room whose local members changed gets this process's part written
-  (coalesced: one write per room per turn, however many joins), and every beat each part
-  is written again from the local book (STYLE practice 21): a part lives a lease
-  (``LEASE_TTL_MS``) unless renewed, so a process that dies takes its members with it
-  and a Redis that lost its keys has them back within a beat;
+  (coalesced: one write per room per turn, however many joins), and each part is written
+  again from the local book a third of its life after it was (STYLE practice 21). Where
+  the backplane can mark a process alive (memory, Redis, shards) that life is long — an
+  idle room costs nothing per beat — and one mark per beat (a lease) is what a process
+  that dies takes its members with; a mark found gone (a Redis that lost its keys) has
+  every part written again at once. Elsewhere (Redis Cluster) a part lives a lease and
+  is written every beat;
 * **read**, once per interval, each watched room whose version changed: the merged
   snapshot, its diff against what the watchers hold (:func:`~realtime_app.wire.presence.diff`),
   one frame to each watcher. A watcher over its backpressure threshold keeps one held
@@ -24,9 +27,11 @@ loop and the counters.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import json
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -69,6 +74,7 @@ class Room:
     listed: bool = True
     version: str = ""  # of the snapshot read last ("": read again)
     dirty: bool = False  # local members changed since this process's part was written
+    renew_at: float = 0.0  # when its part is written again (monotonic s)
     pending: dict[tuple[Connection, str], Diff] = field(default_factory=dict)  # merged, held for slow watchers
     cached: tuple[float, Snapshot] | None = None  # a read for RPC presence without watchers, and when
 
@@ -86,6 +92,12 @@ class Presence:
         self.writes = 0
         self.reads = 0
         self.failures = 0
+        self.dirty: set[str] = set()  # rooms whose part is written at the next turn
+        self.watching: set[str] = set()  # rooms with watchers: read every interval
+        self._renewals: deque[tuple[float, str]] = deque()  # (when, room): written again then, in order
+        self._maybe_idle: set[str] = set()  # rooms that lost a member or a watcher: forgotten once idle
+        self._keep_ms: int | None = None  # a part's life between writes (None: a lease, renewed every beat)
+        self._marked = False  # marked alive once at least: parts are written the way the mark says
         self._writing = asyncio.Lock()  # one write at a time: an older part never lands last
         self._entered = asyncio.Event()  # a room was opened: the loop, asleep while none is, runs
 
@@ -102,6 +114,7 @@ class Presence:
         user, info = conn.member if conn.member is not None else (None, None)
         if room.local.enter(conn.id, user, info):
             room.dirty = True
+            self.dirty.add(spec.base)
             self.changes += 1
 
     def exit(self, conn: Connection, channel: str) -> None:
@@ -109,12 +122,14 @@ class Presence:
         its last channel there."""
         base = self.names.get(channel)
         room = self.rooms.get(base) if base is not None else None
-        if room is None:
+        if room is None or base is None:
             return
         if channel in room.watchers.get(conn, ()):
             self._unwatch(room, conn, channel)
         if room.local.exit(conn.id):
             room.dirty = True
+            self.dirty.add(base)
+            self._maybe_idle.add(base)
             self.changes += 1
 
     def _unwatch(self, room: Room, conn: Connection, name: str) -> None:
@@ -127,10 +142,21 @@ class Presence:
             conn.guard.held.frames.pop(HELD_KEY + name, None)
         if not room.watchers:
             room.sent, room.version, room.listed = None, "", True
+            base = self.names.get(name)
+            if base is not None:
+                self.watching.discard(base)
+                self._maybe_idle.add(base)
 
     def watched(self, conn: Connection) -> list[str]:
-        """The channels whose presence ``conn`` watches (its rights are checked again)."""
-        return [name for room in self.rooms.values() for name in room.watchers.get(conn, ())]
+        """The channels whose presence ``conn`` watches (its rights are checked again):
+        found through its own subscriptions, never a walk over every room."""
+        found = []
+        for name in conn.subscriptions:
+            base = self.names.get(name)
+            room = self.rooms.get(base) if base is not None else None
+            if room is not None and name in room.watchers.get(conn, ()):
+                found.append(name)
+        return found
 
     async def watch(self, conn: Connection, spec: ChannelSpec) -> None:
         """``conn`` watches ``spec``'s presence: a ``reset`` frame with every member now —
@@ -153,6 +179,7 @@ class Presence:
         if first is not None:
             self._send(room, conn, spec.name, first)
         room.watchers.setdefault(conn, set()).add(spec.name)
+        self.watching.add(spec.base)
 
     async def read(self, spec: ChannelSpec) -> Snapshot:
         """The cluster's members of ``spec`` now: what the watchers here hold when this
@@ -216,7 +243,15 @@ class Presence:
         backplane = self.hub.backplane
         if backplane is None:
             return
-        rooms = {base: room for base, room in self.rooms.items() if room.dirty or (renew and room.local)}
+        if renew:
+            try:
+                await self._mark_alive(backplane)
+            except backplane.errors as exc:
+                backplane.outage.failed(exc)
+                self.failures += 1
+        bases = self.dirty | self._due(time.monotonic())
+        rooms = {base: self.rooms[base] for base in bases if base in self.rooms}
+        self.dirty.difference_update(bases - rooms.keys())  # rooms forgotten meanwhile
         steps = [(self._write(backplane, rooms), bool(rooms)), (self._read(backplane), reading)]
         for step, due in steps:
             if not due:
@@ -229,39 +264,86 @@ class Presence:
                 self.failures += 1
                 continue
             if called and backplane.outage.succeeded():  # back after an outage: every part again
-                for room in self.rooms.values():
-                    room.dirty = room.dirty or bool(room.local)
-        for base in [base for base, room in self.rooms.items() if self._idle(room)]:
-            room = self.rooms.pop(base)
-            for name in room.names:
-                if self.names.get(name) == base:
-                    del self.names[name]
+                self._all_dirty()
+        for base in list(self._maybe_idle):
+            room = self.rooms.get(base)
+            if room is not None and (room.local or room.watchers):
+                self._maybe_idle.discard(base)  # in use again
+            elif room is None or self._idle(room):
+                self._maybe_idle.discard(base)
+                self._forget(base)
+
+    def _forget(self, base: str) -> None:
+        room = self.rooms.pop(base, None)
+        if room is None:
+            return
+        self.watching.discard(base)
+        for name in room.names:
+            if self.names.get(name) == base:
+                del self.names[name]
+
+    def _all_dirty(self) -> None:
+        """Every part written again (its mark or the backplane was lost): rare, so a walk."""
+        for base, room in self.rooms.items():
+            if room.local:
+                room.dirty = True
+                self.dirty.add(base)
+
+    async def _mark_alive(self, backplane: Backplane) -> None:
+        """This process's mark, once a beat: how long its parts live, and every part again
+        when its mark was gone (its parts may have gone with it)."""
+        mark = await backplane.presence_alive(int(get_config()["LEASE_TTL_MS"]))
+        self._keep_ms, self._marked = (mark[0] if mark is not None else None), True
+        if mark is not None and not mark[1]:
+            self._all_dirty()
+
+    def _due(self, now: float) -> set[str]:
+        """The rooms whose part is to be written again now (in the order they were written)."""
+        due: set[str] = set()
+        renewals = self._renewals
+        while renewals and renewals[0][0] <= now:
+            at, base = renewals.popleft()
+            room = self.rooms.get(base)
+            if room is not None and room.renew_at == at and room.local:
+                due.add(base)
+        return due
 
     async def leave_all(self) -> None:
         """A clean stop: this process's parts withdrawn now, not a lease later."""
         backplane = self.hub.backplane
         if backplane is None or not self.rooms:
             return
-        await backplane.put_presence({base: None for base in self.rooms}, get_config()["LEASE_TTL_MS"])
+        ttl = self._keep_ms or int(get_config()["LEASE_TTL_MS"])
+        await backplane.put_presence({base: None for base in self.rooms}, ttl, self._keep_ms is not None)
 
     async def _write(self, backplane: Backplane, rooms: dict[str, Room]) -> bool:
+        if not self._marked:  # a first write (a watch, RPC presence) before any beat: one way from the start
+            await self._mark_alive(backplane)
         config = get_config()
         limit = config["PRESENCE_MAX_MEMBERS"]
+        ttl = self._keep_ms or int(config["LEASE_TTL_MS"])
         async with self._writing:
             parts = {base: room.local.part(limit) if room.local else None for base, room in rooms.items()}
             for room in rooms.values():
                 room.dirty = False  # changed while the write is on its way: dirty again, written next turn
+            self.dirty.difference_update(rooms)
             try:
-                await backplane.put_presence(parts, config["LEASE_TTL_MS"])
+                await backplane.put_presence(parts, ttl, self._keep_ms is not None)
             except BaseException:
                 for room in rooms.values():
                     room.dirty = True
+                self.dirty.update(rooms)
                 raise
+        now = time.monotonic()
+        for base, room in rooms.items():
+            if room.local and room.renew_at <= now:  # one renewal due per room (a changed room keeps its turn)
+                room.renew_at = now + ttl / 3000  # a third of its life: two more chances before it lapses
+                self._renewals.append((room.renew_at, base))
         self.writes += len(parts)
         return True
 
     async def _read(self, backplane: Backplane) -> bool:
-        watched = {base: room.version for base, room in self.rooms.items() if room.watchers}
+        watched = {base: self.rooms[base].version for base in self.watching if base in self.rooms}
         if not watched:
             return False
         found = await backplane.read_presence(watched)
@@ -323,11 +405,11 @@ class Presence:
         process does."""
         rooms = self.rooms.items()
         sizes = {base: room.sent.count if room.sent is not None else len(room.local.conns) for base, room in rooms}
-        busiest = sorted(sizes.items(), key=lambda item: (-item[1], item[0]))[:top]
+        busiest = heapq.nsmallest(top, sizes.items(), key=lambda item: (-item[1], item[0]))
         return {
             "channels": len(self.rooms),
             "connections": sum(len(room.local.conns) for room in self.rooms.values()),
-            "watchers": sum(len(room.watchers) for room in self.rooms.values()),
+            "watchers": sum(len(self.rooms[base].watchers) for base in self.watching if base in self.rooms),
             "changes": self.changes,
             "diffs": self.diffs,
             "coalesced": self.coalesced,

@@ -69,12 +69,26 @@ class ChannelState:
         """Nothing wanted, nothing held: the record can be forgotten."""
         return not (self.wanted or self.joined or self.held or self.running)
 
+    @property
+    def quiet(self) -> bool:
+        """Joined as wanted, no ticker, nothing due or failed: no action, and a beat that
+        does not re-assert changes nothing (most channels, most of the time)."""
+        return (
+            self.wanted
+            and self.joined
+            and not (self.ticker or self.held or self.running or self.rejoin or self.acquire_due or self.renew_due)
+            and not (self.backoff or self.parked or self.yielding or self.yielded)
+        )
+
 
 class Reconciler:
     """Per-process desired vs believed state of every channel; says what to do next."""
 
     def __init__(self) -> None:
         self.channels: dict[str, ChannelState] = {}
+        #: The channels that are not :attr:`ChannelState.quiet`: what a beat and
+        #: :meth:`pending` look at (an idle channel costs nothing per beat).
+        self.active: dict[str, None] = {}  # in the order they became active
 
     def _state(self, channel: str) -> ChannelState:
         state = self.channels.get(channel)
@@ -83,9 +97,15 @@ class Reconciler:
         return state
 
     def _forget_if_idle(self, channel: str) -> None:
+        """File the channel after an event: forgotten when idle, active unless quiet."""
         state = self.channels.get(channel)
         if state is not None and state.idle:
             del self.channels[channel]
+            state = None
+        if state is None or state.quiet:
+            self.active.pop(channel, None)
+        else:
+            self.active[channel] = None
 
     # -- events -------------------------------------------------------------------
 
@@ -94,6 +114,7 @@ class Reconciler:
         state = self._state(channel)
         state.wanted, state.ticker = True, ticker
         state.acquire_due = ticker and not state.held
+        self._forget_if_idle(channel)
 
     def unsubscribed(self, channel: str) -> None:
         """The channel's last local subscriber left."""
@@ -108,13 +129,14 @@ class Reconciler:
         state = self.channels.get(channel)
         if state is not None and state.wanted and state.ticker and not state.held:
             state.acquire_due = True
+            self.active[channel] = None
 
     def yield_leases(self) -> list[str]:
         """The process drains: stop every ticker and release its lease now, so that another
         process with subscribers takes it at once (told by the release), not after a lease
         timeout. This process competes again from the second beat on: a channel nobody
         else serves gets its ticker back here. Returns the channels to converge."""
-        held = [name for name, state in self.channels.items() if state.held or state.acquire_due]
+        held = [name for name in list(self.active) if self.channels[name].held or self.channels[name].acquire_due]
         for name in held:  # a lease being acquired now is released as soon as it is granted
             self.channels[name].yielding = True
         return held
@@ -125,7 +147,8 @@ class Reconciler:
         Pass ``reassert=True`` after the backplane lost (or may have lost) its state, and
         periodically within ``group_expiry``.
         """
-        for state in self.channels.values():
+        for name in list(self.channels if reassert else self.active):  # a quiet one: nothing changes
+            state = self.channels[name]
             if state.yielding and not state.held:  # nothing was granted since the drain began
                 state.yielding, state.yielded = False, True
             state.parked = False
@@ -135,6 +158,7 @@ class Reconciler:
             state.backoff = False
             if reassert and state.wanted:
                 state.rejoin = True
+            self._forget_if_idle(name)
 
     # -- decisions ----------------------------------------------------------------
 
@@ -164,7 +188,7 @@ class Reconciler:
 
     def pending(self) -> Iterator[str]:
         """Channels with an action to carry out now (a snapshot: safe to act while iterating)."""
-        return iter([name for name in self.channels if self.next_action(name) is not None])
+        return iter([name for name in self.active if self.next_action(name) is not None])
 
     def lease_fresh(self, channel: str, now: float, ttl_s: float) -> bool:
         """True while this process may publish for ``channel``'s ticker: the lease was
