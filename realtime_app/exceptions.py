@@ -95,6 +95,9 @@ class OutboxFull(PublicationError):
         self.limit = limit
         self.retry_after_ms = retry_after_ms
 
+    def __reduce__(self) -> tuple[type[OutboxFull], tuple[str, int, int]]:
+        return (OutboxFull, (self.channel, self.limit, self.retry_after_ms))
+
     def as_rpc(self) -> RPCError:
         return RPCError(-32003, "Outbox full", "outbox_full", limit=self.limit, retry_after_ms=self.retry_after_ms)
 

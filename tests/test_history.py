@@ -346,3 +346,15 @@ async def test_a_failed_read_undoes_a_first_subscribe_and_keeps_a_resumed_one():
                 assert conn in hub.subscribers["demo:events"]  # frames go on; the client resumes again
         finally:
             await hub.aclose()
+
+
+def test_a_resume_at_zero_of_a_lapsed_lineage_nothing_was_published_on_missed_nothing():
+    """A channel only ever read keeps its count and epoch its history TTL (not a day): a
+    client back later than that, which had seen nothing (seq 0), finds a new epoch that
+    this very read started and nothing published — recovered, not epoch_changed."""
+    policy = HistoryPolicy(10, 60)
+    fresh = HistoryRead("0000000000002-b", 0, 0, [], created=True)
+    assert plan_resume(Since(0, "0000000000001-a"), fresh, policy, 0).recovered
+    assert plan_resume(Since(3, "0000000000001-a"), fresh, policy, 0).reason == "epoch_changed"  # it saw some
+    kept = HistoryRead("0000000000002-b", 0, 0, [], created=False)  # a lineage that was there: another history
+    assert plan_resume(Since(0, "0000000000001-a"), kept, policy, 0).reason == "epoch_changed"

@@ -246,3 +246,13 @@ async def test_a_full_outbox_is_an_exact_bound_and_a_documented_refusal_not_a_tr
     assert not [r for r in records if r.levelno >= logging.ERROR], [r.getMessage() for r in records]
     full = [r for r in records if "outbox is full" in r.getMessage()]
     assert len(full) == 1 and full[0].levelname == "WARNING"
+
+
+def test_outbox_full_survives_pickling_as_task_queues_pass_it():
+    import pickle
+
+    from realtime_app.exceptions import OutboxFull
+
+    again = pickle.loads(pickle.dumps(OutboxFull("test:durable", 5, 1000)))
+    assert (again.channel, again.limit, again.retry_after_ms) == ("test:durable", 5, 1000)
+    assert again.as_rpc().as_error()["data"] == {"reason": "outbox_full", "limit": 5, "retry_after_ms": 1000}

@@ -146,6 +146,15 @@ async def test_a_process_marked_alive_keeps_its_parts_an_hour_and_takes_them_wit
             ttls += [client.pttl(key) for key in client.scan_iter(match=f"{prefix}*:presence:*")]
             client.close()
         assert ttls and all(ttl > 3_000_000 for ttl in ttls)  # an hour, not a lease
+        c = make(kind, redis_url, prefix, "c")  # a process that writes leased parts (a Redis Cluster node's way)
+        await c.start(_ignore)
+        await c.put_presence({r: part("cy") for r in rooms}, 600)
+        await c.put_presence({r: None for r in rooms}, 600)
+        await c.stop()
+        for db in (0, 1):  # its short lease never shortened the room: the others' parts stay
+            client = redis.Redis.from_url(_db(redis_url, db))
+            assert all(client.pttl(key) > 3_000_000 for key in client.scan_iter(match=f"{prefix}*:presence:*"))
+            client.close()
         versions = {r: read[r][0] for r in rooms}
 
         async def bob_gone() -> bool:  # b stops marking itself: its mark lapses (600 ms), its parts go

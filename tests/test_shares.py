@@ -255,3 +255,19 @@ async def test_an_instance_its_exists_hook_refuses_leaves_no_key_by_subscribe_or
         for key in client.scan_iter(match=f"{prefix}*"):
             client.delete(key)
         client.close()
+
+
+def test_backplane_bytes_expire_each_at_its_own_time_and_quiet_identities_are_forgotten():
+    """Entries of different TTLs (each channel's own history TTL): one long-lived entry
+    does not keep the short ones behind it counted."""
+    now = [100.0]
+    book = ShareBook(clock=lambda: now[0])
+    who, other = ("address", "a"), ("address", "b")
+    book.stored_by(who, 1000, 86_400_000)  # a day
+    for _ in range(300):
+        book.stored_by(who, 1000, 60_000)  # a minute
+    book.stored_by(other, 500, 60_000)
+    assert book.bytes_of(who) == 301_000
+    now[0] += 120
+    assert book.bytes_of(who) == 1000 and book.total_bytes() == 1000
+    assert other not in book.stored_bytes  # a quiet identity is forgotten

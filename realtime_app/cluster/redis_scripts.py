@@ -285,8 +285,9 @@ end
 if ARGV[2] ~= '' then redis.call('zadd', KEYS[2], now + ttl, ARGV[1]) end
 if empty() then return 1 end
 if changed then bump() end
-redis.call('pexpire', KEYS[1], ttl)
-redis.call('pexpire', KEYS[2], ttl)
+for _, key in ipairs(KEYS) do  -- never shorter: another process's parts may live longer than this one's
+  if redis.call('pttl', key) < ttl then redis.call('pexpire', key, ttl) end
+end
 return 1
 """
 )

@@ -55,7 +55,9 @@ def valid_key(header: bytes) -> bool:
 class PublishDoor:
     """The publish API's key, checked before Django: None lets a request with a valid key
     through to the view; anything else is answered here — 401 (a failure, drawn from
-    the address's bucket) or 429 (the bucket is empty: no comparison at all)."""
+    the address's bucket) or 429 (the bucket is empty). A valid key always passes: a
+    flood from the same address (a proxy not in ``TRUSTED_PROXIES``) never locks the real
+    publisher out."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         limits = AdmissionLimits(
@@ -66,6 +68,9 @@ class PublishDoor:
         self._refusing: set[Hashable] = set()
 
     def answer(self, scope: Scope) -> Answer | None:
+        header = next((v for k, v in scope.get("headers", ()) if k.lower() == b"authorization"), b"")
+        if valid_key(header):  # a real publisher is never throttled for others' failures
+            return None
         identity = client_identity(scope)
         self.failures.forget_idle()
         if self.failures.tokens(identity) < 1:
@@ -79,10 +84,7 @@ class PublishDoor:
                 {"error": "too many requests without a valid key", "retry_after_ms": retry_ms},
                 [(b"retry-after", seconds)],
             )
-        header = next((v for k, v in scope.get("headers", ()) if k.lower() == b"authorization"), b"")
-        if valid_key(header):
-            self._refusing.discard(identity)
-            return None
+        self._refusing.discard(identity)
         self.refused["key"] += 1
         self.failures.charge(identity, 1.0)
         return (

@@ -163,7 +163,7 @@ async def token_refusal(scope: Scope, address: tuple[str, str]) -> tuple[CloseCo
         hub = await get_hub()
     except BackplaneUnavailable:  # logged by the hub, once per outage: the client retries later
         return CloseCode.TRY_AGAIN_LATER, "backplane unavailable"
-    if not hub.gate.handshake(address):
+    if not hub.gate.handshake(address, anonymous=refused is not None):  # a good token's user is known
         return CloseCode.TRY_AGAIN_LATER, "too many handshakes"
     if refused is not None:
         hub.gate.refused["tokens"] = hub.gate.refused.get("tokens", 0) + 1

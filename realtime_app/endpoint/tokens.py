@@ -56,14 +56,26 @@ SALT = "realtime_app.connection-token"
 
 def site_salt() -> str:
     """The salt of this site's tokens: :data:`SALT` and ``TOKEN_SALT`` — by default the
-    settings module and ``ALLOWED_HOSTS``, so that another site sharing ``SECRET_KEY`` and
-    a user table (a staging copy, a second project) does not take this one's tokens."""
+    settings module and the host names of ``ALLOWED_HOSTS`` (not its addresses), so that
+    another site sharing ``SECRET_KEY`` and a user table (a staging copy, a second
+    project) does not take this one's tokens."""
     from django.conf import settings
 
     own = get_config()["TOKEN_SALT"]
-    if own is None:
-        own = f"{settings.SETTINGS_MODULE}|{','.join(sorted(map(str, settings.ALLOWED_HOSTS)))}"
+    if own is None:  # host names only: a pod's own address in ALLOWED_HOSTS would split one site in two
+        hosts = sorted(str(host) for host in settings.ALLOWED_HOSTS if not _is_address(str(host)))
+        own = f"{settings.SETTINGS_MODULE}|{','.join(hosts)}"
     return f"{SALT}:{own}"
+
+
+def _is_address(host: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
 
 
 #: The scope keys: the verified token's claims, and why a handshake's token was refused.

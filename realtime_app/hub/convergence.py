@@ -147,7 +147,13 @@ class Convergence:
             if reconciler.next_action(c) is Action.JOIN and c not in self._lock_users and not c.startswith(FED_PREFIX)
         ]
         for start in range(0, len(joining), JOIN_BATCH):
-            batch = joining[start : start + JOIN_BATCH]
+            batch = [  # asked again: a channel left or being converged meanwhile is not joined here
+                c
+                for c in joining[start : start + JOIN_BATCH]
+                if reconciler.next_action(c) is Action.JOIN and c not in self._lock_users
+            ]
+            if not batch:
+                continue
             try:
                 await backplane.join(batch)
             except backplane.errors as exc:

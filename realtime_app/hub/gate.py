@@ -166,14 +166,16 @@ class Gate:
         self.pool.max_running = running
         self._refusal_budgets.clear()  # sized by ADMISSION_CLOSE_AFTER_REFUSALS: started again
 
-    def handshake(self, identity: Identity) -> bool:
+    def handshake(self, identity: Identity, anonymous: bool = True) -> bool:
         """Count one handshake of ``identity``; False past ``HANDSHAKES_PER_S`` (reconnect
-        churn: every reconnect of an identity draws on the same bucket)."""
+        churn: every reconnect of an identity draws on the same bucket). ``anonymous``: an
+        address's handshake also draws on the process's anonymous bucket (not a good
+        token's: its user is known)."""
         self.handshakes.forget_idle()  # memory follows the identities that connect now
         if not self.handshakes.limits.bucket_capacity or self.handshakes.charge(identity, 1.0) is None:
             self._refusing.discard(identity)
             # its own bucket first: what one address may not open never draws on the others'
-            if identity[0] != "user" and not self._anonymous_handshake():
+            if identity[0] != "user" and anonymous and not self._anonymous_handshake():
                 self.refused["process_handshakes"] += 1
                 return False
             return True

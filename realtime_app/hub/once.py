@@ -23,11 +23,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import heapq
+import itertools
 import json
 import logging
 import secrets
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -115,9 +117,10 @@ class Once:
         self.local = OnceBook(settings.idempotency_max_bytes)
         self._backplane = backplane  # the hub's, once it started
         self.clock = clock
-        #: Per identity, the answers its calls kept through this process: (expiry, bytes), oldest first.
-        self.kept_by: dict[tuple[str, str], deque[tuple[float, int]]] = {}
-        self.kept_bytes: dict[tuple[str, str], int] = {}
+        #: The answers kept through this process, soonest to expire first: (expiry, n, identity, bytes).
+        self.kept: list[tuple[float, int, tuple[str, str], int]] = []
+        self.kept_bytes: dict[tuple[str, str], int] = {}  # per identity, what is kept now
+        self._order = itertools.count()
         self.ran = 0  # first calls run
         self.repeats = 0  # repeats answered with a kept answer
         self.waited = 0  # repeats that waited for a running first call
@@ -205,18 +208,13 @@ class Once:
 
     def _full(self, identity: tuple[str, str]) -> dict[str, Any] | None:
         """The refusal of a new key of ``identity`` while the answers its calls keep fill
-        ``IDEMPOTENCY_MAX_BYTES_PER_IDENTITY`` (until the oldest expires), else None."""
+        ``IDEMPOTENCY_MAX_BYTES_PER_IDENTITY`` (until its first one expires), else None."""
+        self._expire()
         limit = int(self.settings.idempotency_max_bytes_per_identity)
-        kept, now = self.kept_by.get(identity), self.clock()
-        while kept and kept[0][0] <= now:
-            self.kept_bytes[identity] -= kept.popleft()[1]
-        if not kept:
-            self.kept_by.pop(identity, None)
-            self.kept_bytes.pop(identity, None)
+        if not limit or self.kept_bytes.get(identity, 0) < limit:
             return None
-        if not limit or self.kept_bytes[identity] < limit:
-            return None
-        retry_ms = max(1, retry_after_ms(kept[0][0] - now))  # when the oldest expires
+        first = min(at for at, _, who, _ in self.kept if who == identity)  # a refusal's: rare, so a walk
+        retry_ms = max(1, retry_after_ms(first - self.clock()))
         message, reason = "Too many idempotent answers kept", "idempotency_full"
         return dict(
             protocol.error_response(None, protocol.OVERLOADED, message, reason, limit=limit, retry_after_ms=retry_ms)[
@@ -224,12 +222,23 @@ class Once:
             ]
         )
 
+    def _expire(self) -> None:
+        """Forget the answers that expired, whoever kept them."""
+        now, kept = self.clock(), self.kept
+        while kept and kept[0][0] <= now:
+            _, _, identity, size = heapq.heappop(kept)
+            left = self.kept_bytes.get(identity, 0) - size
+            if left > 0:
+                self.kept_bytes[identity] = left
+            else:
+                self.kept_bytes.pop(identity, None)
+
     def _count(self, identity: tuple[str, str], kept: tuple[int, int] | None) -> None:
         """An answer of ``identity``'s kept: ``(bytes, ttl_ms)``."""
         if kept is None:
             return
         size, ttl_ms = kept
-        self.kept_by.setdefault(identity, deque()).append((self.clock() + ttl_ms / 1000, size))
+        heapq.heappush(self.kept, (self.clock() + ttl_ms / 1000, next(self._order), identity, size))
         self.kept_bytes[identity] = self.kept_bytes.get(identity, 0) + size
 
     async def _settle(self, name: str, owner: str, ok: bool, outcome: Any) -> tuple[int, int] | None:
@@ -259,6 +268,10 @@ class Once:
     def _errors(self) -> tuple[type[BaseException], ...]:
         return self.backplane.errors if self.backplane is not None else ()
 
+    def _kept_total(self) -> int:
+        self._expire()
+        return sum(self.kept_bytes.values())
+
     def probe(self) -> dict[str, int]:
         return {
             "ran": self.ran,
@@ -266,7 +279,7 @@ class Once:
             "waited": self.waited,
             "not_kept": self.not_kept,
             "refused_full": self.refused_full,
-            "kept_bytes": sum(self.kept_bytes.values()),
+            "kept_bytes": self._kept_total(),
         }
 
 

@@ -255,7 +255,17 @@ def outbox_written() -> None:
         drain.written += 1
 
 
-def outbox_refusal() -> tuple[int, int] | None:
+def _said_free(drains: list[OutboxDrain], waiting: int | None) -> None:
+    """The outbox takes publications again: said once, after it was said full."""
+    if any(d.full_said for d in drains):
+        logger.info(
+            "the outbox takes durable publications again (%s rows waiting)", waiting if waiting is not None else "fewer"
+        )
+    for drain in drains:
+        drain.full_said = False
+
+
+def outbox_refusal(using: str | None = None) -> tuple[int, int] | None:
     """``(limit, retry_after_ms)`` when a durable publication would pass
     ``OUTBOX_MAX_ROWS`` (counted exactly, in the caller's thread and transaction, once
     the estimate is within :data:`NEAR_FULL` of it); None when it fits. Two transactions
@@ -264,20 +274,21 @@ def outbox_refusal() -> tuple[int, int] | None:
     limit = int(config["OUTBOX_MAX_ROWS"])
     drains = list(_drains.values())
     if not limit or not drains or max(d.rows + d.written for d in drains) < limit * NEAR_FULL:
+        _said_free(drains, None)
         return None
     waiting = 0
     for alias in config["OUTBOX_DATABASES"]:
-        try:
+        if alias == using:  # the caller's own: counted in its transaction, an error is its error
             waiting += outbox.rows_up_to(alias, limit)
-        except Exception:  # a database that does not answer: its last count
-            logger.debug("outbox of %r not counted", alias)
+        else:
+            try:
+                waiting += outbox.rows_up_to(alias, limit)
+            except Exception:  # another database that does not answer: not counted
+                logger.debug("outbox of %r not counted", alias)
         if waiting >= limit:
             break
     if waiting < limit:
-        if any(d.full_said for d in drains):
-            logger.info("the outbox takes durable publications again (%d rows waiting)", waiting)
-        for drain in drains:
-            drain.full_said = False
+        _said_free(drains, waiting)
         return None
     if not any(d.full_said for d in drains):  # once while it lasts, not once per publication
         logger.warning(

@@ -399,6 +399,18 @@ class Presence:
         up_to = self._list_up_to()
         return not up_to or len(snapshot.users) <= up_to
 
+    def counters(self) -> dict[str, int]:
+        """What the probe reads fresh each time (no walk over the rooms)."""
+        return {
+            "channels": len(self.rooms),
+            "changes": self.changes,
+            "diffs": self.diffs,
+            "coalesced": self.coalesced,
+            "writes": self.writes,
+            "reads": self.reads,
+            "failures": self.failures,
+        }
+
     def probe(self, top: int) -> PresenceProbe:
         """Presence channels, members and watchers here, what was sent and merged, and the
         members of the busiest rooms as the cluster holds them (watched rooms) or as this

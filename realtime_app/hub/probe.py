@@ -8,7 +8,10 @@ Its walks over every channel (the busiest lists, the per-template and presence c
 are what grows with the rooms a process holds: published every other beat, they kept a
 process holding 20,000 idle rooms busy. A process with more than :data:`FRESH_UP_TO`
 channels reuses them until they have paid for themselves — at most
-:data:`PROBE_CPU_SHARE` of a core — while every counter stays exact."""
+:data:`PROBE_CPU_SHARE` of a core: its busiest lists, and the subscriptions, tickers and
+per-room counts found by a walk, may be that old; the counters kept as things happen
+(connections, channels, frames, publications, presence writes, recoveries) are read
+fresh at every probe."""
 
 from __future__ import annotations
 
@@ -179,6 +182,14 @@ def _walks(hub: Probed, top: int) -> dict[str, Any]:
     return found
 
 
+def _published(templates: dict[str, TemplateProbe], published: dict[str, int]) -> dict[str, TemplateProbe]:
+    """A walk's per-template counts with the publications counted since."""
+    out = {pattern: {**probe, "published": published.get(pattern, 0)} for pattern, probe in templates.items()}
+    for pattern, count in published.items():
+        out.setdefault(pattern, {"instances": 0, "subscribers": 0, "published": count, "busiest": {}})
+    return out  # type: ignore[return-value]
+
+
 def process_probe(hub: Probed) -> ProcessProbe:
     config = get_config()
     top = config["PROBE_TOP_CHANNELS"]
@@ -208,16 +219,21 @@ def process_probe(hub: Probed) -> ProcessProbe:
         "refused": {**hub.refused, **hub.gate.refused},
         "backplane_bytes": hub.shares.total_bytes(),
         "admission": hub.gate.probe(hub.fanout.unread_refused),
-        "history": walked["history"],
+        "history": {
+            "channels": walked["history"]["channels"],
+            "recoveries": dict(hub.replays.recoveries),
+            "replayed": hub.replays.replayed,
+            "gaps": hub.ordering.gaps,
+        },
         "send_failures": hub.fanout.send_failures,
         "stale_ticks": hub.tickers.stale_ticks,
         "backplane": backplane_probe(backplane),
         "backpressure": hub.fanout.probe(queued),
         "http_pools": pools_probe(),  # type: ignore[typeddict-item]
         "write_behind": stores_probe(),
-        "templates": walked["templates"],
+        "templates": _published(walked["templates"], hub.template_published),
         "outbox": outbox_probe(hub),
-        "presence": walked["presence"],
+        "presence": {**walked["presence"], **hub.presence.counters()},  # type: ignore[typeddict-item]
         "draining": hub.gate.draining,
     }
 

@@ -76,7 +76,7 @@ def _to_outbox(channel: str, data_json: str, using: str | None) -> None:
             f"durable channel {channel!r} published in a transaction of database {alias!r}, whose outbox "
             "nobody drains: add it to REALTIME_APP['OUTBOX_DATABASES']"
         )
-    if (refused := outbox_refusal()) is not None:
+    if (refused := outbox_refusal(alias)) is not None:
         raise OutboxFull(channel, *refused)
     outbox.write(channel, data_json, alias)
     outbox_written()

@@ -12,8 +12,10 @@ subscription (no await between), so the bound is exact.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
@@ -59,9 +61,10 @@ class ShareBook:
     def __init__(self, refused: dict[str, int] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.refused = refused if refused is not None else {}  # the probe's, by limit
         self.clock = clock
-        #: Per identity, backplane state its subscribes made live: (expiry, bytes), oldest first.
-        self.stored: dict[Identity, deque[tuple[float, int]]] = {}
-        self.stored_bytes: dict[Identity, int] = {}
+        #: Backplane state subscribes made live, soonest to expire first: (expiry, n, identity, bytes).
+        self.stored: list[tuple[float, int, Identity, int]] = []
+        self.stored_bytes: dict[Identity, int] = {}  # per identity, what is live now
+        self._order = itertools.count()
         self.entries: dict[tuple[Hashable, str], tuple[Identity, list[Key]]] = {}  # (holder, channel) ->
         self.refs: dict[Identity, Counter[Key]] = {}
         self.held: dict[Identity, Counter[str]] = {}  # identity -> "ticker"/"instance" -> distinct keys
@@ -125,27 +128,34 @@ class ShareBook:
     def stored_by(self, identity: Identity, nbytes: int, ttl_ms: int) -> None:
         """``identity``'s subscribe made ``nbytes`` of backplane state live for ``ttl_ms``
         (a fresh channel's lineage: :attr:`HistoryRead.created`)."""
-        self.stored.setdefault(identity, deque()).append((self.clock() + ttl_ms / 1000, nbytes))
+        heapq.heappush(self.stored, (self.clock() + ttl_ms / 1000, next(self._order), identity, nbytes))
         self.stored_bytes[identity] = self.stored_bytes.get(identity, 0) + nbytes
+
+    def _expire(self) -> None:
+        """Forget what expired, whoever it was (an identity gone quiet is forgotten too)."""
+        now, stored = self.clock(), self.stored
+        while stored and stored[0][0] <= now:
+            _, _, identity, nbytes = heapq.heappop(stored)
+            left = self.stored_bytes.get(identity, 0) - nbytes
+            if left > 0:
+                self.stored_bytes[identity] = left
+            else:
+                self.stored_bytes.pop(identity, None)
 
     def bytes_of(self, identity: Identity) -> int:
         """The backplane state ``identity``'s subscribes keep live now (bytes, about)."""
-        kept, now = self.stored.get(identity), self.clock()
-        while kept and kept[0][0] <= now:
-            self.stored_bytes[identity] -= kept.popleft()[1]
-        if not kept:
-            self.stored.pop(identity, None)
-            self.stored_bytes.pop(identity, None)
-            return 0
-        return self.stored_bytes[identity]
+        self._expire()
+        return self.stored_bytes.get(identity, 0)
 
     def total_bytes(self) -> int:
-        """Every identity's, as last counted (the probe's gauge)."""
+        """Every identity's (the probe's gauge)."""
+        self._expire()
         return sum(self.stored_bytes.values())
 
     def _retry_ms(self, identity: Identity) -> int:
-        kept = self.stored.get(identity)
-        return max(1, retry_after_ms(kept[0][0] - self.clock())) if kept else SHARE_RETRY_MS
+        """When the first of ``identity``'s state expires (a refusal's: rare, so a walk)."""
+        first = min((at for at, _, who, _ in self.stored if who == identity), default=None)
+        return max(1, retry_after_ms(first - self.clock())) if first is not None else SHARE_RETRY_MS
 
     def count(self, identity: Identity, kind: str) -> int:
         """How many tickers (``"ticker"``) or instances (``"instance"``) ``identity`` holds."""

@@ -140,6 +140,8 @@ def plan_resume(since: Since, read: HistoryRead, policy: HistoryPolicy, now_ms: 
     ``read.entries`` is the first page of what follows; the replay reads on and checks
     that each page follows the last (:func:`follows`)."""
     if since.epoch != read.epoch:
+        if since.seq == 0 and read.top == 0 and read.created:  # a lineage nothing was ever published on, lapsed
+            return Resume(True, [])  # and started again by this read: nothing was missed
         return Resume(False, [], "epoch_changed")
     if since.seq > read.top:
         return Resume(False, [], "ahead")  # a position this history never gave out
