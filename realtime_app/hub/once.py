@@ -23,8 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import heapq
-import itertools
 import json
 import logging
 import secrets
@@ -35,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from realtime_app.conf import beat_period_s
 from realtime_app.conf.typed import Settings
+from realtime_app.hub.budgets import ExpiringBytes
 from realtime_app.inbound.admission import retry_after_ms
 from realtime_app.wire import protocol
 
@@ -118,9 +117,7 @@ class Once:
         self._backplane = backplane  # the hub's, once it started
         self.clock = clock
         #: The answers kept through this process, soonest to expire first: (expiry, n, identity, bytes).
-        self.kept: list[tuple[float, int, tuple[str, str], int]] = []
-        self.kept_bytes: dict[tuple[str, str], int] = {}  # per identity, what is kept now
-        self._order = itertools.count()
+        self.kept = ExpiringBytes()  # the answers kept through this process, per identity
         self.ran = 0  # first calls run
         self.repeats = 0  # repeats answered with a kept answer
         self.waited = 0  # repeats that waited for a running first call
@@ -209,12 +206,11 @@ class Once:
     def _full(self, identity: tuple[str, str]) -> dict[str, Any] | None:
         """The refusal of a new key of ``identity`` while the answers its calls keep fill
         ``IDEMPOTENCY_MAX_BYTES_PER_IDENTITY`` (until its first one expires), else None."""
-        self._expire()
         limit = int(self.settings.idempotency_max_bytes_per_identity)
-        if not limit or self.kept_bytes.get(identity, 0) < limit:
+        if not limit or self.kept.of(identity, self.clock()) < limit:
             return None
-        first = min(at for at, _, who, _ in self.kept if who == identity)  # a refusal's: rare, so a walk
-        retry_ms = max(1, retry_after_ms(first - self.clock()))
+        first = self.kept.first_expiry(identity)
+        retry_ms = max(1, retry_after_ms((first or 0.0) - self.clock()))
         message, reason = "Too many idempotent answers kept", "idempotency_full"
         return dict(
             protocol.error_response(None, protocol.OVERLOADED, message, reason, limit=limit, retry_after_ms=retry_ms)[
@@ -222,24 +218,14 @@ class Once:
             ]
         )
 
-    def _expire(self) -> None:
-        """Forget the answers that expired, whoever kept them."""
-        now, kept = self.clock(), self.kept
-        while kept and kept[0][0] <= now:
-            _, _, identity, size = heapq.heappop(kept)
-            left = self.kept_bytes.get(identity, 0) - size
-            if left > 0:
-                self.kept_bytes[identity] = left
-            else:
-                self.kept_bytes.pop(identity, None)
+    @property
+    def kept_bytes(self) -> dict[Any, int]:
+        return self.kept.bytes
 
     def _count(self, identity: tuple[str, str], kept: tuple[int, int] | None) -> None:
         """An answer of ``identity``'s kept: ``(bytes, ttl_ms)``."""
-        if kept is None:
-            return
-        size, ttl_ms = kept
-        heapq.heappush(self.kept, (self.clock() + ttl_ms / 1000, next(self._order), identity, size))
-        self.kept_bytes[identity] = self.kept_bytes.get(identity, 0) + size
+        if kept is not None:
+            self.kept.add(identity, kept[0], self.clock() + kept[1] / 1000)
 
     async def _settle(self, name: str, owner: str, ok: bool, outcome: Any) -> tuple[int, int] | None:
         """Keep the answer, whatever it is, for the repeats — a refusal (-32003..-32005
@@ -268,10 +254,6 @@ class Once:
     def _errors(self) -> tuple[type[BaseException], ...]:
         return self.backplane.errors if self.backplane is not None else ()
 
-    def _kept_total(self) -> int:
-        self._expire()
-        return sum(self.kept_bytes.values())
-
     def probe(self) -> dict[str, int]:
         return {
             "ran": self.ran,
@@ -279,7 +261,7 @@ class Once:
             "waited": self.waited,
             "not_kept": self.not_kept,
             "refused_full": self.refused_full,
-            "kept_bytes": self._kept_total(),
+            "kept_bytes": self.kept.total(self.clock()),
         }
 
 

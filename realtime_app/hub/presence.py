@@ -419,15 +419,9 @@ class Presence:
         sizes = {base: room.sent.count if room.sent is not None else len(room.local.conns) for base, room in rooms}
         busiest = heapq.nsmallest(top, sizes.items(), key=lambda item: (-item[1], item[0]))
         return {
-            "channels": len(self.rooms),
+            **self.counters(),  # type: ignore[typeddict-item]
             "connections": sum(len(room.local.conns) for room in self.rooms.values()),
             "watchers": sum(len(self.rooms[base].watchers) for base in self.watching if base in self.rooms),
-            "changes": self.changes,
-            "diffs": self.diffs,
-            "coalesced": self.coalesced,
-            "writes": self.writes,
-            "reads": self.reads,
-            "failures": self.failures,
             "members": dict(busiest),
         }
 

@@ -12,8 +12,6 @@ subscription (no await between), so the bound is exact.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable
@@ -21,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from realtime_app.conf import get_config
 from realtime_app.exceptions import RPCError
+from realtime_app.hub.budgets import ExpiringBytes
 from realtime_app.inbound.admission import retry_after_ms
 from realtime_app.wire.protocol import OVERLOADED
 
@@ -62,9 +61,7 @@ class ShareBook:
         self.refused = refused if refused is not None else {}  # the probe's, by limit
         self.clock = clock
         #: Backplane state subscribes made live, soonest to expire first: (expiry, n, identity, bytes).
-        self.stored: list[tuple[float, int, Identity, int]] = []
-        self.stored_bytes: dict[Identity, int] = {}  # per identity, what is live now
-        self._order = itertools.count()
+        self.stored = ExpiringBytes()  # backplane state subscribes made live, per identity
         self.entries: dict[tuple[Hashable, str], tuple[Identity, list[Key]]] = {}  # (holder, channel) ->
         self.refs: dict[Identity, Counter[Key]] = {}
         self.held: dict[Identity, Counter[str]] = {}  # identity -> "ticker"/"instance" -> distinct keys
@@ -128,33 +125,22 @@ class ShareBook:
     def stored_by(self, identity: Identity, nbytes: int, ttl_ms: int) -> None:
         """``identity``'s subscribe made ``nbytes`` of backplane state live for ``ttl_ms``
         (a fresh channel's lineage: :attr:`HistoryRead.created`)."""
-        heapq.heappush(self.stored, (self.clock() + ttl_ms / 1000, next(self._order), identity, nbytes))
-        self.stored_bytes[identity] = self.stored_bytes.get(identity, 0) + nbytes
+        self.stored.add(identity, nbytes, self.clock() + ttl_ms / 1000)
 
-    def _expire(self) -> None:
-        """Forget what expired, whoever it was (an identity gone quiet is forgotten too)."""
-        now, stored = self.clock(), self.stored
-        while stored and stored[0][0] <= now:
-            _, _, identity, nbytes = heapq.heappop(stored)
-            left = self.stored_bytes.get(identity, 0) - nbytes
-            if left > 0:
-                self.stored_bytes[identity] = left
-            else:
-                self.stored_bytes.pop(identity, None)
+    @property
+    def stored_bytes(self) -> dict[Hashable, int]:
+        return self.stored.bytes
 
     def bytes_of(self, identity: Identity) -> int:
         """The backplane state ``identity``'s subscribes keep live now (bytes, about)."""
-        self._expire()
-        return self.stored_bytes.get(identity, 0)
+        return self.stored.of(identity, self.clock())
 
     def total_bytes(self) -> int:
         """Every identity's (the probe's gauge)."""
-        self._expire()
-        return sum(self.stored_bytes.values())
+        return self.stored.total(self.clock())
 
     def _retry_ms(self, identity: Identity) -> int:
-        """When the first of ``identity``'s state expires (a refusal's: rare, so a walk)."""
-        first = min((at for at, _, who, _ in self.stored if who == identity), default=None)
+        first = self.stored.first_expiry(identity)
         return max(1, retry_after_ms(first - self.clock())) if first is not None else SHARE_RETRY_MS
 
     def count(self, identity: Identity, kind: str) -> int:
