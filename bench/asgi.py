@@ -14,7 +14,7 @@ from channels.generic.websocket import AsyncWebsocketConsumer  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.urls import path  # noqa: E402
 
-from realtime_app.channels.registry import registry  # noqa: E402
+from realtime_app.declarations.registry import registry  # noqa: E402
 from realtime_app.routing import AuthMiddlewareStack, MetricsShortcut, websocket_urlpatterns  # noqa: E402
 
 if "bench:events" not in registry.exact:  # demo:events without history, for bench/history.py

@@ -31,10 +31,10 @@ class RealtimeAppConfig(AppConfig):
         from django.contrib.auth.signals import user_logged_out
 
         from realtime_app import checks  # noqa: F401  (registers the checks, the first afternoon's included)
-        from realtime_app.channels.policies import reset_rules
         from realtime_app.cluster import online_checks  # noqa: F401  (registers the deployment check)
         from realtime_app.cluster.layer_timeouts import unbounded_layer_reads
         from realtime_app.conf import apply_json_encoder, get_config, reset_config
+        from realtime_app.declarations.policies import reset_rules
         from realtime_app.endpoint.sessions import on_logout
         from realtime_app.hub.gate import reconfigure_gates
         from realtime_app.persistence import checks as store_checks  # noqa: F401  (registers the store checks)

@@ -7,8 +7,8 @@ import asyncio
 import logging
 from typing import Any
 
-from realtime_app.channels.declare import family
-from realtime_app.channels.registry import ChannelSpec, Publish
+from realtime_app.declarations.declare import family
+from realtime_app.declarations.registry import ChannelSpec, Publish
 
 logger = logging.getLogger("realtime_app.probes")
 

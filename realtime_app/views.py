@@ -189,8 +189,8 @@ publish_api.csrf_exempt = True  # type: ignore[attr-defined]  # a service with a
 
 
 async def _publish_one(channel: str, data: object) -> dict[str, object]:
-    from realtime_app.channels.instances import exists
-    from realtime_app.channels.registry import registry
+    from realtime_app.declarations.instances import exists
+    from realtime_app.declarations.registry import registry
     from realtime_app.exceptions import PublicationTooLarge, RealtimeError, RPCError, UnknownChannel
     from realtime_app.hub.publishing import apublish
 

@@ -248,7 +248,7 @@ async def test_a_hook_that_keeps_failing_is_logged_once_a_minute_on_a_fake_clock
     ever passed), and the last failure's time leaked from one test into the next."""
     from types import SimpleNamespace
 
-    from realtime_app.channels import instances
+    from realtime_app.declarations import instances
 
     now = [5000.0]
     monkeypatch.setattr(instances, "time", SimpleNamespace(monotonic=lambda: now[0]))
@@ -410,8 +410,8 @@ async def test_a_process_without_a_tickers_frame_is_answered_that_frame_alone(hu
 async def test_the_publish_api_asks_again_where_the_answer_kept_is_no():
     """An object made just after a client asked for it: its kept "no" (``EXISTS_NO_S``)
     must not refuse the publication that follows — one refused by the publish API is lost."""
-    from realtime_app.channels.instances import exists
-    from realtime_app.channels.registry import registry
+    from realtime_app.declarations.instances import exists
+    from realtime_app.declarations.registry import registry
 
     spec = registry.resolve("test:lot:150")
     assert not await exists(spec)  # kept: no

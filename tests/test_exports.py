@@ -10,8 +10,9 @@ from pathlib import Path
 import realtime_app
 
 #: Django's own modules (an app's admin, models, urls, AppConfig), the channels the app
-#: registers, and ``python -m``'s entry point declare no API of their own.
-NOT_API = {"admin", "apps", "models", "urls", "realtime_channels", "client.__main__"}
+#: registers, ``python -m``'s entry point and the deprecated alias ``channels`` declare no
+#: API of their own.
+NOT_API = {"admin", "apps", "models", "urls", "realtime_channels", "client.__main__", "channels"}
 
 
 def package_modules() -> list[str]:
@@ -71,3 +72,20 @@ def test_pure_modules_import_without_a_django_project():
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "a:2000"
+
+
+def test_the_old_declarations_name_still_imports_and_warns():
+    """``realtime_app.channels`` was renamed ``realtime_app.declarations`` (it read as Django
+    Channels' own package in every traceback); a host project's old import keeps working for
+    a release, with a DeprecationWarning that names the new place."""
+    code = (
+        "import warnings; warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    from realtime_app.channels.registry import ChannelSpec\n"
+        "import realtime_app.declarations.registry as new\n"
+        "assert ChannelSpec is new.ChannelSpec\n"
+        "print([str(w.message) for w in caught if w.category is DeprecationWarning])\n"
+    )
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert "realtime_app.declarations" in out.stdout

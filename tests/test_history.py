@@ -9,9 +9,9 @@ import pytest
 from django.test import override_settings
 
 from realtime_app import ConfigurationError
-from realtime_app.channels.declare import event_channel
-from realtime_app.channels.registry import Registry, registry
 from realtime_app.conf import get_config
+from realtime_app.declarations.declare import event_channel
+from realtime_app.declarations.registry import Registry, registry
 from realtime_app.wire.history import HistoryEntry, HistoryPolicy, HistoryRead, Since, plan_resume
 from realtime_app.wire.protocol import encode, notification_text
 from tests.support.asgi_client import Client

@@ -131,7 +131,7 @@ async def test_a_channel_lock_is_not_forgotten_while_a_converge_waits_for_it():
     channel run at once, and an orphan ticker outlived its last subscriber."""
     import asyncio
 
-    from realtime_app.channels.registry import ChannelSpec
+    from realtime_app.declarations.registry import ChannelSpec
     from realtime_app.hub import Connection, get_hub
 
     live: set[int] = set()

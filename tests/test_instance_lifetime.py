@@ -12,8 +12,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from realtime_app.channels.instances import InstanceBook
-from realtime_app.channels.registry import fed_channel, registry
+from realtime_app.declarations.instances import InstanceBook
+from realtime_app.declarations.registry import fed_channel, registry
 from realtime_app.hub.connections import Connection
 from realtime_app.hub.fed import MISSING, Pace
 

@@ -97,7 +97,7 @@ async def test_a_drain_repeated_after_a_crash_publishes_nothing_twice(either_hub
     rows = await sync_to_async(
         lambda: [OutboxEntry.objects.create(channel=CHANNEL, data=encode({"n": i})) for i in range(3)]
     )()
-    from realtime_app.channels.registry import registry
+    from realtime_app.declarations.registry import registry
 
     spec = registry.resolve(CHANNEL)
     async with Client() as c:
@@ -119,7 +119,7 @@ async def test_a_row_is_published_once_within_the_dedupe_window_and_its_key_forg
     """The backplane's own rule, on each backplane: the same row's key again within the
     window publishes nothing (None); another key, or the same key once the window passed,
     publishes; the seq goes on from the floor given."""
-    from realtime_app.channels.registry import registry
+    from realtime_app.declarations.registry import registry
 
     backplane, history = either_hub.backplane, registry.resolve(CHANNEL).history
     first = await backplane.publish_once(CHANNEL, '{"n": 1}', 0, history, "default:1", 300)
@@ -139,8 +139,8 @@ async def test_the_in_memory_dedupe_window_is_exact_on_a_fake_clock(hub, monkeyp
     kept) and forgotten just after. Found by mutation testing: a window off by 0.1 % passed."""
     from types import SimpleNamespace
 
-    from realtime_app.channels.registry import registry
     from realtime_app.cluster import memory
+    from realtime_app.declarations.registry import registry
 
     now = [100.0]
     monkeypatch.setattr(memory, "time", SimpleNamespace(monotonic=lambda: now[0]))

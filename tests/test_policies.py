@@ -2,7 +2,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from realtime_app.channels.policies import compile_rules, evaluate, matching_rule, requirement_for
+from realtime_app.declarations.policies import compile_rules, evaluate, matching_rule, requirement_for
 
 ANON = SimpleNamespace(is_authenticated=False, is_active=False, is_staff=False, is_superuser=False)
 USER = SimpleNamespace(is_authenticated=True, is_active=True, is_staff=False, is_superuser=False)
@@ -136,7 +136,7 @@ def test_a_rule_chooses_its_channels_backpressure_and_event_channels_are_never_c
     from django.core.checks import run_checks
     from django.test import override_settings
 
-    from realtime_app.channels.policies import frame_policy
+    from realtime_app.declarations.policies import frame_policy
 
     rules = [
         {"pattern": "demo:", "backpressure": "drop"},

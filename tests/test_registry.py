@@ -1,6 +1,6 @@
 import pytest
 
-from realtime_app.channels.registry import Registry
+from realtime_app.declarations.registry import Registry
 from realtime_app.exceptions import ConfigurationError, UnknownChannel
 
 
@@ -57,7 +57,7 @@ def test_registration_errors(reg):
 def test_only_digit_suffixes_are_cadences_of_a_family():
     """Found in review: ``base:chat`` counted as a cadence of family ``base``, so the
     family's rules applied to an unrelated event channel."""
-    from realtime_app.channels.registry import registry
+    from realtime_app.declarations.registry import registry
 
     assert registry.family_of("demo:clock:2000") is registry.families["demo:clock"]
     assert registry.family_of("demo:clock") is registry.families["demo:clock"]

@@ -343,7 +343,7 @@ def test_realtime_probe_names_the_shards_that_are_down():
 
 
 def test_an_app_fed_value_lives_on_the_shard_of_its_channel():
-    from realtime_app.channels.registry import fed_channel
+    from realtime_app.declarations.registry import fed_channel
 
     for n in range(50):
         assert shard_of(fed_channel(f"lot:{n}"), 4) == shard_of(f"lot:{n}", 4)

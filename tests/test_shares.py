@@ -11,8 +11,8 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from realtime_app.channels.registry import registry
 from realtime_app.conf import get_config
+from realtime_app.declarations.registry import registry
 from realtime_app.hub.shares import ShareBook, share_keys
 from tests.support.asgi_client import Client
 

@@ -10,10 +10,10 @@ import pytest
 from django.urls import register_converter
 
 from realtime_app import ChannelName, ConfigurationError
-from realtime_app.channels.policies import compile_rules, matching_rule
-from realtime_app.channels.registry import Registry
-from realtime_app.channels.templates import compile_template
 from realtime_app.checks.configuration import check_channels
+from realtime_app.declarations.policies import compile_rules, matching_rule
+from realtime_app.declarations.registry import Registry
+from realtime_app.declarations.templates import compile_template
 from realtime_app.wire.history import HistoryPolicy
 
 
@@ -147,7 +147,7 @@ def test_declarations_that_claim_one_name_are_each_named():
 
 
 def test_the_system_check_reports_a_collision(monkeypatch):
-    from realtime_app.channels import registry as module
+    from realtime_app.declarations import registry as module
 
     registry = Registry()
     registry.add_channel("room:<slug:name>", "event")

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 import realtime_app
-from realtime_app.channels.registry import ChannelSpec
+from realtime_app.declarations.registry import ChannelSpec
 
 from . import auction, inventory  # noqa: F401  (their channels and RPC methods register on import)
 

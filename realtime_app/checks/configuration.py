@@ -9,11 +9,11 @@ from typing import Any
 
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
-from realtime_app.channels.coverage import cadences_matched, unmatched_rules
-from realtime_app.channels.policies import Rule, configured_rules, matching_rule
-from realtime_app.channels.registry import Family, registry
 from realtime_app.checks.backplane import check_backplane, check_cluster, check_shards
 from realtime_app.conf import DEFAULTS, chosen_backplane, get_config
+from realtime_app.declarations.coverage import cadences_matched, unmatched_rules
+from realtime_app.declarations.policies import Rule, configured_rules, matching_rule
+from realtime_app.declarations.registry import Family, registry
 
 __all__ = ["check_channels", "check_layer", "check_policies", "check_server_versions", "check_settings"]
 

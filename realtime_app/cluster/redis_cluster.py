@@ -35,11 +35,11 @@ from redis.crc import key_slot
 from redis.exceptions import AskError, ClusterCrossSlotError, TryAgainError
 
 from realtime_app.cancellation import cancel_and_wait, uninterrupted
-from realtime_app.channels.registry import FED_PREFIX
 from realtime_app.cluster.hosts import close_client, redis_client
 from realtime_app.cluster.redis import RedisBackplane
 from realtime_app.cluster.redis_scripts import for_cluster
 from realtime_app.cluster.shards import ShardedBackplane, ShardStopped, ShardUnavailable
+from realtime_app.declarations.registry import FED_PREFIX
 from realtime_app.wire.names import group_name
 
 __all__ = ["ClusterBackplane", "ClusterNode", "Topology", "parse_shards", "tag_of"]

@@ -29,10 +29,10 @@ from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
 from realtime_app.cancellation import uninterrupted
-from realtime_app.channels.registry import FED_PREFIX, RESERVED
 from realtime_app.cluster.base import Backplane, Deliver
 from realtime_app.cluster.hosts import ClientClosed, shard_hosts
 from realtime_app.cluster.redis import RedisBackplane
+from realtime_app.declarations.registry import FED_PREFIX, RESERVED
 from realtime_app.observability.logsafe import Outage
 from realtime_app.observability.schema import ProcessProbe, ShardProbe
 from realtime_app.wire.history import PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, Since

@@ -11,9 +11,9 @@ from typing import Any, Protocol
 from channels.db import database_sync_to_async
 from django.db import DatabaseError
 
-from realtime_app.channels.policies import Action, allowed
-from realtime_app.channels.registry import ChannelSpec, registry
 from realtime_app.conf import get_config
+from realtime_app.declarations.policies import Action, allowed
+from realtime_app.declarations.registry import ChannelSpec, registry
 from realtime_app.endpoint.sessions import needs_user
 from realtime_app.endpoint.subscribing import bounded, require_existing
 from realtime_app.endpoint.tokens import TOKEN, Claims, TokenError, arm_expiry, granted, token_user, verify

@@ -16,9 +16,9 @@ import time
 from functools import partial
 from typing import Any
 
-from realtime_app.channels.instances import sync_in_pool
-from realtime_app.channels.registry import ChannelSpec
 from realtime_app.conf import get_config
+from realtime_app.declarations.instances import sync_in_pool
+from realtime_app.declarations.registry import ChannelSpec
 from realtime_app.endpoint.addresses import client_address, client_network, trusted_networks
 from realtime_app.endpoint.auth import AUTH_UNAVAILABLE
 from realtime_app.endpoint.builtins import BUILTINS

@@ -25,9 +25,9 @@ from collections.abc import Callable, Iterable
 from importlib import import_module
 from typing import Any
 
-from realtime_app.channels.policies import Action, active_rules, allowed, requirement_for
-from realtime_app.channels.registry import registry
 from realtime_app.conf import get_config
+from realtime_app.declarations.policies import Action, active_rules, allowed, requirement_for
+from realtime_app.declarations.registry import registry
 from realtime_app.endpoint.tokens import TOKEN, USER_FROM_OUTSIDE, TokenError, granted, token_user
 from realtime_app.hub.core import Connection, Hub
 from realtime_app.observability.logsafe import safe

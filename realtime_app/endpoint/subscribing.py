@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from realtime_app.channels.instances import exists
-from realtime_app.channels.registry import ChannelSpec, registry
+from realtime_app.declarations.instances import exists
+from realtime_app.declarations.registry import ChannelSpec, registry
 from realtime_app.exceptions import RPCError, UnknownChannel
 from realtime_app.wire import protocol
 from realtime_app.wire.rate import nearest_cadence, rate_channel

@@ -191,7 +191,7 @@ def granted(scope: Scope, spec: Any) -> bool:
     if claims is None or not claims.channels:
         return False
     if isinstance(spec, str):
-        from realtime_app.channels.registry import registry
+        from realtime_app.declarations.registry import registry
 
         found = registry.find(spec)
         name, base = spec, (found.base if found is not None else spec)

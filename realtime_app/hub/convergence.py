@@ -14,9 +14,9 @@ import logging
 import time
 from typing import Any, Protocol
 
-from realtime_app.channels.registry import FED_PREFIX
 from realtime_app.cluster.base import Backplane
 from realtime_app.conf import beat_period_s, get_config
+from realtime_app.declarations.registry import FED_PREFIX
 from realtime_app.hub.beat import BeatRule
 from realtime_app.hub.connections import Connection
 from realtime_app.hub.fed import FedStates

@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any
 from django.utils.module_loading import import_string
 
 from realtime_app.cancellation import cancel_and_wait, uninterrupted
-from realtime_app.channels.instances import InstanceBook
-from realtime_app.channels.registry import FED_PREFIX, RESERVED, ChannelSpec, registry
 from realtime_app.cluster.base import Backplane, Delivery
 from realtime_app.cluster.factory import make_backplane
+from realtime_app.declarations.instances import InstanceBook
+from realtime_app.declarations.registry import FED_PREFIX, RESERVED, ChannelSpec, registry
 from realtime_app.exceptions import BackplaneUnavailable
 from realtime_app.hub.connections import Connection
 from realtime_app.hub.convergence import Convergence

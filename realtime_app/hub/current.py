@@ -12,8 +12,8 @@ import json
 import time
 from typing import Any, Protocol
 
-from realtime_app.channels.registry import ChannelSpec
 from realtime_app.cluster.base import Backplane
+from realtime_app.declarations.registry import ChannelSpec
 from realtime_app.exceptions import BackplaneUnavailable
 from realtime_app.hub.connections import Connection
 from realtime_app.hub.fanout import Fanout

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from realtime_app.channels.registry import registry
 from realtime_app.conf import get_config
+from realtime_app.declarations.registry import registry
 from realtime_app.exceptions import PublicationError, PublicationTooLarge
 from realtime_app.wire.history import new_epoch
 from realtime_app.wire.protocol import encode, notification_text

@@ -15,8 +15,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from realtime_app.channels.policies import frame_policy
 from realtime_app.conf import get_config
+from realtime_app.declarations.policies import frame_policy
 from realtime_app.hub.connections import Connection
 from realtime_app.observability.logsafe import safe
 from realtime_app.outbound.backpressure import CLOSE, DROP, HOLD, SEND, Decision, decide_send

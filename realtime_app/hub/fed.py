@@ -1,7 +1,7 @@
 """App-fed state: the application sets a value, each cadence delivers the latest.
 
 ``publish("lot:42", value)`` keeps the value on the backplane (a history of one, under
-:func:`~realtime_app.channels.registry.fed_channel`) and carries it to the processes that
+:func:`~realtime_app.declarations.registry.fed_channel`) and carries it to the processes that
 pace a cadence of ``lot:42`` — the holders of those cadences' leases, one per cadence in
 the cluster, as for tickers. Each cadence publishes the latest value at most once a period
 and only when it differs from that cadence's last frame; nothing polls. The rule is
@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from realtime_app.channels.registry import FED_PREFIX, ChannelSpec, fed_channel
 from realtime_app.cluster.base import Backplane
+from realtime_app.declarations.registry import FED_PREFIX, ChannelSpec, fed_channel
 from realtime_app.hub.reconciler import Reconciler
 from realtime_app.wire.protocol import encode
 

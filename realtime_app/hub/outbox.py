@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from channels.db import database_sync_to_async as sync_to_async  # closes broken connections between calls
 
-from realtime_app.channels.registry import registry
 from realtime_app.conf import beat_period_s, get_config
+from realtime_app.declarations.registry import registry
 from realtime_app.exceptions import UnknownChannel
 from realtime_app.persistence import outbox
 from realtime_app.wire.history import HistoryPolicy

@@ -35,9 +35,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from realtime_app.channels.registry import ChannelSpec
 from realtime_app.cluster.base import Backplane
 from realtime_app.conf import beat_period_s, get_config
+from realtime_app.declarations.registry import ChannelSpec
 from realtime_app.exceptions import BackplaneUnavailable
 from realtime_app.hub.connections import Connection
 from realtime_app.hub.fanout import Fanout

@@ -24,9 +24,9 @@ import time
 import weakref
 from typing import Any, Protocol
 
-from realtime_app.channels.instances import InstanceBook
 from realtime_app.cluster.base import Backplane
 from realtime_app.conf import get_config
+from realtime_app.declarations.instances import InstanceBook
 from realtime_app.hub.connections import Connection
 from realtime_app.hub.fanout import Fanout
 from realtime_app.hub.gate import Gate
@@ -144,7 +144,7 @@ def top_connections(hub: Probed, top: int, queued: dict[Connection, int]) -> lis
 def _cadence(name: str) -> int | None:
     """A channel's cadence as the registry resolves it (a family's base at its default):
     never guessed from a trailing number, which may be an instance's id (``order:1``)."""
-    from realtime_app.channels.registry import registry
+    from realtime_app.declarations.registry import registry
 
     spec = registry.find(name)
     return spec.interval_ms if spec is not None else None

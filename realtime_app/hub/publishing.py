@@ -27,8 +27,8 @@ from typing import Any
 
 from asgiref.sync import async_to_sync
 
-from realtime_app.channels.registry import fed_channel, registry
 from realtime_app.cluster.factory import make_backplane
+from realtime_app.declarations.registry import fed_channel, registry
 from realtime_app.exceptions import BackplaneUnavailable, ConfigurationError, OutboxFull
 from realtime_app.hub.core import hub_of_current_loop, running_hub
 from realtime_app.hub.envelope import encode_publication

@@ -14,9 +14,9 @@ import asyncio
 import time
 from typing import Any, Literal, Protocol
 
-from realtime_app.channels.registry import ChannelSpec
 from realtime_app.cluster.base import Backplane, now_ms
 from realtime_app.conf import get_config
+from realtime_app.declarations.registry import ChannelSpec
 from realtime_app.exceptions import BackplaneUnavailable, RPCError
 from realtime_app.hub.connections import Connection
 from realtime_app.hub.fanout import Fanout, Held

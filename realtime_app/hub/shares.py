@@ -24,7 +24,7 @@ from realtime_app.inbound.admission import retry_after_ms
 from realtime_app.wire.protocol import OVERLOADED
 
 if TYPE_CHECKING:
-    from realtime_app.channels.registry import ChannelSpec
+    from realtime_app.declarations.registry import ChannelSpec
 
 __all__ = ["SHARE_RETRY_MS", "ShareBook", "lineage_bytes", "share_full", "share_keys"]
 

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from realtime_app.channels.registry import ChannelSpec
 from realtime_app.cluster.base import Backplane
 from realtime_app.conf import get_config
+from realtime_app.declarations.registry import ChannelSpec
 from realtime_app.exceptions import BackplaneUnavailable, PublicationError
 from realtime_app.hub.fed import FedStates
 from realtime_app.hub.reconciler import Reconciler

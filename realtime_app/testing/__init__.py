@@ -151,7 +151,7 @@ async def tick(channel: str) -> int:
     """Run the ``@ticker`` of ``channel`` (a cadence of it) once and publish what it returns,
     now — its subscribers get the frame without the test waiting a period; returns its
     ``seq``. The ticker's own schedule goes on as before."""
-    from realtime_app.channels.registry import registry
+    from realtime_app.declarations.registry import registry
     from realtime_app.hub.core import get_hub
 
     spec = registry.resolve(channel)

@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 import realtime_app
-from realtime_app.channels.registry import ChannelSpec
+from realtime_app.declarations.registry import ChannelSpec
 from realtime_app.exceptions import RPCError
 
 EVENTS: list[tuple[str, str]] = []

@@ -10,8 +10,8 @@ import itertools
 import re
 from collections.abc import Iterator
 
-from realtime_app.channels.policies import Rule
-from realtime_app.channels.registry import Family, Registry
+from realtime_app.declarations.policies import Rule
+from realtime_app.declarations.registry import Family, Registry
 
 __all__ = ["cadences_matched", "unmatched_rules"]
 

@@ -8,12 +8,12 @@ leaves. An **app-fed** family has no factory: the application sets its value
 An **exact** channel is one fixed state channel with an optional factory. An **event**
 channel is published by application code only and never cadenced.
 
-Any of them may be a **template** (``lot:<int:id>``, :mod:`~realtime_app.channels.templates`):
+Any of them may be a **template** (``lot:<int:id>``, :mod:`~realtime_app.declarations.templates`):
 its instances are resolved by name when used, never listed; ``exists`` says which are
 real, ``owner`` names the parameter that must be the subscriber's user id.
 
 Registration happens at import time of each app's ``realtime_channels`` module, with the
-functions of :mod:`~realtime_app.channels.declare`.
+functions of :mod:`~realtime_app.declarations.declare`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
-from realtime_app.channels.templates import Template, compile_template, is_template
+from realtime_app.declarations.templates import Template, compile_template, is_template
 from realtime_app.exceptions import ConfigurationError, UnknownChannel
 from realtime_app.wire.history import HistoryPolicy
 from realtime_app.wire.rate import RateBounds, is_rate_channel, parse_rate, rate_channel
@@ -308,7 +308,7 @@ class Registry:
     def resolve(self, name: str) -> ChannelSpec:
         """The channel ``name`` refers to, canonicalised; raises :class:`UnknownChannel`.
         A template's instance is resolved by name only: whether it exists is
-        :func:`~realtime_app.channels.instances.exists`' to say."""
+        :func:`~realtime_app.declarations.instances.exists`' to say."""
         spec = self.exact.get(name)
         if spec is not None:
             return spec

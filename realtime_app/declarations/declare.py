@@ -1,6 +1,6 @@
 """Declaring channels: the decorators and functions of a ``realtime_channels`` module.
 
-Each registers with the process's :data:`~realtime_app.channels.registry.registry` at
+Each registers with the process's :data:`~realtime_app.declarations.registry.registry` at
 import; any name may be a template (``"lot:<int:id>"``, docs/channels-per-object.md).
 """
 
@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
-from realtime_app.channels.registry import (
+from realtime_app.declarations.registry import (
     STATE_TTL_S,
     ChannelSpec,
     Cleanup,

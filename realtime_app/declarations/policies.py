@@ -42,7 +42,7 @@ from typing import Any, Literal, TypeAlias
 
 from django.utils.module_loading import import_string
 
-from realtime_app.channels.templates import ChannelName, Template, compile_template, is_template
+from realtime_app.declarations.templates import ChannelName, Template, compile_template, is_template
 
 __all__ = [
     "Action",
@@ -329,7 +329,7 @@ async def allowed(user: Any, name: str, base: str | None, action: Action) -> boo
     """Whether ``user`` may ``action`` the channel ``name`` (of family ``base``): its
     template's owner only, if it names one, and as the rules say. A ``check`` is given
     the name as a :class:`ChannelName` (``channel.params``)."""
-    from realtime_app.channels.registry import registry
+    from realtime_app.declarations.registry import registry
 
     spec = registry.find(name)
     channel: str = name
@@ -378,7 +378,7 @@ def frame_policy(name: str) -> str | None:
     policy: ``"conflate"`` for a state channel whose rule says so (an event channel is
     never conflated: every message counts, and channels with history resume instead),
     ``"drop"`` or ``"close"``."""
-    from realtime_app.channels.registry import registry
+    from realtime_app.declarations.registry import registry
 
     family = registry.family_of(name)
     policy = backpressure_policy(name, family.base if family is not None else None)

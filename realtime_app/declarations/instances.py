@@ -23,7 +23,7 @@ from realtime_app.exceptions import RPCError
 from realtime_app.wire.protocol import INTERNAL_ERROR
 
 if TYPE_CHECKING:
-    from realtime_app.channels.registry import ChannelSpec, Declared
+    from realtime_app.declarations.registry import ChannelSpec, Declared
 
 __all__ = [
     "EXISTS_CACHE_SIZE",
