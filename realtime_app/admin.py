@@ -10,7 +10,7 @@ from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, reverse
 
 from realtime_app.declarations.registry import registry
-from realtime_app.hub.core import start_failure
+from realtime_app.hub.hubs import start_failure
 from realtime_app.models import RealtimeCluster
 from realtime_app.realtime_channels import HEALTH_CHANNEL
 

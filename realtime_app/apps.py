@@ -16,7 +16,7 @@ async def start_hub_with_first_request(sender: Any, scope: dict[str, Any] | None
     scope."""
     if scope is None:
         return
-    from realtime_app.hub.core import start_hub_soon
+    from realtime_app.hub.hubs import start_hub_soon
 
     start_hub_soon()
 
@@ -33,20 +33,17 @@ class RealtimeAppConfig(AppConfig):
         from realtime_app import checks  # noqa: F401  (registers the checks, the first afternoon's included)
         from realtime_app.cluster import online_checks  # noqa: F401  (registers the deployment check)
         from realtime_app.cluster.layer_timeouts import unbounded_layer_reads
-        from realtime_app.conf import apply_json_encoder, get_config, reset_config
-        from realtime_app.declarations.policies import reset_rules
+        from realtime_app.conf import apply_json_encoder
+        from realtime_app.conf.runtime import on_setting_changed, runtime
         from realtime_app.endpoint.sessions import on_logout
-        from realtime_app.hub.gate import reconfigure_gates
         from realtime_app.persistence import checks as store_checks  # noqa: F401  (registers the store checks)
 
         apply_json_encoder()
         unbounded_layer_reads(getattr(settings, "CHANNEL_LAYERS", {}))  # the project's consumers stay open idle
 
-        setting_changed.connect(reset_config, dispatch_uid="realtime_app.reset_config")
-        setting_changed.connect(reset_rules, dispatch_uid="realtime_app.reset_rules")
-        # after reset_config (connected first): the gates read the new settings
-        setting_changed.connect(reconfigure_gates, dispatch_uid="realtime_app.reconfigure_gates")
+        # the one place a running process takes new settings (the reload rule: conf.runtime)
+        setting_changed.connect(on_setting_changed, dispatch_uid="realtime_app.settings_changed")
         user_logged_out.connect(on_logout, dispatch_uid="realtime_app.on_logout")
         request_started.connect(start_hub_with_first_request, dispatch_uid="realtime_app.start_hub")
         # Importing each app's channel module registers its families (no I/O).
-        autodiscover_modules(get_config()["AUTODISCOVER_MODULE"])
+        autodiscover_modules(runtime().settings.autodiscover_module)

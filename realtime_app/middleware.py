@@ -20,7 +20,7 @@ from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.urls import Resolver404, resolve
 
-from realtime_app.conf import get_config
+from realtime_app.conf.runtime import settings
 from realtime_app.inbound.limiter import Busy, ConcurrencyPool, Slot
 from realtime_app.inbound.pools import decorated_pools, http_pools, pools_probe
 
@@ -46,7 +46,7 @@ def concurrency_limit(pool: str) -> Callable[[V], V]:
 
 
 def _pool_for(request: HttpRequest) -> ConcurrencyPool | None:
-    config = get_config()["HTTP_POOLS"]
+    config = settings().http_pools
     if not config:
         return None
     path = request.path_info
@@ -127,15 +127,15 @@ def _client(request: HttpRequest) -> tuple[str, str]:
     through ``TRUSTED_PROXIES``). Never the session: a pool answers without the database."""
     from realtime_app.endpoint.addresses import client_address, client_network, trusted_networks
 
-    config = get_config()
-    header = config["FORWARDED_HEADER"]
+    config = settings()
+    header = config.forwarded_header
     value = request.META.get("HTTP_" + header.upper().replace("-", "_"))
     scope = {
         "client": (request.META.get("REMOTE_ADDR") or "unknown", 0),
         "headers": [(header.lower().encode("latin-1"), str(value).encode("latin-1", "replace"))] if value else [],
     }
-    address = client_address(scope, trusted_networks(tuple(config["TRUSTED_PROXIES"])), header)
-    return ("address", client_network(address, config["ADDRESS_PREFIX_V4"], config["ADDRESS_PREFIX_V6"]))
+    address = client_address(scope, trusted_networks(tuple(config.trusted_proxies)), header)
+    return ("address", client_network(address, config.address_prefix_v4, config.address_prefix_v6))
 
 
 def _hand_over(pool: ConcurrencyPool, slot: Slot, response: HttpResponse | None, started: float) -> None:

@@ -49,7 +49,7 @@ class OriginValidator:
         self.validated = AllowedHostsOriginValidator(inner)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        from realtime_app.conf import get_config
+        from realtime_app.conf.runtime import settings
         from realtime_app.endpoint.tokens import bearer
 
         if scope.get("type") == "websocket":
@@ -59,7 +59,7 @@ class OriginValidator:
                 return
             headers = scope.get("headers", ())
             origin = next((v.decode("latin-1") for k, v in headers if k.lower() == b"origin"), None)
-            if origin is not None and origin in get_config()["TOKEN_ORIGINS"]:
+            if origin is not None and origin in settings().token_origins:
                 cookieless = [(k, v) for k, v in headers if k.lower() != b"cookie"]
                 await self.inner({**scope, "headers": cookieless}, receive, send)
                 return
@@ -131,9 +131,9 @@ class MetricsShortcut:
         return None
 
     def _authorized(self, scope: Scope) -> bool:
-        from realtime_app.conf import get_config
+        from realtime_app.conf.runtime import settings
 
-        token = get_config()["METRICS_TOKEN"]
+        token = settings().metrics_token
         if not token or scope.get("method") != "GET":
             return False
         path = _below_root(scope)

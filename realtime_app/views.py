@@ -10,7 +10,7 @@ import logging
 
 from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, JsonResponse
 
-from realtime_app.conf import get_config
+from realtime_app.conf.runtime import settings
 from realtime_app.exceptions import BackplaneUnavailable
 from realtime_app.observability.logsafe import safe
 from realtime_app.observability.probes import served_probe
@@ -24,7 +24,7 @@ logger = logging.getLogger("realtime_app.consumers")
 async def _refusal(request: HttpRequest, *, allow_token: bool = False) -> HttpResponse | None:
     """None when the request may read probes: 401 anonymous, 403 non-staff."""
     if allow_token:
-        token = get_config()["METRICS_TOKEN"]
+        token = settings().metrics_token
         header = request.headers.get("Authorization", "")
         if token and hmac.compare_digest(header.encode(), f"Bearer {token}".encode()):
             return None
@@ -137,16 +137,16 @@ async def publish_api(request: HttpRequest) -> HttpResponse:
         return HttpResponseNotAllowed(["POST"])
     from realtime_app.endpoint.doors import valid_key
 
-    config = get_config()
+    config = settings()
     if not valid_key(request.headers.get("Authorization", "").encode()):  # MetricsShortcut checked it first
         response = JsonResponse({"error": "a key of PUBLISH_API_KEYS is required"}, status=401)
         response["WWW-Authenticate"] = 'Bearer realm="realtime publish"'
         return response
-    from django.conf import settings
+    from django.conf import settings as django_settings
 
-    bound = int(config["MAX_PUBLICATION_BYTES"]) * PUBLISH_BATCH  # a batch's worth, within Django's own bound
-    if settings.DATA_UPLOAD_MAX_MEMORY_SIZE is not None:
-        bound = min(bound, settings.DATA_UPLOAD_MAX_MEMORY_SIZE)
+    bound = int(config.max_publication_bytes) * PUBLISH_BATCH  # a batch's worth, within Django's own bound
+    if django_settings.DATA_UPLOAD_MAX_MEMORY_SIZE is not None:
+        bound = min(bound, django_settings.DATA_UPLOAD_MAX_MEMORY_SIZE)
     declared = request.headers.get("Content-Length", "")
     if declared.isdigit() and int(declared) > bound:
         return JsonResponse({"error": f"body over {bound} bytes"}, status=413)

@@ -1,5 +1,5 @@
 """The settings as one typed, frozen object, and its reload rule: a running hub takes new
-admission limits when ``REALTIME_APP`` changes (realtime_app.conf.typed)."""
+admission limits when ``REALTIME_APP`` changes (realtime_app.conf.runtime)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 from django.test import override_settings
 
 from realtime_app.conf import DEFAULTS
-from realtime_app.conf.typed import Settings, settings
+from realtime_app.conf.runtime import settings
+from realtime_app.conf.typed import Settings
 
 
 def test_every_setting_is_one_typed_attribute_and_nothing_else():

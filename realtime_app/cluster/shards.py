@@ -135,7 +135,7 @@ class ShardedBackplane(Backplane):
         #: A maintenance call's bound: within the beat's own bound on its check (the beat is
         #: a third of the lease TTL; hub.convergence.beat), so that a shard that hangs costs
         #: the beat no more than that.
-        beat_s = max(beat_period_s(settings), 0.5)
+        beat_s = max(beat_period_s(settings["LEASE_TTL_MS"]), 0.5)
         self.beat_call_s = min(settings["REDIS_TIMEOUT_MS"] / 1000, beat_s * 0.8)
         self.stalled: set[RedisBackplane] = set()  # failed since their last good check
         self._unstarted: set[RedisBackplane] = set()

@@ -17,7 +17,6 @@ __all__ = [
     "beat_period_s",
     "chosen_backplane",
     "get_config",
-    "reset_config",
     "with_defaults",
 ]
 
@@ -239,10 +238,10 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-def beat_period_s(config: dict[str, Any]) -> float:
+def beat_period_s(lease_ttl_ms: float) -> float:
     """The maintenance beat (renew, compete, retry, re-assert): a third of a lease's life,
     so that a lease is renewed twice before it can lapse. The one home of that rule."""
-    return float(config["LEASE_TTL_MS"]) / 3000
+    return float(lease_ttl_ms) / 3000
 
 
 def with_defaults(config: dict[str, Any] | None) -> dict[str, Any]:
@@ -275,15 +274,6 @@ def get_config() -> dict[str, Any]:
     if not isinstance(user, dict):  # reported by check E001; the defaults meanwhile
         user = {}
     return with_defaults(user)
-
-
-def reset_config(*, setting: str, **kwargs: Any) -> None:
-    """``setting_changed`` receiver: forget the cached config when the settings change (the
-    modules that derive something from it connect receivers of their own)."""
-    if setting in ("REALTIME_APP", "CHANNEL_LAYERS"):
-        get_config.cache_clear()  # conf.typed.settings() follows: it is built from this dict
-    if setting == "REALTIME_APP":
-        apply_json_encoder()
 
 
 def apply_json_encoder() -> None:

@@ -1,14 +1,10 @@
 """The settings as one typed, frozen object: ``REALTIME_APP`` merged over the defaults
 (:data:`realtime_app.conf.DEFAULTS`, where each is explained), one attribute per key.
 
-**The reload rule.** :func:`settings` is read once when a hub starts, and the hub keeps
-what it read. When Django sends ``setting_changed`` for ``REALTIME_APP`` (an
-``override_settings`` in a test, a settings reload), the cache is dropped and every
-running hub takes the new admission, handshake and connection limits at once
-(``Gate.configure``); what a hub has built on its settings — its backplane, key prefix,
-lease TTL, beat — takes a new hub (a restart). Values are the user's, checked by the
-system checks (``manage.py check``), not here: a wrong type is reported there, never
-coerced silently beyond an int given for a float.
+Read it as :func:`realtime_app.conf.runtime.settings` (the process's runtime builds it once
+and states the reload rule). Values are the user's, checked by the system checks
+(``manage.py check``), not here: a wrong type is reported there, never coerced silently
+beyond an int given for a float.
 """
 
 from __future__ import annotations
@@ -16,9 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from realtime_app.conf import get_config
-
-__all__ = ["Settings", "settings"]
+__all__ = ["Settings"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,16 +114,3 @@ class Settings:
                 value = float(value)
             values[field.name] = value
         return cls(**values)
-
-
-_built: tuple[dict[str, Any], Settings] | None = None  # (the dict it was built from, the object)
-
-
-def settings() -> Settings:
-    """The effective settings, typed and frozen: built again when :func:`get_config`'s dict
-    is (``REALTIME_APP`` changed), so one cache is dropped in one place."""
-    global _built
-    config = get_config()
-    if _built is None or _built[0] is not config:
-        _built = (config, Settings.from_config(config))
-    return _built[1]

@@ -37,7 +37,6 @@ import fnmatch
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from functools import cache
 from typing import Any, Literal, TypeAlias
 
 from django.utils.module_loading import import_string
@@ -51,7 +50,7 @@ __all__ = [
     "active_rules",
     "backpressure_policy",
     "frame_policy",
-    "reset_rules",
+    "Rules",
     "allowed",
     "compile_rules",
     "evaluate",
@@ -317,12 +316,28 @@ def configured_rules(config: dict[str, Any]) -> list[Rule]:
     return compile_rules([*config["POLICIES"], *config["BUILTIN_POLICIES"]])
 
 
-@cache
+class Rules:
+    """The process's compiled rules and the backpressure policy found per channel (a part
+    of its runtime), both dropped when the settings change."""
+
+    def __init__(self) -> None:
+        self.compiled: list[Rule] | None = None
+        self.policies: dict[str, str | None] = {}
+
+    def settings_changed(self) -> None:
+        self.compiled = None
+        self.policies = {}
+
+
 def active_rules() -> list[Rule]:
     """The compiled rules of the settings: the user's, then the built-in ones."""
-    from realtime_app.conf import get_config
+    from realtime_app.conf.runtime import runtime
 
-    return configured_rules(get_config())
+    kept = runtime().part(Rules)
+    if kept.compiled is None:
+        config = runtime().settings
+        kept.compiled = configured_rules({"POLICIES": config.policies, "BUILTIN_POLICIES": config.builtin_policies})
+    return kept.compiled
 
 
 async def allowed(user: Any, name: str, base: str | None, action: Action) -> bool:
@@ -359,18 +374,18 @@ def backpressure_policy(name: str, base: str | None = None) -> str | None:
     """The ``"backpressure"`` of the most specific rule that sets one for channel ``name``
     (or its family ``base``); None: the global ``BACKPRESSURE_POLICY``. Read per frame:
     answered from a cache per channel, emptied when the settings change."""
+    from realtime_app.conf.runtime import runtime
+
+    found = runtime().part(Rules).policies
     try:
-        return _policies[name]
+        return found[name]
     except KeyError:
         pass
     rule = matching_rule([r for r in active_rules() if r.backpressure is not None], name, base)
-    if len(_policies) >= 10_000:  # channels come and go: bounded all the same
-        _policies.clear()
-    policy = _policies[name] = rule.backpressure if rule is not None else None
+    if len(found) >= 10_000:  # channels come and go: bounded all the same
+        found.clear()
+    policy = found[name] = rule.backpressure if rule is not None else None
     return policy
-
-
-_policies: dict[str, str | None] = {}
 
 
 def frame_policy(name: str) -> str | None:
@@ -390,10 +405,3 @@ def frame_policy(name: str) -> str | None:
         if kind != "state":
             return None
     return policy
-
-
-def reset_rules(*, setting: str, **kwargs: Any) -> None:
-    """``setting_changed`` receiver: compile the rules again when ``REALTIME_APP`` changes."""
-    if setting == "REALTIME_APP":
-        active_rules.cache_clear()
-        _policies.clear()

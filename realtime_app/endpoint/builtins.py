@@ -11,14 +11,15 @@ from typing import Any, Protocol
 from channels.db import database_sync_to_async
 from django.db import DatabaseError
 
-from realtime_app.conf import get_config
+from realtime_app.conf.runtime import settings
 from realtime_app.declarations.policies import Action, allowed
 from realtime_app.declarations.registry import ChannelSpec, registry
 from realtime_app.endpoint.sessions import needs_user
 from realtime_app.endpoint.subscribing import bounded, require_existing
 from realtime_app.endpoint.tokens import TOKEN, Claims, TokenError, arm_expiry, granted, token_user, verify
 from realtime_app.exceptions import NO_USER_HINT, ForbiddenChannel, PublicationError, PublicationTooLarge, RPCError
-from realtime_app.hub.core import Connection, Hub, get_hub
+from realtime_app.hub.core import Connection, Hub
+from realtime_app.hub.hubs import get_hub
 from realtime_app.hub.presence import member_of
 from realtime_app.wire import protocol
 from realtime_app.wire.asgi import Scope
@@ -60,7 +61,7 @@ def channel_param(params: Any) -> str:
         raise _invalid('Invalid params: expected {"channel": name}', "missing_channel")
     if not isinstance(channel, str) or not channel:
         raise _invalid("Invalid params: 'channel' must be a non-empty string", "invalid_channel")
-    limit = get_config()["MAX_CHANNEL_NAME"]
+    limit = settings().max_channel_name
     if len(channel) > limit:
         raise _invalid(
             f"Invalid params: channel name over {limit} characters", "channel_name_too_long", max_length=limit
@@ -98,8 +99,8 @@ async def subscribe(consumer: Caller, params: Any) -> dict[str, Any]:
     await require_existing(spec)
     conn = consumer.connection
     assert conn is not None and consumer.session is not None
-    config = get_config()
-    limit = config["MAX_SUBSCRIPTIONS"]
+    config = settings()
+    limit = config.max_subscriptions
     if limit and spec.name not in conn.subscriptions and len(conn.subscriptions) >= limit:
         raise RPCError(protocol.TOO_MANY_SUBSCRIPTIONS, "Too many subscriptions", "too_many_subscriptions", limit=limit)
     since = since_param(params)
@@ -201,7 +202,7 @@ async def presence(consumer: Caller, params: Any) -> dict[str, Any]:
     await require_existing(spec)
     hub = await get_hub()
     snapshot = await hub.presence.read(spec)
-    members, truncated = page(snapshot, after, PAGE_BYTES, bool(get_config()["PRESENCE_LIST_ANONYMOUS"]))
+    members, truncated = page(snapshot, after, PAGE_BYTES, bool(settings().presence_list_anonymous))
     return {
         "channel": spec.name,
         "count": snapshot.count,

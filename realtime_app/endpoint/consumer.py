@@ -16,7 +16,7 @@ import time
 from functools import partial
 from typing import Any
 
-from realtime_app.conf import get_config
+from realtime_app.conf.runtime import settings
 from realtime_app.declarations.instances import sync_in_pool
 from realtime_app.declarations.registry import ChannelSpec
 from realtime_app.endpoint.addresses import client_address, client_network, trusted_networks
@@ -38,7 +38,8 @@ from realtime_app.endpoint.replies import Pending, Reply
 from realtime_app.endpoint.sessions import current_user
 from realtime_app.endpoint.tokens import UNREAD_BEARER, arm_expiry, cancel_expiry, unread_bearer
 from realtime_app.exceptions import BackplaneUnavailable, OutboxFull, RPCError
-from realtime_app.hub.core import Connection, Hub, get_hub
+from realtime_app.hub.core import Connection, Hub
+from realtime_app.hub.hubs import get_hub
 from realtime_app.inbound.admission import Refusal
 from realtime_app.observability.logsafe import safe
 from realtime_app.outbound.transports import UnsupportedServer
@@ -106,15 +107,13 @@ class RealtimeConsumer:
 
     def address(self) -> str:
         """The client's address, read through the ``TRUSTED_PROXIES`` only."""
-        config = get_config()
-        return client_address(
-            self.scope, trusted_networks(tuple(config["TRUSTED_PROXIES"])), config["FORWARDED_HEADER"]
-        )
+        config = settings()
+        return client_address(self.scope, trusted_networks(tuple(config.trusted_proxies)), config.forwarded_header)
 
     def address_identity(self) -> tuple[str, str]:
         """The client's network, whoever it signs in as (a token handshake's bucket)."""
-        config = get_config()
-        return ("address", client_network(self.address(), config["ADDRESS_PREFIX_V4"], config["ADDRESS_PREFIX_V6"]))
+        config = settings()
+        return ("address", client_network(self.address(), config.address_prefix_v4, config.address_prefix_v6))
 
     def admission_identity(self) -> tuple[str, str]:
         """Whose bucket and cap a request draws on: the user's (shared by all of its
@@ -158,7 +157,7 @@ class RealtimeConsumer:
         try:
             await send({"type": "websocket.accept"})
             self.connection = conn
-            self.session = ServerSession(get_config()["MAX_FRAME_BYTES"], get_config()["MAX_BATCH"])
+            self.session = ServerSession(settings().max_frame_bytes, settings().max_batch)
             arm_expiry(hub, conn, scope)  # a token connection is told before its token expires
             while (message := await receive())["type"] != "websocket.disconnect":
                 if message["type"] == "websocket.receive" and not conn.closed:
@@ -221,7 +220,7 @@ class RealtimeConsumer:
         method = methods().get(request.method)
         cost = method.cost if method is not None else BUILTIN_COSTS.get(request.method)
         if cost is None:  # unknown method: answered at once, but it costs like one
-            cost = float(get_config()["ADMISSION_ERROR_COST"])
+            cost = float(settings().admission_error_cost)
         hub = await get_hub()
         ticket = await hub.gate.admit_request(self.admission_identity(), request.method, method, cost, request.params)
         if isinstance(ticket, Refusal):

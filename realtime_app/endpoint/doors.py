@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from realtime_app.conf import get_config
+from realtime_app.conf.runtime import settings
 from realtime_app.endpoint.addresses import client_address, client_network, trusted_networks
 from realtime_app.inbound.admission import Admission, AdmissionLimits
 from realtime_app.wire.asgi import Scope
@@ -41,14 +41,14 @@ Answer = tuple[int, dict[str, Any], list[tuple[bytes, bytes]]]  # status, JSON b
 def client_identity(scope: Scope) -> tuple[str, str]:
     """The client's network (its address read through ``TRUSTED_PROXIES``), as for its
     sockets and the HTTP pools."""
-    config = get_config()
-    address = client_address(scope, trusted_networks(tuple(config["TRUSTED_PROXIES"])), config["FORWARDED_HEADER"])
-    return ("address", client_network(address, config["ADDRESS_PREFIX_V4"], config["ADDRESS_PREFIX_V6"]))
+    config = settings()
+    address = client_address(scope, trusted_networks(tuple(config.trusted_proxies)), config.forwarded_header)
+    return ("address", client_network(address, config.address_prefix_v4, config.address_prefix_v6))
 
 
 def valid_key(header: bytes) -> bool:
     """``Authorization: Bearer <a key of PUBLISH_API_KEYS>`` (compared in constant time)."""
-    keys = get_config()["PUBLISH_API_KEYS"]
+    keys = settings().publish_api_keys
     return any(hmac.compare_digest(header, f"Bearer {key}".encode()) for key in keys)
 
 
@@ -106,7 +106,7 @@ def readiness() -> Answer:
     """``/realtime/ready``: 200 while this process takes connections; 503 once it drains
     (SIGTERM) or while a write-behind store's journal cannot be written (acknowledged
     changes would be lost at the next stop). No auth, no Redis, no database."""
-    from realtime_app.hub.core import hub_of_current_loop, running_hub
+    from realtime_app.hub.hubs import hub_of_current_loop, running_hub
     from realtime_app.persistence.lifecycle import journal_problem
 
     hub = hub_of_current_loop() or running_hub()

@@ -29,7 +29,7 @@ import sys
 import threading
 from typing import Any
 
-from realtime_app.conf import get_config
+from realtime_app.conf.runtime import settings
 from realtime_app.hub.core import Hub
 from realtime_app.wire.protocol import CloseCode
 
@@ -93,7 +93,7 @@ async def install_drain(hub: Hub) -> None:
     SIGTERM stops at once. Elsewhere (tests, no server's handler, ``DRAIN_SECONDS`` = 0):
     nothing."""
     global _installed
-    seconds = float(get_config()["DRAIN_SECONDS"])
+    seconds = float(settings().drain_seconds)
     if not seconds or _installed or threading.current_thread() is not threading.main_thread():
         return
     if not _server_handles(signal.getsignal(signal.SIGTERM)):

@@ -154,7 +154,7 @@ async def token_refusal(scope: Scope, address: tuple[str, str]) -> tuple[CloseCo
     code (4002, 4004) for a bad one (counted in the probe's ``refused.tokens``)."""
     from realtime_app.endpoint.tokens import TOKEN, TOKEN_REFUSED
     from realtime_app.exceptions import BackplaneUnavailable
-    from realtime_app.hub.core import get_hub
+    from realtime_app.hub.hubs import get_hub
 
     refused = scope.get(TOKEN_REFUSED)
     if refused is None and TOKEN not in scope:

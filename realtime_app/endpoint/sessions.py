@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from importlib import import_module
 from typing import Any
 
-from realtime_app.conf import get_config
+from realtime_app.conf.runtime import settings
 from realtime_app.declarations.policies import Action, active_rules, allowed, requirement_for
 from realtime_app.declarations.registry import registry
 from realtime_app.endpoint.tokens import TOKEN, USER_FROM_OUTSIDE, TokenError, granted, token_user
@@ -205,7 +205,7 @@ async def revalidation_loop(hub: Hub) -> None:
     rules: object = None
     needs: Callable[..., bool] = needs_user
     while True:
-        interval = get_config()["REVALIDATE_INTERVAL_MS"]
+        interval = settings().revalidate_interval_ms
         await asyncio.sleep(max(interval, 1000) / 1000)
         if not interval:
             continue

@@ -5,7 +5,7 @@ cadences per family, tickers, live instances of templates."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from realtime_app.declarations.instances import exists
 from realtime_app.declarations.registry import ChannelSpec, registry
@@ -14,6 +14,7 @@ from realtime_app.wire import protocol
 from realtime_app.wire.rate import nearest_cadence, rate_channel
 
 if TYPE_CHECKING:
+    from realtime_app.conf.typed import Settings
     from realtime_app.hub.core import Hub
 
 __all__ = ["INSTANCE_RETRY_MS", "bounded", "instance_refusal", "require_existing"]
@@ -33,7 +34,7 @@ async def require_existing(spec: ChannelSpec) -> None:
 async def bounded(
     hub: Hub,
     spec: ChannelSpec,
-    config: dict[str, Any],
+    config: Settings,
     require: Callable[[ChannelSpec], Awaitable[None]],
     anonymous: bool = False,
 ) -> ChannelSpec:
@@ -42,9 +43,9 @@ async def bounded(
     the bounds on live instances of templates, a refusal. An ``anonymous`` subscriber
     never takes the last ``SIGNED_IN_RESERVE`` of them (``bound: "anonymous"``); each
     identity's own share is the hub's (:mod:`realtime_app.hub.shares`)."""
-    share = 1 - float(config["SIGNED_IN_RESERVE"]) if anonymous else 1.0
+    share = 1 - float(config.signed_in_reserve) if anonymous else 1.0
     family = registry.family_of(spec.name)
-    cap = config["MAX_CADENCES_PER_FAMILY"]
+    cap = config.max_cadences_per_family
     if family is not None and spec.interval_ms is not None and cap:
         running = hub.running_cadences(family.base)
         if len(running) >= cap:
@@ -65,7 +66,7 @@ async def bounded(
             bound=which,
             retry_after_ms=INSTANCE_RETRY_MS,
         )
-    tickers = config["MAX_TICKERS"]
+    tickers = config.max_tickers
     if spec.has_ticker and tickers and hub.ticker_count() >= shared(tickers, share):
         bound, limit = ("process", tickers) if hub.ticker_count() >= tickers else ("anonymous", shared(tickers, share))
         hub.count_refusal("tickers")
@@ -85,7 +86,7 @@ def shared(limit: int, share: float) -> int:
     return limit if not limit or share >= 1 else max(1, int(limit * share))
 
 
-def instance_refusal(hub: Hub, spec: ChannelSpec, config: dict[str, Any], share: float = 1.0) -> tuple[str, int] | None:
+def instance_refusal(hub: Hub, spec: ChannelSpec, config: Settings, share: float = 1.0) -> tuple[str, int] | None:
     """Which bound a new instance of a template would pass in ``hub``'s process
     (``MAX_INSTANCES``, ``MAX_INSTANCES_PER_TEMPLATE`` or the template's own
     ``max_instances``; ``"anonymous"`` when only an anonymous subscriber's ``share`` of
@@ -93,7 +94,7 @@ def instance_refusal(hub: Hub, spec: ChannelSpec, config: dict[str, Any], share:
     declared = spec.declared
     if declared is None:
         return None
-    limits = (declared.max_instances or config["MAX_INSTANCES_PER_TEMPLATE"], config["MAX_INSTANCES"])
+    limits = (declared.max_instances or config.max_instances_per_template, config.max_instances)
     refused = hub.instances.refusal(declared.pattern, spec.base, *limits)
     if refused is not None or share >= 1:
         return refused

@@ -32,7 +32,7 @@ import threading
 import time
 from typing import Any
 
-from realtime_app.conf import get_config
+from realtime_app.conf.runtime import settings
 
 __all__ = ["TESTED", "Sweeps", "install_sweeps", "installed", "supported"]
 
@@ -249,7 +249,7 @@ async def install_sweeps(hub: Any) -> None:
     server = _daphne_server(reactor)
     if server is None:
         return
-    heartbeat = get_config()["HEARTBEAT_SECONDS"]
+    heartbeat = settings().heartbeat_seconds
     if heartbeat:
         server.ping_interval = heartbeat
     if not supported(daphne.__version__) or not hasattr(server, "connections"):

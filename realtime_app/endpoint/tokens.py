@@ -24,7 +24,7 @@ from typing import Any
 
 from django.core import signing
 
-from realtime_app.conf import get_config
+from realtime_app.conf.runtime import settings
 from realtime_app.wire.asgi import Receive, Scope, Send
 from realtime_app.wire.protocol import CloseCode
 
@@ -61,7 +61,7 @@ def site_salt() -> str:
     project) does not take this one's tokens."""
     from django.conf import settings
 
-    own = get_config()["TOKEN_SALT"]
+    own = settings().token_salt
     if own is None:  # host names only: a pod's own address in ALLOWED_HOSTS would split one site in two
         hosts = sorted(str(host) for host in settings.ALLOWED_HOSTS if not _is_address(str(host)))
         own = f"{settings.SETTINGS_MODULE}|{','.join(hosts)}"
@@ -131,10 +131,10 @@ def _digest(user: Any, secret: str | None = None) -> str:
 def issue(user: Any, ttl_s: int | None = None, channels: tuple[str, ...] | list[str] = ()) -> tuple[str, int]:
     """A token of ``user`` valid ``ttl_s`` seconds (``TOKEN_TTL_S``; at most
     ``TOKEN_MAX_TTL_S``) and its expiry (unix seconds)."""
-    config = get_config()
-    ttl = int(ttl_s if ttl_s is not None else config["TOKEN_TTL_S"])
-    if not 0 < ttl <= config["TOKEN_MAX_TTL_S"]:
-        raise ValueError(f"a token lives 1..{config['TOKEN_MAX_TTL_S']} s (TOKEN_MAX_TTL_S), not {ttl}")
+    config = settings()
+    ttl = int(ttl_s if ttl_s is not None else config.token_ttl_s)
+    if not 0 < ttl <= config.token_max_ttl_s:
+        raise ValueError(f"a token lives 1..{config.token_max_ttl_s} s (TOKEN_MAX_TTL_S), not {ttl}")
     expires_at = int(time.time()) + ttl
     payload: dict[str, Any] = {"u": str(user.pk), "e": expires_at, "h": _digest(user)}
     if channels:
@@ -277,7 +277,7 @@ def schedule_expiry(loop: asyncio.AbstractEventLoop, scope: Scope, warn: Any, ex
     if claims is None:
         return
     left = claims.expires_at - time.time()
-    before = get_config()["TOKEN_REFRESH_BEFORE_S"]
+    before = settings().token_refresh_before_s
     handles = [loop.call_later(max(left, 0), expire)]
     if left > before:
         handles.append(loop.call_later(left - before, warn))

@@ -1,6 +1,6 @@
 """The per-process hub: a small facade over rooms that each own one job.
 
-:mod:`.core` (the :class:`Hub` facade and its lifecycle), :mod:`.connections`,
+:mod:`.core` (the :class:`Hub` facade and its lifecycle), :mod:`.hubs` (one per event loop, kept by the process's runtime), :mod:`.connections`,
 :mod:`.convergence` (carrying out the :mod:`.reconciler`'s actions, the beat),
 :mod:`.tickers`, :mod:`.ordering`, :mod:`.replay`, :mod:`.fanout`, :mod:`.gate`
 (admission), :mod:`.publishing` and :mod:`.probe`. The rules they follow are pure
@@ -17,10 +17,8 @@ from realtime_app.hub.core import (
     Connection,
     Hub,
     HubParts,
-    get_hub,
-    hub_of_current_loop,
-    running_hub,
 )
+from realtime_app.hub.hubs import get_hub, hub_of_current_loop, running_hub
 
 __all__ = [
     "CONTROL_CHANNEL",

@@ -15,7 +15,8 @@ import time
 from typing import Any, Protocol
 
 from realtime_app.cluster.base import Backplane
-from realtime_app.conf import beat_period_s, get_config
+from realtime_app.conf import beat_period_s
+from realtime_app.conf.runtime import settings
 from realtime_app.declarations.registry import FED_PREFIX
 from realtime_app.hub.beat import BeatRule
 from realtime_app.hub.connections import Connection
@@ -130,7 +131,7 @@ class Convergence:
         by one cost 3 s of a core every ``REASSERT_INTERVAL_MS``)."""
         await self._join_batches(channels)
         reconciler = self.hub.reconciler
-        slots = asyncio.Semaphore(max(1, get_config()["PUBLISH_CONCURRENCY"]))
+        slots = asyncio.Semaphore(max(1, settings().publish_concurrency))
 
         async def one(channel: str) -> None:
             async with slots:
@@ -168,16 +169,16 @@ class Convergence:
 
     async def maintain(self) -> None:
         """The beat, every third of a lease TTL; the probe every third of its TTL."""
-        config = get_config()
-        period = beat_period_s(config)
-        probe_every = max(1, round(config["PROBE_TTL_MS"] / 3 / (period * 1000)))
+        config = settings()
+        period = beat_period_s(config.lease_ttl_ms)
+        probe_every = max(1, round(config.probe_ttl_ms / 3 / (period * 1000)))
         backplane = self.hub.backplane
         assert backplane is not None
         for beat in itertools.count():
             try:
                 await self.beat(backplane)
                 if beat % probe_every == 0:
-                    await backplane.put_probe(self.hub.probe(), config["PROBE_TTL_MS"])
+                    await backplane.put_probe(self.hub.probe(), config.probe_ttl_ms)
             except asyncio.CancelledError:
                 raise
             except backplane.errors as exc:
@@ -189,7 +190,7 @@ class Convergence:
     async def beat(self, backplane: Backplane) -> None:
         """One beat: check the backplane, then renew, compete, retry — re-asserting
         everything when :class:`BeatRule` says the backplane may have lost it."""
-        period = beat_period_s(get_config())
+        period = beat_period_s(settings().lease_ttl_ms)
         unreachable: tuple[type[BaseException], ...] = (*backplane.errors, TimeoutError)
         try:
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that

@@ -26,7 +26,6 @@ import secrets
 import socket
 import threading
 import time
-import weakref
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -63,7 +62,7 @@ from realtime_app.wire.protocol import CloseCode, encode
 if TYPE_CHECKING:
     from realtime_app.observability.schema import ProcessProbe
 
-__all__ = ["CONTROL_CHANNEL", "HUB_PARTS", "Connection", "Hub", "HubParts", "get_hub", "running_hub"]
+__all__ = ["CONTROL_CHANNEL", "HUB_PARTS", "Connection", "Hub", "HubParts"]
 
 logger = logging.getLogger("realtime_app.hub")
 
@@ -436,65 +435,3 @@ class Hub:
 def _log_death(task: asyncio.Task[Any]) -> None:  # a loop must never end while the hub runs: say so loudly
     if not task.cancelled() and task.exception() is not None:
         logger.error("%s stopped: %r", task.get_name(), task.exception(), exc_info=task.exception())
-
-
-_hubs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Hub] = weakref.WeakKeyDictionary()
-_starting: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Task[Any]] = weakref.WeakKeyDictionary()
-
-
-def start_hub_soon() -> None:
-    """Start the running loop's hub in a task of its own, unless it runs or is starting:
-    what an HTTP request does, which never waits for the backplane (a failed start is
-    logged by :meth:`Hub.start`, once per outage; the next request tries again)."""
-    loop = asyncio.get_running_loop()
-    hub = _hubs.get(loop)
-    if hub is not None and hub.started:
-        return
-    task = _starting.get(loop)
-    if task is not None and not task.done():
-        return
-
-    async def start() -> None:
-        with contextlib.suppress(BackplaneUnavailable):
-            await get_hub()
-
-    _starting[loop] = loop.create_task(start(), name="realtime-hub-start")
-
-
-async def get_hub() -> Hub:
-    """The started hub of the running event loop (created on first use)."""
-    loop = asyncio.get_running_loop()
-    hub = _hubs.get(loop)
-    if hub is None:
-        hub = _hubs[loop] = Hub()
-    if not hub.started:
-        await hub.start()
-    return hub
-
-
-def running_hub() -> Hub | None:
-    """A started hub of this process on another live loop, for publishing from threads."""
-    for loop, hub in list(_hubs.items()):
-        if hub.started and loop.is_running() and not loop.is_closed():
-            return hub
-    return None
-
-
-def start_failure() -> str | None:
-    """Why this process's hub could not start, while it cannot (no I/O: what the last
-    attempt said; from any thread, a sync view's included); None when it runs or was
-    not tried."""
-    for hub in list(_hubs.values()):
-        if hub.started:
-            return None
-        if hub._failed is not None:
-            return str(hub._failed[1])
-    return None
-
-
-def hub_of_current_loop() -> Hub | None:
-    try:
-        hub = _hubs.get(asyncio.get_running_loop())
-    except RuntimeError:
-        return None
-    return hub if hub is not None and hub.started else None

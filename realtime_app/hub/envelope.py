@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from realtime_app.conf import get_config
+from realtime_app.conf.runtime import settings
 from realtime_app.declarations.registry import registry
 from realtime_app.exceptions import PublicationError, PublicationTooLarge
 from realtime_app.wire.history import new_epoch
@@ -26,7 +26,7 @@ def encode_publication(channel: str, data: Any) -> str:
         data_json = encode(data)
     except (ValueError, TypeError) as exc:
         raise PublicationError(channel, f"data is not JSON ({exc})") from None
-    limit, bound = get_config()["MAX_PUBLICATION_BYTES"], "MAX_PUBLICATION_BYTES"
+    limit, bound = settings().max_publication_bytes, "MAX_PUBLICATION_BYTES"
     spec = registry.find(channel)
     if spec is not None and spec.max_bytes and (not limit or spec.max_bytes < limit):
         limit, bound = spec.max_bytes, "the channel's max_bytes"

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from realtime_app.conf import get_config
+from realtime_app.conf.runtime import settings
 from realtime_app.declarations.policies import frame_policy
 from realtime_app.hub.connections import Connection
 from realtime_app.observability.logsafe import safe
@@ -382,7 +382,7 @@ class Fanout:
 
     def probe(self, queued: dict[Connection, int]) -> BackpressureProbe:
         """Queued bytes of the lagging connections (:meth:`lagging`: the others have none)."""
-        slow = get_config()["SLOW_CONSUMER_BYTES"]
+        slow = settings().slow_consumer_bytes
         worst = total = slow_count = balance = 0
         for conn, amount in queued.items():
             total += amount

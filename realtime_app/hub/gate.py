@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
-from realtime_app.conf.typed import Settings, settings
+from realtime_app.conf.runtime import settings
+from realtime_app.conf.typed import Settings
 from realtime_app.hub.once import KEY_PARAM, Once
 from realtime_app.inbound.admission import Admission, AdmissionLimits, Refusal, RefusalBudget
 from realtime_app.inbound.method_limits import MethodLimits
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from realtime_app.cluster.base import Backplane
     from realtime_app.observability.schema import AdmissionProbe
 
-__all__ = ["Admitted", "Gate", "Limited", "admission_limits", "handshake_limits", "reconfigure_gates"]
+__all__ = ["Admitted", "Gate", "Limited", "admission_limits", "handshake_limits"]
 
 logger = logging.getLogger("realtime_app.hub")
 
@@ -64,18 +65,6 @@ def handshake_limits(s: Settings) -> AdmissionLimits:
         bucket_capacity=float(s.handshake_burst) if rate else 0.0,
         refill_per_s=rate,
     )
-
-
-#: Every gate of this process (one per hub, one hub per event loop): what a settings change reaches.
-_gates: weakref.WeakSet[Gate] = weakref.WeakSet()
-
-
-def reconfigure_gates(*, setting: str, **kwargs: Any) -> None:
-    """``setting_changed`` receiver: every running gate takes the new ``REALTIME_APP``
-    limits at once (the reload rule of :mod:`realtime_app.conf.typed`)."""
-    if setting == "REALTIME_APP":
-        for gate in list(_gates):
-            gate.configure(settings())
 
 
 class Limited(Protocol):
@@ -147,10 +136,9 @@ class Gate:
         self._refusal_budgets: OrderedDict[Identity, RefusalBudget] = OrderedDict()
         self.once = Once(self.settings, lambda: self.backplane)  # idempotent calls: rpc_method(idempotent=True)
         self.configure(self.settings)
-        _gates.add(self)
 
     def configure(self, limits: Settings) -> None:
-        """Take new limits (the reload rule, :mod:`realtime_app.conf.typed`): the caps,
+        """Take new limits (the reload rule, :mod:`realtime_app.conf.runtime`): the caps,
         buckets, pool size and connection ceilings apply from the next request on; what
         is admitted or open keeps its place, and each identity keeps its tokens."""
         try:

@@ -247,7 +247,7 @@ class Once:
 
     async def _renewing(self, name: str, owner: str, lease_ms: int) -> None:
         while True:
-            await asyncio.sleep(beat_period_s({"LEASE_TTL_MS": lease_ms}))
+            await asyncio.sleep(beat_period_s(lease_ms))
             with contextlib.suppress(Exception):
                 await self._renew(name, owner, lease_ms)
 

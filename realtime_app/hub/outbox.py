@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from channels.db import database_sync_to_async as sync_to_async  # closes broken connections between calls
 
-from realtime_app.conf import beat_period_s, get_config
+from realtime_app.conf import beat_period_s
+from realtime_app.conf.runtime import settings
 from realtime_app.declarations.registry import registry
 from realtime_app.exceptions import UnknownChannel
 from realtime_app.persistence import outbox
@@ -94,7 +95,7 @@ class OutboxDrain:
         try:
             while True:
                 try:
-                    await asyncio.wait_for(self.woken.wait(), beat_period_s(get_config()))
+                    await asyncio.wait_for(self.woken.wait(), beat_period_s(settings().lease_ttl_ms))
                 except TimeoutError:
                     pass
                 self.woken.clear()
@@ -108,9 +109,9 @@ class OutboxDrain:
         if not _any_durable():
             return 0
         published = 0
-        counting = time.monotonic() - self._counted >= beat_period_s(get_config())
+        counting = time.monotonic() - self._counted >= beat_period_s(settings().lease_ttl_ms)
         empty: set[str] = set()  # databases with nothing waiting: counted without asking again
-        for alias in get_config()["OUTBOX_DATABASES"]:
+        for alias in settings().outbox_databases:
             try:
                 waiting = await sync_to_async(outbox.channels_waiting)(alias, CHANNELS_PER_PASS)
                 if not waiting:
@@ -136,7 +137,7 @@ class OutboxDrain:
         """Rows waiting in every outbox database and the oldest of them all (a database
         that does not answer is left out; none answering keeps the last count)."""
         counts: list[tuple[int, datetime.datetime | None]] = []
-        for alias in get_config()["OUTBOX_DATABASES"]:
+        for alias in settings().outbox_databases:
             try:
                 counts.append((0, None) if alias in empty else await sync_to_async(outbox.stats)(alias))
             except Exception:  # said by the drain's warning
@@ -159,7 +160,7 @@ class OutboxDrain:
         lease = LEASE_PREFIX + channel
         if not await backplane.acquire(lease):
             return 0  # another process drains it now
-        window_ms = int(get_config()["OUTBOX_DEDUPE_WINDOW_S"]) * 1000
+        window_ms = int(settings().outbox_dedupe_window_s) * 1000
         published = 0
         try:
             for _ in range(READS_PER_PASS):
@@ -194,14 +195,14 @@ class OutboxDrain:
         return spec.history if spec.history is not None and spec.history.durable else None
 
     def probe(self) -> OutboxProbe:
-        config = get_config()
+        config = settings()
         now = datetime.datetime.now(datetime.UTC)
         oldest = (now - self.oldest).total_seconds() if self.oldest is not None else 0.0
         alarm = ""
-        if self.rows >= int(config["OUTBOX_MAX_ROWS"]):
-            alarm = f"{self.rows} rows waiting (OUTBOX_MAX_ROWS {config['OUTBOX_MAX_ROWS']})"
-        elif oldest > float(config["OUTBOX_MAX_AGE_S"]):
-            alarm = f"the oldest row waits for {oldest:.0f} s (OUTBOX_MAX_AGE_S {config['OUTBOX_MAX_AGE_S']})"
+        if self.rows >= int(config.outbox_max_rows):
+            alarm = f"{self.rows} rows waiting (OUTBOX_MAX_ROWS {config.outbox_max_rows})"
+        elif oldest > float(config.outbox_max_age_s):
+            alarm = f"the oldest row waits for {oldest:.0f} s (OUTBOX_MAX_AGE_S {config.outbox_max_age_s})"
         return {
             "rows": self.rows,
             "oldest_s": round(max(oldest, 0.0), 3),
@@ -245,7 +246,7 @@ def outbox_probe(hub: object) -> OutboxProbe:
 def outbox_full() -> bool:
     """True while the outbox holds ``OUTBOX_MAX_ROWS`` rows or more (as this process's
     drains last counted)."""
-    limit = int(get_config()["OUTBOX_MAX_ROWS"])
+    limit = int(settings().outbox_max_rows)
     return bool(limit) and any(drain.rows >= limit for drain in list(_drains.values()))
 
 
@@ -270,14 +271,14 @@ def outbox_refusal(using: str | None = None) -> tuple[int, int] | None:
     ``OUTBOX_MAX_ROWS`` (counted exactly, in the caller's thread and transaction, once
     the estimate is within :data:`NEAR_FULL` of it); None when it fits. Two transactions
     counting at the same instant may each take the last place."""
-    config = get_config()
-    limit = int(config["OUTBOX_MAX_ROWS"])
+    config = settings()
+    limit = int(config.outbox_max_rows)
     drains = list(_drains.values())
     if not limit or not drains or max(d.rows + d.written for d in drains) < limit * NEAR_FULL:
         _said_free(drains, None)
         return None
     waiting = 0
-    for alias in config["OUTBOX_DATABASES"]:
+    for alias in config.outbox_databases:
         if alias == using:  # the caller's own: counted in its transaction, an error is its error
             waiting += outbox.rows_up_to(alias, limit)
         else:
@@ -299,4 +300,4 @@ def outbox_refusal(using: str | None = None) -> tuple[int, int] | None:
     for drain in drains:
         drain.refused += 1
         drain.full_said = True
-    return limit, int(beat_period_s(config) * 1000)
+    return limit, int(beat_period_s(config.lease_ttl_ms) * 1000)

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from realtime_app.cluster.base import Backplane
-from realtime_app.conf import beat_period_s, get_config
+from realtime_app.conf import beat_period_s
+from realtime_app.conf.runtime import settings
 from realtime_app.declarations.registry import ChannelSpec
 from realtime_app.exceptions import BackplaneUnavailable
 from realtime_app.hub.connections import Connection
@@ -212,9 +213,9 @@ class Presence:
         """Write changed parts a few times per interval, renew them every beat, read and
         send once per interval (the hub runs it while it runs; nothing ends it but that).
         While no room is open here it sleeps until one is."""
-        config = get_config()
+        config = settings()
         interval = self._interval()
-        beat = beat_period_s(config)
+        beat = beat_period_s(config.lease_ttl_ms)
         next_read = next_beat = time.monotonic()
         failing: set[type[BaseException]] = set()
         while True:
@@ -292,7 +293,7 @@ class Presence:
     async def _mark_alive(self, backplane: Backplane) -> None:
         """This process's mark, once a beat: how long its parts live, and every part again
         when its mark was gone (its parts may have gone with it)."""
-        mark = await backplane.presence_alive(int(get_config()["LEASE_TTL_MS"]))
+        mark = await backplane.presence_alive(int(settings().lease_ttl_ms))
         self._keep_ms, self._marked = (mark[0] if mark is not None else None), True
         if mark is not None and not mark[1]:
             self._all_dirty()
@@ -313,15 +314,15 @@ class Presence:
         backplane = self.hub.backplane
         if backplane is None or not self.rooms:
             return
-        ttl = self._keep_ms or int(get_config()["LEASE_TTL_MS"])
+        ttl = self._keep_ms or int(settings().lease_ttl_ms)
         await backplane.put_presence({base: None for base in self.rooms}, ttl, self._keep_ms is not None)
 
     async def _write(self, backplane: Backplane, rooms: dict[str, Room]) -> bool:
         if not self._marked:  # a first write (a watch, RPC presence) before any beat: one way from the start
             await self._mark_alive(backplane)
-        config = get_config()
-        limit = config["PRESENCE_MAX_MEMBERS"]
-        ttl = self._keep_ms or int(config["LEASE_TTL_MS"])
+        config = settings()
+        limit = config.presence_max_members
+        ttl = self._keep_ms or int(config.lease_ttl_ms)
         async with self._writing:
             parts = {base: room.local.part(limit) if room.local else None for base, room in rooms.items()}
             for room in rooms.values():
@@ -389,11 +390,11 @@ class Presence:
 
     @staticmethod
     def _interval() -> float:
-        return float(get_config()["PRESENCE_INTERVAL_MS"]) / 1000
+        return float(settings().presence_interval_ms) / 1000
 
     @staticmethod
     def _list_up_to() -> int:
-        return int(get_config()["PRESENCE_DIFF_MEMBERS"])
+        return int(settings().presence_diff_members)
 
     def _listed(self, snapshot: Snapshot) -> bool:
         up_to = self._list_up_to()
@@ -433,8 +434,8 @@ def member_of(user: Any) -> tuple[str | None, Any]:
     if user is None or not getattr(user, "is_authenticated", False):
         return None, None
     name = user.get_username()
-    config = get_config()
-    hook = config["PRESENCE_INFO"]
+    config = settings()
+    hook = config.presence_info
     if not hook:
         return name, None
     from django.utils.module_loading import import_string
@@ -448,7 +449,7 @@ def member_of(user: Any) -> tuple[str | None, Any]:
     except Exception:
         logger.exception("PRESENCE_INFO failed for a user: listed without info")
         return name, None
-    if size > config["PRESENCE_INFO_MAX_BYTES"]:
+    if size > config.presence_info_max_bytes:
         if name not in _oversized:
             if len(_oversized) >= 10_000:
                 _oversized.clear()

@@ -25,7 +25,7 @@ import weakref
 from typing import Any, Protocol
 
 from realtime_app.cluster.base import Backplane
-from realtime_app.conf import get_config
+from realtime_app.conf.runtime import settings
 from realtime_app.declarations.instances import InstanceBook
 from realtime_app.hub.connections import Connection
 from realtime_app.hub.fanout import Fanout
@@ -191,12 +191,12 @@ def _published(templates: dict[str, TemplateProbe], published: dict[str, int]) -
 
 
 def process_probe(hub: Probed) -> ProcessProbe:
-    config = get_config()
-    top = config["PROBE_TOP_CHANNELS"]
+    config = settings()
+    top = config.probe_top_channels
     backplane = hub.backplane
     walked = _walks(hub, top)
     times = os.times()
-    queued = hub.fanout.lagging(config["PROBE_TOP_CONNECTIONS"])  # never a read of every connection
+    queued = hub.fanout.lagging(config.probe_top_connections)  # never a read of every connection
     return {
         "instance": hub.instance_id,
         "host": socket.gethostname(),
@@ -215,7 +215,7 @@ def process_probe(hub: Probed) -> ProcessProbe:
         "frames_out": hub.fanout.frames_out,
         "channel_frames": walked["channel_frames"],
         "channel_cadences": walked["channel_cadences"],
-        "top_connections": top_connections(hub, config["PROBE_TOP_CONNECTIONS"], queued),
+        "top_connections": top_connections(hub, config.probe_top_connections, queued),
         "refused": {**hub.refused, **hub.gate.refused},
         "backplane_bytes": hub.shares.total_bytes(),
         "admission": hub.gate.probe(hub.fanout.unread_refused),

@@ -30,7 +30,7 @@ from asgiref.sync import async_to_sync
 from realtime_app.cluster.factory import make_backplane
 from realtime_app.declarations.registry import fed_channel, registry
 from realtime_app.exceptions import BackplaneUnavailable, ConfigurationError, OutboxFull
-from realtime_app.hub.core import hub_of_current_loop, running_hub
+from realtime_app.hub.hubs import hub_of_current_loop, running_hub
 from realtime_app.hub.envelope import encode_publication
 
 __all__ = ["acontrol", "apublish", "in_transaction", "publish"]
@@ -66,12 +66,12 @@ def _to_outbox(channel: str, data_json: str, using: str | None) -> None:
     """A durable channel's publication, written to the outbox in the caller's transaction."""
     from django.db import DEFAULT_DB_ALIAS
 
-    from realtime_app.conf import get_config
+    from realtime_app.conf.runtime import settings
     from realtime_app.hub.outbox import outbox_refusal, outbox_written
     from realtime_app.persistence import outbox
 
     alias = using or DEFAULT_DB_ALIAS
-    if alias not in get_config()["OUTBOX_DATABASES"]:
+    if alias not in settings().outbox_databases:
         raise ConfigurationError(
             f"durable channel {channel!r} published in a transaction of database {alias!r}, whose outbox "
             "nobody drains: add it to REALTIME_APP['OUTBOX_DATABASES']"

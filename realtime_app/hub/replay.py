@@ -15,7 +15,7 @@ import time
 from typing import Any, Literal, Protocol
 
 from realtime_app.cluster.base import Backplane, now_ms
-from realtime_app.conf import get_config
+from realtime_app.conf.runtime import settings
 from realtime_app.declarations.registry import ChannelSpec
 from realtime_app.exceptions import BackplaneUnavailable, RPCError
 from realtime_app.hub.connections import Connection
@@ -90,12 +90,12 @@ class Replays:
         ``delta`` when ``deltas`` were asked for and granted (replayed frames go whole)."""
         who = conn.identity
         if since is not None:
-            config = get_config()
+            config = settings()
             # one identity's share first: an address pipelining resumes into a socket it
             # never reads holds its own slots, not every other client's
             for limit, taken in (
-                (config["MAX_RESUMES_PER_IDENTITY"], self.resuming_by.get(who, 0)),
-                (config["MAX_CONCURRENT_RESUMES"], self.resuming),
+                (config.max_resumes_per_identity, self.resuming_by.get(who, 0)),
+                (config.max_concurrent_resumes, self.resuming),
             ):
                 if limit and taken >= limit:
                     self.recoveries["deferred"] += 1

@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
-from realtime_app.conf import get_config
+from realtime_app.conf.runtime import settings
 from realtime_app.exceptions import RPCError
 from realtime_app.hub.budgets import ExpiringBytes
 from realtime_app.inbound.admission import retry_after_ms
@@ -85,9 +85,9 @@ class ShareBook:
         keys = share_keys(spec)
         if identity is None or not keys or entry in self.entries:
             return
-        config = get_config()
-        refused = self.refusal(identity, spec, config["MAX_TICKERS_PER_IDENTITY"], config["MAX_INSTANCES_PER_IDENTITY"])
-        stored = config["MAX_BACKPLANE_BYTES_PER_IDENTITY"]
+        config = settings()
+        refused = self.refusal(identity, spec, config.max_tickers_per_identity, config.max_instances_per_identity)
+        stored = config.max_backplane_bytes_per_identity
         if refused is None and spec.history is not None and stored and self.bytes_of(identity) >= stored:
             if not any(key in self.refs.get(identity, ()) for key in keys):  # one it holds costs nothing new
                 self.refused["backplane_bytes"] = self.refused.get("backplane_bytes", 0) + 1

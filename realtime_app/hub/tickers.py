@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from realtime_app.cluster.base import Backplane
-from realtime_app.conf import get_config
+from realtime_app.conf.runtime import settings
 from realtime_app.declarations.registry import ChannelSpec
 from realtime_app.exceptions import BackplaneUnavailable, PublicationError
 from realtime_app.hub.fed import FedStates
@@ -197,7 +197,7 @@ class Tickers:
 
     async def publisher(self) -> None:
         """Send tickers' latest values; channels never wait behind each other."""
-        slots = asyncio.Semaphore(max(1, get_config()["PUBLISH_CONCURRENCY"]))
+        slots = asyncio.Semaphore(max(1, settings().publish_concurrency))
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -229,7 +229,7 @@ class Tickers:
         hub = self.hub
         backplane = hub.backplane
         if backplane is not None and backplane.clustered:
-            ttl_s = get_config()["LEASE_TTL_MS"] / 1000
+            ttl_s = settings().lease_ttl_ms / 1000
             if not hub.reconciler.lease_fresh(channel, time.monotonic(), ttl_s):
                 self.stale_ticks += 1
                 self._undelivered(channel)

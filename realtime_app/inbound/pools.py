@@ -5,32 +5,43 @@ from __future__ import annotations
 
 from typing import Any
 
-from realtime_app.conf import get_config
+from realtime_app.conf.runtime import runtime, settings
 from realtime_app.inbound.limiter import ConcurrencyPool, PoolSettings
 
-__all__ = ["decorated_pools", "http_pools", "pools_probe"]
+__all__ = ["HttpPools", "decorated_pools", "http_pools", "pools_probe"]
 
-#: Pools named by a decorator somewhere (checked against the settings by realtime_app.E021).
+#: Pools named by a decorator somewhere (checked against the settings by realtime_app.E021):
+#: declared at import time, like the channels and the methods, so not runtime state.
 decorated_pools: set[str] = set()
-_pools: dict[str, ConcurrencyPool] = {}
-_built_from: dict[str, Any] | None = None
+
+
+class HttpPools:
+    """The process's pools (a part of its runtime), built from ``HTTP_POOLS`` on first use
+    and again when the settings change."""
+
+    def __init__(self) -> None:
+        self.pools: dict[str, ConcurrencyPool] = {}
+        self.built_from: dict[str, Any] | None = None
+
+    def settings_changed(self) -> None:
+        self.built_from = None  # rebuilt at the next use (a pool's waiters keep their slot)
 
 
 def http_pools() -> dict[str, ConcurrencyPool]:
     """This process's pools, built from the settings on first use (and again if they change)."""
-    global _built_from
-    config = get_config()["HTTP_POOLS"]
-    if config != _built_from:
-        _pools.clear()
-        _built_from = config
+    kept = runtime().part(HttpPools)
+    config = settings().http_pools
+    if config != kept.built_from:
+        pools = {}
         for name, options in config.items():
-            settings = PoolSettings(
+            limits = PoolSettings(
                 max_concurrent=options["max_concurrent"],
                 max_waiting=options.get("max_waiting", 100),
                 wait_timeout_ms=options.get("wait_timeout_ms", 10_000),
             )
-            _pools[name] = ConcurrencyPool(name, settings)
-    return _pools
+            pools[name] = ConcurrencyPool(name, limits)
+        kept.pools, kept.built_from = pools, config
+    return kept.pools
 
 
 def pools_probe() -> dict[str, dict[str, Any]]:

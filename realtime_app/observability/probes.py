@@ -8,7 +8,7 @@ from typing import Any
 
 from realtime_app.cluster.factory import make_backplane
 from realtime_app.exceptions import BackplaneUnavailable
-from realtime_app.hub.core import get_hub, hub_of_current_loop
+from realtime_app.hub.hubs import get_hub, hub_of_current_loop
 from realtime_app.inbound.pools import pools_probe
 from realtime_app.observability.schema import BackpressureProbe, ProcessProbe, fields_of
 from realtime_app.persistence.write_behind import stores_probe

@@ -37,10 +37,10 @@ BACKPRESSURE_REASON = "backpressure"
 
 def backpressure_config() -> BackpressureConfig:
     """The guard's settings from ``REALTIME_APP``."""
-    from realtime_app.conf import get_config
+    from realtime_app.conf.runtime import settings
 
-    config = get_config()
-    return BackpressureConfig(config["MAX_BACKPRESSURE"], config["BACKPRESSURE_POLICY"], config["CLOSE_AFTER_DROPS"])
+    config = settings()
+    return BackpressureConfig(config.max_backpressure, config.backpressure_policy, config.close_after_drops)
 
 
 class Guard:
@@ -62,15 +62,15 @@ class Guard:
     def __init__(
         self, send: Send, config: BackpressureConfig | None = None, transport: Transport | None = None
     ) -> None:
-        from realtime_app.conf import get_config
+        from realtime_app.conf.runtime import settings as read_settings
 
-        settings = get_config()
+        settings = read_settings()
         self.config = config or backpressure_config()
         measure = self.config.max_backpressure > 0
         self.transport: Transport = transport or transport_for(send, require_measurable=measure)
         self.state = DropState()
-        self.drain_s = settings["CLOSE_DRAIN_MS"] / 1000
-        self.never_drop_responses = settings["NEVER_DROP_RESPONSES"]
+        self.drain_s = settings.close_drain_ms / 1000
+        self.never_drop_responses = settings.never_drop_responses
         self.closed = False
         self.measure = self.config.max_backpressure > 0  # a disabled guard reads nothing
         self.held: Held | None = None  # conflated frames waiting for the queue to drain

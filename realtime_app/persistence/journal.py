@@ -103,9 +103,9 @@ def default_dir() -> Path:
 
 def journal_dir() -> Path:
     """``WRITE_BEHIND_JOURNAL_DIR``, or :func:`default_dir` when unset."""
-    from realtime_app.conf import get_config
+    from realtime_app.conf.runtime import settings
 
-    configured = get_config()["WRITE_BEHIND_JOURNAL_DIR"]
+    configured = settings().write_behind_journal_dir
     return Path(configured) if configured else default_dir()
 
 

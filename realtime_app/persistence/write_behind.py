@@ -152,9 +152,9 @@ class WriteBehindStore(BatchWriter, Generic[M]):
     def delay_s(self) -> float:
         if self._delay_s is not None:
             return self._delay_s
-        from realtime_app.conf import get_config
+        from realtime_app.conf.runtime import settings
 
-        return float(get_config()["WRITE_BEHIND_DELAY_MS"]) / 1000
+        return float(settings().write_behind_delay_ms) / 1000
 
     # -- reading ------------------------------------------------------------------------
 

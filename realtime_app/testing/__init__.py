@@ -152,7 +152,7 @@ async def tick(channel: str) -> int:
     now — its subscribers get the frame without the test waiting a period; returns its
     ``seq``. The ticker's own schedule goes on as before."""
     from realtime_app.declarations.registry import registry
-    from realtime_app.hub.core import get_hub
+    from realtime_app.hub.hubs import get_hub
 
     spec = registry.resolve(channel)
     run = getattr(spec.factory, "tick", None)

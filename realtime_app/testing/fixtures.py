@@ -33,18 +33,18 @@ async def realtime_hub() -> AsyncIterator[Any]:
     from django.test import override_settings
 
     from realtime_app.conf import get_config
-    from realtime_app.hub import core
-    from realtime_app.hub.core import get_hub
+    from realtime_app.hub.hubs import hubs
+    from realtime_app.hub.hubs import get_hub
 
     with override_settings(REALTIME_APP={**get_config(), "BACKPLANE": "memory"}):
         loop = asyncio.get_running_loop()
-        core._hubs.pop(loop, None)  # a hub of this loop's earlier test (a loop shared by tests) is not this one
+        hubs().by_loop.pop(loop, None)  # a hub of this loop's earlier test (a loop shared by tests) is not this one
         hub = await get_hub()
         try:
             yield hub
         finally:
             await hub.aclose()
-            core._hubs.pop(loop, None)
+            hubs().by_loop.pop(loop, None)
             await sync_to_async(_close_connections)()  # asgiref's one worker thread: policies, the test's ORM
 
 
