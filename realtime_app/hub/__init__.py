@@ -1,12 +1,12 @@
 """The per-process hub: a small facade over rooms that each own one job.
 
-:mod:`.core` (the :class:`Hub` facade and its lifecycle), :mod:`.hubs` (one per event loop, kept by the process's runtime), :mod:`.connections`,
-:mod:`.convergence` (carrying out the :mod:`.reconciler`'s actions, the beat),
-:mod:`.tickers`, :mod:`.ordering`, :mod:`.replay`, :mod:`.fanout`, :mod:`.gate`
-(admission), :mod:`.publishing` and :mod:`.probe`. The rules they follow are pure
-functions or state machines that take ``now`` (:mod:`.reconciler`, :mod:`.beat`,
-:mod:`.ordering`, :mod:`.tickers`, :mod:`.replay`, :mod:`.fed`), tested without Redis or
-an event loop.
+:mod:`.core` (the :class:`Hub` facade and its lifecycle), :mod:`.hubs` (one per event
+loop, kept by the process's runtime), :mod:`.connections`, :mod:`.convergence` (carrying
+out the :mod:`.reconciler`'s actions, the beat), :mod:`.tickers`, :mod:`.ordering`,
+:mod:`.replay`, :mod:`.fanout`, :mod:`.gate` (admission), :mod:`.publishing` and
+:mod:`.probe`. The rules they follow are pure functions or state machines that take
+``now`` (:mod:`.reconciler`, :mod:`.beat`, :mod:`.ordering`, :mod:`.tickers`,
+:mod:`.replay`, :mod:`.fed`), tested without Redis or an event loop.
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import weakref
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass

@@ -30,8 +30,8 @@ from asgiref.sync import async_to_sync
 from realtime_app.cluster.factory import make_backplane
 from realtime_app.declarations.registry import fed_channel, registry
 from realtime_app.exceptions import BackplaneUnavailable, ConfigurationError, OutboxFull
-from realtime_app.hub.hubs import hub_of_current_loop, running_hub
 from realtime_app.hub.envelope import encode_publication
+from realtime_app.hub.hubs import hub_of_current_loop, running_hub
 
 __all__ = ["acontrol", "apublish", "in_transaction", "publish"]
 

@@ -33,8 +33,7 @@ async def realtime_hub() -> AsyncIterator[Any]:
     from django.test import override_settings
 
     from realtime_app.conf import get_config
-    from realtime_app.hub.hubs import hubs
-    from realtime_app.hub.hubs import get_hub
+    from realtime_app.hub.hubs import get_hub, hubs
 
     with override_settings(REALTIME_APP={**get_config(), "BACKPLANE": "memory"}):
         loop = asyncio.get_running_loop()
