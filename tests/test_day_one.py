@@ -64,10 +64,10 @@ async def test_publications_take_the_same_encoder(hub):
 async def test_a_result_json_cannot_carry_is_answered_at_once_and_logged_once_with_the_method(
     hub, caplog, monkeypatch, method, params
 ):
-    from realtime_app.endpoint import methods
+    from realtime_app.conf.runtime import runtime
 
     caplog.set_level(logging.DEBUG, logger="realtime_app")
-    monkeypatch.setattr(methods, "_unencodable_logged", set())  # as in a fresh process
+    runtime().said_again(("unencodable", method))  # as in a fresh process
     async with Client() as c:
         for _ in range(3):
             started = time.monotonic()

@@ -31,11 +31,14 @@ from typing import Any, TypeVar
 from realtime_app.conf import apply_json_encoder, get_config
 from realtime_app.conf.typed import Settings
 
-__all__ = ["Realtime", "on_setting_changed", "reset_runtime", "runtime", "settings"]
+__all__ = ["SAID_KEPT", "Realtime", "on_setting_changed", "reset_runtime", "runtime", "settings"]
 
 log = logging.getLogger("realtime_app")
 
 T = TypeVar("T")
+
+#: Keys kept by :meth:`Realtime.first_time` before its book is emptied.
+SAID_KEPT = 10_000
 
 
 class Realtime:
@@ -74,10 +77,14 @@ class Realtime:
         return list(self._parts.values())
 
     def first_time(self, key: Hashable) -> bool:
-        """True the first time ``key`` is asked in this process: a log line said once."""
+        """True the first time ``key`` is asked in this process: a log line said once (per
+        user, per method, …: bounded, the book is emptied at :data:`SAID_KEPT` keys, so a
+        line may at worst be said again)."""
         with self._lock:
             if key in self._said:
                 return False
+            if len(self._said) >= SAID_KEPT:
+                self._said.clear()
             self._said.add(key)
             return True
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import sync_to_async
 
+from realtime_app.conf.runtime import runtime
 from realtime_app.exceptions import RPCError
 from realtime_app.wire.protocol import INTERNAL_ERROR
 
@@ -45,11 +46,21 @@ EXISTS_NO_S = 2.0
 #: Answers kept per process (the least recently asked are forgotten first).
 EXISTS_CACHE_SIZE = 10_000
 
-_answers: OrderedDict[tuple[str, str], tuple[float, bool]] = OrderedDict()
-_asking: dict[tuple[str, str], asyncio.Task[bool]] = {}  # questions in flight, shared by their askers
-_failed_logged: dict[str, float] = {}  # when each template's hook failure was last logged
 #: A hook that keeps failing is logged at most this often.
 EXISTS_LOG_S = 60.0
+
+
+class ExistsAnswers:
+    """What the ``exists`` hooks answered, kept a while (a part of the process's runtime)."""
+
+    def __init__(self) -> None:
+        self.answers: OrderedDict[tuple[str, str], tuple[float, bool]] = OrderedDict()
+        self.asking: dict[tuple[str, str], asyncio.Task[bool]] = {}  # in flight, shared by their askers
+        self.failed_logged: dict[str, float] = {}  # when each template's hook failure was last logged
+
+
+def _book() -> ExistsAnswers:
+    return runtime().part(ExistsAnswers)
 
 
 async def exists(spec: ChannelSpec, *, ask_again_if_not: bool = False) -> bool:
@@ -64,21 +75,22 @@ async def exists(spec: ChannelSpec, *, ask_again_if_not: bool = False) -> bool:
         return True
     key = (declared.pattern, spec.base)
     now = time.monotonic()
-    cached = _answers.get(key)
+    book = _book()
+    cached = book.answers.get(key)
     if cached is not None and cached[0] > now and (cached[1] or not ask_again_if_not):
-        _answers.move_to_end(key)
+        book.answers.move_to_end(key)
         return cached[1]
     loop = asyncio.get_running_loop()
-    asking = _asking.get(key)
+    asking = book.asking.get(key)
     if asking is None or asking.get_loop() is not loop:  # one question per instance at a time
-        asking = _asking[key] = loop.create_task(_ask(declared, key, dict(spec.params)))
-        asking.add_done_callback(lambda done: _asked(key, done))
+        asking = book.asking[key] = loop.create_task(_ask(declared, key, dict(spec.params)))
+        asking.add_done_callback(lambda done: _asked(book, key, done))
     return await asyncio.shield(asking)  # a waiter that goes away does not cancel the others'
 
 
-def _asked(key: tuple[str, str], done: asyncio.Task[bool]) -> None:
-    if _asking.get(key) is done:
-        del _asking[key]
+def _asked(book: ExistsAnswers, key: tuple[str, str], done: asyncio.Task[bool]) -> None:
+    if book.asking.get(key) is done:
+        del book.asking[key]
     if not done.cancelled():
         done.exception()  # retrieved here: a failure whose askers all went away is no warning
 
@@ -115,15 +127,17 @@ async def _ask(declared: Declared, key: tuple[str, str], params: dict[str, Any])
                 answer = await answer
     except Exception:
         now = time.monotonic()
-        if now - _failed_logged.get(declared.pattern, -EXISTS_LOG_S) >= EXISTS_LOG_S:  # not once per request
-            _failed_logged[declared.pattern] = now
+        logged = _book().failed_logged
+        if now - logged.get(declared.pattern, -EXISTS_LOG_S) >= EXISTS_LOG_S:  # not once per request
+            logged[declared.pattern] = now
             logger.exception("exists hook of %s failed (logged once a minute while it does)", declared.pattern)
         raise RPCError(INTERNAL_ERROR, "Internal error", "exists_failed") from None
     found = bool(answer)
-    _answers[key] = (time.monotonic() + (EXISTS_YES_S if found else EXISTS_NO_S), found)
-    _answers.move_to_end(key)
-    while len(_answers) > EXISTS_CACHE_SIZE:
-        _answers.popitem(last=False)
+    answers = _book().answers
+    answers[key] = (time.monotonic() + (EXISTS_YES_S if found else EXISTS_NO_S), found)
+    answers.move_to_end(key)
+    while len(answers) > EXISTS_CACHE_SIZE:
+        answers.popitem(last=False)
     return found
 
 
@@ -131,13 +145,14 @@ def forget_exists(pattern: str | None = None) -> None:
     """Forget the kept answers (of one template): after the application created or
     deleted objects and wants it seen at once in this process, and between tests. A hook
     failing after this is logged at once again."""
+    book = _book()
     if pattern is None:
-        _answers.clear()
-        _failed_logged.clear()
+        book.answers.clear()
+        book.failed_logged.clear()
         return
-    _failed_logged.pop(pattern, None)
-    for key in [k for k in _answers if k[0] == pattern]:
-        del _answers[key]
+    book.failed_logged.pop(pattern, None)
+    for key in [k for k in book.answers if k[0] == pattern]:
+        del book.answers[key]
 
 
 class InstanceBook:

@@ -27,21 +27,28 @@ import random
 import signal
 import sys
 import threading
+import weakref
 from typing import Any
 
-from realtime_app.conf.runtime import settings
+from realtime_app.conf.runtime import runtime, settings
 from realtime_app.hub.core import Hub
 from realtime_app.wire.protocol import CloseCode
 
-__all__ = ["DRAIN_SHARE", "drain", "draining", "install_drain", "schedule"]
+__all__ = ["DRAIN_SHARE", "Drains", "drain", "draining", "install_drain", "schedule"]
 
 logger = logging.getLogger("realtime_app.hub")
 
 #: The part of ``DRAIN_SECONDS`` the closes are spread over (the rest: a margin to stop).
 DRAIN_SHARE = 0.8
 
-_requested: set[Hub] = set()  # hubs whose process got SIGTERM
-_installed = False
+
+class Drains:
+    """Whether this process's SIGTERM handler is in place, and which hubs were asked to
+    drain (a part of the process's runtime)."""
+
+    def __init__(self) -> None:
+        self.installed = False
+        self.requested: weakref.WeakSet[Hub] = weakref.WeakSet()
 
 
 def schedule(connections: int, seconds: float, rng: random.Random | None = None) -> list[tuple[float, int]]:
@@ -92,13 +99,13 @@ async def install_drain(hub: Hub) -> None:
     or closes every connection as it stops: the drain must be over by then). A second
     SIGTERM stops at once. Elsewhere (tests, no server's handler, ``DRAIN_SECONDS`` = 0):
     nothing."""
-    global _installed
+    drains = runtime().part(Drains)
     seconds = float(settings().drain_seconds)
-    if not seconds or _installed or threading.current_thread() is not threading.main_thread():
+    if not seconds or drains.installed or threading.current_thread() is not threading.main_thread():
         return
     if not _server_handles(signal.getsignal(signal.SIGTERM)):
         return
-    _installed = True
+    drains.installed = True
     previous = signal.getsignal(signal.SIGTERM)
     loop = asyncio.get_running_loop()
 
@@ -115,10 +122,10 @@ async def install_drain(hub: Hub) -> None:
             stop(signum)
 
     def on_sigterm(signum: int, frame: Any) -> None:
-        if hub in _requested or not hub.started:  # a second SIGTERM, or nothing to drain
+        if hub in drains.requested or not hub.started:  # a second SIGTERM, or nothing to drain
             stop(signum)
             return
-        _requested.add(hub)
+        drains.requested.add(hub)
         loop.call_soon_threadsafe(lambda: hub.spawn(drain_then_stop(signum)))
 
     signal.signal(signal.SIGTERM, on_sigterm)

@@ -11,6 +11,7 @@ from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 
+from realtime_app.conf.runtime import runtime
 from realtime_app.inbound.workers import Coalesce
 from realtime_app.observability.logsafe import safe
 from realtime_app.wire import protocol
@@ -138,9 +139,6 @@ def _where(handler: Any) -> str:
     return f"{getattr(handler, '__module__', '?')}.{getattr(handler, '__qualname__', repr(handler))}"
 
 
-_unencodable_logged: set[str] = set()
-
-
 def encodable(method: str, result: Any) -> bool:
     """Whether a method's result can be written with the ``JSON_ENCODER``: when it cannot,
     the caller answers -32603 ``result_not_serializable`` at once (never silence), and the
@@ -148,8 +146,7 @@ def encodable(method: str, result: Any) -> bool:
     try:
         protocol.encode(result)
     except (TypeError, ValueError) as exc:
-        level = logging.DEBUG if method in _unencodable_logged else logging.ERROR
-        _unencodable_logged.add(method)
+        level = logging.ERROR if runtime().first_time(("unencodable", method)) else logging.DEBUG
         logger.log(
             level,
             "method %s returned a result JSON cannot carry (%s); answered -32603 result_not_serializable. "

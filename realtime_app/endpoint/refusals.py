@@ -10,6 +10,7 @@ import logging
 import time
 from typing import Any
 
+from realtime_app.conf.runtime import runtime
 from realtime_app.hub.core import Connection, Hub
 from realtime_app.inbound.admission import Refusal
 from realtime_app.observability.logsafe import safe
@@ -43,7 +44,6 @@ logger = logging.getLogger("realtime_app.consumers")
 #: At most one line this often for each kind of refused handshake, with the count since.
 LOG_EVERY_S = 60.0
 
-_unsupported_logged = False
 
 #: A refusal without a snapshot (a method's snapshot may be None itself).
 NO_SNAPSHOT: Any = object()
@@ -102,20 +102,19 @@ async def deny(
 
 
 def log_unsupported_once(exc: UnsupportedServer) -> None:
-    global _unsupported_logged
-    if not _unsupported_logged:
-        _unsupported_logged = True
+    if runtime().first_time("unsupported server"):
         logger.error("refusing WebSocket connections: %s", exc)
 
 
-_counts: dict[str, list[float]] = {}  # what is counted -> [when last logged, how many since]
+class LogCounts(dict[str, list[float]]):
+    """What is counted -> [when last logged, how many since] (a part of the runtime)."""
 
 
 def _count_then_log(key: str) -> int:
     """Count one more ``key``; the count since the last line when one is due (at most one a
     minute per key: a flood is counted, not logged socket by socket), else 0."""
     now = time.monotonic()
-    seen = _counts.setdefault(key, [float("-inf"), 0])
+    seen = runtime().part(LogCounts).setdefault(key, [float("-inf"), 0])
     seen[1] += 1
     if now - seen[0] < LOG_EVERY_S:
         return 0

@@ -32,9 +32,9 @@ import threading
 import time
 from typing import Any
 
-from realtime_app.conf.runtime import settings
+from realtime_app.conf.runtime import runtime, settings
 
-__all__ = ["TESTED", "Sweeps", "install_sweeps", "installed", "supported"]
+__all__ = ["TESTED", "InstalledSweeps", "Sweeps", "install_sweeps", "installed", "supported"]
 
 logger = logging.getLogger("realtime_app.hub")
 daphne_logger = logging.getLogger("daphne.server")  # what daphne's own sweeps log, logged where it did
@@ -45,7 +45,12 @@ TESTED = ((4, 1), (4, 2))
 #: is sent no later than daphne's would be; only handshakes and what is due are visited.
 TICK = 1.0
 
-_installed: Sweeps | None = None
+
+class InstalledSweeps:
+    """The sweeps of this process's daphne server, once installed (a part of the runtime)."""
+
+    def __init__(self) -> None:
+        self.sweeps: Sweeps | None = None
 
 
 def supported(version: str) -> bool:
@@ -59,7 +64,7 @@ def supported(version: str) -> bool:
 
 def installed() -> Sweeps | None:
     """The sweeps of this process's daphne server, once installed."""
-    return _installed
+    return runtime().part(InstalledSweeps).sweeps
 
 
 class Sweeps:
@@ -238,8 +243,8 @@ async def install_sweeps(hub: Any) -> None:
     """The hub's part (:mod:`realtime_app.endpoint.wiring`): under a daphne this module
     knows, replace its sweeps (:class:`Sweeps`) and apply ``HEARTBEAT_SECONDS``.
     Elsewhere (uvicorn, tests without a server): nothing."""
-    global _installed
-    if _installed is not None or "twisted.internet.reactor" not in sys.modules or "daphne.server" not in sys.modules:
+    kept = runtime().part(InstalledSweeps)
+    if kept.sweeps is not None or "twisted.internet.reactor" not in sys.modules or "daphne.server" not in sys.modules:
         return
     if threading.current_thread() is not threading.main_thread():
         return  # daphne's reactor runs in the main thread: a hub elsewhere is not its
@@ -257,4 +262,4 @@ async def install_sweeps(hub: Any) -> None:
             "daphne %s: its own sweeps over every connection are kept (not a release known here)", daphne.__version__
         )
         return
-    _installed = Sweeps(server, reactor)
+    kept.sweeps = Sweeps(server, reactor)

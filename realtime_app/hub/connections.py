@@ -7,12 +7,22 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from realtime_app.conf.runtime import runtime
 from realtime_app.outbound.guard import Guard
 from realtime_app.wire.asgi import Scope, Send
 
-__all__ = ["Connection"]
+__all__ = ["Connection", "ConnectionIds"]
 
-_connection_ids = itertools.count(1)
+
+class ConnectionIds:
+    """The process's connection numbers, from 1 (a part of its runtime)."""
+
+    def __init__(self) -> None:
+        self.next = itertools.count(1).__next__
+
+
+def _next_id() -> int:
+    return runtime().part(ConnectionIds).next()
 
 
 @dataclass(eq=False, slots=True)
@@ -21,7 +31,7 @@ class Connection:
 
     send: Send
     scope: Scope = field(default_factory=dict, repr=False)
-    id: int = field(default_factory=lambda: next(_connection_ids))
+    id: int = field(default_factory=_next_id)
     subscriptions: set[str] = field(default_factory=set)
     closed: bool = False
     identity: tuple[str, str] | None = None

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from channels.db import database_sync_to_async as sync_to_async  # closes broken connections between calls
 
 from realtime_app.conf import beat_period_s
-from realtime_app.conf.runtime import settings
+from realtime_app.conf.runtime import runtime, settings
 from realtime_app.declarations.registry import registry
 from realtime_app.exceptions import UnknownChannel
 from realtime_app.persistence import outbox
@@ -227,17 +227,22 @@ async def _release(backplane: Backplane, lease: str) -> None:
         logger.debug("outbox lease %s not released", lease)
 
 
-_drains: weakref.WeakKeyDictionary[Any, OutboxDrain] = weakref.WeakKeyDictionary()
+class OutboxDrains(weakref.WeakKeyDictionary[Any, OutboxDrain]):
+    """Each hub's outbox drain (a part of the process's runtime)."""
+
+
+def _drains() -> OutboxDrains:
+    return runtime().part(OutboxDrains)
 
 
 async def drain_outbox(hub: Hub) -> None:
     """The hub's outbox loop (listed in :mod:`realtime_app.endpoint.wiring`)."""
-    drain = _drains[hub] = OutboxDrain(hub)
+    drain = _drains()[hub] = OutboxDrain(hub)
     await drain.run()
 
 
 def outbox_probe(hub: object) -> OutboxProbe:
-    drain = _drains.get(hub)
+    drain = _drains().get(hub)
     if drain is None:
         return {"rows": 0, "oldest_s": 0.0, "published": 0, "duplicates": 0, "failures": 0, "refused": 0, "alarm": ""}
     return drain.probe()
@@ -247,12 +252,12 @@ def outbox_full() -> bool:
     """True while the outbox holds ``OUTBOX_MAX_ROWS`` rows or more (as this process's
     drains last counted)."""
     limit = int(settings().outbox_max_rows)
-    return bool(limit) and any(drain.rows >= limit for drain in list(_drains.values()))
+    return bool(limit) and any(drain.rows >= limit for drain in list(_drains().values()))
 
 
 def outbox_written() -> None:
     """A durable publication wrote its row (in the caller's transaction)."""
-    for drain in list(_drains.values()):
+    for drain in list(_drains().values()):
         drain.written += 1
 
 
@@ -273,7 +278,7 @@ def outbox_refusal(using: str | None = None) -> tuple[int, int] | None:
     counting at the same instant may each take the last place."""
     config = settings()
     limit = int(config.outbox_max_rows)
-    drains = list(_drains.values())
+    drains = list(_drains().values())
     if not limit or not drains or max(d.rows + d.written for d in drains) < limit * NEAR_FULL:
         _said_free(drains, None)
         return None

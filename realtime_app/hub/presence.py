@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 from realtime_app.cluster.base import Backplane
 from realtime_app.conf import beat_period_s
-from realtime_app.conf.runtime import settings
+from realtime_app.conf.runtime import runtime, settings
 from realtime_app.declarations.registry import ChannelSpec
 from realtime_app.exceptions import BackplaneUnavailable
 from realtime_app.hub.connections import Connection
@@ -450,14 +450,7 @@ def member_of(user: Any) -> tuple[str | None, Any]:
         logger.exception("PRESENCE_INFO failed for a user: listed without info")
         return name, None
     if size > config.presence_info_max_bytes:
-        if name not in _oversized:
-            if len(_oversized) >= 10_000:
-                _oversized.clear()
-            _oversized.add(name)
+        if runtime().first_time(("presence info oversized", name)):
             logger.warning("PRESENCE_INFO gave %d bytes, over PRESENCE_INFO_MAX_BYTES: listed without info", size)
         return name, None
     return name, info
-
-
-#: Users whose info was over the bound, logged once each (bounded: cleared when full).
-_oversized: set[str] = set()

@@ -25,7 +25,7 @@ import weakref
 from typing import Any, Protocol
 
 from realtime_app.cluster.base import Backplane
-from realtime_app.conf.runtime import settings
+from realtime_app.conf.runtime import runtime, settings
 from realtime_app.declarations.instances import InstanceBook
 from realtime_app.hub.connections import Connection
 from realtime_app.hub.fanout import Fanout
@@ -150,15 +150,17 @@ def _cadence(name: str) -> int | None:
     return spec.interval_ms if spec is not None else None
 
 
-#: Per hub, its walks as last made: (when, what they cost, what they found).
-_walked: weakref.WeakKeyDictionary[Any, tuple[float, float, dict[str, Any]]] = weakref.WeakKeyDictionary()
+class Walks(weakref.WeakKeyDictionary[Any, tuple[float, float, dict[str, Any]]]):
+    """Per hub, its walks as last made: (when, what they cost, what they found); a part of
+    the process's runtime."""
 
 
 def _walks(hub: Probed, top: int) -> dict[str, Any]:
     """The parts of the probe that walk every channel: fresh in a small process, else
     reused until their last cost is paid at :data:`PROBE_CPU_SHARE` of a core."""
     now = time.monotonic()
-    kept = _walked.get(hub)
+    walked = runtime().part(Walks)
+    kept = walked.get(hub)
     if kept is not None and len(hub.subscribers) > FRESH_UP_TO and now - kept[0] < kept[1] / PROBE_CPU_SHARE:
         return kept[2]
     began = time.thread_time()
@@ -178,7 +180,7 @@ def _walks(hub: Probed, top: int) -> dict[str, Any]:
         "templates": templates_probe(hub),
         "presence": hub.presence.probe(top),
     }
-    _walked[hub] = (now, time.thread_time() - began, found)
+    walked[hub] = (now, time.thread_time() - began, found)
     return found
 
 

@@ -11,11 +11,11 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 
+from realtime_app.conf.runtime import runtime
+
 __all__ = ["check_errors", "log_check_errors"]
 
 logger = logging.getLogger("realtime_app.checks")
-
-_said = False
 
 
 def check_errors() -> list[Any]:
@@ -36,10 +36,8 @@ def check_errors() -> list[Any]:
 
 async def log_check_errors() -> int:
     """Log each error of this app's system checks once a process, as ERROR; how many."""
-    global _said
-    if _said:
+    if not runtime().first_time("check errors"):
         return 0
-    _said = True
     errors = await sync_to_async(check_errors, thread_sensitive=False)()
     for message in errors:
         logger.error("%s: %s %s (manage.py check)", message.id, message.msg, message.hint or "")

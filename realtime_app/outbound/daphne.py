@@ -19,17 +19,25 @@ import logging
 from importlib import metadata
 from typing import Any
 
+from realtime_app.conf.runtime import runtime
 from realtime_app.outbound.base import Transport, UnsupportedServer, kernel_queue
 from realtime_app.wire.asgi import Send
 
-__all__ = ["TESTED", "DaphneTransport", "daphne_protocol", "internals_tested", "untested"]
+__all__ = ["TESTED", "DaphneFence", "DaphneTransport", "daphne_protocol", "internals_tested", "untested"]
 
 logger = logging.getLogger("realtime_app.backpressure")
 
 #: The series whose private names this module was tested against (pyproject.toml bounds them).
 TESTED = {"daphne": ("4.2",), "autobahn": ("26.",), "twisted": ("26.",)}
 
-_tested: bool | None = None
+
+class DaphneFence:
+    """The version gate as read (once per process) and the publication last prepared
+    through autobahn's public API (a part of the process's runtime)."""
+
+    def __init__(self) -> None:
+        self.tested: bool | None = None
+        self.last: tuple[bytes, Any] | None = None  # the frame being fanned out, prepared
 
 
 def untested() -> list[str]:
@@ -47,17 +55,17 @@ def untested() -> list[str]:
 
 def internals_tested() -> bool:
     """The version gate, read once per process; logged once when it is shut."""
-    global _tested
-    if _tested is None:
+    fence = runtime().part(DaphneFence)
+    if fence.tested is None:
         found = untested()
-        _tested = not found
+        fence.tested = not found
         if found:
             logger.warning(
                 "%s: not the series realtime_app was tested with; frames go through autobahn's "
                 "public API (slower), queued bytes are still read (check realtime_app.W020)",
                 ", ".join(found),
             )
-    return _tested
+    return fence.tested
 
 
 def daphne_protocol(send: Send) -> Any | None:
@@ -69,16 +77,13 @@ def daphne_protocol(send: Send) -> Any | None:
     return None
 
 
-_last: tuple[bytes, Any] | None = None  # the frame of the publication being fanned out, prepared
-
-
 def _prepared(factory: Any, payload: bytes, frame: bytes) -> Any:
     """autobahn's public ``PreparedMessage`` of a publication, built once for all of this
     process's connections (the hub hands every subscriber the same ``frame`` object)."""
-    global _last
-    if _last is None or _last[0] is not frame:
-        _last = (frame, factory.prepareMessage(payload))
-    return _last[1]
+    fence = runtime().part(DaphneFence)
+    if fence.last is None or fence.last[0] is not frame:
+        fence.last = (frame, factory.prepareMessage(payload))
+    return fence.last[1]
 
 
 class DaphneTransport(Transport):

@@ -39,6 +39,8 @@ from typing import Any
 
 from django.core.serializers.json import DjangoJSONEncoder
 
+from realtime_app.conf.runtime import runtime
+
 __all__ = ["JournalFile", "claim", "default_dir", "ensure_dir", "identity", "journal_dir", "problem", "write"]
 
 logger = logging.getLogger("realtime_app.write_behind")
@@ -203,9 +205,6 @@ def _alive(pid: int) -> bool:
     return True
 
 
-_reported: set[str] = set()  # foreign files already reported by this process
-
-
 def _unsafe(path: Path) -> str | None:
     info = path.lstat()
     if stat.S_ISLNK(info.st_mode):
@@ -260,8 +259,7 @@ def claim(store: str, owner: dict[str, Any], decode: Decode, directory: Path | N
         except FileNotFoundError:
             continue  # taken by a process starting beside this one
         if unsafe is not None:
-            if str(path) not in _reported:
-                _reported.add(str(path))
+            if runtime().first_time(("journal refused", str(path))):
                 logger.error("store %s: journal %s refused, left untouched: %s", store, path, unsafe)
             continue
         base = name.split(".claimed-", 1)[0]
@@ -281,8 +279,7 @@ def claim(store: str, owner: dict[str, Any], decode: Decode, directory: Path | N
         if theirs != owner:
             with contextlib.suppress(OSError):
                 os.rename(target, directory / base)  # back in place: it is another site's
-            if str(path) not in _reported:
-                _reported.add(str(path))
+            if runtime().first_time(("journal refused", str(path))):
                 logger.error(
                     "store %s: journal %s belongs to another site or database (%s), not this one (%s): left in place",
                     store,

@@ -10,6 +10,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from realtime_app.conf.runtime import runtime
 from realtime_app.observability.schema import StoreProbe
 
 __all__ = [
@@ -72,21 +73,35 @@ class Store(Protocol):
     async def aflush_all(self) -> int: ...
 
 
-_stores: list[Store] = []  # WriteBehindStore instances, in creation order
+class Stores:
+    """The process's write-behind stores in creation order, whether their flush at a stop
+    is hooked, and the journal directory as last looked at (a part of the runtime)."""
+
+    def __init__(self) -> None:
+        self.stores: list[Store] = []
+        self.shutdown_installed = False
+        self.atexit_installed = False
+        #: (when, which directory, why it is unusable or None)
+        self.journal_state: tuple[float, str, str | None] | None = None
+
+
+def _book() -> Stores:
+    return runtime().part(Stores)
 
 
 def stores() -> list[Store]:
     """Every store of this process (the probe lists them)."""
-    return list(_stores)
+    return list(_book().stores)
 
 
 def register(store: Store) -> None:
-    _stores.append(store)
+    _book().stores.append(store)
 
 
 def unregister(store: Store) -> None:
-    if store in _stores:
-        _stores.remove(store)
+    book = _book()
+    if store in book.stores:
+        book.stores.remove(store)
 
 
 def store_probe(store: Store) -> StoreProbe:
@@ -119,10 +134,6 @@ def stores_probe() -> dict[str, StoreProbe]:
     return {store.name: store.probe() for store in stores()}
 
 
-_shutdown_installed = False
-_atexit_installed = False
-#: The journal directory as last looked at: (when, which, why it is unusable or None).
-_journal_state: tuple[float, str, str | None] | None = None
 #: How long a look at the journal directory is kept (readiness polls it every second).
 JOURNAL_RECHECK_S = 10.0
 
@@ -132,19 +143,19 @@ def journal_problem(now: float | None = None) -> str | None:
     store is registered): a process that cannot keep what it acknowledges reports not
     ready. Looked at again every :data:`JOURNAL_RECHECK_S`; logged as ERROR once when it
     breaks, INFO once when it is fixed."""
-    global _journal_state
-    if not stores():
+    book = _book()
+    if not book.stores:
         return None
     from realtime_app.persistence import journal
 
     now = time.monotonic() if now is None else now
     directory = journal.journal_dir()
-    kept = _journal_state
+    kept = book.journal_state
     if kept is not None and kept[1] == str(directory) and now - kept[0] < JOURNAL_RECHECK_S:
         return kept[2]
     why = journal.problem(directory)
     before = kept[2] if kept is not None and kept[1] == str(directory) else None  # another one: said anew
-    _journal_state = (now, str(directory), why)
+    book.journal_state = (now, str(directory), why)
     if why is not None and before is None:
         logger.error(
             "the write-behind journal directory is unusable, so changes accepted during a database outage "
@@ -180,21 +191,21 @@ def install_shutdown_flush() -> None:
     """Flush every store when the server shuts down. Daphne has no ASGI lifespan: hook
     Twisted's shutdown (SIGTERM and SIGINT stop the reactor; the flush runs before). Under
     uvicorn, route ``lifespan`` to :func:`realtime_app.lifespan.lifespan_app` instead."""
-    global _shutdown_installed, _atexit_installed
     import atexit
     import sys
 
-    if not _atexit_installed:
-        _atexit_installed = True
+    book = _book()
+    if not book.atexit_installed:
+        book.atexit_installed = True
         atexit.register(_flush_at_exit)
 
-    if _shutdown_installed or "twisted.internet.reactor" not in sys.modules:
+    if book.shutdown_installed or "twisted.internet.reactor" not in sys.modules:
         return
     from twisted.internet import defer, reactor
 
     if not getattr(reactor, "running", False):
         return
-    _shutdown_installed = True
+    book.shutdown_installed = True
 
     def before_shutdown() -> Any:
         return defer.Deferred.fromFuture(asyncio.ensure_future(flush_all()))

@@ -17,10 +17,18 @@ from datetime import datetime
 
 from django.db import DEFAULT_DB_ALIAS, transaction
 
-__all__ = ["Row", "channels_waiting", "delete", "on_written", "read", "stats", "write"]
+from realtime_app.conf.runtime import runtime
 
-_wakers: list[Callable[[], None]] = []
-_lock = threading.Lock()
+__all__ = ["Row", "Wakers", "channels_waiting", "delete", "on_written", "read", "stats", "write"]
+
+
+class Wakers:
+    """What to call after a commit wrote rows, one per running drain (a part of the
+    process's runtime; committing threads and the loop share it)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.wakers: list[Callable[[], None]] = []
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,20 +41,22 @@ class Row:
 def on_written(wake: Callable[[], None]) -> Callable[[], None]:
     """Call ``wake`` (from any thread) after each commit that wrote rows: a drain starts at
     once rather than at its next beat. Returns the function that stops it."""
-    with _lock:
-        _wakers.append(wake)
+    book = runtime().part(Wakers)
+    with book.lock:
+        book.wakers.append(wake)
 
     def stop() -> None:
-        with _lock:
-            if wake in _wakers:
-                _wakers.remove(wake)
+        with book.lock:
+            if wake in book.wakers:
+                book.wakers.remove(wake)
 
     return stop
 
 
 def _wake_all() -> None:
-    with _lock:
-        wakers = list(_wakers)
+    book = runtime().part(Wakers)
+    with book.lock:
+        wakers = list(book.wakers)
     for wake in wakers:
         wake()
 

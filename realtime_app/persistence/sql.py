@@ -14,9 +14,10 @@ from django.db import DatabaseError, DataError, IntegrityError, InterfaceError, 
 from django.db.models import Case, F, Q, Value, When
 from django.utils import timezone
 
+from realtime_app.conf.runtime import runtime
 from realtime_app.persistence.entries import Batch, Key
 
-__all__ = ["Create", "Permanent", "Refused", "Table", "required_fields", "transient"]
+__all__ = ["Create", "MarksSwept", "Permanent", "Refused", "Table", "required_fields", "transient"]
 
 M = TypeVar("M", bound=models.Model)
 
@@ -26,7 +27,12 @@ TRANSIENT_PGCODES = {"40P01", "40001"}
 #: How long an ordinary batch's token is kept (a journaled batch's is kept for good).
 MARKS_KEPT = timedelta(hours=1)
 
-_marks_swept = float("-inf")  # when old flush marks were last deleted
+
+class MarksSwept:
+    """When old flush marks were last deleted (a part of the process's runtime)."""
+
+    def __init__(self) -> None:
+        self.at = float("-inf")
 
 
 #: ``create``: how a store makes a row that does not exist — ``True`` from the key, the
@@ -268,11 +274,11 @@ class Table(Generic[M]):
     def _forget_old_marks(self) -> None:
         """Tokens are needed only while a batch may be retried: keep an hour of them (a
         journaled batch's for good)."""
-        global _marks_swept
+        swept = runtime().part(MarksSwept)
         now = time.monotonic()
-        if now - _marks_swept < 600:
+        if now - swept.at < 600:
             return
-        _marks_swept = now
+        swept.at = now
         from realtime_app.models import FlushMark
 
         FlushMark.objects.filter(created__lt=timezone.now() - MARKS_KEPT, journaled=False).delete()

@@ -23,7 +23,12 @@ from typing import Any
 
 __all__ = ["RealtimeTestClient", "tick"]
 
-_addresses = itertools.count(1)
+
+class Addresses:
+    """The test clients' own addresses, numbered (a part of the process's runtime)."""
+
+    def __init__(self) -> None:
+        self.next = itertools.count(1).__next__
 
 
 class RealtimeTestClient:
@@ -52,7 +57,9 @@ class RealtimeTestClient:
         self.communicator = WebsocketCommunicator(app, "/realtime/", headers=headers)
         self.communicator.scope["user"] = user if user is not None else AnonymousUser()
         if address is None:
-            n = next(_addresses)
+            from realtime_app.conf.runtime import runtime
+
+            n = runtime().part(Addresses).next()
             address = f"10.{n >> 16 & 255}.{n >> 8 & 255}.{n & 255}"
         self.communicator.scope["client"] = (address, 40000)
         self._ids = itertools.count(1)
