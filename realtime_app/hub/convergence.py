@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Any, Protocol
 
-from realtime_app.cluster.base import Backplane
+from realtime_app.cluster.roles import BrokerAndLeases
 from realtime_app.conf import beat_period_s
 from realtime_app.conf.runtime import settings
 from realtime_app.declarations.registry import FED_PREFIX
@@ -36,7 +36,9 @@ logger = logging.getLogger("realtime_app.hub")
 class Member(Protocol):
     """What convergence needs of the hub: its reconciler, tickers, channels and probe."""
 
-    backplane: Backplane | None
+    @property
+    def backplane(self) -> BrokerAndLeases | None: ...
+
     reconciler: Reconciler
     tickers: Tickers
     subscribers: dict[str, set[Connection]]
@@ -77,7 +79,7 @@ class Convergence:
                 if channel not in self.hub.reconciler.channels:
                     self._locks.pop(channel, None)
 
-    async def _converge_locked(self, channel: str, lock: asyncio.Lock, backplane: Backplane) -> None:
+    async def _converge_locked(self, channel: str, lock: asyncio.Lock, backplane: BrokerAndLeases) -> None:
         reconciler = self.hub.reconciler
         async with lock:
             for _ in range(16):  # a settled channel needs at most a handful
@@ -100,7 +102,7 @@ class Convergence:
                     self.rule.answered(recovered=backplane.outage.succeeded())
                 reconciler.done(channel, action, ok, time.monotonic())
 
-    async def _carry_out(self, channel: str, action: Action, backplane: Backplane) -> bool:
+    async def _carry_out(self, channel: str, action: Action, backplane: BrokerAndLeases) -> bool:
         if action is Action.JOIN:
             await backplane.join([channel])
             if channel.startswith(FED_PREFIX):  # what was set while this process was not listening
@@ -187,7 +189,7 @@ class Convergence:
                 logger.exception("hub maintenance failed; retrying")
             await asyncio.sleep(period)
 
-    async def beat(self, backplane: Backplane) -> None:
+    async def beat(self, backplane: BrokerAndLeases) -> None:
         """One beat: check the backplane, then renew, compete, retry — re-asserting
         everything when :class:`BeatRule` says the backplane may have lost it."""
         period = beat_period_s(settings().lease_ttl_ms)

@@ -12,7 +12,7 @@ import json
 import time
 from typing import Any, Protocol
 
-from realtime_app.cluster.base import Backplane
+from realtime_app.cluster.roles import Reachable
 from realtime_app.declarations.registry import ChannelSpec
 from realtime_app.exceptions import BackplaneUnavailable
 from realtime_app.hub.connections import Connection
@@ -34,7 +34,9 @@ MAX_ASKING = 10_000
 class Holder(Protocol):
     """What current values need of the hub: the values kept, the floor, the sends."""
 
-    backplane: Backplane | None
+    @property
+    def backplane(self) -> Reachable | None: ...
+
     instance_id: str
     fed: FedStates
     tickers: Tickers

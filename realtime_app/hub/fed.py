@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from realtime_app.cluster.base import Backplane
+from realtime_app.cluster.roles import HistoryStore
 from realtime_app.declarations.registry import FED_PREFIX, ChannelSpec, fed_channel
 from realtime_app.hub.reconciler import Reconciler
 from realtime_app.wire.protocol import encode
@@ -84,7 +84,10 @@ class Joiner(Protocol):
     """What app-fed pacing needs of the hub: its backplane and the channels it joins."""
 
     loop: asyncio.AbstractEventLoop | None
-    backplane: Backplane | None
+
+    @property
+    def backplane(self) -> HistoryStore | None: ...
+
     reconciler: Reconciler
 
     async def converge(self, channel: str) -> None: ...

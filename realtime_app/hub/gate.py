@@ -22,7 +22,7 @@ from realtime_app.inbound.method_limits import MethodLimits
 from realtime_app.inbound.workers import Call, Coalesce, RequestPool, Run
 
 if TYPE_CHECKING:
-    from realtime_app.cluster.base import Backplane
+    from realtime_app.cluster.roles import LeasesAndOnce
     from realtime_app.observability.schema import AdmissionProbe
 
 __all__ = ["Admitted", "Gate", "Limited", "admission_limits", "handshake_limits"]
@@ -117,7 +117,7 @@ class Gate:
 
     def __init__(self, limits: Settings | None = None) -> None:
         self.settings = limits or settings()
-        self.backplane: Backplane | None = None  # set when the hub starts
+        self.backplane: LeasesAndOnce | None = None  # set when the hub starts
         self.admission = Admission(admission_limits(self.settings))
         self.handshakes = Admission(handshake_limits(self.settings))  # its buckets only: handshakes per identity
         self.pool = RequestPool(self.admission, 0)

@@ -38,7 +38,7 @@ from realtime_app.inbound.admission import retry_after_ms
 from realtime_app.wire import protocol
 
 if TYPE_CHECKING:
-    from realtime_app.cluster.base import Backplane
+    from realtime_app.cluster.roles import OnceStore
 
 __all__ = ["KEY_PARAM", "MAX_KEY_LENGTH", "Once", "OnceBook"]
 
@@ -110,7 +110,7 @@ class Once:
     """Runs idempotent calls once per (identity, method, key): the gate's, one per hub."""
 
     def __init__(
-        self, settings: Settings, backplane: Callable[[], Backplane | None], clock: Callable[[], float] = time.monotonic
+        self, settings: Settings, backplane: Callable[[], OnceStore | None], clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.settings = settings
         self.local = OnceBook(settings.idempotency_max_bytes)
@@ -125,7 +125,7 @@ class Once:
         self.refused_full = 0  # new keys refused: their identity's answers filled its bytes
 
     @property
-    def backplane(self) -> Backplane | None:
+    def backplane(self) -> OnceStore | None:
         return self._backplane()
 
     def _shared(self) -> bool:

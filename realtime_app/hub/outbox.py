@@ -29,7 +29,7 @@ from realtime_app.persistence import outbox
 from realtime_app.wire.history import HistoryPolicy
 
 if TYPE_CHECKING:
-    from realtime_app.cluster.base import Backplane
+    from realtime_app.cluster.roles import DurableBroker
     from realtime_app.observability.schema import OutboxProbe
 
 
@@ -37,7 +37,10 @@ class Hub(Protocol):
     """What the drain reads of its hub (``hub.core.Hub``, which imports this room)."""
 
     loop: asyncio.AbstractEventLoop | None
-    backplane: Backplane | None
+
+    @property
+    def backplane(self) -> DurableBroker | None: ...
+
     last_seq: dict[str, int]
 
 
@@ -220,7 +223,7 @@ def _any_durable() -> bool:
     return any(history is not None and history.durable for history in histories)
 
 
-async def _release(backplane: Backplane, lease: str) -> None:
+async def _release(backplane: DurableBroker, lease: str) -> None:
     try:
         await backplane.release(lease)
     except Exception:  # lapses with its TTL

@@ -35,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from realtime_app.cluster.base import Backplane
+from realtime_app.cluster.roles import PresenceStore
 from realtime_app.conf import beat_period_s
 from realtime_app.conf.runtime import runtime, settings
 from realtime_app.declarations.registry import ChannelSpec
@@ -60,7 +60,9 @@ WRITES_PER_INTERVAL = 4
 class Hosting(Protocol):
     """What the presence room uses of its hub."""
 
-    backplane: Backplane | None
+    @property
+    def backplane(self) -> PresenceStore | None: ...
+
     fanout: Fanout
 
 
@@ -290,7 +292,7 @@ class Presence:
                 room.dirty = True
                 self.dirty.add(base)
 
-    async def _mark_alive(self, backplane: Backplane) -> None:
+    async def _mark_alive(self, backplane: PresenceStore) -> None:
         """This process's mark, once a beat: how long its parts live, and every part again
         when its mark was gone (its parts may have gone with it)."""
         mark = await backplane.presence_alive(int(settings().lease_ttl_ms))
@@ -317,7 +319,7 @@ class Presence:
         ttl = self._keep_ms or int(settings().lease_ttl_ms)
         await backplane.put_presence({base: None for base in self.rooms}, ttl, self._keep_ms is not None)
 
-    async def _write(self, backplane: Backplane, rooms: dict[str, Room]) -> bool:
+    async def _write(self, backplane: PresenceStore, rooms: dict[str, Room]) -> bool:
         if not self._marked:  # a first write (a watch, RPC presence) before any beat: one way from the start
             await self._mark_alive(backplane)
         config = settings()
@@ -343,7 +345,7 @@ class Presence:
         self.writes += len(parts)
         return True
 
-    async def _read(self, backplane: Backplane) -> bool:
+    async def _read(self, backplane: PresenceStore) -> bool:
         watched = {base: self.rooms[base].version for base in self.watching if base in self.rooms}
         if not watched:
             return False

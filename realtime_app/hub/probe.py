@@ -24,7 +24,7 @@ import time
 import weakref
 from typing import Any, Protocol
 
-from realtime_app.cluster.base import Backplane
+from realtime_app.cluster.roles import HistoryStore
 from realtime_app.conf.runtime import runtime, settings
 from realtime_app.declarations.instances import InstanceBook
 from realtime_app.hub.connections import Connection
@@ -64,7 +64,10 @@ class Probed(Protocol):
     started_at: float
     connections: set[Connection]
     subscribers: dict[str, set[Connection]]
-    backplane: Backplane | None
+
+    @property
+    def backplane(self) -> HistoryStore | None: ...
+
     reconciler: Reconciler
     published: int
     refused: dict[str, int]
@@ -260,7 +263,7 @@ def templates_probe(hub: Probed) -> dict[str, TemplateProbe]:
     return out
 
 
-def backplane_probe(backplane: Backplane | None) -> BackplaneProbe:
+def backplane_probe(backplane: HistoryStore | None) -> BackplaneProbe:
     """Up (every Redis server answers), outages, and each server's own (none in memory)."""
     if backplane is None:
         return {"up": True, "outages": 0, "shards": []}

@@ -14,7 +14,7 @@ import asyncio
 import time
 from typing import Any, Literal, Protocol
 
-from realtime_app.cluster.base import Backplane, now_ms
+from realtime_app.cluster.roles import HistoryStore, now_ms
 from realtime_app.conf.runtime import settings
 from realtime_app.declarations.registry import ChannelSpec
 from realtime_app.exceptions import BackplaneUnavailable, RPCError
@@ -45,7 +45,9 @@ RESUME_RETRY_MS = 1000
 class Subscriptions(Protocol):
     """What a replay needs of the hub: its subscriptions and its view of each channel."""
 
-    backplane: Backplane | None
+    @property
+    def backplane(self) -> HistoryStore | None: ...
+
     subscribers: dict[str, set[Connection]]
     last_seq: dict[str, int]
     shares: ShareBook

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from realtime_app.cluster.base import Backplane
+from realtime_app.cluster.roles import Reachable
 from realtime_app.conf.runtime import settings
 from realtime_app.declarations.registry import ChannelSpec
 from realtime_app.exceptions import BackplaneUnavailable, PublicationError
@@ -131,7 +131,10 @@ class Publisher(Protocol):
     instance_id: str
     loop: asyncio.AbstractEventLoop | None
     thread_id: int
-    backplane: Backplane | None
+
+    @property
+    def backplane(self) -> Reachable | None: ...
+
     reconciler: Reconciler
     specs: dict[str, ChannelSpec]
     fed: FedStates
