@@ -1,0 +1,47 @@
+"""The backplane by role (``realtime_app.cluster.roles``): five small interfaces that
+split the one it was (24 methods), so that a new store implements only what it stores and
+the hub's rooms name the role they use (the import contracts hold the rest)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from realtime_app.cluster import roles
+from realtime_app.cluster.base import Backplane
+from realtime_app.cluster.memory import MemoryBackplane
+from realtime_app.cluster.redis import RedisBackplane
+from realtime_app.cluster.redis_cluster import ClusterBackplane
+from realtime_app.cluster.shards import ShardedBackplane
+
+ROLES = [roles.Broker, roles.HistoryStore, roles.PresenceStore, roles.LeaseStore, roles.OnceStore]
+
+
+def own_methods(cls: type) -> set[str]:
+    return {name for name, value in vars(cls).items() if inspect.isfunction(value) and not name.startswith("_")}
+
+
+def test_the_roles_split_the_interface_each_method_in_one_role() -> None:
+    seen: dict[str, str] = {}
+    for role in ROLES:
+        for name in own_methods(role):
+            assert name not in seen, f"{name} is in {seen[name]} and {role.__name__}"
+            seen[name] = role.__name__
+    assert max(len(own_methods(role)) for role in ROLES) <= 8  # small interfaces, not one of 24
+    interface = {name for name in dir(Backplane) if not name.startswith("_") and callable(getattr(Backplane, name))}
+    assert interface - set(seen) <= own_methods(roles.Reachable)
+
+
+@pytest.mark.parametrize("backplane", [MemoryBackplane, RedisBackplane, ShardedBackplane, ClusterBackplane])
+@pytest.mark.parametrize("role", ROLES, ids=lambda r: r.__name__)
+def test_every_backplane_implements_every_role(backplane: type, role: type) -> None:
+    """A backplane that leaves a role's method to the interface raises at its first use;
+    here, before any process runs it. One process in memory shares no bucket and no
+    idempotency book: it says so (``NotImplementedError``, documented), and each process
+    keeps its own."""
+    for name in own_methods(role):
+        if not backplane.clustered and name in ("take_tokens", "claim_once", "keep_once", "renew_once"):
+            continue
+        implementation = getattr(backplane, name)
+        assert "NotImplementedError" not in inspect.getsource(implementation), f"{backplane.__name__}.{name}"
