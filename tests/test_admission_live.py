@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import websockets
 
-from realtime_app.hub.fanout import UNREAD_ANSWER_BYTES
+from realtime_app.hub.replies import UNREAD_ANSWER_BYTES
 from tests.support.health import Probe
 from tests.support.processes import rss
 from tests.support.servers import Server, login, prepare_database, servers

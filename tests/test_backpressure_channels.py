@@ -25,10 +25,10 @@ async def test_a_channel_without_history_follows_its_own_rule_not_the_processs(h
         await slow.call("subscribe", {"channel": "test:state-dropped"})
         [conn] = [c for c in hub.connections if "test:state-dropped" in c.subscriptions]
         conn.guard.transport = Overfull(conn.guard.transport)  # its queue over the threshold from now on
-        before = (hub.fanout.drops, hub.fanout.closes)
+        before = (hub.outcomes.drops, hub.outcomes.closes)
         await publisher.call("test.publish_burst", {"channels": ["test:state-dropped"], "count": 1, "size": 10})
         assert conn.closed is closed
-        assert (hub.fanout.drops - before[0], hub.fanout.closes - before[1]) == ((0, 1) if closed else (1, 0))
+        assert (hub.outcomes.drops - before[0], hub.outcomes.closes - before[1]) == ((0, 1) if closed else (1, 0))
 
 
 async def test_a_held_frame_of_a_channel_the_connection_left_is_never_sent(hub, settings):

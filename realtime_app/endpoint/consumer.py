@@ -182,7 +182,7 @@ class RealtimeConsumer:
         """Write one frame of answers, if the connection is still open."""
         conn = self.connection
         if conn is not None and not conn.closed:
-            hub.fanout.send_to(conn, text, response=True)
+            hub.replies.send_to(conn, text, response=True)
 
     async def receive_frame(self, text: str | None, data: bytes | None) -> None:
         assert self.connection is not None and self.session is not None
@@ -191,7 +191,7 @@ class RealtimeConsumer:
         if isinstance(frame, Close):
             return await self.close(frame.code, frame.reason)
         hub = await get_hub()
-        if frame is None or hub.fanout.unread_responses(self.connection):
+        if frame is None or hub.replies.unread_responses(self.connection):
             return  # closing, or the client does not read its answers: none of these requests runs
         errors: list[Response] = []
         for error in frame.errors:  # bad input costs tokens like any request

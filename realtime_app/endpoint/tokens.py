@@ -59,12 +59,12 @@ def site_salt() -> str:
     settings module and the host names of ``ALLOWED_HOSTS`` (not its addresses), so that
     another site sharing ``SECRET_KEY`` and a user table (a staging copy, a second
     project) does not take this one's tokens."""
-    from django.conf import settings
+    from django.conf import settings as django_settings
 
     own = settings().token_salt
     if own is None:  # host names only: a pod's own address in ALLOWED_HOSTS would split one site in two
-        hosts = sorted(str(host) for host in settings.ALLOWED_HOSTS if not _is_address(str(host)))
-        own = f"{settings.SETTINGS_MODULE}|{','.join(hosts)}"
+        hosts = sorted(str(host) for host in django_settings.ALLOWED_HOSTS if not _is_address(str(host)))
+        own = f"{django_settings.SETTINGS_MODULE}|{','.join(hosts)}"
     return f"{SALT}:{own}"
 
 
@@ -295,7 +295,7 @@ def arm_expiry(hub: Any, conn: Any, scope: Scope) -> None:
     def warn() -> None:
         if not conn.closed:
             notice = {"jsonrpc": "2.0", "method": "token_expiring", "params": {"expires_at": claims.expires_at}}
-            hub.fanout.send_to(conn, encode(notice), response=True)  # never dropped under backpressure
+            hub.replies.send_to(conn, encode(notice), response=True)  # never dropped under backpressure
 
     def expire() -> None:
         if not conn.closed:

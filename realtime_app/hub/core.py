@@ -46,10 +46,12 @@ from realtime_app.hub.fanout import Fanout
 from realtime_app.hub.fed import FedStates
 from realtime_app.hub.gate import Gate
 from realtime_app.hub.ordering import Ordering
+from realtime_app.hub.outcomes import Outcomes
 from realtime_app.hub.presence import Presence
 from realtime_app.hub.probe import process_probe, process_start
 from realtime_app.hub.reconciler import Reconciler
 from realtime_app.hub.replay import Replays
+from realtime_app.hub.replies import Replies
 from realtime_app.hub.shares import ShareBook
 from realtime_app.hub.start_checks import log_check_errors
 from realtime_app.hub.tickers import Tickers
@@ -104,7 +106,9 @@ class Hub:
         self.refused: dict[str, int] = {"tickers": 0, "cadences": 0, "instances": 0, "revoked": 0}
         self.shares = ShareBook(self.refused)  # each identity's tickers and instances
         self.gate = Gate()
-        self.fanout = Fanout(self.subscribers, self.connections, self.forget)
+        self.outcomes = Outcomes(self.forget)  # what guards decided, for fan-out and replies
+        self.fanout = Fanout(self.subscribers, self.connections, self.outcomes)
+        self.replies = Replies(self.outcomes)  # answers to one connection, and the unread-answers rule
         self.ordering = Ordering(self.fanout.fanout)
         self.replays = Replays(self, self.fanout, self.ordering, self.gate.admission)
         self.tickers = Tickers(self)

@@ -1,41 +1,32 @@
-"""Fan-out: every frame to the local subscribers of its channel, through each
-connection's guard, encoded once; and the accounting of what the guards decided.
+"""Fan-out: every publication to the local subscribers of its channel, through each
+connection's guard, encoded once (deltas, conflation and replays' buffers included).
 
-A failing send to one connection closes that connection and nothing else; a connection
-over its backpressure threshold has frames dropped, then is closed with 1013; one that
-does not read its answers stops having its requests run (docs/admission.md).
+What the guards decide is counted by :mod:`realtime_app.hub.outcomes`; answers to one
+connection are :mod:`realtime_app.hub.replies`'.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from realtime_app.conf.runtime import settings
 from realtime_app.declarations.policies import frame_policy
 from realtime_app.hub.connections import Connection
-from realtime_app.observability.logsafe import safe
-from realtime_app.outbound.backpressure import CLOSE, DROP, HOLD, SEND, Decision, decide_send
-from realtime_app.outbound.guard import BACKPRESSURE_REASON
+from realtime_app.hub.outcomes import Outcomes
+from realtime_app.outbound.backpressure import HOLD, SEND, Decision
 from realtime_app.outbound.transports import text_frame
 from realtime_app.wire.deltas import ChannelDeltas, DeltaFrames
 from realtime_app.wire.history import already_sent
-from realtime_app.wire.protocol import CloseCode
 
 if TYPE_CHECKING:
     from realtime_app.observability.schema import BackpressureProbe
 
-__all__ = ["DRAIN_INTERVAL_S", "UNREAD_ANSWER_BYTES", "Fanout", "Held", "drain_held"]
+__all__ = ["DRAIN_INTERVAL_S", "Fanout", "Held", "drain_held"]
 
 logger = logging.getLogger("realtime_app.hub")
-
-#: Answers a connection over its backpressure threshold may still be written before its
-#: requests stop running (docs/admission.md): enough for a slow client's small calls.
-UNREAD_ANSWER_BYTES = 64 * 1024
 
 #: A live frame kept for a connection during its replay: ``(seq, epoch, payload)``.
 Held = tuple[int, str, bytes]
@@ -54,21 +45,19 @@ def _rule(channel: str, policy: Any) -> str | None:
 
 
 class Fanout:
-    """Sends frames to connections and counts drops, 1013 closes and failed sends."""
+    """Sends each publication to the local subscribers of its channel."""
 
     def __init__(
         self,
         subscribers: dict[str, set[Connection]],
         connections: set[Connection],
-        forget: Callable[[Connection], None],
+        outcomes: Outcomes,
     ) -> None:
         self.subscribers = subscribers  # the hub's, per channel
         self.connections = connections
-        self.forget = forget  # closes what a connection held, from synchronous code
+        self.outcomes = outcomes  # drops, 1013 closes and failed sends, shared with the replies
         #: Connections being given a channel's history: their live frames wait here meanwhile.
         self.buffers: dict[str, dict[Connection, list[Held]]] = {}
-        self.drops = 0  # frames refused by the guard, cumulative
-        self.closes = 0  # connections closed with 1013 by the guard
         self.frames_out = 0  # channel frames handed to guards (dropped ones included), cumulative
         self.channel_frames: dict[str, int] = {}  # publications fanned out here, per channel
         self.conflated = 0  # frames of conflated channels replaced by a newer one, never sent
@@ -77,8 +66,6 @@ class Fanout:
         self.holding: set[Connection] = set()  # connections with conflated frames held back
         #: Set while ``holding`` is not empty: the drain loop sleeps on it, not on a timer.
         self.some_held = asyncio.Event()
-        self.send_failures = 0  # connections closed because a send raised
-        self.unread_refused = 0  # requests not run: their connection does not read its answers
         #: Connections that lagged since the probe last found them clear (their guards note
         #: them): the only ones a probe reads. An idle connection costs a probe nothing.
         self.watched: set[Connection] = set()
@@ -125,10 +112,10 @@ class Fanout:
             try:
                 decision = conn.guard.send(payload, frame=frame, policy=policy)
             except Exception as exc:
-                self._send_failed(conn, exc)
+                self.outcomes.send_failed(conn, exc)
                 continue
             if decision is not SEND:
-                self._account(conn, decision)
+                self.outcomes.account(conn, decision)
 
     def _with_deltas(
         self, channel: str, subs: set[Connection], text: str, seq: int, payload: bytes, frame: bytes, policy: str | None
@@ -200,7 +187,7 @@ class Fanout:
             try:
                 decision = guard.send_conflated(channel, body, raw)
             except Exception as exc:
-                self._send_failed(conn, exc)
+                self.outcomes.send_failed(conn, exc)
                 continue
             if decision is HOLD:
                 self._hold(conn)
@@ -213,7 +200,7 @@ class Fanout:
         try:
             decision = conn.guard.send_conflated(key, payload)
         except Exception as exc:
-            self._send_failed(conn, exc)
+            self.outcomes.send_failed(conn, exc)
             return None
         if decision is HOLD:
             self._hold(conn)
@@ -232,7 +219,7 @@ class Fanout:
                 try:
                     written += guard.flush_held()
                 except Exception as exc:
-                    self._send_failed(conn, exc)
+                    self.outcomes.send_failed(conn, exc)
             if conn.closed or not guard.held:
                 self.holding.discard(conn)
         return written
@@ -259,10 +246,10 @@ class Fanout:
         try:
             decision = conn.guard.send(payload, frame=frame, policy=policy)
         except Exception as exc:
-            self._send_failed(conn, exc)
+            self.outcomes.send_failed(conn, exc)
             return None
         if decision is not SEND:
-            self._account(conn, decision)
+            self.outcomes.account(conn, decision)
         return decision
 
     def push_kept(
@@ -288,76 +275,6 @@ class Fanout:
             self._send_delta(conn, channel, seq, built, variants, _rule(channel, policy))
             return
         self.push(conn, payload, frame, channel, policy)
-
-    def send_to(self, conn: Connection, text: str, *, response: bool = False) -> Decision:
-        """Send one frame to one connection through its guard (RPC responses, errors)."""
-        payload = text.encode("utf-8")
-        try:
-            decision = conn.guard.send(payload, response=response, frame=text_frame(payload))
-        except Exception as exc:
-            self._send_failed(conn, exc)
-            return CLOSE
-        if decision is not SEND:
-            if response and decision is DROP and conn.guard.never_drop_responses:
-                conn.unread_bytes += len(payload)  # written all the same: it counts
-            self._account(conn, decision)
-        return decision
-
-    def unread_responses(self, conn: Connection) -> bool:
-        """True when the requests of ``conn``'s next frame must not run: its queue is over
-        the threshold *and* the answers written since it went over reach
-        ``UNREAD_ANSWER_BYTES``. The client does not read; each such frame counts as a
-        dropped frame toward its 1013. A client that is only slow still gets small answers
-        through (the adaptive client's subscribe to a slower cadence, a ping), while what
-        the server holds stays within the threshold plus that budget plus one answer,
-        whatever the client sends."""
-        guard = conn.guard
-        if conn.closed:
-            return True
-        if not guard.measure:
-            return False
-        buffered = guard.buffered()
-        if buffered <= guard.config.max_backpressure:
-            conn.unread_bytes = 0
-            return False
-        if conn.unread_bytes < UNREAD_ANSWER_BYTES:
-            return False
-        decision = decide_send(buffered, guard.config, guard.state)
-        self.unread_refused += 1
-        if decision is CLOSE:
-            guard.close(CloseCode.TRY_AGAIN_LATER, BACKPRESSURE_REASON)
-        self._account(conn, decision)
-        return True
-
-    def _send_failed(self, conn: Connection, exc: Exception) -> None:
-        """A send raised (the server refused the frame): close that connection, only it."""
-        if conn.closed:
-            return
-        self.send_failures += 1
-        logger.warning(
-            "connection %s closed with %s: a send failed (%s: %s)",
-            conn.id,
-            int(CloseCode.INTERNAL_ERROR),
-            type(exc).__name__,
-            safe(exc, 200),
-        )
-        with contextlib.suppress(Exception):
-            conn.guard.close(CloseCode.INTERNAL_ERROR, "send failed")
-        self.forget(conn)
-
-    def _account(self, conn: Connection, decision: Decision) -> None:
-        if decision is DROP:
-            self.drops += 1
-        elif decision is CLOSE and not conn.closed:
-            self.closes += 1
-            logger.warning(
-                "connection %s closed with %s: backpressure (%s bytes queued, %s drops)",
-                conn.id,
-                int(CloseCode.TRY_AGAIN_LATER),
-                conn.guard.buffered(),
-                conn.guard.state.drops,
-            )
-            self.forget(conn)
 
     def lagging(self, top: int) -> dict[Connection, int]:
         """Bytes queued now on each watched connection (one read each); those with nothing
@@ -395,8 +312,8 @@ class Fanout:
             "max_drop_balance": balance,
             "total_buffered_amount": total,
             "slow_consumers": slow_count,
-            "drops": self.drops,
-            "closes": self.closes,
+            "drops": self.outcomes.drops,
+            "closes": self.outcomes.closes,
             "conflated": self.conflated,
             "holding": len(self.holding),
         }

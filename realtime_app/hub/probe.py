@@ -32,9 +32,11 @@ from realtime_app.hub.fanout import Fanout
 from realtime_app.hub.gate import Gate
 from realtime_app.hub.ordering import Ordering
 from realtime_app.hub.outbox import outbox_probe
+from realtime_app.hub.outcomes import Outcomes
 from realtime_app.hub.presence import Presence
 from realtime_app.hub.reconciler import Reconciler
 from realtime_app.hub.replay import Replays
+from realtime_app.hub.replies import Replies
 from realtime_app.hub.shares import ShareBook
 from realtime_app.hub.tickers import Tickers
 from realtime_app.inbound.pools import pools_probe
@@ -73,6 +75,8 @@ class Probed(Protocol):
     refused: dict[str, int]
     gate: Gate
     fanout: Fanout
+    outcomes: Outcomes
+    replies: Replies
     replays: Replays
     ordering: Ordering
     tickers: Tickers
@@ -223,14 +227,14 @@ def process_probe(hub: Probed) -> ProcessProbe:
         "top_connections": top_connections(hub, config.probe_top_connections, queued),
         "refused": {**hub.refused, **hub.gate.refused},
         "backplane_bytes": hub.shares.total_bytes(),
-        "admission": hub.gate.probe(hub.fanout.unread_refused),
+        "admission": hub.gate.probe(hub.replies.unread_refused),
         "history": {
             "channels": walked["history"]["channels"],
             "recoveries": dict(hub.replays.recoveries),
             "replayed": hub.replays.replayed,
             "gaps": hub.ordering.gaps,
         },
-        "send_failures": hub.fanout.send_failures,
+        "send_failures": hub.outcomes.send_failures,
         "stale_ticks": hub.tickers.stale_ticks,
         "backplane": backplane_probe(backplane),
         "backpressure": hub.fanout.probe(queued),
