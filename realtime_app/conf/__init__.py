@@ -1,9 +1,10 @@
 """Settings: one ``REALTIME_APP`` dict, defaults here, merged lazily, reset on change.
 
 Read inside functions, never at import time, so that ``override_settings`` works and pure
-modules stay importable without Django: :func:`realtime_app.conf.typed.settings` (typed,
-frozen; its docstring states the reload rule) or :func:`get_config` (the same values as
-a dict, keyed as in ``REALTIME_APP``).
+modules stay importable without Django. The package reads them one way,
+:func:`realtime_app.conf.runtime.settings` (typed, frozen, built once by the process's
+runtime, whose docstring states the reload rule); :func:`get_config` is the merged dict
+the runtime builds them from and the system checks validate.
 """
 
 from __future__ import annotations
