@@ -43,3 +43,18 @@ async def test_a_running_hub_takes_new_admission_limits_at_once(hub):
     assert await hub.gate.admit(alice, 1.0) is None and await hub.gate.admit(alice, 1.0) is None
     hub.admission.release(alice)
     hub.admission.release(alice)
+
+
+def test_bounds_are_declared_beside_the_fields_and_the_check_reads_them():
+    """Validation sits next to the fields (``bounded`` in conf/typed.py), not 500 lines
+    apart: the check E002 reads the bounds from the typed object."""
+    from realtime_app.checks.configuration import check_settings
+    from realtime_app.conf.typed import bounds
+
+    found = bounds()
+    assert found["MAX_BATCH"] == (int, 1, None) and found["SIGNED_IN_RESERVE"] == (float, 0, 0.99)
+    assert found["ADDRESS_PREFIX_V4"] == (int, 0, 32)
+    for bad in ({"MAX_BATCH": 0}, {"MAX_BATCH": 2.5}, {"ADDRESS_PREFIX_V4": 33}, {"HANDSHAKES_PER_S": float("inf")}):
+        with override_settings(REALTIME_APP=bad):
+            [error] = [m for m in check_settings() if m.id == "realtime_app.E002"]
+            assert next(iter(bad)) in error.msg

@@ -11,59 +11,12 @@ from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
 from realtime_app.checks.backplane import check_backplane, check_cluster, check_shards
 from realtime_app.conf import DEFAULTS, chosen_backplane, get_config
+from realtime_app.conf.typed import bounds
 from realtime_app.declarations.coverage import cadences_matched, unmatched_rules
 from realtime_app.declarations.policies import Rule, configured_rules, matching_rule
 from realtime_app.declarations.registry import Family, registry
 
 __all__ = ["check_channels", "check_layer", "check_policies", "check_server_versions", "check_settings"]
-
-_INT_SETTINGS = {
-    "MAX_FRAME_BYTES": 0,
-    "MAX_BATCH": 1,
-    "MAX_CHANNEL_NAME": 1,
-    "MAX_SUBSCRIPTIONS": 0,
-    "LEASE_TTL_MS": 300,
-    "PROBE_TTL_MS": 300,
-    "MAX_BACKPRESSURE": 0,
-    "CLOSE_AFTER_DROPS": 0,
-    "SLOW_CONSUMER_BYTES": 0,
-    "CLOSE_DRAIN_MS": 0,
-    "REASSERT_INTERVAL_MS": 1000,
-    "SEQ_IDLE_TTL_MS": 1000,
-    "REDIS_MAX_CONNECTIONS": 2,
-    "REDIS_TIMEOUT_MS": 100,
-    "PUBLISH_CONCURRENCY": 1,
-    "MAX_PUBLICATION_BYTES": 0,
-    "MAX_CADENCES_PER_FAMILY": 0,
-    "MAX_TICKERS": 0,
-    "MAX_INSTANCES": 0,
-    "MAX_INSTANCES_PER_TEMPLATE": 0,
-    **{"MAX_TICKERS_PER_IDENTITY": 0, "MAX_INSTANCES_PER_IDENTITY": 0, "IDEMPOTENCY_MAX_BYTES_PER_IDENTITY": 0},
-    **{"MAX_BACKPLANE_BYTES_PER_IDENTITY": 0},
-    "MAX_CONNECTIONS_PER_USER": 0,
-    "MAX_CONNECTIONS_PER_ADDRESS": 0,
-    "PROBE_TOP_CHANNELS": 1,
-    "PROBE_TOP_CONNECTIONS": 0,
-    "REVALIDATE_INTERVAL_MS": 0,
-    "ADMISSION_MAX_PENDING": 0,
-    "ADMISSION_MAX_RUNNING": 1,
-    "ADMISSION_CLOSE_AFTER_REFUSALS": 0,
-    "WRITE_BEHIND_DELAY_MS": 0,
-    "ADMISSION_MAX_PER_IDENTITY": 0,
-    "HANDSHAKE_BURST": 0,
-    "MAX_CONCURRENT_RESUMES": 0,
-    "MAX_CONNECTIONS": 0,
-    "ADDRESS_PREFIX_V4": 0,
-    "ADDRESS_PREFIX_V6": 0,
-    "MAX_RESUMES_PER_IDENTITY": 0,
-    **{"PRESENCE_INTERVAL_MS": 50, "PRESENCE_DIFF_MEMBERS": 0, "PRESENCE_MAX_MEMBERS": 0},
-    **{"PRESENCE_INFO_MAX_BYTES": 0, "TOKEN_TTL_S": 1, "TOKEN_MAX_TTL_S": 1, "TOKEN_REFRESH_BEFORE_S": 0},
-    **{"DRAIN_SECONDS": 0, "HEARTBEAT_SECONDS": 0},
-}
-
-_NUMBER_SETTINGS = ("HANDSHAKES_PER_S", "ADMISSION_ERROR_COST", "MAX_ANONYMOUS_HANDSHAKES_PER_S", "SIGNED_IN_RESERVE")
-#: Upper bounds of some of them.
-_MAXIMUM = {"ADDRESS_PREFIX_V4": 32, "ADDRESS_PREFIX_V6": 128, "SIGNED_IN_RESERVE": 0.99}
 
 
 @register(Tags.compatibility)
@@ -85,29 +38,19 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             )
         )
     config = get_config()
-    for key, low in _INT_SETTINGS.items():
+    for key, (kind, low, high) in bounds().items():  # declared beside each field (conf.typed)
         value = config[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        number = not isinstance(value, bool) and isinstance(value, int if kind is int else (int, float))
+        if not number or not low <= value < float("inf"):
+            what = "an int" if kind is int else "a number"
             messages.append(
                 Error(
-                    f"REALTIME_APP[{key!r}] must be an int >= {low}, got {value!r}.",
+                    f"REALTIME_APP[{key!r}] must be {what} >= {low}, got {value!r}.",
                     hint="See docs/configuration.md for its unit and what 0 means.",
                     id="realtime_app.E002",
                 )
             )
-    for key in _NUMBER_SETTINGS:
-        value = config[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-            messages.append(
-                Error(
-                    f"REALTIME_APP[{key!r}] must be a number >= 0, got {value!r}.",
-                    hint="See docs/configuration.md for its unit and what 0 means.",
-                    id="realtime_app.E002",
-                )
-            )
-    for key, high in _MAXIMUM.items():
-        value = config[key]
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > high:
+        elif high is not None and value > high:
             messages.append(
                 Error(f"REALTIME_APP[{key!r}] must be at most {high}, got {value!r}.", id="realtime_app.E002")
             )
