@@ -22,20 +22,25 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Awaitable, Callable, Coroutine
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from asgiref.sync import async_to_sync
 
 from realtime_app.cluster.factory import make_backplane
+from realtime_app.cluster.roles import Broker
 from realtime_app.declarations.registry import fed_channel, registry
 from realtime_app.exceptions import BackplaneUnavailable, ConfigurationError, OutboxFull
+from realtime_app.hub.core import Hub
 from realtime_app.hub.envelope import encode_publication
 from realtime_app.hub.hubs import hub_of_current_loop, running_hub
 
 __all__ = ["acontrol", "apublish", "in_transaction", "publish"]
 
 logger = logging.getLogger("realtime_app.publish")
+
+T = TypeVar("T")
 
 
 def in_transaction(using: str | None = None) -> bool:
@@ -109,23 +114,11 @@ async def apublish(channel: str, data: Any) -> int:
     sync code); a transaction's publications are :func:`publish`'s, in that sync code.
     """
     target, history = _target(channel)
-    hub = hub_of_current_loop()
-    if hub is not None:
-        return await hub.publish(target, data, history)
-    other = running_hub()
-    if other is not None and other.loop is not None:
-        future = asyncio.run_coroutine_threadsafe(other.publish(target, data, history), other.loop)
-        return await asyncio.wrap_future(future)
-    # No server in this process (a command, a worker): publish through a short-lived
-    # backplane; with one process and no Redis nobody can be listening.
-    data_json = encode_publication(target, data)
-    backplane = make_backplane()
-    try:
-        return await backplane.publish(target, data_json, history=history)
-    except backplane.errors as exc:
-        raise BackplaneUnavailable("publish", exc) from exc
-    finally:
-        await backplane.stop()
+
+    async def headless(backplane: Broker) -> int:
+        return await backplane.publish(target, encode_publication(target, data), history=history)
+
+    return await _send(lambda hub: hub.publish(target, data, history), headless, "publish")
 
 
 def publish(channel: str, data: Any, *, using: str | None = None, now: bool = False) -> int | None:
@@ -158,18 +151,29 @@ async def acontrol(message: dict[str, Any]) -> None:
     from realtime_app.hub.core import CONTROL_CHANNEL
     from realtime_app.wire.protocol import encode
 
+    async def headless(backplane: Broker) -> None:
+        await backplane.publish(CONTROL_CHANNEL, encode(message))
+
+    await _send(lambda hub: hub.control(message), headless, "control")
+
+
+async def _send(
+    on_hub: Callable[[Hub], Coroutine[Any, Any, T]], headless: Callable[[Broker], Awaitable[T]], what: str
+) -> T:
+    """The one way a publication or a control message leaves this process: through the
+    running loop's hub, through another thread's hub (on that hub's loop), or — no server
+    here (a command, a worker) — through a short-lived backplane; with one process and no
+    Redis nobody can be listening there."""
     hub = hub_of_current_loop()
     if hub is not None:
-        await hub.control(message)
-        return
+        return await on_hub(hub)
     other = running_hub()
     if other is not None and other.loop is not None:
-        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(other.control(message), other.loop))
-        return
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(on_hub(other), other.loop))
     backplane = make_backplane()
     try:
-        await backplane.publish(CONTROL_CHANNEL, encode(message))
+        return await headless(backplane)
     except backplane.errors as exc:
-        raise BackplaneUnavailable("control", exc) from exc
+        raise BackplaneUnavailable(what, exc) from exc
     finally:
         await backplane.stop()
