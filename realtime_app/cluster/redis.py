@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from typing import Any
 
@@ -38,10 +37,11 @@ from realtime_app.cancellation import cancel_and_wait, uninterrupted
 from realtime_app.cluster import redis_scripts as scripts
 from realtime_app.cluster.base import Backplane, Deliver, Delivery, now_ms
 from realtime_app.cluster.hosts import close_client, host_label, redis_client, shard_hosts
+from realtime_app.cluster.redis_leases import RedisLeases
+from realtime_app.cluster.redis_once import ONCE, RedisOnce
 from realtime_app.cluster.redis_presence import RedisPresence
-from realtime_app.inbound.admission import retry_after_ms
-from realtime_app.observability.schema import ProcessProbe, ShardProbe
-from realtime_app.wire.history import PAGE, PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, Since, epoch_suffix
+from realtime_app.observability.schema import ProcessProbe
+from realtime_app.wire.history import HistoryPolicy, epoch_suffix
 from realtime_app.wire.names import group_name
 from realtime_app.wire.protocol import notification_head
 
@@ -58,7 +58,7 @@ class ClusterModeRefused(RedisError):
     """The server is a Redis Cluster node: not used (an outage until it is configured away)."""
 
 
-class RedisBackplane(RedisPresence, Backplane):
+class RedisBackplane(RedisPresence, RedisLeases, RedisOnce, Backplane):
     """A cluster of processes sharing one Redis (or one shard of several): its keys, and
     its pub/sub."""
 
@@ -307,14 +307,6 @@ class RedisBackplane(RedisPresence, Backplane):
         server that answers (a Redis Cluster node), handled: not an outage."""
         return False
 
-    def _kept_keys(self, channel: str) -> list[str]:
-        return [
-            self.key("seq", channel),
-            self.key("epoch", channel),
-            self.key("history", channel),
-            self.key("history-largest", channel),
-        ]
-
     async def publish(self, channel: str, data_json: str, floor: int = 0, history: HistoryPolicy | None = None) -> int:
         ts = now_ms()
         head = notification_head(channel, data_json)
@@ -327,58 +319,6 @@ class RedisBackplane(RedisPresence, Backplane):
         )
         return self._counted(channel, seq_, epoch_, history)
 
-    async def publish_once(
-        self, channel: str, data_json: str, floor: int, history: HistoryPolicy, key: str, window_ms: int
-    ) -> int | None:
-        ts = now_ms()
-        head = notification_head(channel, data_json)
-        seq_, epoch_ = await self._publish_kept_once(
-            keys=[*self._kept_keys(channel), self.redis_channel(channel), self.key("outbox-done", channel)],
-            args=[epoch_suffix(), self._keep_ms(history), floor, head, ts, history.size]
-            + [history.ttl_ms, key, ts, window_ms],
-        )
-        if int(seq_) == -1:  # published already, within the window  # pragma: no mutate (<= -1: seqs are >= 1)
-            return None
-        return self._counted(channel, seq_, epoch_, history)
-
-    def _keep_ms(self, history: HistoryPolicy) -> int:
-        """How long a channel's seq, epoch and history keys live (its lineage outlives its history)."""
-        return max(self.seq_ttl_ms, history.ttl_ms, scripts.KEEP_LINEAGE_MS)
-
-    def _counted(self, channel: str, seq_: Any, epoch_: Any, history: HistoryPolicy) -> int:
-        """A kept publication's seq; the history's size counted (exactly again at each read)."""
-        seq, epoch = int(seq_), _text(epoch_)
-        seen, kept = self.histories.get(channel, ("", 0))
-        self.histories[channel] = (epoch, min(history.size, kept + 1) if seen == epoch else 1)
-        return seq
-
-    async def history(
-        self, channel: str, policy: HistoryPolicy, since: Since | None = None, floor: int = 0
-    ) -> HistoryRead:
-        epoch_, top, size, raw, created = await self._read_kept(
-            keys=self._kept_keys(channel),
-            args=[
-                epoch_suffix(),
-                0,
-                since.seq if since else -1,
-                since.epoch if since else "",
-                policy.size,
-                PAGE,
-                floor,
-                PAGE_BYTES,
-                max(policy.ttl_ms, scripts.READ_KEEP_MIN_MS),
-            ],
-        )
-        epoch = _text(epoch_)
-        self.histories[channel] = (epoch, int(size))
-        return HistoryRead(epoch, int(top), int(size), _entries(raw), created=bool(created))
-
-    async def history_page(
-        self, channel: str, after: int, count: int, max_bytes: int = PAGE_BYTES
-    ) -> list[HistoryEntry]:
-        keys = [self.key("history", channel), self.key("history-largest", channel)]
-        return _entries(await self._read_page(keys=keys, args=[after, count, max_bytes]))
-
     async def reseed(self, floors: dict[str, int]) -> None:
         if not floors:
             return
@@ -386,98 +326,6 @@ class RedisBackplane(RedisPresence, Backplane):
             for channel, floor in floors.items():
                 await self._reseed(keys=[self.key("seq", channel)], args=[floor, self.seq_ttl_ms], client=pipe)
             await pipe.execute()
-
-    # -- leases -----------------------------------------------------------------------
-
-    async def acquire(self, channel: str) -> bool:
-        return bool(await self.redis.set(self.key("lease", channel), self.instance_id, nx=True, px=self.lease_ttl_ms))
-
-    async def renew(self, channel: str) -> bool:
-        return bool(await self._renew(keys=[self.key("lease", channel)], args=[self.instance_id, self.lease_ttl_ms]))
-
-    async def release(self, channel: str) -> None:
-        await self._release(keys=[self.key("lease", channel), self.redis_channel(channel)], args=[self.instance_id])
-
-    # -- probes -----------------------------------------------------------------------
-
-    async def put_probe(self, probe: ProcessProbe, ttl_ms: int) -> None:
-        now = now_ms()
-        instances = self.home_key("instances")
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(self.home_key(f"probe:{self.instance_id}"), json.dumps(probe), px=ttl_ms)
-            pipe.zadd(instances, {self.instance_id: now + ttl_ms})
-            pipe.zremrangebyscore(instances, "-inf", now)
-            pipe.pexpire(instances, ttl_ms)  # gone with the last live process's probe
-            await pipe.execute()
-
-    async def drop_probe(self) -> None:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.delete(self.home_key(f"probe:{self.instance_id}"))
-            pipe.delete(self.alive_key)
-            pipe.zrem(self.home_key("instances"), self.instance_id)
-            await pipe.execute()
-
-    async def drop_alive(self) -> None:
-        """Withdraw this process's sentinel key (a shard other than the home one)."""
-        await self.redis.delete(self.alive_key)
-
-    async def cluster_probes(self) -> list[ProcessProbe]:
-        """The other live processes' probes (this process's own is its hub's, fresh). A
-        probe is republished every few seconds and read far more often: one whose bytes
-        did not change is not decoded again (callers do not change what they are given)."""
-        ids = await self.redis.zrangebyscore(self.home_key("instances"), now_ms(), "+inf")
-        names = [name for name in map(_text, ids) if name != self.instance_id]
-        raw = await self.redis.mget([self.home_key(f"probe:{n}") for n in names]) if names else []
-        seen, self._probes = self._probes, {}
-        for name, data in zip(names, raw, strict=True):
-            if data:
-                known = seen.get(name)
-                self._probes[name] = (data, known[1] if known is not None and known[0] == data else json.loads(data))
-        return [probe for _, probe in self._probes.values()]
-
-    def shards_probe(self) -> list[ShardProbe]:
-        return [{"index": 0, "address": self.address, "up": not self.outage.down, "outages": self.outage.outages}]
-
-    # -- admission ----------------------------------------------------------------------
-
-    async def take_tokens(self, identity: str, cost: float, capacity: float, refill_per_s: float) -> int | None:
-        refill_ms = int(capacity / refill_per_s * 1000) + 1000  # a full bucket needs no key
-        wait = await self._take(
-            keys=[self.home_key(f"bucket:{identity}")], args=[repr(cost), repr(capacity), repr(refill_per_s), refill_ms]
-        )
-        seconds = float(wait.decode() if isinstance(wait, bytes) else wait)
-        return retry_after_ms(seconds) if seconds > 0 else None
-
-    async def claim_once(self, name: str, owner: str, ttl_ms: int) -> tuple[Any, str | None]:
-        state, answer = await self._once["claim"](keys=[self.once_key(name)], args=[owner, ttl_ms])
-        return _text(state), _text(answer) if _text(state) == "answer" else None
-
-    async def keep_once(self, name: str, owner: str, answer: str, ttl_ms: int) -> None:
-        await self._once["keep"](keys=[self.once_key(name)], args=[owner, answer, ttl_ms])
-
-    async def renew_once(self, name: str, owner: str, ttl_ms: int) -> None:
-        await self._once["renew"](keys=[self.once_key(name)], args=[owner, ttl_ms])
-
-
-#: The scripts of calls that run once (``redis_scripts.CLAIM_ONCE`` …).
-ONCE = ("claim", "keep", "renew")
-
-
-def _entries(raw: list[Any]) -> list[HistoryEntry]:
-    """Stream entries ``[id, [field, value, …]]`` as :class:`HistoryEntry`."""
-    entries = []
-    for entry_id, values in raw:
-        if isinstance(values, dict):
-            fields = {_text(k): v for k, v in values.items()}
-        else:
-            fields = {_text(k): v for k, v in zip(values[::2], values[1::2], strict=True)}
-        seq = int(_text(entry_id).partition("-")[0])
-        entries.append(HistoryEntry(seq, int(fields["ts"]), _text(fields["t"])))
-    return entries
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _delivery(channel: str, data: bytes) -> Delivery:

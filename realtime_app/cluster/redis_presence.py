@@ -14,12 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 from realtime_app.cluster.base import PRESENCE_KEEP_MS
+from realtime_app.cluster.redis_scripts import text
 
 __all__ = ["RedisPresence"]
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class RedisPresence:
@@ -68,6 +65,6 @@ class RedisPresence:
             answers = await pipe.execute()
         out: dict[str, tuple[str, list[str]] | None] = {}
         for (channel, version), answer in zip(known.items(), answers, strict=True):
-            current = _text(answer[0])
-            out[channel] = None if current == version else (current, [_text(part) for part in answer[1:]])
+            current = text(answer[0])
+            out[channel] = None if current == version else (current, [text(part) for part in answer[1:]])
         return out

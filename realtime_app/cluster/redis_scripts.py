@@ -4,9 +4,12 @@ its holder, and a shared bucket is refilled with Redis' own clock."""
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "KEEP_LINEAGE_MS",
     "for_cluster",
+    "text",
     "PRESENCE_ALIVE",
     "PRESENCE_PUT",
     "PRESENCE_READ",
@@ -338,3 +341,8 @@ def for_cluster(script: str) -> str:
     elif "run" in script and "info" in script:
         raise ValueError("a script reads the server's run id in a way for_cluster does not know")
     return script.replace("redis.call('publish',", "redis.call('spublish',")
+
+
+def text(value: Any) -> str:
+    """A Redis reply as text (bytes decoded)."""
+    return value.decode() if isinstance(value, bytes) else str(value)
