@@ -45,11 +45,11 @@ def _is_state(value: ast.expr) -> bool:
     return False
 
 
-def module_state() -> list[tuple[str, str, str]]:
-    """(module, name, why it is state) for every piece of module-level state in the package."""
+def module_state(package: Path = PACKAGE) -> list[tuple[str, str, str]]:
+    """(module, name, why it is state) for every piece of module-level state in ``package``."""
     found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        where = str(path.relative_to(PACKAGE))
+    for path in sorted(package.rglob("*.py")):
+        where = str(path.relative_to(package))
         tree = ast.parse(path.read_text())
         constants: set[str] = set()
         for node in tree.body:
@@ -86,17 +86,14 @@ def test_no_module_keeps_state_outside_the_runtime() -> None:
     assert unexpected == [], "keep it in a part of the runtime (realtime_app.conf.runtime)"
 
 
-def test_the_finder_sees_each_kind_of_state(tmp_path, monkeypatch) -> None:
+def test_the_finder_sees_each_kind_of_state(tmp_path) -> None:
     package = tmp_path / "pkg"
     package.mkdir()
     (package / "m.py").write_text(
         "import re\nCACHE = {}\n_seen = set()\n_flag = False\nPATTERN = re.compile('x')\nAlias = dict[str, int]\n"
         "def f():\n    global _flag\n    _flag = True\n    CACHE['k'] = 1\n"
     )
-    import tests.test_runtime as me
-
-    monkeypatch.setattr(me, "PACKAGE", package)
-    assert sorted((n, why) for _, n, why in module_state()) == [
+    assert sorted((n, why) for _, n, why in module_state(package)) == [
         ("CACHE", "a module constant changed"),
         ("_flag", "rebound by a global statement"),
         ("_seen", "bound to a mutable value"),
