@@ -54,6 +54,8 @@ _EXPORTS = {
     "PublicationError": "exceptions",
     "PublicationTooLarge": "exceptions",
     "Backplane": "cluster.base",
+    "Realtime": "conf.runtime",
+    "runtime": "conf.runtime",
 }
 
 __all__ = sorted(_EXPORTS)
