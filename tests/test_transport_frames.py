@@ -118,15 +118,19 @@ def gate(monkeypatch):
 
     real = metadata.version
 
+    from realtime_app.conf.runtime import runtime
+
+    fence = runtime().part(daphne.DaphneFence)
+
     def set_gate(*, shut: bool) -> None:
-        monkeypatch.setattr(daphne, "_tested", None)
+        fence.tested = None  # read again, as in a fresh process
         if shut:
             monkeypatch.setattr(
                 daphne.metadata, "version", lambda name: "99.0" if name in daphne.TESTED else real(name)
             )
 
     yield set_gate
-    daphne._tested = None
+    fence.tested = None
 
 
 def test_untested_versions_shut_the_direct_path_with_one_warning(gate, caplog):

@@ -275,7 +275,9 @@ async def test_a_journal_put_back_after_its_tokens_lifetime_is_not_applied_again
     @sync_to_async
     def a_day_later() -> int:
         FlushMark.objects.update(created=timezone.now() - timedelta(days=1))
-        sql._marks_swept = float("-inf")
+        from realtime_app.conf.runtime import runtime
+
+        runtime().part(sql.MarksSwept).at = float("-inf")  # as in a process that never swept
         Lot.objects.filter(code="lamp").delete()
         return FlushMark.objects.count()
 
