@@ -67,7 +67,7 @@ async def test_a_result_json_cannot_carry_is_answered_at_once_and_logged_once_wi
     from realtime_app.conf.runtime import runtime
 
     caplog.set_level(logging.DEBUG, logger="realtime_app")
-    runtime().said_again(("unencodable", method))  # as in a fresh process
+    runtime().said_again(method, family="unencodable result")  # as in a fresh process
     async with Client() as c:
         for _ in range(3):
             started = time.monotonic()

@@ -24,6 +24,7 @@ ALLOWED = {
     ("declarations/registry.py", "registry"): "channels declared at import time, like Django's admin.site",
     ("endpoint/methods.py", "_methods"): "methods declared at import time by @rpc_method",
     ("inbound/pools.py", "decorated_pools"): "pools named by decorators at import time",
+    ("persistence/lifecycle.py", "_stores"): "write-behind stores made at import time, flushed at any end",
     ("wire/protocol.py", "_encoder"): "the wire is below the runtime: the encoder the settings name is given to it",
     ("routing.py", "websocket_urlpatterns"): "Django's URL patterns",
     ("routing.py", "not_found_urlpatterns"): "Django's URL patterns",
@@ -142,12 +143,59 @@ def test_a_setting_change_reaches_every_part_through_the_runtime() -> None:
     assert not any(rule.pattern == "x:*" for rule in active_rules())
 
 
-def test_the_said_once_book_is_bounded() -> None:
+def test_a_family_of_said_once_lines_is_bounded_and_a_process_wide_one_is_said_once_for_good() -> None:
     book = Realtime()
+    assert book.first_time("check errors")
     for n in range(SAID_KEPT):
-        assert book.first_time(n)
-    assert not book.first_time(0)
-    assert book.first_time("one more") and len(book._said) == 1  # emptied: at worst said again
+        assert book.first_time(n, family="per user")
+    assert not book.first_time(0, family="per user")
+    assert book.first_time("one more", family="per user")  # emptied at the bound: at worst said again
+    assert not book.first_time("check errors")  # never emptied by a family filling up
+
+
+def test_the_http_pools_outlive_a_change_of_another_setting() -> None:
+    """A pool rebuilt by any settings change let in another ``max_concurrent`` beside the
+    requests still holding the old pool's slots."""
+    from realtime_app.inbound.pools import http_pools
+
+    before = http_pools()
+    with override_settings(REALTIME_APP={**settings_dict(), "METRICS_TOKEN": "another"}):
+        assert http_pools() is before
+    assert http_pools() is before
+
+
+def test_a_channel_layer_change_leaves_the_parts_alone() -> None:
+    from realtime_app.hub.gate import Gate
+
+    gate = Gate()
+    gate._refusal_budgets[("user", "1")] = object()  # type: ignore[assignment]
+    with override_settings(CHANNEL_LAYERS={"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}):
+        assert gate._refusal_budgets  # not reconfigured: nothing of REALTIME_APP changed
+    with override_settings(REALTIME_APP={**settings_dict(), "ADMISSION_MAX_RUNNING": 7}):
+        assert gate.pool.max_running == 7 and not gate._refusal_budgets
+
+
+async def test_write_behind_stores_outlive_a_closed_runtime() -> None:
+    """Stores are made at import time; a runtime closed or replaced must not forget them
+    (the flush at the process's end would find none and lose their changes)."""
+    from realtime_app.persistence.lifecycle import stores
+
+    old = runtime()
+    before = stores()
+    assert before, "the test settings' apps declare stores"
+    try:
+        await reset_runtime().aclose()
+        assert stores() == before
+    finally:
+        import realtime_app.conf.runtime as module
+
+        module._process[0] = old
+
+
+def settings_dict() -> dict:
+    from realtime_app.conf import get_config
+
+    return dict(get_config())
 
 
 @pytest.mark.parametrize("setting", ["OTHER", "REALTIME_APP"])

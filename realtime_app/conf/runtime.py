@@ -48,7 +48,8 @@ class Realtime:
         self._lock = threading.Lock()  # parts are asked for from the loop and from sync views' threads
         self._parts: dict[type[Any], Any] = {}
         self._settings: tuple[dict[str, Any], Settings] | None = None
-        self._said: set[Hashable] = set()
+        self._said: set[Hashable] = set()  # process-wide lines, said once for good
+        self._said_of: dict[str, set[Hashable]] = {}  # per family (a user, a method): bounded
 
     @property
     def settings(self) -> Settings:
@@ -76,22 +77,24 @@ class Realtime:
     def parts(self) -> list[Any]:
         return list(self._parts.values())
 
-    def first_time(self, key: Hashable) -> bool:
-        """True the first time ``key`` is asked in this process: a log line said once (per
-        user, per method, …: bounded, the book is emptied at :data:`SAID_KEPT` keys, so a
-        line may at worst be said again)."""
+    def first_time(self, key: Hashable, *, family: str | None = None) -> bool:
+        """True the first time ``key`` is asked in this process: a log line said once. With
+        ``family`` (one line per user, per method, …) the keys of that family are bounded:
+        its book is emptied at :data:`SAID_KEPT`, so such a line may at worst be said
+        again; a line without one is said once for good."""
         with self._lock:
-            if key in self._said:
+            book = self._said if family is None else self._said_of.setdefault(family, set())
+            if key in book:
                 return False
-            if len(self._said) >= SAID_KEPT:
-                self._said.clear()
-            self._said.add(key)
+            if family is not None and len(book) >= SAID_KEPT:
+                book.clear()
+            book.add(key)
             return True
 
-    def said_again(self, key: Hashable) -> None:
+    def said_again(self, key: Hashable, *, family: str | None = None) -> None:
         """Forget that ``key`` was said (an outage is over: the next one is logged again)."""
         with self._lock:
-            self._said.discard(key)
+            (self._said if family is None else self._said_of.get(family, set())).discard(key)
 
     def settings_changed(self, setting: str) -> None:
         """``REALTIME_APP`` or ``CHANNEL_LAYERS`` changed: the one place a running process
@@ -100,8 +103,9 @@ class Realtime:
             return
         get_config.cache_clear()
         self._settings = None
-        if setting == "REALTIME_APP":
-            apply_json_encoder()
+        if setting != "REALTIME_APP":  # the channel layer: which backplane a new hub makes
+            return
+        apply_json_encoder()
         for part in self.parts():
             changed = getattr(part, "settings_changed", None)
             if changed is not None:

@@ -146,7 +146,7 @@ def encodable(method: str, result: Any) -> bool:
     try:
         protocol.encode(result)
     except (TypeError, ValueError) as exc:
-        level = logging.ERROR if runtime().first_time(("unencodable", method)) else logging.DEBUG
+        level = logging.ERROR if runtime().first_time(method, family="unencodable result") else logging.DEBUG
         logger.log(
             level,
             "method %s returned a result JSON cannot carry (%s); answered -32603 result_not_serializable. "

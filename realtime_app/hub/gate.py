@@ -8,13 +8,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
-from realtime_app.conf.runtime import settings
+from realtime_app.conf.runtime import runtime, settings
 from realtime_app.conf.typed import Settings
 from realtime_app.hub.once import KEY_PARAM, Once
 from realtime_app.inbound.admission import Admission, AdmissionLimits, Refusal, RefusalBudget
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from realtime_app.cluster.roles import LeasesAndOnce
     from realtime_app.observability.schema import AdmissionProbe
 
-__all__ = ["Admitted", "Gate", "Limited", "admission_limits", "handshake_limits"]
+__all__ = ["Admitted", "Gate", "Gates", "Limited", "admission_limits", "handshake_limits"]
 
 logger = logging.getLogger("realtime_app.hub")
 
@@ -64,6 +65,15 @@ def handshake_limits(s: Settings) -> AdmissionLimits:
         bucket_capacity=float(s.handshake_burst) if rate else 0.0,
         refill_per_s=rate,
     )
+
+
+class Gates(weakref.WeakSet["Gate"]):
+    """Every gate of this process (one per hub), a part of its runtime: what a change of
+    ``REALTIME_APP`` reaches at once (the reload rule, :mod:`realtime_app.conf.runtime`)."""
+
+    def settings_changed(self) -> None:
+        for gate in list(self):
+            gate.configure(settings())
 
 
 class Limited(Protocol):
@@ -135,6 +145,7 @@ class Gate:
         self._refusal_budgets: OrderedDict[Identity, RefusalBudget] = OrderedDict()
         self.once = Once(self.settings, lambda: self.backplane)  # idempotent calls: rpc_method(idempotent=True)
         self.configure(self.settings)
+        runtime().part(Gates).add(self)
 
     def configure(self, limits: Settings) -> None:
         """Take new limits (the reload rule, :mod:`realtime_app.conf.runtime`): the caps,

@@ -9,7 +9,7 @@ import contextlib
 import weakref
 from typing import Any
 
-from realtime_app.conf.runtime import runtime, settings
+from realtime_app.conf.runtime import runtime
 from realtime_app.exceptions import BackplaneUnavailable
 from realtime_app.hub.core import Hub
 
@@ -26,20 +26,20 @@ class Hubs:
             weakref.WeakKeyDictionary()
         )
 
-    def settings_changed(self) -> None:
-        """Every running hub's gate takes the new limits at once (the reload rule)."""
-        for hub in list(self.by_loop.values()):
-            hub.gate.configure(settings())
-
     async def aclose(self) -> None:
-        """Close the hub of the running loop (others belong to loops that cannot be
-        awaited from here: they close with their loop)."""
+        """Close every hub: the running loop's here, a hub of another live loop (a server's,
+        seen from a thread) on its own loop; a stopped loop's has nothing running."""
         try:
-            hub = self.by_loop.pop(asyncio.get_running_loop(), None)
+            current: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
-            return
-        if hub is not None:
-            await hub.aclose()
+            current = None
+        for loop, hub in list(self.by_loop.items()):
+            self.by_loop.pop(loop, None)
+            if loop is current:
+                await hub.aclose()
+            elif loop.is_running() and not loop.is_closed():
+                with contextlib.suppress(Exception):
+                    await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(hub.aclose(), loop))
 
 
 def hubs() -> Hubs:

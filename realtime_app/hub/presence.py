@@ -452,7 +452,7 @@ def member_of(user: Any) -> tuple[str | None, Any]:
         logger.exception("PRESENCE_INFO failed for a user: listed without info")
         return name, None
     if size > config.presence_info_max_bytes:
-        if runtime().first_time(("presence info oversized", name)):
+        if runtime().first_time(name, family="presence info oversized"):
             logger.warning("PRESENCE_INFO gave %d bytes, over PRESENCE_INFO_MAX_BYTES: listed without info", size)
         return name, None
     return name, info

@@ -3,6 +3,7 @@ here, below the middleware that uses them and the hub whose probe reports them."
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from realtime_app.conf.runtime import runtime, settings
@@ -17,21 +18,23 @@ decorated_pools: set[str] = set()
 
 class HttpPools:
     """The process's pools (a part of its runtime), built from ``HTTP_POOLS`` on first use
-    and again when the settings change."""
+    and again when it changes (compared by value)."""
 
     def __init__(self) -> None:
+        self.lock = threading.Lock()  # sync views' threads ask for them too
         self.pools: dict[str, ConcurrencyPool] = {}
         self.built_from: dict[str, Any] | None = None
-
-    def settings_changed(self) -> None:
-        self.built_from = None  # rebuilt at the next use (a pool's waiters keep their slot)
 
 
 def http_pools() -> dict[str, ConcurrencyPool]:
     """This process's pools, built from the settings on first use (and again if they change)."""
     kept = runtime().part(HttpPools)
     config = settings().http_pools
-    if config != kept.built_from:
+    if config == kept.built_from:  # compared by value: another setting's change keeps them
+        return kept.pools
+    with kept.lock:
+        if config == kept.built_from:
+            return kept.pools
         pools = {}
         for name, options in config.items():
             limits = PoolSettings(

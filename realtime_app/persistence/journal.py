@@ -259,7 +259,7 @@ def claim(store: str, owner: dict[str, Any], decode: Decode, directory: Path | N
         except FileNotFoundError:
             continue  # taken by a process starting beside this one
         if unsafe is not None:
-            if runtime().first_time(("journal refused", str(path))):
+            if runtime().first_time(str(path), family="journal refused"):
                 logger.error("store %s: journal %s refused, left untouched: %s", store, path, unsafe)
             continue
         base = name.split(".claimed-", 1)[0]
@@ -279,7 +279,7 @@ def claim(store: str, owner: dict[str, Any], decode: Decode, directory: Path | N
         if theirs != owner:
             with contextlib.suppress(OSError):
                 os.rename(target, directory / base)  # back in place: it is another site's
-            if runtime().first_time(("journal refused", str(path))):
+            if runtime().first_time(str(path), family="journal refused"):
                 logger.error(
                     "store %s: journal %s belongs to another site or database (%s), not this one (%s): left in place",
                     store,

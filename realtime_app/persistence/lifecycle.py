@@ -73,12 +73,17 @@ class Store(Protocol):
     async def aflush_all(self) -> int: ...
 
 
+#: The write-behind stores, in creation order: made at import time by the application's
+#: modules (like its channels), so declared here, not runtime state — a runtime closed or
+#: replaced still flushes them at the process's end.
+_stores: list[Store] = []
+
+
 class Stores:
-    """The process's write-behind stores in creation order, whether their flush at a stop
-    is hooked, and the journal directory as last looked at (a part of the runtime)."""
+    """Whether the stores' flush at a stop is hooked, and the journal directory as last
+    looked at (a part of the runtime)."""
 
     def __init__(self) -> None:
-        self.stores: list[Store] = []
         self.shutdown_installed = False
         self.atexit_installed = False
         #: (when, which directory, why it is unusable or None)
@@ -91,17 +96,16 @@ def _book() -> Stores:
 
 def stores() -> list[Store]:
     """Every store of this process (the probe lists them)."""
-    return list(_book().stores)
+    return list(_stores)
 
 
 def register(store: Store) -> None:
-    _book().stores.append(store)
+    _stores.append(store)
 
 
 def unregister(store: Store) -> None:
-    book = _book()
-    if store in book.stores:
-        book.stores.remove(store)
+    if store in _stores:
+        _stores.remove(store)
 
 
 def store_probe(store: Store) -> StoreProbe:
@@ -144,7 +148,7 @@ def journal_problem(now: float | None = None) -> str | None:
     ready. Looked at again every :data:`JOURNAL_RECHECK_S`; logged as ERROR once when it
     breaks, INFO once when it is fixed."""
     book = _book()
-    if not book.stores:
+    if not _stores:
         return None
     from realtime_app.persistence import journal
 
