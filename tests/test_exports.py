@@ -84,8 +84,9 @@ def test_the_old_declarations_name_still_imports_and_warns():
         "    from realtime_app.channels.registry import ChannelSpec\n"
         "import realtime_app.declarations.registry as new\n"
         "assert ChannelSpec is new.ChannelSpec\n"
-        "print([str(w.message) for w in caught if w.category is DeprecationWarning])\n"
+        "print([(str(w.message), w.filename) for w in caught if w.category is DeprecationWarning])\n"
     )
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert "realtime_app.declarations" in out.stdout
+    assert "'<string>'" in out.stdout  # the warning names the importing line, not importlib's
