@@ -330,3 +330,15 @@ def test_a_rule_within_a_templates_names_is_a_doubt_not_an_error(pattern):
     with override_settings(REALTIME_APP={"POLICIES": [{"pattern": pattern, "authenticated": True}]}):
         found = ids(check_policies())
     assert "realtime_app.E015" not in found
+
+
+def test_the_deprecated_declarations_name_is_a_warning_of_the_checks(monkeypatch):
+    """Python hides a DeprecationWarning outside ``__main__``: ``manage.py check`` says it."""
+    import sys
+
+    from realtime_app.checks.installation import check_old_declarations_name
+
+    monkeypatch.delitem(sys.modules, "realtime_app.channels", raising=False)
+    assert check_old_declarations_name() == []
+    monkeypatch.setitem(sys.modules, "realtime_app.channels", object())
+    assert ids(check_old_declarations_name()) == ["realtime_app.W043"]

@@ -90,3 +90,24 @@ def test_the_old_declarations_name_still_imports_and_warns():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert "realtime_app.declarations" in out.stdout
     assert "'<string>'" in out.stdout  # the warning names the importing line, not importlib's
+
+
+def test_a_type_checked_host_still_finds_the_old_declarations_name(tmp_path):
+    """The alias is made at run time; a host project running mypy read ``import-not-found``
+    for ``realtime_app.channels.registry`` until the alias shipped stubs."""
+    host = tmp_path / "host.py"
+    host.write_text(
+        "from realtime_app.channels.registry import ChannelSpec\n"
+        "from realtime_app.channels.declare import ticker\n\n"
+        "def name(spec: ChannelSpec) -> str:\n    return spec.name + str(ticker)\n"
+    )
+    root = Path(realtime_app.__file__).resolve().parent.parent
+    env = {**os.environ, "MYPYPATH": str(root)}
+    out = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--follow-imports=silent", "--no-incremental", str(host)],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr

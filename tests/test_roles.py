@@ -45,3 +45,40 @@ def test_every_backplane_implements_every_role(backplane: type, role: type) -> N
             continue
         implementation = getattr(backplane, name)
         assert "NotImplementedError" not in inspect.getsource(implementation), f"{backplane.__name__}.{name}"
+
+
+class PartialBackplane(Backplane):
+    """A project's backplane that implements a broker's publishing and nothing else."""
+
+    clustered = True
+
+    async def start(self, deliver):  # type: ignore[no-untyped-def]
+        return None
+
+    async def publish(self, channel, data_json, floor=0, history=None):  # type: ignore[no-untyped-def]
+        return 1
+
+
+@pytest.mark.parametrize("backplane", [MemoryBackplane, RedisBackplane, ShardedBackplane, ClusterBackplane])
+def test_the_shipped_backplanes_miss_no_method(backplane: type) -> None:
+    assert roles.missing_methods(backplane) == []
+
+
+def test_a_backplane_missing_methods_is_named_by_the_check_and_refused_at_start() -> None:
+    """Found: a project's backplane with a few methods passed ``check`` and ``/realtime/ready``,
+    then logged a bare NotImplementedError every second and delivered nothing."""
+    from django.core.exceptions import ImproperlyConfigured
+    from django.test import override_settings
+
+    from realtime_app.checks.backplane import check_backplane
+    from realtime_app.cluster.factory import make_backplane
+
+    missing = roles.missing_methods(PartialBackplane)
+    assert "LeaseStore.acquire" in missing and "Broker.check" in missing and "Broker.publish" not in missing
+    [error] = check_backplane("tests.test_roles.PartialBackplane")
+    assert error.id == "realtime_app.E003" and "LeaseStore.acquire" in error.msg
+    with override_settings(REALTIME_APP={"BACKPLANE": "tests.test_roles.PartialBackplane"}):
+        with pytest.raises(ImproperlyConfigured, match="LeaseStore.acquire"):
+            make_backplane()
+    [unimportable] = check_backplane("tests.no_such_module.Backplane")
+    assert "No module named" in unimportable.msg  # the import's own error, not only "not a subclass"

@@ -114,16 +114,28 @@ def check_backplane(backplane: Any) -> list[CheckMessage]:
                 id="realtime_app.E005",
             )
         ]
+    from realtime_app.cluster.roles import missing_methods
+
+    why = ""
     try:
         cls = import_string(backplane) if isinstance(backplane, str) else None
-    except ImportError:
-        cls = None
+    except ImportError as exc:
+        cls, why = None, f" ({exc})"
     if not (isinstance(cls, type) and issubclass(cls, Backplane)):
         return [
             Error(
                 f"REALTIME_APP['BACKPLANE'] is {backplane!r}: "
-                "not 'auto', 'memory', 'redis' or the dotted path of a Backplane subclass.",
+                f"not 'auto', 'memory', 'redis' or the dotted path of a Backplane subclass{why}.",
                 hint="See docs/configuration.md.",
+                id="realtime_app.E003",
+            )
+        ]
+    missing = missing_methods(cls)
+    if missing:
+        return [
+            Error(
+                f"REALTIME_APP['BACKPLANE'] {backplane!r} does not implement {', '.join(missing)}.",
+                hint="A backplane plays every role of realtime_app.cluster.roles (docs/architecture.md).",
                 id="realtime_app.E003",
             )
         ]

@@ -20,6 +20,7 @@ __all__ = [
     "OTHER_AUTH",
     "REALTIME_STACK",
     "check_auth_middleware",
+    "check_old_declarations_name",
     "check_settings_name",
     "realtime_routes",
 ]
@@ -44,6 +45,25 @@ def check_settings_name(app_configs: Any = None, **kwargs: Any) -> list[CheckMes
             id="realtime_app.W040",
         )
         for name in difflib.get_close_matches(SETTING, names, n=3, cutoff=0.75)
+    ]
+
+
+@register(Tags.compatibility)
+def check_old_declarations_name(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """W043: the project imports ``realtime_app.channels``, the deprecated name of
+    ``realtime_app.declarations`` (its DeprecationWarning is hidden by Python's defaults)."""
+    import sys
+
+    if "realtime_app.channels" not in sys.modules:
+        return []
+    return [
+        Warning(
+            "realtime_app.channels is imported: it is now realtime_app.declarations, and the old name goes in "
+            "the next release.",
+            hint="Import from realtime_app.declarations (or the names exported by realtime_app); "
+            "python -W error::DeprecationWarning manage.py check shows where.",
+            id="realtime_app.W043",
+        )
     ]
 
 

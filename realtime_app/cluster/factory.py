@@ -31,7 +31,12 @@ def backplane_class() -> type[Backplane]:
             "realtime_app: the default channel layer is neither channels-redis' nor the in-memory one; "
             "set REALTIME_APP['BACKPLANE'] (see manage.py check, realtime_app.E008)"
         )
+    from realtime_app.cluster.roles import missing_methods
+
     cls: type[Backplane] = import_string(choice)
+    missing = missing_methods(cls)
+    if missing:  # never a hub that fails a beat a second: say which methods, once (check E003)
+        raise ImproperlyConfigured(f"realtime_app: BACKPLANE {choice!r} does not implement {', '.join(missing)}")
     return cls
 
 

@@ -12,7 +12,9 @@ exceptions mean "unreachable now" (``errors``) and the outage it logs. The hub's
 type what they are given as the role they use (``hub.replay`` a :class:`HistoryStore`,
 ``hub.presence`` a :class:`PresenceStore`, ...): the import contracts in
 ``pyproject.toml`` keep them off the implementations. :class:`~realtime_app.cluster.base.Backplane`
-is all five in one object, as the memory and Redis backplanes are today.
+is all five in one object, as the memory and Redis backplanes are today; a backplane named
+by ``BACKPLANE`` plays all five (:func:`missing_methods` says what one lacks: check E003,
+and a hub refuses to start on it).
 """
 
 from __future__ import annotations
@@ -37,7 +39,10 @@ __all__ = [
     "LeasesAndOnce",
     "OnceStore",
     "PresenceStore",
+    "ROLES",
     "Reachable",
+    "SHARED_BOOKS",
+    "missing_methods",
     "now_ms",
 ]
 
@@ -232,3 +237,25 @@ class LeasesAndOnce(LeaseStore, OnceStore, Protocol):
 
 class DurableBroker(Broker, LeaseStore, OnceStore, Protocol):
     """What the outbox's drain needs: a lease to drain alone, publications once."""
+
+
+#: The five roles a backplane named by ``BACKPLANE`` plays.
+ROLES: tuple[type, ...] = (Broker, HistoryStore, PresenceStore, LeaseStore, OnceStore)
+#: What a backplane that shares nothing between processes (``clustered = False``) may leave
+#: to the roles: each process then keeps its own buckets and idempotency book.
+SHARED_BOOKS = frozenset({"take_tokens", "claim_once", "keep_once", "renew_once"})
+
+
+def missing_methods(cls: type) -> list[str]:
+    """The role methods ``cls`` leaves to the roles' stubs, which raise
+    ``NotImplementedError`` at their first call (``"LeaseStore.acquire"``, ...): what a
+    backplane must still implement before a hub can run on it."""
+    missing = []
+    for role in ROLES:
+        for name, stub in vars(role).items():
+            if name.startswith("_") or not callable(stub) or getattr(cls, name, None) is not stub:
+                continue
+            if name in SHARED_BOOKS and not getattr(cls, "clustered", False):
+                continue
+            missing.append(f"{role.__name__}.{name}")
+    return missing

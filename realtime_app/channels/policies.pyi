@@ -1,0 +1,2 @@
+# Type checkers read the deprecated alias as the module it stands for.
+from realtime_app.declarations.policies import *  # noqa: F403
