@@ -149,3 +149,24 @@ def test_the_python_clients_class_reads_in_one_sitting() -> None:
     tree = ast.parse((Path(__file__).resolve().parent.parent / "realtime_app/client/connection.py").read_text())
     [client] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RealtimeClient"]
     assert client.end_lineno is not None and client.end_lineno - client.lineno + 1 < 250
+
+
+def test_every_module_is_named_in_the_architecture_pages_table() -> None:
+    """A newcomer reads docs/architecture.md's table to find where a concern lives: every
+    module of the package is named in its package's row (its own row at the top level)."""
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    rows = page[page.index("| package / module | concern |") :].split("\n\n", 1)[0].splitlines()[2:]
+    unnamed = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).parts
+        if parts[0] in ("migrations", "management") or (path.name == "__init__.py" and len(parts) > 1):
+            continue
+        if len(parts) == 1 and path.stem != "__init__":
+            row = next((r for r in rows if r.startswith("| top level")), "")
+        elif len(parts) > 1:
+            row = next((r for r in rows if r.startswith(f"| `{parts[0]}/`")), "")
+        else:
+            continue
+        if f"`{path.stem}`" not in row:
+            unnamed.append("/".join(parts))
+    assert unnamed == []
