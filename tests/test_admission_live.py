@@ -77,10 +77,12 @@ async def test_unread_answers_are_bounded_then_closed_with_1013_and_memory_retur
     batch = json.dumps(
         [{"jsonrpc": "2.0", "method": "subscribe", "params": {"channel": "demo:events"}, "id": i} for i in ids]
     )
-    answer_size = len(batch) + 50 * 120  # the batch's answers: as long, plus each result or error
     attackers: list[Any] = []
     try:
         health = Probe(server)
+        async with websockets.connect(server.ws, origin=f"http://127.0.0.1:{server.port}", max_size=None) as reader:
+            await reader.send(batch)  # one answer to such a batch, as the server writes it (read, not guessed)
+            answer_size = len(await asyncio.wait_for(reader.recv(), 10))
         baseline = rss(server)
         for i in range(10):  # ten clients, each its own address (its own bucket)
             sock = socket.socket()
@@ -128,7 +130,9 @@ async def test_unread_answers_are_bounded_then_closed_with_1013_and_memory_retur
             await ws.close()
         admission = health.admission()
         assert admission["refused"]["unread_responses"] >= 10  # every attacker was cut off
-        bound = threshold + UNREAD_ANSWER_BYTES + answer_size
+        # threshold + budget + one answer, and one more answer's worth: observed up to ~4 KB over the
+        # first three (the kernel's send queue moves between the guard's read and the write)
+        bound = threshold + UNREAD_ANSWER_BYTES + 2 * answer_size
         assert worst <= bound, (worst, bound)
         await eventually(lambda: rss(server) < baseline + 40 * 1024 * 1024, 20, "RSS back near its baseline")
     finally:

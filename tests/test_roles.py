@@ -41,22 +41,10 @@ def test_every_backplane_implements_every_role(backplane: type, role: type) -> N
     idempotency book: it says so (``NotImplementedError``, documented), and each process
     keeps its own."""
     for name in own_methods(role):
-        if not backplane.clustered and name in ("take_tokens", "claim_once", "keep_once", "renew_once"):
+        if name in roles.SHARED_BOOKS:
             continue
         implementation = getattr(backplane, name)
         assert "NotImplementedError" not in inspect.getsource(implementation), f"{backplane.__name__}.{name}"
-
-
-class PartialBackplane(Backplane):
-    """A project's backplane that implements a broker's publishing and nothing else."""
-
-    clustered = True
-
-    async def start(self, deliver):  # type: ignore[no-untyped-def]
-        return None
-
-    async def publish(self, channel, data_json, floor=0, history=None):  # type: ignore[no-untyped-def]
-        return 1
 
 
 @pytest.mark.parametrize("backplane", [MemoryBackplane, RedisBackplane, ShardedBackplane, ClusterBackplane])
@@ -72,12 +60,13 @@ def test_a_backplane_missing_methods_is_named_by_the_check_and_refused_at_start(
 
     from realtime_app.checks.backplane import check_backplane
     from realtime_app.cluster.factory import make_backplane
+    from tests.testapp.backplanes import PartialBackplane
 
     missing = roles.missing_methods(PartialBackplane)
     assert "LeaseStore.acquire" in missing and "Broker.check" in missing and "Broker.publish" not in missing
-    [error] = check_backplane("tests.test_roles.PartialBackplane")
+    [error] = check_backplane("tests.testapp.backplanes.PartialBackplane")
     assert error.id == "realtime_app.E003" and "LeaseStore.acquire" in error.msg
-    with override_settings(REALTIME_APP={"BACKPLANE": "tests.test_roles.PartialBackplane"}):
+    with override_settings(REALTIME_APP={"BACKPLANE": "tests.testapp.backplanes.PartialBackplane"}):
         with pytest.raises(ImproperlyConfigured, match="LeaseStore.acquire"):
             make_backplane()
     [unimportable] = check_backplane("tests.no_such_module.Backplane")

@@ -241,8 +241,8 @@ class DurableBroker(Broker, LeaseStore, OnceStore, Protocol):
 
 #: The five roles a backplane named by ``BACKPLANE`` plays.
 ROLES: tuple[type, ...] = (Broker, HistoryStore, PresenceStore, LeaseStore, OnceStore)
-#: What a backplane that shares nothing between processes (``clustered = False``) may leave
-#: to the roles: each process then keeps its own buckets and idempotency book.
+#: What a backplane may leave to the roles (their ``NotImplementedError`` is the documented
+#: fallback): each process then keeps its own buckets and idempotency book.
 SHARED_BOOKS = frozenset({"take_tokens", "claim_once", "keep_once", "renew_once"})
 
 
@@ -255,7 +255,7 @@ def missing_methods(cls: type) -> list[str]:
         for name, stub in vars(role).items():
             if name.startswith("_") or not callable(stub) or getattr(cls, name, None) is not stub:
                 continue
-            if name in SHARED_BOOKS and not getattr(cls, "clustered", False):
+            if name in SHARED_BOOKS:  # raising NotImplementedError there is the documented fallback
                 continue
             missing.append(f"{role.__name__}.{name}")
     return missing

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from realtime_app.cluster.base import Backplane
 from realtime_app.cluster.memory import MemoryBackplane
 
 CALLS: list[tuple[str, Any]] = []
@@ -89,3 +90,15 @@ class SlowToAnswer(MemoryBackplane):
     async def check(self) -> bool:
         await asyncio.sleep(SlowToAnswer.delay)
         return True
+
+
+class PartialBackplane(Backplane):
+    """A project's backplane that implements a broker's publishing and nothing else."""
+
+    clustered = True
+
+    async def start(self, deliver):  # type: ignore[no-untyped-def]
+        return None
+
+    async def publish(self, channel, data_json, floor=0, history=None):  # type: ignore[no-untyped-def]
+        return 1
