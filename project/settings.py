@@ -1,4 +1,5 @@
-"""Settings of the demo site. Environment: REDIS_URL (several, comma-separated: the
+"""Settings of the demo site. Environment: REALTIME_BACKPLANE ("postgres": the cluster on
+DATABASE_URL's PostgreSQL), REDIS_URL (several, comma-separated: the
 backplane's shards, docs/capacity.md), REALTIME_CHANNEL_LAYER (``pubsub`` for
 channels-redis' pub/sub layer), DATABASE_URL, REALTIME_DEMO_FLOOD."""
 
@@ -110,6 +111,9 @@ else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 
 REALTIME_APP = {
+    # "auto" (Redis when REDIS_URL is set, else one process) or "postgres": a cluster on
+    # DATABASE_URL's PostgreSQL alone.
+    "BACKPLANE": os.environ.get("REALTIME_BACKPLANE", "auto"),
     "KEY_PREFIX": REALTIME_KEY_PREFIX,
     "LEASE_TTL_MS": int(os.environ.get("REALTIME_LEASE_TTL_MS", "3000")),
     "MAX_BACKPRESSURE": int(os.environ.get("REALTIME_MAX_BACKPRESSURE", str(4 * 1024 * 1024))),

@@ -11,11 +11,14 @@ import pytest
 from realtime_app.cluster import roles
 from realtime_app.cluster.base import Backplane
 from realtime_app.cluster.memory import MemoryBackplane
+from realtime_app.cluster.postgres import PostgresBackplane
 from realtime_app.cluster.redis import RedisBackplane
 from realtime_app.cluster.redis_cluster import ClusterBackplane
 from realtime_app.cluster.shards import ShardedBackplane
 
 ROLES = [roles.Broker, roles.HistoryStore, roles.PresenceStore, roles.LeaseStore, roles.OnceStore]
+
+SHIPPED = [MemoryBackplane, RedisBackplane, ShardedBackplane, ClusterBackplane, PostgresBackplane]
 
 
 def own_methods(cls: type) -> set[str]:
@@ -33,7 +36,7 @@ def test_the_roles_split_the_interface_each_method_in_one_role() -> None:
     assert interface - set(seen) <= own_methods(roles.Reachable)
 
 
-@pytest.mark.parametrize("backplane", [MemoryBackplane, RedisBackplane, ShardedBackplane, ClusterBackplane])
+@pytest.mark.parametrize("backplane", SHIPPED)
 @pytest.mark.parametrize("role", ROLES, ids=lambda r: r.__name__)
 def test_every_backplane_implements_every_role(backplane: type, role: type) -> None:
     """A backplane that leaves a role's method to the interface raises at its first use;
@@ -47,7 +50,7 @@ def test_every_backplane_implements_every_role(backplane: type, role: type) -> N
         assert "NotImplementedError" not in inspect.getsource(implementation), f"{backplane.__name__}.{name}"
 
 
-@pytest.mark.parametrize("backplane", [MemoryBackplane, RedisBackplane, ShardedBackplane, ClusterBackplane])
+@pytest.mark.parametrize("backplane", SHIPPED)
 def test_the_shipped_backplanes_miss_no_method(backplane: type) -> None:
     assert roles.missing_methods(backplane) == []
 

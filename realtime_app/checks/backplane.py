@@ -1,5 +1,5 @@
 """Checks of the backplane's settings: which backplane (E003, E005), its Redis servers
-(E011) and its Redis Cluster (E014). Called by
+(E011), its Redis Cluster (E014) and its PostgreSQL database (E016). Called by
 :func:`realtime_app.checks.configuration.check_settings`."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from django.core.checks import CheckMessage, Error
 
 from realtime_app.conf import get_config
 
-__all__ = ["check_backplane", "check_cluster", "check_shards"]
+__all__ = ["check_backplane", "check_cluster", "check_postgres", "check_shards"]
 
 
 def check_shards(value: Any) -> list[CheckMessage]:
@@ -99,6 +99,8 @@ def check_backplane(backplane: Any) -> list[CheckMessage]:
 
     if backplane in ("auto", "memory"):
         return []
+    if backplane == "postgres":
+        return check_postgres(get_config()["BACKPLANE_DATABASE"])
     if backplane == "redis":
         from realtime_app.cluster.hosts import uses_channels_redis
 
@@ -125,7 +127,7 @@ def check_backplane(backplane: Any) -> list[CheckMessage]:
         return [
             Error(
                 f"REALTIME_APP['BACKPLANE'] is {backplane!r}: "
-                f"not 'auto', 'memory', 'redis' or the dotted path of a Backplane subclass{why}.",
+                f"not 'auto', 'memory', 'redis', 'postgres' or the dotted path of a Backplane subclass{why}.",
                 hint="See docs/configuration.md.",
                 id="realtime_app.E003",
             )
@@ -140,3 +142,23 @@ def check_backplane(backplane: Any) -> list[CheckMessage]:
             )
         ]
     return []
+
+
+def check_postgres(alias: Any) -> list[CheckMessage]:
+    """E016: ``BACKPLANE = "postgres"`` on a database alias that is not a PostgreSQL one."""
+    from django.conf import settings as django_settings
+
+    from realtime_app.cluster.postgres_pool import is_postgres
+
+    databases = getattr(django_settings, "DATABASES", {}) or {}
+    if isinstance(alias, str) and alias in databases and is_postgres(alias):
+        return []
+    what = "is not in DATABASES" if not isinstance(alias, str) or alias not in databases else "is not a PostgreSQL one"
+    return [
+        Error(
+            f"REALTIME_APP['BACKPLANE'] is 'postgres' but its database BACKPLANE_DATABASE {alias!r} {what}.",
+            hint="Name a DATABASES alias whose ENGINE is django.db.backends.postgresql, then run "
+            "manage.py migrate on it (docs/postgres-backplane.md).",
+            id="realtime_app.E016",
+        )
+    ]

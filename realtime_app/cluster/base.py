@@ -4,10 +4,12 @@
 in one object — and only the contract; the implementations live in their own modules:
 
 * :mod:`realtime_app.cluster.memory` — the embedded default, one process;
-* :mod:`realtime_app.cluster.redis` — a cluster on channels-redis.
+* :mod:`realtime_app.cluster.redis` — a cluster on channels-redis;
+* :mod:`realtime_app.cluster.postgres` — a cluster on PostgreSQL alone.
 
 ``REALTIME_APP["BACKPLANE"]`` chooses one: ``"auto"`` (Redis when the default channel
-layer is channels-redis), ``"memory"``, ``"redis"``, or the dotted path of a subclass.
+layer is channels-redis), ``"memory"``, ``"redis"``, ``"postgres"``, or the dotted path of
+a subclass.
 
 The hub hands ``start()`` a ``deliver`` callback and never looks inside: what arrives for
 this process (a frame of a channel it joined, another process giving a lease up) comes
@@ -37,7 +39,7 @@ from realtime_app.observability.logsafe import Outage
 from realtime_app.observability.schema import ShardProbe
 from realtime_app.wire.history import HistoryPolicy
 
-__all__ = ["PRESENCE_KEEP_MS", "Backplane", "Delivery", "Deliver", "now_ms"]
+__all__ = ["PRESENCE_KEEP_MS", "Backplane", "Delivery", "Deliver", "delivery", "now_ms"]
 
 logger = logging.getLogger("realtime_app.backplane")
 
@@ -79,3 +81,16 @@ class Backplane(Broker, HistoryStore, PresenceStore, LeaseStore, OnceStore):
     async def presence_alive(self, ttl_ms: int) -> tuple[int, bool] | None:
         """None: a process cannot be marked here (each part lives ``ttl_ms``, written every beat)."""
         return None
+
+
+def delivery(channel: str, data: bytes) -> Delivery:
+    """A message of a channel's pub/sub or ``NOTIFY`` channel as a :class:`Delivery`:
+    ``f <seq> <epoch or -> <notification text>`` (a frame; see
+    :data:`.redis_scripts.PUBLISH`) or ``r 0 - <instance>`` (that process released the
+    channel's lease)."""
+    kind, seq, epoch, rest = data.split(b" ", 3)
+    if kind == b"f":
+        return Delivery("frame", channel, rest.decode(), int(seq), "" if epoch == b"-" else epoch.decode())
+    if kind == b"r":
+        return Delivery("released", channel, rest.decode())
+    raise ValueError(f"unknown backplane message kind {kind!r}")

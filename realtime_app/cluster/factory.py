@@ -26,6 +26,10 @@ def backplane_class() -> type[Backplane]:
         return MemoryBackplane
     if choice == "redis":
         return redis_backplane_class()
+    if choice == "postgres":
+        from realtime_app.cluster.postgres import PostgresBackplane
+
+        return PostgresBackplane
     if choice == "unsupported_layer":  # never a silent fallback to one process (check E008)
         raise ImproperlyConfigured(
             "realtime_app: the default channel layer is neither channels-redis' nor the in-memory one; "

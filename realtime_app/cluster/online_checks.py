@@ -1,7 +1,9 @@
-"""The check that goes online: every Redis server the backplane (and the channels-redis
+"""The checks that go online: every Redis server the backplane (and the channels-redis
 layer) is configured with is reached, asked ``PING`` and what kind it is — a plain Redis,
-or a Redis Cluster node of Redis 7 or newer for ``REDIS_CLUSTER`` — so that an
-unreachable, misspelled or wrong-kind host is found before deploying, not by the first page.
+or a Redis Cluster node of Redis 7 or newer for ``REDIS_CLUSTER`` — and the PostgreSQL
+backplane's database is reached, asked for its tables and its ``max_connections``, so that
+an unreachable, misspelled or wrong-kind host, or a database too small for the processes,
+is found before deploying, not by the first page.
 
 Asked for by its tag (``manage.py check --tag realtime_backplane``) or with ``--deploy``;
 plain ``check`` — and every command that runs the checks — stays offline. Django's check
@@ -20,7 +22,7 @@ from django.core.checks import CheckMessage, Error, register
 
 from realtime_app.conf import get_config
 
-__all__ = ["TAG", "asked", "check_backplane_servers", "why_not"]
+__all__ = ["TAG", "asked", "check_backplane_servers", "check_postgres_budget", "postgres_problem", "why_not"]
 
 TAG = "realtime_backplane"
 #: How long each server may take to answer, seconds (at most the backplane's own timeout).
@@ -140,3 +142,60 @@ def _text(cluster_info: Any) -> str:
         if line.startswith("cluster_state:"):
             return line.partition(":")[2].strip()
     return ""
+
+
+@register(TAG)
+def check_postgres_budget(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """E017: the PostgreSQL backplane's database does not answer, has no backplane tables
+    (``migrate`` was not run on it), or its ``max_connections`` cannot hold
+    ``POSTGRES_MAX_PROCESSES`` processes of (1 listening + ``POSTGRES_POOL_SIZE`` + 1 of
+    Django's own) connections each, beside the superusers' reserve."""
+    if not asked():
+        return []
+    from realtime_app.cluster.factory import backplane_class
+    from realtime_app.cluster.postgres import PostgresBackplane
+    from realtime_app.cluster.postgres_pool import connection_params, label
+
+    config = get_config()
+    try:
+        if not issubclass(backplane_class(), PostgresBackplane):
+            return []
+        params = connection_params(config)
+    except Exception:  # the offline checks (E003, E016) say what is wrong
+        return []
+    problem = postgres_problem(params, config["POSTGRES_MAX_PROCESSES"], config["POSTGRES_POOL_SIZE"])
+    if problem is None:
+        return []
+    return [
+        Error(
+            f"The backplane's PostgreSQL {label(params)} {problem}.",
+            hint="docs/postgres-backplane.md#connections: lower POSTGRES_POOL_SIZE or POSTGRES_MAX_PROCESSES, "
+            "raise max_connections, or put PgBouncer in front of Django's own connections (not the backplane's: "
+            "LISTEN needs a session).",
+            obj=label(params),
+            id="realtime_app.E017",
+        )
+    ]
+
+
+def postgres_problem(params: dict[str, Any], processes: int, pool_size: int) -> str | None:
+    """Why the database cannot carry ``processes`` processes of the backplane (None: it can)."""
+    import psycopg
+
+    try:
+        with psycopg.connect(**params, connect_timeout=int(TIMEOUT_S), autocommit=True) as conn:
+            tables = conn.execute("SELECT to_regproc('realtime_app_bp_publish_kept') IS NOT NULL").fetchone()
+            limit = int(conn.execute("SHOW max_connections").fetchone()[0])  # type: ignore[index]
+            reserved = int(conn.execute("SHOW superuser_reserved_connections").fetchone()[0])  # type: ignore[index]
+    except Exception as exc:
+        return f"does not answer ({type(exc).__name__}: {exc})"
+    if not (tables and tables[0]):
+        return "has no realtime_app backplane tables: run manage.py migrate (--database for another alias)"
+    needed = processes * (pool_size + 2)
+    if needed > limit - reserved:
+        return (
+            f"allows {limit - reserved} connections (max_connections {limit} less {reserved} reserved) and "
+            f"POSTGRES_MAX_PROCESSES {processes} processes need {needed} ({pool_size + 2} each: 1 listening, "
+            f"POSTGRES_POOL_SIZE {pool_size}, 1 of Django's own)"
+        )
+    return None

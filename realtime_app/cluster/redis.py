@@ -35,7 +35,7 @@ from redis.exceptions import TimeoutError as RedisTimeout
 
 from realtime_app.cancellation import cancel_and_wait, uninterrupted
 from realtime_app.cluster import redis_scripts as scripts
-from realtime_app.cluster.base import Backplane, Deliver, Delivery, now_ms
+from realtime_app.cluster.base import Backplane, Deliver, delivery, now_ms
 from realtime_app.cluster.hosts import close_client, host_label, redis_client, shard_hosts
 from realtime_app.cluster.redis_leases import RedisLeases
 from realtime_app.cluster.redis_once import ONCE, RedisOnce
@@ -204,10 +204,10 @@ class RedisBackplane(RedisPresence, RedisLeases, RedisOnce, Backplane):
             if channel is None:
                 continue  # a channel this process left meanwhile
             try:
-                delivery = _delivery(channel, message["data"])
-                if delivery.kind == "released" and delivery.text == self.instance_id:
+                arrived = delivery(channel, message["data"])
+                if arrived.kind == "released" and arrived.text == self.instance_id:
                     continue  # its own release
-                await deliver(delivery)
+                await deliver(arrived)
             except asyncio.CancelledError:
                 raise
             except Exception:  # a delivery must never stop this process's receiving
@@ -326,13 +326,3 @@ class RedisBackplane(RedisPresence, RedisLeases, RedisOnce, Backplane):
             for channel, floor in floors.items():
                 await self._reseed(keys=[self.key("seq", channel)], args=[floor, self.seq_ttl_ms], client=pipe)
             await pipe.execute()
-
-
-def _delivery(channel: str, data: bytes) -> Delivery:
-    """A message of a channel's Redis channel (see :data:`.redis_scripts.PUBLISH`) as a :class:`Delivery`."""
-    kind, seq, epoch, rest = data.split(b" ", 3)
-    if kind == b"f":
-        return Delivery("frame", channel, rest.decode(), int(seq), "" if epoch == b"-" else epoch.decode())
-    if kind == b"r":
-        return Delivery("released", channel, rest.decode())
-    raise ValueError(f"unknown backplane message kind {kind!r}")

@@ -39,7 +39,7 @@ DEFAULTS: dict[str, Any] = {
     "MAX_SUBSCRIPTIONS": 100,
     # Backplane: "auto" = Redis when REDIS_URL, REDIS_SHARDS or REDIS_CLUSTER names one or the default
     # channel layer is channels-redis', else in-process (chosen_backplane). Or "memory",
-    # "redis", or a dotted path to a Backplane class.
+    # "redis", "postgres" (docs/postgres-backplane.md), or a dotted path to a Backplane class.
     "BACKPLANE": "auto",
     # Redis URL of the backplane (one server); None = the channel layer's hosts.
     "REDIS_URL": None,
@@ -64,6 +64,15 @@ DEFAULTS: dict[str, Any] = {
     "REDIS_MAX_CONNECTIONS": 50,
     # Socket, connect and pool-wait timeout of the backplane's Redis client, ms.
     "REDIS_TIMEOUT_MS": 5000,
+    # The Django database alias of the PostgreSQL backplane (its tables made by migrate there).
+    "BACKPLANE_DATABASE": "default",
+    # Connections the PostgreSQL backplane opens per process besides its listening one.
+    "POSTGRES_POOL_SIZE": 4,
+    # Connect, statement and pool-wait timeout of the PostgreSQL backplane, ms.
+    "POSTGRES_TIMEOUT_MS": 5000,
+    # Processes the deployment may run at once (a rolling deploy's overlap included): the
+    # online check E017 holds max_connections to that many times each process's connections.
+    "POSTGRES_MAX_PROCESSES": 8,
     # Publications of different channels sent to the backplane at once (no head-of-line
     # blocking between channels).
     "PUBLISH_CONCURRENCY": 16,
@@ -252,7 +261,7 @@ def with_defaults(config: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def chosen_backplane(config: dict[str, Any], layer: str) -> str:
-    """The one rule of which backplane the settings choose: ``"memory"``, ``"redis"``, a
+    """The one rule of which backplane the settings choose: ``"memory"``, ``"redis"``, ``"postgres"``, a
     dotted path, or ``"unsupported_layer"`` (``"auto"`` with a channel layer no cluster can
     be carried on: check E008, never a silent single process). ``layer`` is the default
     channel layer's kind (``cluster.hosts.layer_kind``: ``"redis"``, ``"memory"``,

@@ -54,6 +54,10 @@ class Settings:
     seq_idle_ttl_ms: int = bounded(1000)
     redis_max_connections: int = bounded(2)
     redis_timeout_ms: int = bounded(100)
+    backplane_database: str
+    postgres_pool_size: int = bounded(1)
+    postgres_timeout_ms: int = bounded(100)
+    postgres_max_processes: int = bounded(1)
     publish_concurrency: int = bounded(1)
     max_publication_bytes: int = bounded(0)
     max_cadences_per_family: int = bounded(0)

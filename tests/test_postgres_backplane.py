@@ -1,0 +1,383 @@
+"""The PostgreSQL backplane on a real PostgreSQL (the run's migrated database; a private
+server for the restart): publications numbered and notified once, in ``seq`` order, to
+every process that joined; large ones through the table; history read back by epoch and
+``seq``; leases, presence, calls run once, probes and shared buckets kept for every process;
+rows pruned past their end; a cut connection and a restart healed by themselves; every
+connection closed by a stop, whatever step a cancel hits."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+from typing import Any
+
+import psycopg
+import pytest
+from django.test import override_settings
+
+from realtime_app.cluster.base import Delivery
+from realtime_app.cluster.postgres import PostgresBackplane, TablesMissing
+from realtime_app.cluster.postgres_sql import INSTALL, NOTIFY_LIMIT
+from realtime_app.wire.history import HistoryPolicy, Since
+from realtime_app.wire.presence import LocalRoom, merge
+from tests.support.postgres import TcpProxy, with_port
+from tests.support.private_postgres import PrivatePostgres
+from tests.support.servers import ROOT
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.timeout(120)
+
+DATA = '{"n":1,"s":"caf\\u00e9"}'
+HISTORY = HistoryPolicy(size=5, ttl_s=60)
+
+
+def libpq(url: str) -> str:
+    return url.replace("postgres://", "postgresql://", 1)
+
+
+@pytest.fixture
+def database(postgres) -> str:
+    """The run's migrated PostgreSQL database (the migration made the backplane's tables)."""
+    return libpq(postgres[1])
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"{os.environ['REALTIME_TEST_PREFIX']}-pg-{secrets.token_hex(3)}"
+
+
+class Process:
+    """A backplane receiving into a list, as one process of the cluster would."""
+
+    def __init__(self, url: str, prefix: str, params: dict[str, Any] | None = None, **config: Any) -> None:
+        self.backplane = PostgresBackplane(
+            instance_id=f"pg-{secrets.token_hex(3)}",
+            config={"KEY_PREFIX": prefix, "LEASE_TTL_MS": 1000, **config},
+            params={"conninfo": url, **(params or {})},
+        )
+        self.got: list[Delivery] = []
+
+    async def deliver(self, delivery: Delivery) -> None:
+        self.got.append(delivery)
+
+    async def __aenter__(self) -> Process:
+        await self.backplane.start(self.deliver)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.backplane.stop()
+
+    async def until(self, n: int, timeout: float = 15) -> list[Delivery]:
+        await eventually(lambda: len(self.got) >= n, timeout, f"{n} deliveries")
+        return self.got
+
+
+def sql(url: str, query: str, params: Any = None) -> list[tuple[Any, ...]]:
+    with psycopg.connect(url, autocommit=True) as conn:
+        cursor = conn.execute(query, params)
+        return cursor.fetchall() if cursor.description else []
+
+
+async def test_publications_reach_every_subscribed_process_once_in_seq_order(database, prefix) -> None:
+    async with Process(database, prefix) as a, Process(database, prefix) as b, Process(database, prefix) as pub:
+        await a.backplane.join(["wire:a"])
+        await b.backplane.join(["wire:a"])
+        seqs = await asyncio.gather(*(pub.backplane.publish("wire:a", DATA) for _ in range(200)))
+        assert sorted(seqs) == list(range(1, 201))
+        for process in (a, b):
+            got = await process.until(200)
+            assert [d.seq for d in got] == list(range(1, 201))  # in seq order, each once
+            assert (got[0].kind, got[0].channel, got[0].epoch) == ("frame", "wire:a", "")
+            assert json.loads(got[0].text)["params"] == {**json.loads(got[0].text)["params"], "seq": 1}
+        assert pub.got == []  # a process that did not join gets nothing
+        # larger than a NOTIFY carries: through the table, whole, in its place in the order
+        big = json.dumps("x" * (NOTIFY_LIMIT + 100))
+        assert await pub.backplane.publish("wire:a", big, floor=500) == 501
+        assert await pub.backplane.publish("wire:a", DATA) == 502
+        for process in (a, b):
+            got = await process.until(202)
+            assert [d.seq for d in got[200:]] == [501, 502]
+            assert json.loads(got[200].text)["params"]["data"] == json.loads(big)
+        # a process that left gets nothing more; the other still does
+        await a.backplane.leave("wire:a")
+        await pub.backplane.publish("wire:a", DATA)
+        await b.until(203)
+        await pub.backplane.publish("wire:a", DATA)
+        await b.until(204)
+        assert len(a.got) == 202
+
+
+async def test_a_kept_publication_carries_its_epoch_and_is_read_back_a_bounded_page_at_a_time(database, prefix) -> None:
+    async with Process(database, prefix) as a, Process(database, prefix) as b:
+        await b.backplane.join(["kept:a"])
+        seqs = [await a.backplane.publish("kept:a", json.dumps("y" * 100), history=HISTORY) for _ in range(8)]
+        assert seqs == list(range(1, 9))
+        got = await b.until(8)
+        epoch = got[0].epoch
+        assert epoch and all(d.epoch == epoch for d in got)
+        assert json.loads(got[-1].text)["params"]["epoch"] == epoch
+        read = await b.backplane.history("kept:a", HISTORY, Since(5, epoch))
+        assert (read.epoch, read.top, read.size, read.created) == (epoch, 8, 5, False)
+        assert [e.seq for e in read.entries] == [6, 7, 8]
+        assert read.entries[0].text == got[5].text
+        # a page is bounded in bytes, and holds one entry at least
+        one = len(got[0].text.encode())
+        assert [e.seq for e in await b.backplane.history_page("kept:a", 3, 10, max_bytes=2 * one)] == [4, 5]
+        assert [e.seq for e in await b.backplane.history_page("kept:a", 3, 10, max_bytes=1)] == [4]
+        # more than the history keeps, or another epoch: no entries
+        assert (await b.backplane.history("kept:a", HISTORY, Since(1, epoch))).entries == []
+        assert (await b.backplane.history("kept:a", HISTORY, Since(5, "0" * 19))).entries == []
+        # a channel never published: a new epoch at seq 0, nothing kept
+        fresh = await b.backplane.history("kept:new", HISTORY)
+        assert (fresh.top, fresh.size, fresh.created) == (0, 0, True)
+
+
+async def test_one_lease_holder_and_a_release_told_to_the_others_not_to_itself(database, prefix) -> None:
+    async with Process(database, prefix) as a, Process(database, prefix) as b:
+        await a.backplane.join(["tick:a"])
+        await b.backplane.join(["tick:a"])
+        assert await a.backplane.acquire("tick:a")
+        assert not await b.backplane.acquire("tick:a")
+        assert not await b.backplane.renew("tick:a")
+        assert await a.backplane.renew("tick:a")
+        assert await a.backplane.lease_holder("tick:a") == a.backplane.instance_id
+        await a.backplane.release("tick:a")
+        got = await b.until(1)
+        assert (got[0].kind, got[0].channel, got[0].text) == ("released", "tick:a", a.backplane.instance_id)
+        assert a.got == []
+        # a lease not renewed lapses: another process takes it (failover)
+        assert await b.backplane.acquire("tick:a")
+        await eventually(lambda: a.backplane.acquire("tick:a"), timeout=10, what="the lapsed lease taken")
+        assert await a.backplane.lease_holder("tick:a") == a.backplane.instance_id
+
+
+def part(*users: str) -> str:
+    room = LocalRoom()
+    for n, user in enumerate(users):
+        room.enter(n, user)
+    return room.part(0)
+
+
+async def test_presence_of_two_processes_merges_and_a_dead_ones_parts_go_with_its_mark(database, prefix) -> None:
+    async with Process(database, prefix) as a, Process(database, prefix) as b:
+        rooms = [f"room:{n}" for n in range(3)]
+        assert (await a.backplane.presence_alive(1000))[1] is False  # a first mark
+        assert (await a.backplane.presence_alive(1000))[1] is True
+        await a.backplane.put_presence({r: part("ann") for r in rooms}, 60_000, alive=True)
+        await b.backplane.put_presence({r: part("bob") for r in rooms}, 60_000)
+        seen = await b.backplane.read_presence({r: "" for r in rooms})
+        version, parts = seen["room:0"]  # type: ignore[misc]
+        assert sorted(merge(parts).users) == ["ann", "bob"]
+        # the same parts written again change nothing a reader sees
+        await b.backplane.put_presence({r: part("bob") for r in rooms}, 60_000)
+        assert (await a.backplane.read_presence({"room:0": version}))["room:0"] is None
+
+        # a's mark lapses (a killed process): its parts go, a reader holding the version sees it
+        async def gone() -> bool:
+            answer = (await b.backplane.read_presence({"room:0": version}))["room:0"]
+            return answer is not None and sorted(merge(answer[1]).users) == ["bob"]
+
+        await eventually(gone, timeout=10, what="a's parts gone with its alive mark")
+        # the last part gone: nothing left of the room
+        await b.backplane.put_presence({r: None for r in rooms}, 60_000)
+        left = sql(database, "SELECT count(*) FROM realtime_app_bp_presence WHERE channel LIKE %s", [f"{prefix}:%"])
+        assert left == [(0,)]
+
+
+async def test_calls_run_once_outbox_rows_probes_and_buckets_are_one_book_for_every_process(database, prefix) -> None:
+    async with Process(database, prefix) as a, Process(database, prefix) as b:
+        assert await a.backplane.claim_once("once:k", "o1", 5000) == ("run", None)
+        assert await b.backplane.claim_once("once:k", "o2", 5000) == ("running", None)
+        await b.backplane.keep_once("once:k", "o2", "not mine", 5000)  # not its claim: nothing kept
+        assert await b.backplane.claim_once("once:k", "o2", 5000) == ("running", None)
+        await a.backplane.keep_once("once:k", "o1", '{"ok":1}', 5000)
+        assert await b.backplane.claim_once("once:k", "o2", 5000) == ("answer", '{"ok":1}')
+        # an outbox row published once within the window, whichever process drains it
+        assert await a.backplane.publish_once("out:a", DATA, 0, HISTORY, "row-1", 5000) == 1
+        assert await b.backplane.publish_once("out:a", DATA, 0, HISTORY, "row-1", 5000) is None
+        assert await b.backplane.publish_once("out:a", DATA, 0, HISTORY, "row-2", 5000) == 2
+        # the cluster view: each process lists the others' probes
+        await a.backplane.put_probe({"instance": a.backplane.instance_id}, 5000)  # type: ignore[typeddict-item]
+        assert [p["instance"] for p in await b.backplane.cluster_probes()] == [a.backplane.instance_id]
+        assert await a.backplane.cluster_probes() == []
+        await a.backplane.drop_probe()
+        assert await b.backplane.cluster_probes() == []
+        # one bucket for the identity wherever it calls
+        assert await a.backplane.take_tokens("who", 1, 2, 0.5) is None
+        assert await b.backplane.take_tokens("who", 1, 2, 0.5) is None
+        wait = await a.backplane.take_tokens("who", 1, 2, 0.5)
+        assert wait is not None and 1000 <= wait <= 2100
+
+
+async def test_rows_past_their_end_are_pruned_a_bounded_batch_at_a_time(database, prefix) -> None:
+    async with Process(database, prefix, SEQ_IDLE_TTL_MS=1000) as a:
+        # what an anonymous flood leaves behind: channels read once, buckets, claims, presence
+        short = HistoryPolicy(size=3, ttl_s=1)
+        for n in range(50):
+            await a.backplane.history(f"flood:{n}", short)
+            await a.backplane.publish(f"plain:{n}", DATA)
+            await a.backplane.take_tokens(f"who-{n}", 1, 2, 10)
+            await a.backplane.claim_once(f"once:{n}", "o", 300)
+        await a.backplane.publish("kept:b", DATA, history=short)
+        await a.backplane.put_presence({"room:p": part("ann")}, 300)
+        like = f"{prefix}:%"
+        lineage = a.backplane.key("seq", "kept:b")  # a lineage outlives its history (a day): kept
+        counted = (
+            "SELECT (SELECT count(*) FROM realtime_app_bp_channel WHERE name LIKE %(p)s AND name <> %(l)s)"
+            " + (SELECT count(*) FROM realtime_app_bp_key WHERE scope LIKE %(p)s)"
+            " + (SELECT count(*) FROM realtime_app_bp_history WHERE channel LIKE %(p)s)"
+            " + (SELECT count(*) FROM realtime_app_bp_presence WHERE channel LIKE %(p)s)"
+        )
+        assert sql(database, counted, {"p": like, "l": lineage})[0][0] > 150
+
+        async def pruned() -> bool:
+            await a.backplane.prune()
+            return sql(database, counted, {"p": like, "l": lineage})[0][0] == 0
+
+        await eventually(pruned, timeout=15, what="every row of the flood pruned")
+
+
+async def test_a_cut_connection_heals_by_itself_and_the_next_check_says_so(postgres, prefix) -> None:
+    server = libpq(postgres[1])
+    port = int(server.rsplit(":", 1)[1].split("/")[0])
+    proxy = TcpProxy(port).restore()
+    try:
+        async with Process(libpq(with_port(postgres[1], proxy.port)), prefix) as a, Process(server, prefix) as pub:
+            await a.backplane.join(["heal:a"])
+            await pub.backplane.publish("heal:a", DATA)
+            await a.until(1)
+            assert await a.backplane.check() is False  # a first sentinel
+            assert await a.backplane.check() is True
+            proxy.cut()
+            with pytest.raises(a.backplane.errors):
+                await a.backplane.publish("heal:a", DATA)
+            await eventually(lambda: a.backplane.outage.down, timeout=10, what="the outage seen")
+            proxy.restore()
+
+            # the listening connection comes back listening to what it had joined
+            async def delivered() -> bool:
+                await pub.backplane.publish("heal:a", DATA)
+                return len(a.got) >= 2
+
+            await eventually(delivered, timeout=20, what="a publication delivered after the cut")
+            assert await a.backplane.check() is False  # the hub re-asserts after a reconnect
+            assert await a.backplane.check() is True
+    finally:
+        proxy.cut()
+
+
+async def test_a_restarted_database_keeps_counts_begins_new_epochs_and_listens_again(prefix) -> None:
+    server = PrivatePostgres().start()
+    try:
+        url = libpq(server.url)
+        sql(url, INSTALL)
+        async with Process(url, prefix) as a, Process(url, prefix) as pub:
+            await a.backplane.join(["restart:a", "restart:k"])
+            await pub.backplane.publish("restart:a", DATA)
+            await pub.backplane.publish("restart:k", DATA, history=HISTORY)
+            got = await a.until(2)
+            epoch = got[1].epoch
+            assert await a.backplane.check() is False and await a.backplane.check() is True
+            await asyncio.to_thread(server.restart, "fast")
+
+            async def answer() -> tuple[str, bool] | None:
+                try:
+                    return ("answered", await a.backplane.check())
+                except a.backplane.errors:
+                    return None
+
+            # the first check that answers says the state may be lost: the hub re-asserts
+            assert await eventually(answer, timeout=30, what="the database answering") == ("answered", False)
+
+            async def delivered() -> bool:
+                await pub.backplane.publish("restart:a", DATA)
+                return any(d.channel == "restart:a" and d.seq > 1 for d in a.got[2:])
+
+            await eventually(delivered, timeout=30, what="a publication delivered after the restart")
+            # the count went on; a history of the run before is not this run's: a new epoch
+            assert all(d.seq > 1 for d in a.got[2:] if d.channel == "restart:a")
+            kept = await pub.backplane.publish("restart:k", DATA, history=HISTORY)
+            assert kept == 2
+            read = await pub.backplane.history("restart:k", HISTORY, Since(1, epoch))
+            assert read.epoch != epoch and read.epoch > epoch and read.entries == []
+    finally:
+        server.close()
+
+
+def backplane_connections(url: str, prefix: str) -> int:
+    return sql(
+        url,
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
+        [f"realtime_app backplane {prefix}"],
+    )[0][0]
+
+
+@pytest.mark.parametrize("step", range(6))
+async def test_a_stop_cancelled_at_any_step_still_closes_every_connection(database, prefix, step) -> None:
+    process = Process(database, prefix, params={"application_name": f"realtime_app backplane {prefix}"})
+    async with process:
+        await process.backplane.join(["stop:a"])
+        await process.backplane.publish("stop:a", DATA)
+        await process.until(1)
+        assert backplane_connections(database, prefix) >= 2  # listening, and the pool's
+        stop = asyncio.ensure_future(process.backplane.stop())
+        for _ in range(step):
+            await asyncio.sleep(0)
+        stop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await stop
+    await eventually(lambda: backplane_connections(database, prefix) == 0, timeout=10, what="no connection left")
+
+
+@override_settings(REALTIME_APP={"BACKPLANE": "postgres"})
+def test_the_postgres_backplane_on_a_database_that_is_not_postgresql_is_check_e016():
+    from realtime_app.checks.configuration import check_settings
+
+    found = [m for m in check_settings() if m.id == "realtime_app.E016"]
+    assert len(found) == 1 and "'default' is not a PostgreSQL one" in found[0].msg  # the tests' SQLite
+    with override_settings(REALTIME_APP={"BACKPLANE": "postgres", "BACKPLANE_DATABASE": "nope"}):
+        assert ["not in DATABASES" in m.msg for m in check_settings() if m.id == "realtime_app.E016"] == [True]
+
+
+def test_the_online_check_names_missing_tables_and_a_database_too_small_for_the_processes(postgres):
+    from realtime_app.cluster.online_checks import postgres_problem
+
+    migrated = {"conninfo": libpq(postgres[1])}
+    assert postgres_problem(migrated, 8, 4) is None
+    too_many = postgres_problem(migrated, 100_000, 4)
+    assert too_many is not None and "POSTGRES_MAX_PROCESSES 100000 processes need 600000" in too_many
+    bare = postgres_problem({"conninfo": libpq(postgres[0])}, 1, 1)  # the server's own database: not migrated
+    assert bare is not None and "run manage.py migrate" in bare
+    port = int(postgres[0].rsplit(":", 1)[1].split("/")[0])
+    proxy = TcpProxy(port)  # never started: nothing listens there
+    gone = postgres_problem({"conninfo": libpq(with_port(postgres[1], proxy.port))}, 1, 1)
+    assert gone is not None and gone.startswith("does not answer")
+
+
+def test_the_online_check_of_a_deployment_says_e017_from_the_command_line(postgres):
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "DATABASE_URL": postgres[1],
+        "REALTIME_BACKPLANE": "postgres",
+        "REDIS_URL": "",
+        "REALTIME_TEST_OVERRIDES": json.dumps({"POSTGRES_MAX_PROCESSES": 100_000}),
+    }
+    command = [sys.executable, "manage.py", "check", "--tag", "realtime_backplane"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "realtime_app.E017" in done.stderr, done.stderr
+    env["REALTIME_TEST_OVERRIDES"] = "{}"
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+async def test_a_database_without_the_tables_is_refused_at_start_with_what_to_run(postgres, prefix):
+    process = Process(libpq(postgres[0]), prefix)  # the server's own database: never migrated
+    with pytest.raises(TablesMissing, match="run manage.py migrate"):
+        await process.backplane.start(process.deliver)
+    await process.backplane.stop()
