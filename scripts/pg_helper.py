@@ -1,5 +1,6 @@
-"""Small PostgreSQL chores for scripts/test: ping a server, or start and stop a private one
-from the pgserver wheel (a fresh machine without PostgreSQL)."""
+"""Small PostgreSQL chores for scripts/test and scripts/demo: ping a server, make sure a
+database exists, or start and stop a private one from the pgserver wheel (a fresh machine
+without PostgreSQL)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,20 @@ def ping(url: str) -> bool:
     except psycopg.Error:
         return False
     return True
+
+
+def ensure(url: str) -> None:
+    """Create the database ``url`` names unless it exists (on its server's ``postgres``)."""
+    from urllib.parse import urlparse, urlunparse
+
+    import psycopg
+
+    parsed = urlparse(url.replace("postgres://", "postgresql://", 1))
+    name = parsed.path.lstrip("/")
+    with psycopg.connect(urlunparse(parsed._replace(path="/postgres")), autocommit=True) as conn:
+        if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone() is None:
+            conn.execute(f'CREATE DATABASE "{name}"')
+            print(f"==> created the database {name}")
 
 
 def start(data_dir: str) -> str:
@@ -52,6 +67,9 @@ def main(argv: list[str]) -> int:
     command = argv[0]
     if command == "ping":
         return 0 if ping(argv[1]) else 1
+    if command == "ensure":
+        ensure(argv[1])
+        return 0
     if command == "start":
         print(start(argv[1]))
         return 0

@@ -22,7 +22,7 @@ import pytest
 from realtime_app.wire.names import group_name
 from tests.support.cluster import publish_from_a_command
 from tests.support.postgres import TcpProxy, with_port
-from tests.support.servers import Server, login, servers
+from tests.support.servers import Server, login, logout, servers
 from tests.support.waiting import eventually
 from tests.support.wsclient import RPC, call_honouring_refusals
 
@@ -146,7 +146,7 @@ async def test_a_post_on_one_process_reaches_both_once_and_a_client_resumes_on_t
     assert left == (0,)  # the outbox drained
 
 
-async def test_presence_holds_members_of_both_processes(pg_cluster):
+async def test_presence_holds_members_of_both_processes_and_a_killed_ones_go(pg_cluster):
     (a, b), _ = pg_cluster
     channel = f"demo:room:pres{secrets.token_hex(3)}"
     cookie_a, cookie_b = login(a.http, "demo", "demo"), login(b.http, "admin", "admin")
@@ -162,12 +162,19 @@ async def test_presence_holds_members_of_both_processes(pg_cluster):
             return True
 
         await eventually(both, timeout=20, what="both members seen from both processes")
+        b.kill()  # a crash: its member goes with its alive mark, within a lease and a beat
+
+        async def only_demo() -> bool:
+            members = (await ta.call("presence", {"channel": channel}))["result"]["members"]
+            return [m["user"] for m in members] == ["demo"]
+
+        await eventually(only_demo, timeout=20, what="the killed process's member gone")
     async with RPC(a.ws) as watcher:
 
         async def gone() -> bool:
             return (await watcher.call("presence", {"channel": channel}))["result"]["members"] == []
 
-        await eventually(gone, timeout=20, what="both members gone after their tabs closed")
+        await eventually(gone, timeout=20, what="the last member gone after its tab closed")
 
 
 async def test_an_idempotent_bid_sent_to_both_processes_bids_once(pg_cluster):
@@ -243,3 +250,14 @@ async def test_a_database_outage_heals_by_itself(cut_cluster, postgres):
             return (await clock.frames(1, timeout=15))[0]["ts"] > healed_at
 
         await eventually(ticking, timeout=30, what="the clock ticking after the outage")
+
+
+async def test_a_logout_on_one_process_closes_the_sessions_sockets_on_both(pg_cluster):
+    (a, b), _ = pg_cluster
+    cookie = login(a.http, "demo", "demo")
+    async with RPC(a.ws, cookie=cookie) as on_a, RPC(b.ws, cookie=cookie) as on_b:
+        for rpc in (on_a, on_b):
+            await rpc.subscribe("atelier:load:500")  # signed-in users only
+        assert logout(a.http, cookie) == 302
+        assert await on_a.close_code(10) == 4001
+        assert await on_b.close_code(10) == 4001  # told through the PostgreSQL backplane

@@ -12,13 +12,11 @@ import os
 import secrets
 import subprocess
 import sys
-import urllib.parse
-import urllib.request
 
 import pytest
 import redis
 
-from tests.support.servers import ROOT, login, prepare_database, servers
+from tests.support.servers import ROOT, login, logout, prepare_database, servers
 from tests.support.waiting import eventually
 from tests.support.wsclient import RPC
 
@@ -66,25 +64,6 @@ async def refused_soon(rpc: RPC, channel: str, timeout: float = 5) -> bool:
         return False
 
     return await eventually(refused, timeout, f"{channel} refused")
-
-
-def logout(base: str, cookie: str) -> int:
-    csrf = dict(part.split("=", 1) for part in cookie.split("; "))["csrftoken"]
-    request = urllib.request.Request(
-        f"{base}/accounts/logout/",
-        data=urllib.parse.urlencode({"csrfmiddlewaretoken": csrf}).encode(),
-        headers={"Cookie": cookie, "Referer": base + "/"},
-    )
-    opener = urllib.request.build_opener(NoRedirect)
-    try:
-        return opener.open(request).status
-    except urllib.error.HTTPError as error:
-        return error.code
-
-
-class NoRedirect(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, *args, **kwargs):
-        return None
 
 
 @pytest.mark.parametrize("cluster", [0], indirect=True)

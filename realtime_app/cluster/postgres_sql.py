@@ -85,7 +85,9 @@ END $$;
 """
 
 # A publication of a channel without history: the next seq above the publisher's floor (a
-# count never goes back, even past its idle end: only the prune forgets it).
+# count never goes back, even past its idle end: only the prune forgets it). A row's end
+# moves only when half its life is gone: the indexed column unchanged, an update is a HOT
+# one (no index entry, less WAL) — found: 1,000 publications/s bloated the index.
 PUBLISH = """
 CREATE OR REPLACE FUNCTION realtime_app_bp_publish(k text, chan text, floor_ bigint, keep_ms bigint,
   head text, ts bigint) RETURNS bigint LANGUAGE plpgsql AS $$
@@ -93,7 +95,7 @@ DECLARE v bigint; now_ bigint := realtime_app_bp_now();
 BEGIN
   INSERT INTO realtime_app_bp_channel AS c (name, seq, expires_at) VALUES (k, floor_ + 1, now_ + keep_ms)
   ON CONFLICT (name) DO UPDATE SET seq = greatest(c.seq + 1, floor_ + 1),
-    expires_at = greatest(c.expires_at, now_ + keep_ms)
+    expires_at = CASE WHEN c.expires_at < now_ + keep_ms / 2 THEN now_ + keep_ms ELSE c.expires_at END
   RETURNING c.seq INTO v;
   PERFORM realtime_app_bp_notify(chan, 'f ' || v || ' - ' || head || ',"seq":' || v || ',"ts":' || ts || '}}', now_);
   RETURN v;
@@ -141,7 +143,8 @@ BEGIN
   INSERT INTO realtime_app_bp_history VALUES (k, v, ts_, body_);
   DELETE FROM realtime_app_bp_history h WHERE h.channel = k AND h.seq <= v - size_;
   UPDATE realtime_app_bp_channel ch SET seq = v, epoch = e, largest = greatest(c.largest, octet_length(body_)),
-    expires_at = greatest(c.expires_at, now_ + keep_ms), history_until = now_ + ttl_ms
+    history_until = now_ + ttl_ms,
+    expires_at = CASE WHEN c.expires_at < now_ + keep_ms / 2 THEN now_ + keep_ms ELSE c.expires_at END
   WHERE ch.name = k;
   PERFORM realtime_app_bp_notify(chan, 'f ' || v || ' ' || e || ' ' || body_, now_);
   seq := v;

@@ -162,3 +162,22 @@ def login(base_url: str, username: str, password: str, context: ssl.SSLContext |
     if "sessionid" not in cookies:
         raise AssertionError(f"login of {username} failed")
     return "; ".join(f"{k}={v}" for k, v in cookies.items())
+
+
+def logout(base: str, cookie: str) -> int:
+    csrf = dict(part.split("=", 1) for part in cookie.split("; "))["csrftoken"]
+    request = urllib.request.Request(
+        f"{base}/accounts/logout/",
+        data=urllib.parse.urlencode({"csrfmiddlewaretoken": csrf}).encode(),
+        headers={"Cookie": cookie, "Referer": base + "/"},
+    )
+    opener = urllib.request.build_opener(NoRedirect)
+    try:
+        return opener.open(request).status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+class NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):
+        return None
