@@ -49,10 +49,72 @@ def libpq(url: str) -> str:
     return url.replace("postgres://", "postgresql://", 1)
 
 
+class BareNotify:
+    """PostgreSQL's own floor: ``pg_notify`` of the same text through a pool of as many
+    connections, received with ``LISTEN`` and psycopg's ``notifies()`` — no table, no
+    function, no numbering. What the PostgreSQL backplane adds is the difference."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.url, self.size, self.opened = libpq(args.database), args.pool_size, 0
+        self.name = f"rt-bench {args.prefix}"  # its backends' CPU is measured
+        self.pool: asyncio.Queue[Any] = asyncio.Queue()
+        self.listener: Any = None
+        self.task: asyncio.Task[None] | None = None
+        self.deliver: Any = None
+
+    async def start(self, deliver: Any) -> None:
+        import psycopg
+
+        self.listener = await psycopg.AsyncConnection.connect(self.url, autocommit=True, application_name=self.name)
+        self.deliver = deliver
+
+    async def join(self, names: list[str]) -> None:
+        from realtime_app.cluster.base import Delivery
+
+        for name in names:
+            await self.listener.execute(f'LISTEN "{name}"')
+
+        async def receive() -> None:
+            async for note in self.listener.notifies():
+                await self.deliver(Delivery("frame", note.channel, note.payload))
+
+        self.task = asyncio.get_running_loop().create_task(receive())
+
+    async def publish(self, channel: str, data_json: str) -> int:
+        import psycopg
+
+        if self.pool.empty() and self.opened < self.size:
+            self.opened += 1
+            options = "-c synchronous_commit=off"
+            conn = await psycopg.AsyncConnection.connect(
+                self.url, autocommit=True, options=options, application_name=self.name
+            )
+            self.pool.put_nowait(conn)
+        conn = await self.pool.get()
+        try:
+            text = f'{{"jsonrpc":"2.0","method":"message","params":{{"channel":"{channel}","data":{data_json}}}}}'
+            await conn.execute("SELECT pg_notify(%s, %s)", [channel, text])
+        finally:
+            self.pool.put_nowait(conn)
+        return 0
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(BaseException):
+                await self.task
+        while not self.pool.empty():
+            await self.pool.get_nowait().close()
+        if self.listener is not None:
+            await self.listener.close()
+
+
 def make(kind: str, args: argparse.Namespace, instance: str) -> Any:
     import django
 
     django.setup()
+    if kind == "notify":
+        return BareNotify(args)
     config = {"KEY_PREFIX": args.prefix, "REDIS_URL": args.redis, "POSTGRES_POOL_SIZE": args.pool_size}
     if kind == "postgres":
         from realtime_app.cluster.postgres import PostgresBackplane
@@ -214,11 +276,12 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for kind, colour in (("redis", "tab:red"), ("postgres", "tab:blue")):
+    for kind, colour in (("redis", "tab:red"), ("postgres", "tab:blue"), ("notify", "tab:gray")):
         rows = [r for r in results if r["backplane"] == kind]
         xs = [r["processes"] for r in rows]
-        ax.plot(xs, [r["delivery_p99_ms"] for r in rows], "o-", color=colour, label=f"{kind} p99")
-        ax.plot(xs, [r["delivery_p50_ms"] for r in rows], "o--", color=colour, alpha=0.6, label=f"{kind} p50")
+        name = {"notify": "bare NOTIFY (floor)"}.get(kind, kind)
+        ax.plot(xs, [r["delivery_p99_ms"] for r in rows], "o-", color=colour, label=f"{name} p99")
+        ax.plot(xs, [r["delivery_p50_ms"] for r in rows], "o--", color=colour, alpha=0.6, label=f"{name} p50")
     ax.set_xlabel("receiving processes")
     ax.set_ylabel("publish-to-delivery, ms")
     ax.set_xticks(sorted({r["processes"] for r in results}))
@@ -253,16 +316,23 @@ async def main(args: argparse.Namespace) -> None:
             f"{r['backplane']:9} {r['processes']:>5} {r['publications_per_s']:>7} {r['publish_call_p99_ms']:>9} "
             f"{r['delivery_p50_ms']:>7} {r['delivery_p99_ms']:>7} {r['missing']:>7} {r['database_cpu_s_per_1000']:>13}"
         )
-    for receivers in args.processes if len(args.kinds) == 2 else ():
-        pg, rd = (
-            next(r for r in results if r["backplane"] == k and r["processes"] == receivers)
-            for k in ("postgres", "redis")
-        )
-        print(
-            f"{receivers} process(es): PostgreSQL / Redis p99 {pg['delivery_p99_ms'] / rd['delivery_p99_ms']:.2f}×, "
-            f"p50 {pg['delivery_p50_ms'] / rd['delivery_p50_ms']:.2f}×, "
-            f"database CPU {pg['database_cpu_s_per_1000'] / max(rd['database_cpu_s_per_1000'], 1e-9):.1f}×"
-        )
+    for receivers in args.processes:
+        row = {r["backplane"]: r for r in results if r["processes"] == receivers}
+        if "postgres" in row and "redis" in row:
+            pg, rd = row["postgres"], row["redis"]
+            print(
+                f"{receivers} process(es): PostgreSQL / Redis "
+                f"p99 {pg['delivery_p99_ms'] / rd['delivery_p99_ms']:.2f}×, "
+                f"p50 {pg['delivery_p50_ms'] / rd['delivery_p50_ms']:.2f}×, "
+                f"database CPU {pg['database_cpu_s_per_1000'] / max(rd['database_cpu_s_per_1000'], 1e-9):.1f}×"
+            )
+        if "postgres" in row and "notify" in row:
+            pg, floor = row["postgres"], row["notify"]
+            print(
+                f"{receivers} process(es): PostgreSQL backplane / bare NOTIFY p99 "
+                f"{pg['delivery_p99_ms'] / floor['delivery_p99_ms']:.2f}×, "
+                f"p50 {pg['delivery_p50_ms'] / floor['delivery_p50_ms']:.2f}×"
+            )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     if args.plot:
@@ -278,11 +348,13 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--postgres", default="postgres://postgres@127.0.0.1:5432/postgres")
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--pool-size", type=int, default=4, help="POSTGRES_POOL_SIZE of each process")
-    parser.add_argument("--kinds", nargs="+", default=["redis", "postgres"], choices=["redis", "postgres"])
+    parser.add_argument(
+        "--kinds", nargs="+", default=["redis", "postgres", "notify"], choices=["redis", "postgres", "notify"]
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     # a receiving process (started by the run itself)
-    parser.add_argument("--receive", choices=["postgres", "redis"])
+    parser.add_argument("--receive", choices=["postgres", "redis", "notify"])
     parser.add_argument("--prefix", default="")
     parser.add_argument("--database", default="")
     return parser.parse_args()
