@@ -183,7 +183,7 @@ def postgres_problem(params: dict[str, Any], processes: int, pool_size: int) -> 
     import psycopg
 
     try:
-        with psycopg.connect(**params, connect_timeout=int(TIMEOUT_S), autocommit=True) as conn:
+        with psycopg.connect(**{**params, "connect_timeout": int(TIMEOUT_S), "autocommit": True}) as conn:
             tables = conn.execute("SELECT to_regproc('realtime_app_bp_publish_kept') IS NOT NULL").fetchone()
             limit = int(conn.execute("SHOW max_connections").fetchone()[0])  # type: ignore[index]
             reserved = int(conn.execute("SHOW superuser_reserved_connections").fetchone()[0])  # type: ignore[index]

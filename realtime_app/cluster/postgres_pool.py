@@ -154,11 +154,12 @@ def stale(conn: psycopg.AsyncConnection[Any]) -> bool:
     from the pool, its first call would fail. Costs no round trip."""
     if conn.closed or conn.broken:
         return True
+    poller = select.poll()  # not select(): a process with 1,024 sockets has descriptors past it
     try:
-        readable, _, _ = select.select([conn.fileno()], [], [], 0)
+        poller.register(conn.fileno(), select.POLLIN | select.POLLPRI)
+        return bool(poller.poll(0))
     except (OSError, ValueError):
         return True
-    return bool(readable)
 
 
 async def discard(conn: psycopg.AsyncConnection[Any]) -> None:

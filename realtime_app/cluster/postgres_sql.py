@@ -28,8 +28,9 @@ __all__ = ["DROP", "INSTALL", "NOTIFY_LIMIT", "PAYLOAD_KEEP_MS", "PRUNE", "PRUNE
 NOTIFY_LIMIT = 7999
 #: How long a publication too large for a ``NOTIFY`` stays readable, ms.
 PAYLOAD_KEEP_MS = 60_000
-#: Rows each table loses at most per prune (a prune never holds locks for long).
-PRUNE_BATCH = 5000
+#: Rows of each kind a prune deletes at most per call (it never holds locks for long; called
+#: again at once while a batch was full).
+PRUNE_BATCH = 2000
 
 TABLES = """
 CREATE TABLE IF NOT EXISTS realtime_app_bp_key (
@@ -50,15 +51,30 @@ CREATE TABLE IF NOT EXISTS realtime_app_bp_presence (
 CREATE INDEX IF NOT EXISTS realtime_app_bp_presence_expires ON realtime_app_bp_presence (expires_at);
 CREATE TABLE IF NOT EXISTS realtime_app_bp_payload (
   id bigserial PRIMARY KEY, body text NOT NULL, expires_at bigint NOT NULL);
+CREATE UNLOGGED TABLE IF NOT EXISTS realtime_app_bp_run (id int PRIMARY KEY, token text NOT NULL);
 """
 
-# The database's clock (ms) and the run of the server: a history belongs to one run, as on
-# Redis (a restart may have lost the last commits: synchronous_commit is off).
+# The database's clock (ms), and the server's run: a token kept in an UNLOGGED table, which
+# PostgreSQL empties when it recovers from a crash (and keeps across a clean restart). A
+# history belongs to one run: the backplane's commits do not wait for the disk
+# (synchronous_commit off), so a crash may lose the last of them — a count that went back
+# under the same epoch would number two publications alike. A clean restart loses nothing
+# and keeps the token: histories go on. (Found: the postmaster's start time, the first
+# token, stays the same when a crashed backend makes the server recover.)
 CLOCK = """
 CREATE OR REPLACE FUNCTION realtime_app_bp_now() RETURNS bigint LANGUAGE sql VOLATILE AS
 $$ SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint $$;
-CREATE OR REPLACE FUNCTION realtime_app_bp_run() RETURNS text LANGUAGE sql STABLE AS
-$$ SELECT (extract(epoch FROM pg_postmaster_start_time()) * 1000000)::bigint::text $$;
+CREATE OR REPLACE FUNCTION realtime_app_bp_run() RETURNS text LANGUAGE plpgsql VOLATILE AS $$
+DECLARE t text;
+BEGIN
+  SELECT token INTO t FROM realtime_app_bp_run WHERE id = 1;
+  IF t IS NULL THEN
+    INSERT INTO realtime_app_bp_run VALUES (1, md5(random()::text || clock_timestamp()::text))
+    ON CONFLICT (id) DO NOTHING;
+    SELECT token INTO t FROM realtime_app_bp_run WHERE id = 1;
+  END IF;
+  RETURN t;
+END $$;
 CREATE OR REPLACE FUNCTION realtime_app_bp_new_epoch(old text, suffix text, now_ bigint) RETURNS text
 LANGUAGE plpgsql AS $$
 DECLARE ms bigint := now_;
@@ -85,17 +101,18 @@ END $$;
 """
 
 # A publication of a channel without history: the next seq above the publisher's floor (a
-# count never goes back, even past its idle end: only the prune forgets it). A row's end
-# moves only when half its life is gone: the indexed column unchanged, an update is a HOT
-# one (no index entry, less WAL) — found: 1,000 publications/s bloated the index.
+# count never goes back, even past its idle end: only the prune forgets it). A row lives at
+# least ``keep_ms`` after its last publication; its end (indexed) moves to 1.5 × that only
+# when less than that is left: most updates leave the indexed column alone and are HOT
+# ones (no new index entry) — at 1,000 publications/s every one added an index entry.
 PUBLISH = """
 CREATE OR REPLACE FUNCTION realtime_app_bp_publish(k text, chan text, floor_ bigint, keep_ms bigint,
   head text, ts bigint) RETURNS bigint LANGUAGE plpgsql AS $$
 DECLARE v bigint; now_ bigint := realtime_app_bp_now();
 BEGIN
-  INSERT INTO realtime_app_bp_channel AS c (name, seq, expires_at) VALUES (k, floor_ + 1, now_ + keep_ms)
+  INSERT INTO realtime_app_bp_channel AS c (name, seq, expires_at) VALUES (k, floor_ + 1, now_ + keep_ms * 3 / 2)
   ON CONFLICT (name) DO UPDATE SET seq = greatest(c.seq + 1, floor_ + 1),
-    expires_at = CASE WHEN c.expires_at < now_ + keep_ms / 2 THEN now_ + keep_ms ELSE c.expires_at END
+    expires_at = CASE WHEN c.expires_at < now_ + keep_ms THEN now_ + keep_ms * 3 / 2 ELSE c.expires_at END
   RETURNING c.seq INTO v;
   PERFORM realtime_app_bp_notify(chan, 'f ' || v || ' - ' || head || ',"seq":' || v || ',"ts":' || ts || '}}', now_);
   RETURN v;
@@ -109,8 +126,11 @@ CREATE OR REPLACE FUNCTION realtime_app_bp_lineage(k text, suffix text, now_ big
 LANGUAGE plpgsql AS $$
 DECLARE c realtime_app_bp_channel; renewed boolean;
 BEGIN
-  INSERT INTO realtime_app_bp_channel (name, expires_at) VALUES (k, 0) ON CONFLICT (name) DO NOTHING;
-  SELECT * INTO c FROM realtime_app_bp_channel WHERE name = k FOR UPDATE;
+  LOOP  -- a prune may take the row between the insert and the lock: again
+    INSERT INTO realtime_app_bp_channel (name, expires_at) VALUES (k, 0) ON CONFLICT (name) DO NOTHING;
+    SELECT * INTO c FROM realtime_app_bp_channel WHERE name = k FOR UPDATE;
+    EXIT WHEN FOUND;
+  END LOOP;
   renewed := c.epoch = '' OR c.owner <> realtime_app_bp_run() OR c.expires_at <= now_;
   IF renewed THEN
     DELETE FROM realtime_app_bp_history WHERE channel = k;
@@ -144,7 +164,7 @@ BEGIN
   DELETE FROM realtime_app_bp_history h WHERE h.channel = k AND h.seq <= v - size_;
   UPDATE realtime_app_bp_channel ch SET seq = v, epoch = e, largest = greatest(c.largest, octet_length(body_)),
     history_until = now_ + ttl_ms,
-    expires_at = CASE WHEN c.expires_at < now_ + keep_ms / 2 THEN now_ + keep_ms ELSE c.expires_at END
+    expires_at = CASE WHEN c.expires_at < now_ + keep_ms THEN now_ + keep_ms * 3 / 2 ELSE c.expires_at END
   WHERE ch.name = k;
   PERFORM realtime_app_bp_notify(chan, 'f ' || v || ' ' || e || ' ' || body_, now_);
   seq := v;
@@ -211,6 +231,18 @@ BEGIN
   INSERT INTO realtime_app_bp_key AS x VALUES (scope_, name_, value_, now_ + ttl)
   ON CONFLICT (scope, name) DO UPDATE SET value = excluded.value, expires_at = excluded.expires_at;
   RETURN coalesce(was, false);
+END $$;
+-- Written only when absent or past its end (SET NX PX): whether it was there. Atomic against
+-- a concurrent writer (the second waits for the first's commit, then finds it there).
+CREATE OR REPLACE FUNCTION realtime_app_bp_put_new(scope_ text, name_ text, value_ text, ttl bigint)
+RETURNS boolean LANGUAGE plpgsql AS $$
+DECLARE now_ bigint := realtime_app_bp_now(); took boolean;
+BEGIN
+  INSERT INTO realtime_app_bp_key AS x VALUES (scope_, name_, value_, now_ + ttl)
+  ON CONFLICT (scope, name) DO UPDATE SET value = excluded.value, expires_at = excluded.expires_at
+  WHERE x.expires_at <= now_
+  RETURNING true INTO took;
+  RETURN NOT coalesce(took, false);
 END $$;
 -- Take a lease (or keep it, ``mine``), unless another process holds it.
 CREATE OR REPLACE FUNCTION realtime_app_bp_lease(scope_ text, name_ text, holder text, ttl bigint, mine boolean)
@@ -284,7 +316,7 @@ CREATE OR REPLACE FUNCTION realtime_app_bp_publish_kept_once(k text, chan text, 
   floor_ bigint, head text, ts bigint, size_ int, ttl_ms bigint, done_scope text, row_key text, window_ms bigint,
   OUT seq bigint, OUT epoch text) LANGUAGE plpgsql AS $$
 BEGIN
-  IF realtime_app_bp_put(done_scope, row_key, '', window_ms) THEN seq := -1; epoch := ''; RETURN; END IF;
+  IF realtime_app_bp_put_new(done_scope, row_key, '', window_ms) THEN seq := -1; epoch := ''; RETURN; END IF;
   SELECT * INTO seq, epoch FROM realtime_app_bp_publish_kept(k, chan, suffix, keep_ms, floor_, head, ts, size_, ttl_ms);
 END $$;
 """
@@ -319,8 +351,11 @@ CREATE OR REPLACE FUNCTION realtime_app_bp_presence_put(k text, member_ text, pa
 RETURNS void LANGUAGE plpgsql AS $$
 DECLARE now_ bigint := realtime_app_bp_now(); changed boolean; old text;
 BEGIN
-  INSERT INTO realtime_app_bp_presence VALUES (k, '~v', '0', now_ + ttl) ON CONFLICT DO NOTHING;
-  PERFORM 1 FROM realtime_app_bp_presence WHERE channel = k AND member = '~v' FOR UPDATE;  -- one writer a room
+  LOOP  -- one writer a room; the row waited for may have gone with the room's last part: again
+    INSERT INTO realtime_app_bp_presence VALUES (k, '~v', '0', now_ + ttl) ON CONFLICT DO NOTHING;
+    PERFORM 1 FROM realtime_app_bp_presence WHERE channel = k AND member = '~v' FOR UPDATE;
+    EXIT WHEN FOUND;
+  END LOOP;
   changed := realtime_app_bp_presence_prune(k, alive, now_);
   SELECT part INTO old FROM realtime_app_bp_presence WHERE channel = k AND member = member_;
   IF part_ = '' THEN
@@ -365,25 +400,49 @@ INSTALL += ONCE + PRESENCE
 #: Undone by the migration's reverse.
 DROP = """
 DROP TABLE IF EXISTS realtime_app_bp_key, realtime_app_bp_history, realtime_app_bp_presence,
-  realtime_app_bp_payload CASCADE;
+  realtime_app_bp_payload, realtime_app_bp_run CASCADE;
 DROP TABLE IF EXISTS realtime_app_bp_channel CASCADE;
 """
 
-# Rows past their end, a batch a table at a time (the history of channels whose history
-# expired or whose lineage is gone included). ARGV: now is the database's.
-PRUNE = f"""
-WITH now_ AS (SELECT realtime_app_bp_now() AS t),
-k AS (DELETE FROM realtime_app_bp_key WHERE ctid IN (SELECT ctid FROM realtime_app_bp_key, now_
-      WHERE expires_at <= now_.t LIMIT {PRUNE_BATCH}) RETURNING 1),
-c AS (DELETE FROM realtime_app_bp_channel WHERE ctid IN (SELECT ctid FROM realtime_app_bp_channel, now_
-      WHERE expires_at <= now_.t LIMIT {PRUNE_BATCH}) RETURNING 1),
-h AS (DELETE FROM realtime_app_bp_history WHERE ctid IN (SELECT h.ctid FROM realtime_app_bp_history h
-      LEFT JOIN realtime_app_bp_channel ch ON ch.name = h.channel, now_
-      WHERE ch.name IS NULL OR ch.history_until <= now_.t LIMIT {PRUNE_BATCH}) RETURNING 1),
-p AS (DELETE FROM realtime_app_bp_presence WHERE channel IN (SELECT channel FROM realtime_app_bp_presence, now_
-      WHERE member = '~v' AND expires_at <= now_.t LIMIT {PRUNE_BATCH}) RETURNING 1),
-b AS (DELETE FROM realtime_app_bp_payload WHERE ctid IN (SELECT ctid FROM realtime_app_bp_payload, now_
-      WHERE expires_at <= now_.t LIMIT {PRUNE_BATCH}) RETURNING 1)
-SELECT (SELECT count(*) FROM k) + (SELECT count(*) FROM c) + (SELECT count(*) FROM h)
-  + (SELECT count(*) FROM p) + (SELECT count(*) FROM b)
+# Rows past their end, at most ``batch`` of each kind per call (the caller calls again while
+# a batch was full). Never waits for a lock (SKIP LOCKED: a row in use is left for the next
+# prune, and no prune can deadlock with a publication or a presence write), and deletes by
+# ctid: a row renewed meanwhile is a new version, left alone. A channel's history goes when
+# its history expired (``largest`` > 0 marks one that holds rows) or with its channel.
+PRUNE_FUNCTION = """
+CREATE OR REPLACE FUNCTION realtime_app_bp_prune(batch int) RETURNS bigint LANGUAGE plpgsql AS $$
+DECLARE now_ bigint := realtime_app_bp_now(); n bigint; total bigint := 0; ch text;
+BEGIN
+  DELETE FROM realtime_app_bp_key WHERE ctid = ANY (ARRAY(SELECT ctid FROM realtime_app_bp_key
+    WHERE expires_at <= now_ LIMIT batch FOR UPDATE SKIP LOCKED));
+  GET DIAGNOSTICS n = ROW_COUNT; total := total + n;
+  DELETE FROM realtime_app_bp_payload WHERE ctid = ANY (ARRAY(SELECT ctid FROM realtime_app_bp_payload
+    WHERE expires_at <= now_ LIMIT batch FOR UPDATE SKIP LOCKED));
+  GET DIAGNOSTICS n = ROW_COUNT; total := total + n;
+  FOR ch IN SELECT name FROM realtime_app_bp_channel WHERE expires_at <= now_ LIMIT batch
+      FOR UPDATE SKIP LOCKED LOOP
+    DELETE FROM realtime_app_bp_history WHERE channel = ch;
+    DELETE FROM realtime_app_bp_channel WHERE name = ch;
+    total := total + 1;
+  END LOOP;
+  FOR ch IN SELECT name FROM realtime_app_bp_channel WHERE largest > 0 AND history_until <= now_
+      LIMIT batch FOR UPDATE SKIP LOCKED LOOP
+    DELETE FROM realtime_app_bp_history WHERE channel = ch;
+    UPDATE realtime_app_bp_channel SET largest = 0 WHERE name = ch;
+    total := total + 1;
+  END LOOP;
+  -- a room whose version row is past its end has no part left alive (the version outlives
+  -- every part); rows renewed meanwhile are new versions, left alone
+  DELETE FROM realtime_app_bp_presence WHERE ctid = ANY (ARRAY(
+    SELECT p.ctid FROM realtime_app_bp_presence p JOIN realtime_app_bp_presence v
+      ON v.channel = p.channel AND v.member = '~v'
+    WHERE v.expires_at <= now_ AND p.expires_at <= now_ LIMIT batch FOR UPDATE OF p SKIP LOCKED));
+  GET DIAGNOSTICS n = ROW_COUNT; total := total + n;
+  RETURN total;
+END $$;
 """
+
+INSTALL += PRUNE_FUNCTION
+
+#: One prune: a batch of each kind (:func:`realtime_app_bp_prune`); how many rows went.
+PRUNE = f"SELECT realtime_app_bp_prune({PRUNE_BATCH})"
