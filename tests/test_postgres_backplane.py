@@ -26,7 +26,7 @@ from realtime_app.cluster.postgres_sql import INSTALL, NOTIFY_LIMIT
 from realtime_app.wire.history import HistoryPolicy, Since
 from realtime_app.wire.names import group_name
 from realtime_app.wire.presence import LocalRoom, merge
-from tests.support.postgres import TcpProxy, with_port
+from tests.support.postgres import TcpProxy, create_database, drop_database, with_port
 from tests.support.private_postgres import PrivatePostgres
 from tests.support.servers import ROOT
 from tests.support.waiting import eventually
@@ -524,3 +524,131 @@ def test_the_online_check_takes_a_database_whose_options_set_a_connect_timeout(p
     from realtime_app.cluster.online_checks import postgres_problem
 
     assert postgres_problem({"conninfo": libpq(postgres[1]), "connect_timeout": 5}, 8, 4) is None
+
+
+async def test_a_listening_connection_gone_silent_is_replaced_within_a_few_beats(postgres, prefix) -> None:
+    """Found: a listening connection a NAT or proxy dropped without closing kept a process
+    deaf for minutes while its pool answered and its probe said "up". Each check echoes to
+    it; silent past a few beats, it is replaced."""
+    port = int(postgres[1].rsplit(":", 1)[1].split("/")[0])
+    proxy = TcpProxy(port).restore()
+    server = libpq(postgres[1])
+    try:
+        config = {"POSTGRES_TIMEOUT_MS": 1000}
+        async with (
+            Process(libpq(with_port(postgres[1], proxy.port)), prefix, **config) as a,
+            Process(server, prefix) as pub,
+        ):
+            await a.backplane.join(["silent:a"])
+            await pub.backplane.publish("silent:a", DATA)
+            await a.until(1)
+            proxy.freeze()  # every connection open now goes silent; new ones pass
+
+            async def heard_again() -> bool:
+                with contextlib.suppress(*a.backplane.errors):  # the frozen pool connection times out once
+                    await a.backplane.check()  # the hub's beat
+                await pub.backplane.publish("silent:a", DATA)
+                return len(a.got) > 1
+
+            await eventually(heard_again, timeout=30, what="a publication heard after the freeze")
+    finally:
+        proxy.cut()
+
+
+async def test_a_database_that_ends_idle_sessions_loses_nothing(postgres, prefix) -> None:
+    """Found: a database with ``idle_session_timeout`` (managed ones set it) ended the idle
+    listening connection every few seconds, and what was sent meanwhile was lost."""
+    name = f"{postgres[1].rsplit('/', 1)[1]}_idle"
+    url = libpq(create_database(postgres[0], name))
+    try:
+        sql(url, INSTALL)
+        sql(url, f"ALTER DATABASE \"{name}\" SET idle_session_timeout = '500ms'")
+        async with Process(url, prefix) as a, Process(url, prefix) as pub:
+            await a.backplane.join(["idle:a"])
+            listener = a.backplane._listener
+            assert listener is not None
+            pid = listener.info.backend_pid
+            for n in range(10):  # spread over more than the timeout, idle between
+                await pub.backplane.publish("idle:a", DATA)
+                await asyncio.sleep(0.2 if n % 3 else 0.7)
+            got = await a.until(10)
+            assert [d.seq for d in got] == list(range(1, 11))
+            assert a.backplane._listener is not None and a.backplane._listener.info.backend_pid == pid
+    finally:
+        drop_database(postgres[0], name)
+
+
+def manage(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    full = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "REDIS_URL": "", **env}
+    return subprocess.run(
+        [sys.executable, "manage.py", *args], cwd=ROOT, env=full, capture_output=True, text=True, timeout=180
+    )
+
+
+def test_the_online_check_says_what_the_offline_checks_would(tmp_path):
+    """Found: ``check --tag realtime_backplane``, the command the docs give, said "no issues"
+    for a misspelled backplane and connected to an SQLite path as a database name."""
+    env = {"DATABASE_URL": f"sqlite:///{tmp_path}/db.sqlite3", "REALTIME_BACKPLANE": "postgres"}
+    done = manage(env, "check", "--tag", "realtime_backplane")
+    assert done.returncode != 0 and "realtime_app.E016" in done.stderr and "does not answer" not in done.stderr
+
+
+def test_a_rollback_of_the_migration_leaves_nothing_and_a_publication_says_to_migrate(postgres):
+    """Found: rolling the migration back left every function: the backplane started, then
+    failed each call on a missing table."""
+    name = f"{postgres[1].rsplit('/', 1)[1]}_rollback"
+    url = create_database(postgres[0], name)
+    env = {"DATABASE_URL": url, "REALTIME_BACKPLANE": "postgres"}
+    leftovers = "SELECT count(*) FROM pg_proc WHERE left(proname, 16) = 'realtime_app_bp_'"
+    try:
+        assert manage(env, "migrate", "--noinput", "-v", "0").returncode == 0
+        assert sql(libpq(url), leftovers)[0][0] > 10
+        assert manage(env, "migrate", "realtime_app", "0004", "--noinput", "-v", "0").returncode == 0
+        assert sql(libpq(url), leftovers) == [(0,)]
+        assert sql(libpq(url), "SELECT to_regclass('realtime_app_bp_key')") == [(None,)]
+        done = manage(env, "shell", "-c", "from realtime_app import publish; publish('demo:events', {'x': 1})")
+        assert done.returncode != 0 and "run manage.py migrate" in done.stderr, done.stderr[-2000:]
+    finally:
+        drop_database(postgres[0], name)
+
+
+def test_a_project_on_psycopg2_is_told_the_backplane_needs_psycopg_3(postgres, tmp_path):
+    """Found: a project on psycopg2 (Django runs on either) got a traceback from every
+    command once it set the backplane; it is check E016, and the hub does not start."""
+    blocked = tmp_path / "without-psycopg3"
+    blocked.mkdir()
+    (blocked / "psycopg.py").write_text("raise ImportError(\"No module named 'psycopg'\")\n")
+    env = {"DATABASE_URL": postgres[1], "REALTIME_BACKPLANE": "postgres", "PYTHONPATH": f"{blocked}:{ROOT}"}
+    done = manage(env, "check")
+    assert done.returncode != 0 and "realtime_app.E016" in done.stderr and "needs psycopg 3" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("setting", "check_id"),
+    [({"BACKPLANE": "postgress"}, "realtime_app.E003"), ({"BACKPLANE": "postgres"}, "realtime_app.E016")],
+)
+async def test_a_server_on_a_wrong_backplane_setting_says_the_check_once_and_answers_1013(setting, check_id):
+    """Found: under daphne (which runs no checks) a misspelled backplane or a database that
+    is not PostgreSQL's showed only as a traceback per connection; the checks' errors are
+    now said before the backplane is made, and the hub's start fails as an outage would
+    (1013 to the client), naming the check."""
+    from realtime_app.conf import get_config
+    from realtime_app.conf.runtime import reset_runtime, runtime
+    from realtime_app.exceptions import BackplaneUnavailable
+    from realtime_app.hub.hubs import get_hub
+
+    old = runtime()
+    fresh = reset_runtime()
+    try:
+        with override_settings(REALTIME_APP={**get_config(), **setting}):
+            with pytest.raises(BackplaneUnavailable, match=check_id):
+                await get_hub()
+            assert not fresh.first_time("check errors")  # the checks were said, before the backplane
+            with pytest.raises(BackplaneUnavailable, match=check_id):
+                await get_hub()  # again: refused at once
+        await fresh.aclose()
+    finally:
+        import realtime_app.conf.runtime as module
+
+        module._process[0] = old

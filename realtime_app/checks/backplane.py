@@ -145,20 +145,18 @@ def check_backplane(backplane: Any) -> list[CheckMessage]:
 
 
 def check_postgres(alias: Any) -> list[CheckMessage]:
-    """E016: ``BACKPLANE = "postgres"`` on a database alias that is not a PostgreSQL one."""
-    from django.conf import settings as django_settings
+    """E016: ``BACKPLANE = "postgres"`` on a database alias that is not a PostgreSQL one,
+    or without psycopg 3."""
+    from realtime_app.cluster.factory import postgres_unusable
 
-    from realtime_app.cluster.postgres_pool import is_postgres
-
-    databases = getattr(django_settings, "DATABASES", {}) or {}
-    if isinstance(alias, str) and alias in databases and is_postgres(alias):
+    why = postgres_unusable(alias)
+    if why is None:
         return []
-    what = "is not in DATABASES" if not isinstance(alias, str) or alias not in databases else "is not a PostgreSQL one"
     return [
         Error(
-            f"REALTIME_APP['BACKPLANE'] is 'postgres' but its database BACKPLANE_DATABASE {alias!r} {what}.",
-            hint="Name a DATABASES alias whose ENGINE is django.db.backends.postgresql, then run "
-            "manage.py migrate on it (docs/postgres-backplane.md).",
+            f"REALTIME_APP['BACKPLANE'] is 'postgres' but {why}.",
+            hint="Name a DATABASES alias whose ENGINE is django.db.backends.postgresql, install psycopg 3, then "
+            "run manage.py migrate on it (docs/postgres-backplane.md).",
             id="realtime_app.E016",
         )
     ]

@@ -6,9 +6,11 @@ import its implementations, which import it.
 
 from __future__ import annotations
 
+from typing import Any
+
 from realtime_app.cluster.base import Backplane
 
-__all__ = ["backplane_class", "make_backplane", "redis_backplane_class"]
+__all__ = ["backplane_class", "make_backplane", "postgres_unusable", "redis_backplane_class"]
 
 
 def backplane_class() -> type[Backplane]:
@@ -27,6 +29,9 @@ def backplane_class() -> type[Backplane]:
     if choice == "redis":
         return redis_backplane_class()
     if choice == "postgres":
+        why = postgres_unusable(get_config()["BACKPLANE_DATABASE"])
+        if why is not None:  # never a traceback per connection: what is wrong, once (check E016)
+            raise ImproperlyConfigured(f"realtime_app: BACKPLANE 'postgres' but {why} (realtime_app.E016)")
         from realtime_app.cluster.postgres import PostgresBackplane
 
         return PostgresBackplane
@@ -37,10 +42,17 @@ def backplane_class() -> type[Backplane]:
         )
     from realtime_app.cluster.roles import missing_methods
 
-    cls: type[Backplane] = import_string(choice)
+    try:
+        cls: type[Backplane] = import_string(choice)
+    except ImportError as exc:  # a misspelled name: what is wrong, once (check E003)
+        raise ImproperlyConfigured(
+            f"realtime_app: BACKPLANE {choice!r} does not import: {exc} (realtime_app.E003)"
+        ) from exc
     missing = missing_methods(cls)
     if missing:  # never a hub that fails a beat a second: say which methods, once (check E003)
-        raise ImproperlyConfigured(f"realtime_app: BACKPLANE {choice!r} does not implement {', '.join(missing)}")
+        raise ImproperlyConfigured(
+            f"realtime_app: BACKPLANE {choice!r} does not implement {', '.join(missing)} (realtime_app.E003)"
+        )
     return cls
 
 
@@ -67,3 +79,25 @@ def make_backplane(instance_id: str = "headless") -> Backplane:
     from realtime_app.conf import get_config
 
     return backplane_class()(instance_id=instance_id, config=get_config())
+
+
+def postgres_unusable(alias: Any) -> str | None:
+    """Why ``BACKPLANE = "postgres"`` cannot run on the database ``alias`` (None: it can):
+    the one rule of check E016 and of the backplane's factory."""
+    from django.conf import settings as django_settings
+    from django.db import connections
+
+    databases = getattr(django_settings, "DATABASES", {}) or {}
+    if not isinstance(alias, str) or alias not in databases:
+        return f"its database BACKPLANE_DATABASE {alias!r} is not in DATABASES"
+    try:
+        vendor = connections[alias].vendor
+    except Exception as exc:  # an ENGINE that does not import
+        vendor = f"unknown ({exc})"
+    if vendor != "postgresql":
+        return f"its database BACKPLANE_DATABASE {alias!r} is not a PostgreSQL one"
+    try:  # Django runs on psycopg2 too; the backplane does not
+        import psycopg  # noqa: F401
+    except ImportError:
+        return "it needs psycopg 3 (pip install 'psycopg[binary]' or 'realtime-app[postgres]'), which is not installed"
+    return None

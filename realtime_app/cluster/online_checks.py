@@ -152,26 +152,35 @@ def check_postgres_budget(app_configs: Any = None, **kwargs: Any) -> list[CheckM
     Django's own) connections each, beside the superusers' reserve."""
     if not asked():
         return []
-    from realtime_app.cluster.factory import backplane_class
-    from realtime_app.cluster.postgres import PostgresBackplane
-    from realtime_app.cluster.postgres_pool import connection_params, label
+    from realtime_app.checks.backplane import check_backplane
 
     config = get_config()
-    try:
-        if not issubclass(backplane_class(), PostgresBackplane):
-            return []
-        params = connection_params(config)
-    except Exception:  # the offline checks (E003, E016) say what is wrong
+    if config["BACKPLANE"] != "postgres":
         return []
+    # `check --tag` runs this check alone: what the offline checks would say comes first
+    # (a database that is not PostgreSQL's is not connected to).
+    static = check_backplane("postgres")
+    if static:
+        return static
+    from realtime_app.cluster.postgres_pool import connection_params, label
+
+    params = connection_params(config)
     problem = postgres_problem(params, config["POSTGRES_MAX_PROCESSES"], config["POSTGRES_POOL_SIZE"])
     if problem is None:
         return []
+    hint = (
+        "docs/postgres-backplane.md#connections: lower POSTGRES_POOL_SIZE or POSTGRES_MAX_PROCESSES, raise "
+        "max_connections, or put PgBouncer in front of Django's own connections (not the backplane's: LISTEN "
+        "needs a session)."
+    )
+    if "migrate" in problem:
+        hint = "manage.py migrate makes them (docs/postgres-backplane.md)."
+    elif problem.startswith("does not answer"):
+        hint = f"Check DATABASES[{config['BACKPLANE_DATABASE']!r}] and that the server runs."
     return [
         Error(
             f"The backplane's PostgreSQL {label(params)} {problem}.",
-            hint="docs/postgres-backplane.md#connections: lower POSTGRES_POOL_SIZE or POSTGRES_MAX_PROCESSES, "
-            "raise max_connections, or put PgBouncer in front of Django's own connections (not the backplane's: "
-            "LISTEN needs a session).",
+            hint=hint,
             obj=label(params),
             id="realtime_app.E017",
         )
@@ -182,9 +191,11 @@ def postgres_problem(params: dict[str, Any], processes: int, pool_size: int) -> 
     """Why the database cannot carry ``processes`` processes of the backplane (None: it can)."""
     import psycopg
 
+    from realtime_app.cluster.postgres import TABLES_THERE
+
     try:
         with psycopg.connect(**{**params, "connect_timeout": int(TIMEOUT_S), "autocommit": True}) as conn:
-            tables = conn.execute("SELECT to_regproc('realtime_app_bp_publish_kept') IS NOT NULL").fetchone()
+            tables = conn.execute(TABLES_THERE).fetchone()
             limit = int(conn.execute("SHOW max_connections").fetchone()[0])  # type: ignore[index]
             reserved = int(conn.execute("SHOW superuser_reserved_connections").fetchone()[0])  # type: ignore[index]
     except Exception as exc:

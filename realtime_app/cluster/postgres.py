@@ -32,7 +32,7 @@ from psycopg import sql
 
 from realtime_app.cancellation import cancel_and_wait, uninterrupted
 from realtime_app.cluster.base import Backplane, Deliver, delivery, now_ms
-from realtime_app.cluster.postgres_pool import Pool, connection_params, discard, label
+from realtime_app.cluster.postgres_pool import MIGRATE_HINT, Pool, TablesMissing, connection_params, discard, label
 from realtime_app.cluster.postgres_sql import PRUNE, PRUNE_BATCH
 from realtime_app.cluster.postgres_stores import PostgresStores
 from realtime_app.observability.schema import ProcessProbe, ShardProbe
@@ -40,7 +40,7 @@ from realtime_app.wire.history import HistoryPolicy
 from realtime_app.wire.names import group_name
 from realtime_app.wire.protocol import notification_head
 
-__all__ = ["PostgresBackplane", "TablesMissing", "pg_channel"]
+__all__ = ["TABLES_THERE", "PostgresBackplane", "TablesMissing", "pg_channel"]
 
 logger = logging.getLogger("realtime_app.backplane")
 
@@ -48,12 +48,13 @@ logger = logging.getLogger("realtime_app.backplane")
 IDLE_READ_S = 5.0
 #: How often each process prunes rows past their end, seconds.
 PRUNE_EVERY_S = 10.0
+#: Whether the tables and functions are there (``migrate`` ran, and was not rolled back).
+TABLES_THERE = (
+    "SELECT to_regclass('realtime_app_bp_key') IS NOT NULL AND to_regclass('realtime_app_bp_channel') IS NOT NULL "
+    "AND to_regproc('realtime_app_bp_publish_kept') IS NOT NULL"
+)
 #: How long one prune goes on while its batches are full, seconds.
 PRUNE_BUDGET_S = 2.0
-
-
-class TablesMissing(psycopg.OperationalError):
-    """The database has no backplane tables: ``manage.py migrate`` was not run on it."""
 
 
 def pg_channel(prefix: str, name: str) -> str:
@@ -97,6 +98,10 @@ class PostgresBackplane(PostgresStores, Backplane):
         self._run_id: str | None = None
         self._pruned = 0.0
         self._pruner: asyncio.Task[None] | None = None  # the prune under way, if any
+        self._deliver_to: Deliver | None = None
+        self._heard = time.monotonic()  # when the listening connection last heard anything
+        #: Silent this long despite an echo each beat, the listening connection is dead.
+        self.silent_s = max(3.0, 3 * self.lease_ttl_ms / 1000)
         self._probes: dict[str, tuple[str, ProcessProbe]] = {}  # the others' probes as last read
 
     def key(self, kind: str, channel: str) -> str:
@@ -118,13 +123,12 @@ class PostgresBackplane(PostgresStores, Backplane):
     async def start(self, deliver: Deliver) -> None:
         """Open the listening connection (listening to this process's own channel first)
         and make sure the tables are there."""
-        if (await self.pool.one("SELECT to_regproc('realtime_app_bp_publish_kept') IS NOT NULL"))[0] is not True:
-            raise TablesMissing(
-                f"the database {self.address} has no realtime_app backplane tables: run manage.py migrate "
-                "(with --database for a BACKPLANE_DATABASE other than 'default')"
-            )
+        if (await self.pool.one(TABLES_THERE))[0] is not True:
+            raise TablesMissing(f"the database {self.address} has no realtime_app backplane tables: {MIGRATE_HINT}")
         self._listener = await self._listen_again()
         self._relistened = False
+        self._deliver_to = deliver
+        self._heard = time.monotonic()
         self._receiver = asyncio.get_running_loop().create_task(self._receive(deliver), name="realtime-receive")
 
     async def stop(self) -> None:
@@ -180,6 +184,7 @@ class PostgresBackplane(PostgresStores, Backplane):
                 # 3,000 publications lost while the process joined 200 channels.)
                 async with contextlib.aclosing(conn.notifies(timeout=IDLE_READ_S, stop_after=1)) as notes:
                     async for note in notes:
+                        self._heard = time.monotonic()
                         if note.channel != self.own_channel:
                             await self._deliver(note.channel, note.payload, deliver)
             except asyncio.CancelledError:
@@ -254,16 +259,39 @@ class PostgresBackplane(PostgresStores, Backplane):
         """False when the sentinel row lapsed — it is written only when absent, so once
         every ``REASSERT_INTERVAL_MS`` — the server lost its run (a crash), or the listening
         connection came back since the last check. Starts a prune when one is due."""
-        was, run = await self.pool.one(
-            "SELECT realtime_app_bp_put_new(%s, %s, '1', %s), realtime_app_bp_run()",
-            [self.scope("alive"), self.instance_id, self.reassert_ms],
+        was, run, _ = await self.pool.one(  # and an echo to this process's own listening connection
+            "SELECT realtime_app_bp_put_new(%s, %s, '1', %s), realtime_app_bp_run(), pg_notify(%s, 'h')",
+            [self.scope("alive"), self.instance_id, self.reassert_ms, self.own_channel],
         )
+        if self._receiver is not None and time.monotonic() - self._heard > self.silent_s:
+            await self._listen_anew()
         relistened, self._relistened = self._relistened, False
         run_id, self._run_id = self._run_id, run
         if time.monotonic() - self._pruned >= PRUNE_EVERY_S and (self._pruner is None or self._pruner.done()):
             self._pruned = time.monotonic()
             self._pruner = asyncio.get_running_loop().create_task(self._prune_all(), name="realtime-prune")
         return bool(was) and not relistened and run_id in (None, run)
+
+    async def _listen_anew(self) -> None:
+        """The listening connection heard none of the echoes of the last beats: it is dead
+        without knowing it (a NAT or a proxy that dropped it silently, a frozen peer).
+        Found: such a connection kept a process deaf for minutes while every call on the
+        pool answered and the probe said "up". Close it; a new one listens to everything."""
+        logger.warning(
+            "the backplane's listening connection heard nothing for %.0f s (echoes included): opening another",
+            time.monotonic() - self._heard,
+        )
+        receiver, self._receiver = self._receiver, None
+        await cancel_and_wait(receiver)
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            await discard(listener)
+        self._heard = time.monotonic()
+        self._relistened = True  # what was sent meanwhile is gone: the hub re-asserts
+        assert self._deliver_to is not None
+        self._receiver = asyncio.get_running_loop().create_task(
+            self._receive(self._deliver_to), name="realtime-receive"
+        )
 
     async def prune(self) -> int:
         """Delete a batch of each kind of row past its end: how many went."""

@@ -22,22 +22,21 @@ import psycopg
 
 from realtime_app.cancellation import uninterrupted
 
-__all__ = ["DJANGO_ONLY_OPTIONS", "Pool", "connection_params", "is_postgres", "label"]
+__all__ = ["DJANGO_ONLY_OPTIONS", "MIGRATE_HINT", "Pool", "TablesMissing", "connection_params", "label"]
+
+#: What to do when the database has no backplane tables or functions.
+MIGRATE_HINT = "run manage.py migrate (with --database for a BACKPLANE_DATABASE other than 'default')"
+
+
+class TablesMissing(psycopg.OperationalError):
+    """The database has no backplane tables: ``manage.py migrate`` was not run on it (or
+    was rolled back)."""
+
 
 #: Keys of a Django database's ``OPTIONS`` that are Django's, not libpq's.
 DJANGO_ONLY_OPTIONS = frozenset(
     {"pool", "server_side_binding", "isolation_level", "assume_role", "cursor_factory", "context", "prepare_threshold"}
 )
-
-
-def is_postgres(alias: str) -> bool:
-    """Whether Django's database ``alias`` exists and is a PostgreSQL one."""
-    from django.db import connections
-
-    try:
-        return bool(connections[alias].vendor == "postgresql")
-    except Exception:  # an unknown alias (check E016 names it)
-        return False
 
 
 def connection_params(config: dict[str, Any]) -> dict[str, Any]:
@@ -74,7 +73,9 @@ class Pool:
     def __init__(self, params: dict[str, Any], size: int, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self.size = size
-        ours = f"-c synchronous_commit=off -c statement_timeout={int(timeout_s * 1000)}"
+        # idle_session_timeout off: a pooled or listening connection idles on purpose (a
+        # managed database's 3 s ended them all, and each end lost the notifications under way)
+        ours = f"-c synchronous_commit=off -c statement_timeout={int(timeout_s * 1000)} -c idle_session_timeout=0"
         options = " ".join(filter(None, [params.get("options"), ours]))
         self.params = {
             "application_name": "realtime_app backplane",
@@ -122,23 +123,27 @@ class Pool:
 
     async def run(self, query: Any, params: Any = None) -> None:
         """Run ``query`` (no rows), within the timeout."""
-        async with self.connection() as conn:
-            async with asyncio.timeout(self.timeout_s):
-                await conn.execute(query, params)
+        await self._execute(query, params, None)
 
     async def one(self, query: Any, params: Any = None) -> Any:
         """The first row of ``query``, within the timeout."""
-        async with self.connection() as conn:
-            async with asyncio.timeout(self.timeout_s):
-                cursor = await conn.execute(query, params)
-                return await cursor.fetchone()
+        return await self._execute(query, params, "one")
 
     async def all(self, query: Any, params: Any = None) -> list[Any]:
         """Every row of ``query``, within the timeout."""
-        async with self.connection() as conn:
-            async with asyncio.timeout(self.timeout_s):
-                cursor = await conn.execute(query, params)
-                return await cursor.fetchall()
+        rows: list[Any] = await self._execute(query, params, "all")
+        return rows
+
+    async def _execute(self, query: Any, params: Any, fetch: str | None) -> Any:
+        try:
+            async with self.connection() as conn:
+                async with asyncio.timeout(self.timeout_s):
+                    cursor = await conn.execute(query, params)
+                    if fetch == "one":
+                        return await cursor.fetchone()
+                    return await cursor.fetchall() if fetch == "all" else None
+        except (psycopg.errors.UndefinedFunction, psycopg.errors.UndefinedTable) as exc:
+            raise TablesMissing(f"the backplane's tables or functions are missing ({exc}): {MIGRATE_HINT}") from exc
 
     async def close(self) -> None:
         """Close every idle connection; one in use is closed when its call ends."""

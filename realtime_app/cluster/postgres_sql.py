@@ -397,8 +397,16 @@ END $$;
 INSTALL = TABLES + CLOCK + NOTIFY + PUBLISH + LINEAGE + PUBLISH_KEPT + PAGE + READ_KEPT + RESEED + KEYS + TAKE
 INSTALL += ONCE + PRESENCE
 
-#: Undone by the migration's reverse.
+#: Undone by the migration's reverse: the tables and every function (found: a rollback that
+#: left the functions made the backplane start, then fail each call on a missing table).
 DROP = """
+DO $$ DECLARE f regprocedure;
+BEGIN
+  FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
+           WHERE left(p.proname, 16) = 'realtime_app_bp_' AND p.pronamespace = current_schema()::regnamespace LOOP
+    EXECUTE 'DROP FUNCTION IF EXISTS ' || f || ' CASCADE';
+  END LOOP;
+END $$;
 DROP TABLE IF EXISTS realtime_app_bp_key, realtime_app_bp_history, realtime_app_bp_presence,
   realtime_app_bp_payload, realtime_app_bp_run CASCADE;
 DROP TABLE IF EXISTS realtime_app_bp_channel CASCADE;

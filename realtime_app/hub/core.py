@@ -30,6 +30,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from realtime_app.cancellation import cancel_and_wait, uninterrupted
@@ -148,23 +149,27 @@ class Hub:
             self.thread_id = threading.get_ident()
             self.parts = import_string(HUB_PARTS)()  # before anything is opened: nothing to undo
             start_stores()  # journals left by ended processes are written first
-            self.backplane = self.gate.backplane = make_backplane(self.instance_id)
+            # The server ran no checks: their errors are said here, once — before the
+            # backplane, which a wrong setting keeps from starting (found: a misspelled
+            # BACKPLANE showed only as a traceback per connection).
+            await log_check_errors()
             try:
+                self.backplane = self.gate.backplane = make_backplane(self.instance_id)
                 await self.backplane.start(self._deliver)
             except BaseException as exc:  # not started: what it opened is closed (the next start makes a new one)
                 with contextlib.suppress(Exception):
-                    await self.backplane.stop()
+                    await self.backplane.stop()  # type: ignore[union-attr]
                 if not isinstance(exc, Exception):
                     raise
                 error = exc if isinstance(exc, BackplaneUnavailable) else BackplaneUnavailable("start", exc)
                 if self._failed is None:  # once per outage
-                    logger.warning("hub %s cannot start, realtime down until it can: %s", self.instance_id, error)
+                    log = logger.error if isinstance(exc, ImproperlyConfigured) else logger.warning
+                    log("hub %s cannot start, realtime down until it can: %s", self.instance_id, error)
                 self._failed = (time.monotonic(), error)
                 raise error from exc
             if self._failed is not None:
                 logger.info("hub %s started after the backplane came back", self.instance_id)
                 self._failed = None
-            await log_check_errors()  # the server ran no checks: their errors are said here, once
             self.reconciler.subscribed(CONTROL_CHANNEL, ticker=False)  # wanted as long as the hub runs
             try:
                 await self.convergence.converge(CONTROL_CHANNEL)

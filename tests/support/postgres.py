@@ -1,6 +1,6 @@
 """A real PostgreSQL for the tests: the server ``REALTIME_TEST_PG_URL`` names (scripts/test
 sets it: 127.0.0.1:5432 when one listens, else a private server from the pgserver wheel),
-one database per run, dropped at the end; and a TCP proxy a fault test can cut."""
+one database per run, dropped at the end; and a TCP proxy a fault test can cut or freeze."""
 
 from __future__ import annotations
 
@@ -77,6 +77,7 @@ class TcpProxy:
         self.port = free_port()
         self.drop_before: bytes | None = None
         self.dropped = 0
+        self._frozen: set[socket.socket] = set()
         self._listener: socket.socket | None = None
         self._sockets: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -112,6 +113,8 @@ class TcpProxy:
     def _pipe(self, source: socket.socket, sink: socket.socket, back: bool = False) -> None:
         with contextlib.suppress(OSError):
             while data := source.recv(65536):
+                if source in self._frozen:
+                    continue  # swallowed: the peer hears nothing, and nothing says so
                 marker = self.drop_before
                 if back and marker is not None and marker in data:
                     self.drop_before, self.dropped = None, self.dropped + 1
@@ -129,6 +132,12 @@ class TcpProxy:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
             s.close()
+
+    def freeze(self) -> None:
+        """The connections open now go silent without closing — what a NAT or a load
+        balancer that dropped them does; new connections pass."""
+        with self._lock:
+            self._frozen |= self._sockets
 
     def cut(self) -> None:
         if self._listener is not None:
