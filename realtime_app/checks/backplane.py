@@ -10,7 +10,7 @@ from django.core.checks import CheckMessage, Error
 
 from realtime_app.conf import get_config
 
-__all__ = ["check_backplane", "check_cluster", "check_postgres", "check_shards"]
+__all__ = ["check_backplane", "check_cluster", "check_shards"]
 
 
 def check_shards(value: Any) -> list[CheckMessage]:
@@ -100,6 +100,8 @@ def check_backplane(backplane: Any) -> list[CheckMessage]:
     if backplane in ("auto", "memory"):
         return []
     if backplane == "postgres":
+        from realtime_app.cluster.factory import check_postgres
+
         return check_postgres(get_config()["BACKPLANE_DATABASE"])
     if backplane == "redis":
         from realtime_app.cluster.hosts import uses_channels_redis
@@ -142,21 +144,3 @@ def check_backplane(backplane: Any) -> list[CheckMessage]:
             )
         ]
     return []
-
-
-def check_postgres(alias: Any) -> list[CheckMessage]:
-    """E016: ``BACKPLANE = "postgres"`` on a database alias that is not a PostgreSQL one,
-    or without psycopg 3."""
-    from realtime_app.cluster.factory import postgres_unusable
-
-    why = postgres_unusable(alias)
-    if why is None:
-        return []
-    return [
-        Error(
-            f"REALTIME_APP['BACKPLANE'] is 'postgres' but {why}.",
-            hint="Name a DATABASES alias whose ENGINE is django.db.backends.postgresql, install psycopg 3, then "
-            "run manage.py migrate on it (docs/postgres-backplane.md).",
-            id="realtime_app.E016",
-        )
-    ]

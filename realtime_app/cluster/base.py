@@ -39,7 +39,7 @@ from realtime_app.observability.logsafe import Outage
 from realtime_app.observability.schema import ShardProbe
 from realtime_app.wire.history import HistoryPolicy
 
-__all__ = ["PRESENCE_KEEP_MS", "Backplane", "Delivery", "Deliver", "delivery", "now_ms"]
+__all__ = ["PRESENCE_KEEP_MS", "Backplane", "Delivery", "Deliver", "Lineages", "delivery", "now_ms"]
 
 logger = logging.getLogger("realtime_app.backplane")
 
@@ -72,6 +72,18 @@ class Backplane(Broker, HistoryStore, PresenceStore, LeaseStore, OnceStore):
         """Each server the backplane uses, up or down (none for one process in memory)."""
         return []
 
+    def _cluster_settings(self, config: dict[str, Any] | None) -> dict[str, Any]:
+        """The settings every shared backplane keeps (prefix, lease, count and re-assert
+        lives), read once; the whole merged settings returned for the rest."""
+        from realtime_app.conf import with_defaults
+
+        settings = with_defaults(config)
+        self.prefix: str = settings["KEY_PREFIX"]
+        self.lease_ttl_ms: int = settings["LEASE_TTL_MS"]
+        self.seq_ttl_ms: int = settings["SEQ_IDLE_TTL_MS"]
+        self.reassert_ms: int = settings["REASSERT_INTERVAL_MS"]
+        return settings
+
     async def publish_once(
         self, channel: str, data_json: str, floor: int, history: HistoryPolicy, key: str, window_ms: int
     ) -> int | None:
@@ -81,6 +93,27 @@ class Backplane(Broker, HistoryStore, PresenceStore, LeaseStore, OnceStore):
     async def presence_alive(self, ttl_ms: int) -> tuple[int, bool] | None:
         """None: a process cannot be marked here (each part lives ``ttl_ms``, written every beat)."""
         return None
+
+
+class Lineages:
+    """The rules of a channel with history that every store keeping one shares: how long
+    its count and epoch live, and the probe's count of what it keeps."""
+
+    seq_ttl_ms: int
+    histories: dict[str, tuple[str, int]]
+
+    def _keep_ms(self, history: HistoryPolicy) -> int:
+        """How long a channel's count and epoch live (its lineage outlives its history)."""
+        from realtime_app.cluster.redis_scripts import KEEP_LINEAGE_MS
+
+        return max(self.seq_ttl_ms, history.ttl_ms, KEEP_LINEAGE_MS)
+
+    def _counted(self, channel: str, seq: Any, epoch: Any, history: HistoryPolicy) -> int:
+        """A kept publication's seq; the history's size counted (exactly again at each read)."""
+        epoch = epoch.decode() if isinstance(epoch, bytes) else str(epoch)
+        seen, kept = self.histories.get(channel, ("", 0))
+        self.histories[channel] = (epoch, min(history.size, kept + 1) if seen == epoch else 1)
+        return int(seq)
 
 
 def delivery(channel: str, data: bytes) -> Delivery:

@@ -10,7 +10,7 @@ from typing import Any
 
 from realtime_app.cluster.base import Backplane
 
-__all__ = ["backplane_class", "make_backplane", "postgres_unusable", "redis_backplane_class"]
+__all__ = ["backplane_class", "check_postgres", "make_backplane", "postgres_unusable", "redis_backplane_class"]
 
 
 def backplane_class() -> type[Backplane]:
@@ -101,3 +101,21 @@ def postgres_unusable(alias: Any) -> str | None:
     except ImportError:
         return "it needs psycopg 3 (pip install 'psycopg[binary]' or 'realtime-app[postgres]'), which is not installed"
     return None
+
+
+def check_postgres(alias: Any) -> list[Any]:
+    """E016: ``BACKPLANE = "postgres"`` on a database alias that is not a PostgreSQL one,
+    or without psycopg 3."""
+    from django.core.checks import Error
+
+    why = postgres_unusable(alias)
+    if why is None:
+        return []
+    return [
+        Error(
+            f"REALTIME_APP['BACKPLANE'] is 'postgres' but {why}.",
+            hint="Name a DATABASES alias whose ENGINE is django.db.backends.postgresql, install psycopg 3, then "
+            "run manage.py migrate on it (docs/postgres-backplane.md).",
+            id="realtime_app.E016",
+        )
+    ]

@@ -152,14 +152,14 @@ def check_postgres_budget(app_configs: Any = None, **kwargs: Any) -> list[CheckM
     Django's own) connections each, beside the superusers' reserve."""
     if not asked():
         return []
-    from realtime_app.checks.backplane import check_backplane
+    from realtime_app.cluster.factory import check_postgres
 
     config = get_config()
     if config["BACKPLANE"] != "postgres":
         return []
-    # `check --tag` runs this check alone: what the offline checks would say comes first
+    # `check --tag` runs this check alone: what the offline check would say comes first
     # (a database that is not PostgreSQL's is not connected to).
-    static = check_backplane("postgres")
+    static = check_postgres(config["BACKPLANE_DATABASE"])
     if static:
         return static
     from realtime_app.cluster.postgres_pool import connection_params, label

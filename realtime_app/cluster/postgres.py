@@ -77,13 +77,7 @@ class PostgresBackplane(PostgresStores, Backplane):
         params: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(instance_id=instance_id, config=config)
-        from realtime_app.conf import with_defaults
-
-        settings = with_defaults(config)
-        self.prefix: str = settings["KEY_PREFIX"]
-        self.lease_ttl_ms: int = settings["LEASE_TTL_MS"]
-        self.seq_ttl_ms: int = settings["SEQ_IDLE_TTL_MS"]
-        self.reassert_ms: int = settings["REASSERT_INTERVAL_MS"]
+        settings = self._cluster_settings(config)
         params = params if params is not None else connection_params(settings)
         self.address = label(params)
         self.pool = Pool(params, settings["POSTGRES_POOL_SIZE"], settings["POSTGRES_TIMEOUT_MS"] / 1000)
@@ -306,6 +300,10 @@ class PostgresBackplane(PostgresStores, Backplane):
                 pass
         except self.errors:  # an outage: the beat says it; the next prune comes
             pass
+        except Exception as exc:  # never a task that dies unheard
+            if type(exc) not in self._receive_errors:
+                self._receive_errors.add(type(exc))
+                logger.exception("pruning the backplane's tables failed; the next prune comes")
 
     # -- groups and publications -----------------------------------------------------
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from realtime_app.cluster.base import PRESENCE_KEEP_MS
-from realtime_app.cluster.redis_scripts import KEEP_LINEAGE_MS, READ_KEEP_MIN_MS
+from realtime_app.cluster.base import PRESENCE_KEEP_MS, Lineages
+from realtime_app.cluster.redis_scripts import READ_KEEP_MIN_MS
 from realtime_app.cluster.roles import now_ms
 from realtime_app.inbound.admission import retry_after_ms
 from realtime_app.observability.schema import ProcessProbe
@@ -21,7 +21,7 @@ from realtime_app.wire.protocol import notification_head
 __all__ = ["PostgresStores"]
 
 
-class PostgresStores:
+class PostgresStores(Lineages):
     """History, presence, leases, probes, shared buckets and calls run once, in the
     backplane's tables."""
 
@@ -42,15 +42,6 @@ class PostgresStores:
         raise NotImplementedError
 
     # -- history ----------------------------------------------------------------------
-
-    def _keep_ms(self, history: HistoryPolicy) -> int:
-        """How long a channel's count and epoch live (its lineage outlives its history)."""
-        return max(self.seq_ttl_ms, history.ttl_ms, KEEP_LINEAGE_MS)
-
-    def _counted(self, channel: str, seq: int, epoch: str, history: HistoryPolicy) -> int:
-        seen, kept = self.histories.get(channel, ("", 0))
-        self.histories[channel] = (epoch, min(history.size, kept + 1) if seen == epoch else 1)
-        return seq
 
     async def publish_kept(self, channel: str, head: str, floor: int, history: HistoryPolicy) -> int:
         """Number, keep and notify one publication of a channel with history."""

@@ -74,13 +74,7 @@ class RedisBackplane(RedisPresence, RedisLeases, RedisOnce, Backplane):
         hosts: list[dict[str, Any]] | None = None,
     ) -> None:
         super().__init__(instance_id=instance_id, config=config)
-        from realtime_app.conf import with_defaults
-
-        settings = with_defaults(config)
-        self.prefix: str = settings["KEY_PREFIX"]
-        self.lease_ttl_ms: int = settings["LEASE_TTL_MS"]
-        self.seq_ttl_ms: int = settings["SEQ_IDLE_TTL_MS"]
-        self.reassert_ms: int = settings["REASSERT_INTERVAL_MS"]
+        settings = self._cluster_settings(config)
         host = (hosts or shard_hosts(settings) or [{}])[0]
         self.address = host_label(host)
         self.redis = redis if redis is not None else redis_client(settings, host)

@@ -7,13 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 from realtime_app.cluster import redis_scripts as scripts
+from realtime_app.cluster.base import Lineages
 from realtime_app.cluster.redis_scripts import text
 from realtime_app.wire.history import PAGE, PAGE_BYTES, HistoryEntry, HistoryPolicy, HistoryRead, Since, epoch_suffix
 
 __all__ = ["RedisHistory", "entries"]
 
 
-class RedisHistory:
+class RedisHistory(Lineages):
     """``history`` and ``history_page`` of one Redis server, and the keys they share with
     a kept publication."""
 
@@ -32,17 +33,6 @@ class RedisHistory:
             self.key("history", channel),
             self.key("history-largest", channel),
         ]
-
-    def _keep_ms(self, history: HistoryPolicy) -> int:
-        """How long a channel's seq, epoch and history keys live (its lineage outlives its history)."""
-        return max(self.seq_ttl_ms, history.ttl_ms, scripts.KEEP_LINEAGE_MS)
-
-    def _counted(self, channel: str, seq_: Any, epoch_: Any, history: HistoryPolicy) -> int:
-        """A kept publication's seq; the history's size counted (exactly again at each read)."""
-        seq, epoch = int(seq_), text(epoch_)
-        seen, kept = self.histories.get(channel, ("", 0))
-        self.histories[channel] = (epoch, min(history.size, kept + 1) if seen == epoch else 1)
-        return seq
 
     async def history(
         self, channel: str, policy: HistoryPolicy, since: Since | None = None, floor: int = 0
