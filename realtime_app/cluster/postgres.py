@@ -230,9 +230,10 @@ class PostgresBackplane(PostgresStores, Backplane):
             raise
 
     async def _run_commands(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        """Run the waiting commands in order; each caller is answered (a caller cancelled
-        meanwhile is skipped, its command run all the same: LISTEN and UNLISTEN are
-        idempotent). On a failure what was not run waits again, for the next connection."""
+        """Run the waiting commands in order and answer each caller. A command whose caller
+        was cancelled before it ran is skipped (the hub's next beat asks again); one whose
+        caller is cancelled while it runs is finished and the caller left alone. On a
+        failure the command not run waits again, for the next connection."""
         while self._commands:
             verb, names, future = self._commands[0]
             if not future.done():
