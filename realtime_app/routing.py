@@ -90,6 +90,10 @@ class MetricsShortcut:
       that keeps failing (:class:`~realtime_app.endpoint.doors.PublishDoor`), so a
       keyless flood costs a header comparison.
 
+    * ``GET /realtime/sse`` (Server-Sent Events) and ``POST /realtime/rpc`` (JSON-RPC over
+      HTTP): the socket's endpoint over HTTP (docs/sse.md), under the same auth as the
+      socket (this module's :func:`AuthMiddlewareStack`: the session cookie or a Bearer).
+
     The same bytes as the views. Anything else goes to the wrapped application unchanged."""
 
     def __init__(self, app: ASGIApp) -> None:
@@ -142,7 +146,23 @@ class MetricsShortcut:
         header = next((v for k, v in scope.get("headers", ()) if k.lower() == b"authorization"), b"")
         return hmac.compare_digest(header, f"Bearer {token}".encode())
 
+    async def _endpoint(self, scope: Scope, receive: Receive, send: Send) -> bool:
+        """Serve the event stream or the HTTP RPC when ``scope`` asks for one."""
+        path = _below_root(scope)
+        if not path or path not in (self._path_of("sse"), self._path_of("rpc")):
+            return False
+        from realtime_app.endpoint.auth import authenticated
+
+        if path == self._path_of("sse"):
+            from realtime_app.endpoint.sse import EventStreamConsumer as consumer
+        else:
+            from realtime_app.endpoint.http_rpc import HttpRpcConsumer as consumer  # type: ignore[assignment]
+        await consumer()(await authenticated(scope), receive, send)
+        return True
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") == "http" and await self._endpoint(scope, receive, send):
+            return
         if scope.get("type") == "http" and (answer := self._door(scope)) is not None:
             from realtime_app.endpoint.doors import encode_answer
 

@@ -13,4 +13,6 @@ urlpatterns = [
     path("api/token", views.issue_token, name="token"),
     path("api/publish", views.publish_api, name="publish"),
     path("ready", views.ready, name="ready"),
+    path("sse", views.http_endpoint, name="sse"),  # served by realtime_app.routing.MetricsShortcut
+    path("rpc", views.http_endpoint, name="rpc"),
 ]

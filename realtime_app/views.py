@@ -10,13 +10,13 @@ import logging
 
 from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, JsonResponse
 
-from realtime_app.conf.runtime import settings
+from realtime_app.conf.runtime import runtime, settings
 from realtime_app.exceptions import BackplaneUnavailable
 from realtime_app.observability.logsafe import safe
 from realtime_app.observability.probes import served_probe
 from realtime_app.wire.protocol import MAX_DEPTH, scan
 
-__all__ = ["close_connection", "health", "issue_token", "metrics", "publish_api", "ready"]
+__all__ = ["close_connection", "health", "http_endpoint", "issue_token", "metrics", "publish_api", "ready"]
 
 logger = logging.getLogger("realtime_app.consumers")
 
@@ -228,3 +228,17 @@ async def ready(request: HttpRequest) -> HttpResponse:
 
     status, body, _ = readiness()
     return JsonResponse(body, status=status)
+
+
+async def http_endpoint(request: HttpRequest) -> HttpResponse:
+    """``/realtime/sse`` and ``/realtime/rpc`` reached Django: the project's HTTP
+    application is not wrapped in ``realtime_app.routing.MetricsShortcut``, which serves
+    them (a stream must reach past Django to the server's transport). Say so, once."""
+    if runtime().first_time("http endpoint unrouted"):
+        logger.error(
+            "%s reached Django: wrap the project's HTTP application in realtime_app.routing.MetricsShortcut "
+            "(docs/sse.md) to serve Server-Sent Events and JSON-RPC over HTTP",
+            safe(request.path),
+        )
+    body = {"error": "not served here: wrap the HTTP application in realtime_app.routing.MetricsShortcut"}
+    return JsonResponse(body, status=501)

@@ -20,7 +20,7 @@ from realtime_app.endpoint.tokens import AUTH_STACK, AUTH_UNAVAILABLE, USER_FROM
 from realtime_app.observability.logsafe import safe
 from realtime_app.wire.asgi import Receive, Scope, Send
 
-__all__ = ["AUTH_STACK", "AUTH_UNAVAILABLE", "AuthMiddleware", "AuthMiddlewareStack", "AuthStack"]
+__all__ = ["AUTH_STACK", "AUTH_UNAVAILABLE", "AuthMiddleware", "AuthMiddlewareStack", "AuthStack", "authenticated"]
 
 
 class AuthMiddleware(ChannelsAuthMiddleware):  # type: ignore[misc]
@@ -56,11 +56,17 @@ class AuthStack:
         if scope.get("type") != "websocket" or "headers" not in scope:
             await self.layers(scope, receive, send)
             return
-        outer = "user" in scope and _signed_in_user(scope["user"])  # set further out: it stands
-        scope = await _signed_in(scope)
-        if outer:
-            scope[USER_FROM_OUTSIDE] = True  # re-validated by its key, not by the cookie's session
-        await self.inner(await with_token(scope, outer), receive, send)
+        await self.inner(await authenticated(scope), receive, send)
+
+
+async def authenticated(scope: Scope) -> Scope:
+    """A handshake's (or an event stream's, an HTTP RPC's) scope with its cookies, session
+    and user, then its Bearer token read: what :class:`AuthStack` gives a WebSocket."""
+    outer = "user" in scope and _signed_in_user(scope["user"])  # set further out: it stands
+    scope = await _signed_in(scope)
+    if outer:
+        scope[USER_FROM_OUTSIDE] = True  # re-validated by its key, not by the cookie's session
+    return await with_token(scope, outer)
 
 
 def _signed_in_user(user: Any) -> bool:

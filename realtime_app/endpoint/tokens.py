@@ -222,7 +222,7 @@ async def with_token(scope: Scope, outer_user: bool = False) -> Scope:
     header is left to it. Marks the scope
     :data:`AUTH_STACK`: the header was read."""
     scope = {**scope, AUTH_STACK: True}
-    token = bearer(scope) if scope.get("type") == "websocket" else None
+    token = bearer(scope) if scope.get("type") in ("websocket", "http") else None
     if token is None or outer_user:
         return scope
     from channels.db import database_sync_to_async

@@ -9,6 +9,7 @@ from __future__ import annotations
 from realtime_app.endpoint.drain import install_drain
 from realtime_app.endpoint.operator import on_close_message
 from realtime_app.endpoint.sessions import on_logout_message, revalidation_loop
+from realtime_app.endpoint.sse import heartbeat_loop
 from realtime_app.endpoint.sweeps import install_sweeps
 from realtime_app.hub.core import HubParts
 from realtime_app.hub.fanout import drain_held
@@ -26,6 +27,7 @@ def parts() -> HubParts:
             "realtime-outbox": drain_outbox,
             "realtime-drain": install_drain,
             "realtime-sweeps": install_sweeps,
+            "realtime-sse-heartbeat": heartbeat_loop,
         },
         handlers={"logout": on_logout_message, "close_connection": on_close_message},
     )

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from realtime_app.conf.runtime import runtime
+from realtime_app.outbound.base import Transport
 from realtime_app.outbound.guard import Guard
 from realtime_app.wire.asgi import Scope, Send
 
@@ -27,7 +28,7 @@ def _next_id() -> int:
 
 @dataclass(eq=False, slots=True)
 class Connection:
-    """One WebSocket connection: its guarded transport, its identity, its channels."""
+    """One connection (a WebSocket, an SSE stream): its guarded transport, its identity, its channels."""
 
     send: Send
     scope: Scope = field(default_factory=dict, repr=False)
@@ -49,6 +50,8 @@ class Connection:
     #: its first subscribe to one (``realtime_app.hub.presence.member_of``).
     member: tuple[str | None, Any] | None = None
     guard: Guard = field(init=False, repr=False)
+    #: The transport when it is not the server's socket behind ``send`` (an SSE stream's).
+    transport: InitVar[Transport | None] = None
 
-    def __post_init__(self) -> None:
-        self.guard = Guard(self.send)
+    def __post_init__(self, transport: Transport | None) -> None:
+        self.guard = Guard(self.send, transport=transport)

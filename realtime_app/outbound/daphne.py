@@ -23,7 +23,16 @@ from realtime_app.conf.runtime import runtime
 from realtime_app.outbound.base import Transport, UnsupportedServer, kernel_queue
 from realtime_app.wire.asgi import Send
 
-__all__ = ["TESTED", "DaphneFence", "DaphneTransport", "daphne_protocol", "internals_tested", "untested"]
+__all__ = [
+    "TESTED",
+    "DaphneFence",
+    "DaphneHttpSink",
+    "DaphneTransport",
+    "daphne_protocol",
+    "daphne_request",
+    "internals_tested",
+    "untested",
+]
 
 logger = logging.getLogger("realtime_app.backpressure")
 
@@ -77,6 +86,72 @@ def daphne_protocol(send: Send) -> Any | None:
     return None
 
 
+def daphne_request(send: Send) -> Any | None:
+    """daphne's HTTP request of a response being streamed, from the server's ``send``."""
+    if isinstance(send, functools.partial) and send.args:
+        request = send.args[0]
+        if hasattr(request, "handle_reply") and hasattr(request, "channel") and not hasattr(request, "sendCloseFrame"):
+            return request
+    return None
+
+
+def _layers(top: Any) -> tuple[Any, Any]:
+    """(TLS layer or None, Twisted's TCP transport) under a protocol's ``transport``."""
+    tls = top if hasattr(top, "_appSendBuffer") else None
+    tcp = top.transport if tls is not None else top
+    if not hasattr(tcp, "_tempDataLen"):
+        raise UnsupportedServer(top)
+    return tls, tcp
+
+
+def _queued(tls: Any, tcp: Any, fileno: int) -> int:
+    """Bytes Twisted holds for a connection (TLS's pre-handshake buffer included) and
+    the kernel's send queue."""
+    queued: int = len(tcp.dataBuffer) - tcp.offset + tcp._tempDataLen + kernel_queue(fileno)
+    if tls is not None and tls._appSendBuffer:
+        queued += sum(len(b) for b in tls._appSendBuffer)
+    return queued
+
+
+def _fileno(tcp: Any) -> int:
+    try:
+        return int(tcp.fileno())
+    except Exception:
+        return -1
+
+
+class DaphneHttpSink:
+    """The body of one streamed HTTP response under daphne: written with daphne's own
+    ``handle_reply`` (synchronous, what the ASGI ``send`` does), its bytes read where
+    the socket's are."""
+
+    measurable = True
+
+    def __init__(self, request: Any) -> None:
+        self.request = request
+        self.top = request.channel.transport
+        self.tls, self.tcp = _layers(self.top)
+        self.kind = "daphne-tls" if self.tls is not None else "daphne"
+        self.fileno = _fileno(self.tcp)
+
+    def buffered(self) -> int:
+        return _queued(self.tls, self.tcp, self.fileno)
+
+    def write(self, data: bytes) -> bool:
+        request = self.request
+        if request.finished or request.channel is None:
+            return False
+        request.handle_reply({"type": "http.response.body", "body": data, "more_body": True})
+        return True
+
+    def abort(self) -> None:
+        if self.tcp.connected:
+            self.tcp.abortConnection()
+
+    def pause_reading(self, seconds: float) -> None:
+        pass  # a stream reads nothing after its request
+
+
 def _prepared(factory: Any, payload: bytes, frame: bytes) -> Any:
     """autobahn's public ``PreparedMessage`` of a publication, built once for all of this
     process's connections (the hub hands every subscriber the same ``frame`` object)."""
@@ -99,27 +174,19 @@ class DaphneTransport(Transport):
         self.protocol = protocol
         self._open = protocol.STATE_OPEN
         # Walk down to Twisted's TCP transport: through TLS when there is one.
-        top = protocol.transport
-        self.tls = top if hasattr(top, "_appSendBuffer") else None
-        self.tcp = top.transport if self.tls is not None else top
+        try:
+            self.tls, self.tcp = _layers(protocol.transport)
+        except UnsupportedServer:
+            raise UnsupportedServer(protocol) from None
         if self.tls is not None:
             self.kind = "daphne-tls"
-        if not hasattr(self.tcp, "_tempDataLen"):
-            raise UnsupportedServer(protocol)
-        try:
-            self.fileno = self.tcp.fileno()
-        except Exception:
-            self.fileno = -1
+        self.fileno = _fileno(self.tcp)
         self._direct: bool | None = None  # decided at the first write, once the handshake is done
         # Plain TCP: a frame may go to the socket at once while Twisted holds nothing for it.
         self.sock = getattr(self.tcp, "socket", None) if self.tls is None else None
 
     def buffered(self) -> int:
-        tcp = self.tcp
-        queued: int = len(tcp.dataBuffer) - tcp.offset + tcp._tempDataLen + kernel_queue(self.fileno)
-        if self.tls is not None and self.tls._appSendBuffer:
-            queued += sum(len(b) for b in self.tls._appSendBuffer)
-        return queued
+        return _queued(self.tls, self.tcp, self.fileno)
 
     def _can_write_frames(self) -> bool:
         """True when autobahn would put exactly :func:`text_frame` on the wire: no

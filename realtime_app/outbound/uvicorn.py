@@ -10,7 +10,7 @@ from typing import Any
 
 from realtime_app.outbound.base import Transport, kernel_queue
 
-__all__ = ["TESTED", "UvicornTransport", "untested", "uvicorn_protocol"]
+__all__ = ["TESTED", "UvicornHttpSink", "UvicornTransport", "untested", "uvicorn_cycle", "uvicorn_protocol"]
 
 #: The series whose private names this module was tested against (the ``uvicorn`` extra bounds it).
 TESTED = {"uvicorn": ("0.54",)}
@@ -79,3 +79,52 @@ class UvicornTransport(Transport):
                 transport.resume_reading()
 
         self.protocol.loop.call_later(seconds, resume)
+
+
+def uvicorn_cycle(owner: Any) -> bool:
+    """True when ``owner`` is uvicorn's HTTP request-response cycle (httptools or h11)."""
+    return (
+        owner is not None
+        and hasattr(owner, "transport")
+        and hasattr(owner, "flow")
+        and hasattr(owner, "response_complete")
+        and hasattr(owner, "chunked_encoding")
+    )
+
+
+class UvicornHttpSink:
+    """The body of one streamed HTTP response under uvicorn: framed as its own ``send``
+    frames it (chunked, or through h11), written without awaiting its flow control."""
+
+    kind = "uvicorn"
+    measurable = True
+
+    def __init__(self, cycle: Any) -> None:
+        self.cycle = cycle
+        self.transport = cycle.transport
+        sock = self.transport.get_extra_info("socket")
+        self.fileno = sock.fileno() if sock is not None else -1
+        self.h11 = getattr(cycle, "conn", None)  # the h11 implementation's state machine
+
+    def buffered(self) -> int:
+        return int(self.transport.get_write_buffer_size()) + kernel_queue(self.fileno)
+
+    def write(self, data: bytes) -> bool:
+        cycle = self.cycle
+        if cycle.disconnected or cycle.response_complete or self.transport.is_closing():
+            return False
+        if self.h11 is not None:
+            import h11
+
+            self.transport.write(self.h11.send(h11.Data(data=data)))
+        elif cycle.chunked_encoding:
+            self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        else:
+            self.transport.write(data)
+        return True
+
+    def abort(self) -> None:
+        self.transport.abort()
+
+    def pause_reading(self, seconds: float) -> None:
+        pass  # a stream reads nothing after its request

@@ -1,0 +1,338 @@
+"""A Server-Sent Events response as a connection's transport.
+
+The hub writes a publication to every subscriber as the JSON-RPC ``message``
+notification it builds once; :class:`EventStream` turns it into one event,
+``event: <channel>`` / ``id: <positions>`` / ``data: <params>`` (the event's body is
+built once per publication, as the WebSocket frame is: only the ``id`` line is the
+stream's own). The ``id`` is the stream's place on every channel with history,
+``{"channel": [seq, "epoch"], ...}``: a reconnect sends it back as ``Last-Event-ID``
+and gets what it missed, once, in order (:func:`parse_positions`).
+
+What a socket would get as a gap or a close is said in the stream itself:
+
+* a channel's history could not fill a gap, or was replaced: ``event: realtime.resync``
+  with ``{"channel", "epoch", "seq", "reason"}``, before the next frame;
+* a frame of a channel with history was dropped by the guard (the client reads too
+  slowly): the stream ends, so that the client's reconnect resumes where it was;
+* the stream is closed (backpressure, logout, revoked rights, a drain): a final
+  ``event: realtime.close`` with ``{"code", "reason"}`` (the WebSocket close codes).
+
+Bytes go to a :class:`Sink`: the server's own HTTP transport under daphne and uvicorn
+(:mod:`.daphne`, :mod:`.uvicorn`: the bytes queued are read as for a socket, so the guard
+bounds a stream as it bounds a socket), an in-memory queue under the Channels test
+communicator, plain ASGI messages elsewhere (nothing measured).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections import deque
+from typing import Any, Protocol
+
+from realtime_app.outbound.base import Transport, UnsupportedServer, server_send
+from realtime_app.wire.asgi import Send
+from realtime_app.wire.history import newer_epoch
+
+__all__ = [
+    "CLOSE_EVENT",
+    "RESYNC_EVENT",
+    "EventStream",
+    "Sink",
+    "parse_positions",
+    "sink_for",
+]
+
+CLOSE_EVENT = "realtime.close"
+RESYNC_EVENT = "realtime.resync"
+#: ``Last-Event-ID`` read at most this long (a stream's positions on its channels).
+MAX_LAST_EVENT_ID = 16 * 1024
+
+Positions = dict[str, tuple[str, int]]  # channel -> (epoch, seq)
+
+_MESSAGE = b'{"jsonrpc":"2.0","method":"message","params":'
+_TAIL = re.compile(rb',"seq":(\d+)(?:,"epoch":"([0-9A-Za-z_.-]*)")?,"ts":\d+\}$')
+_decode = json.JSONDecoder().raw_decode
+
+
+class Sink(Protocol):
+    """Where a stream's bytes go: the response body of one HTTP request."""
+
+    kind: str
+    measurable: bool
+
+    def buffered(self) -> int: ...
+    def write(self, data: bytes) -> bool: ...
+    def abort(self) -> None: ...
+    def pause_reading(self, seconds: float) -> None: ...
+
+
+class Publication:
+    """One ``message`` notification read once for every stream: its channel, its
+    position (channels with history) and its event without the ``id`` line."""
+
+    __slots__ = ("body", "channel", "epoch", "seq")
+
+    def __init__(self, payload: bytes) -> None:
+        params = payload[len(_MESSAGE) : -1]
+        text = params.decode("utf-8")
+        channel, _ = _decode(text, text.index(":") + 1)
+        self.channel: str = channel
+        tail = _TAIL.search(params)
+        self.seq = int(tail.group(1)) if tail else 0
+        self.epoch = tail.group(2).decode("ascii") if tail and tail.group(2) is not None else None
+        self.body = b"event: " + _line(channel) + b"\ndata: " + params + b"\n\n"
+
+
+_last: list[Any] = [None, None]  # the payload last read and its Publication: one read per publication
+
+
+def publication(payload: bytes) -> Publication:
+    if _last[0] is not payload:
+        _last[0], _last[1] = payload, Publication(payload)
+    result: Publication = _last[1]
+    return result
+
+
+def _line(text: str) -> bytes:
+    """``text`` as one line of an event (what could end the line is escaped)."""
+    return text.replace("\r", "\\r").replace("\n", "\\n").encode("utf-8", "surrogatepass")
+
+
+def event(name: str, data: Any, event_id: bytes | None = None) -> bytes:
+    """One event named ``name`` with ``data`` as JSON (no newline: JSON escapes them)."""
+    head = b"id: " + event_id + b"\n" if event_id is not None else b""
+    body = json.dumps(data, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    return head + b"event: " + _line(name) + b"\ndata: " + body + b"\n\n"
+
+
+def encode_positions(positions: Positions) -> bytes:
+    """The ``id`` of a stream at ``positions`` (``-``: nothing to resume from)."""
+    if not positions:
+        return b"-"
+    data = {channel: [seq, epoch] for channel, (epoch, seq) in positions.items()}
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+def parse_positions(text: str | None) -> Positions:
+    """A ``Last-Event-ID`` back into positions; what is not one of ours reads as none."""
+    if not text or text == "-" or len(text) > MAX_LAST_EVENT_ID:
+        return {}
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    out: Positions = {}
+    for channel, value in data.items():
+        if (
+            isinstance(value, list)
+            and len(value) == 2
+            and isinstance(value[0], int)
+            and not isinstance(value[0], bool)
+            and 0 <= value[0] < 2**53
+            and isinstance(value[1], str)
+            and 0 < len(value[1]) <= 64
+        ):
+            out[channel] = (value[1], value[0])
+    return out
+
+
+class EventStream(Transport):
+    """One SSE response as the hub sees a connection's transport.
+
+    ``positions``: where the client says it is (its ``Last-Event-ID``); channels being
+    subscribed are ``settling`` (:meth:`settling`, :meth:`settled`) until their
+    subscribe answered: a jump there is history that could not fill the gap (a resync
+    event), a jump elsewhere a frame the guard dropped (the stream ends)."""
+
+    def __init__(self, sink: Sink, positions: Positions | None = None) -> None:
+        self.sink = sink
+        self.kind = f"sse-{sink.kind}"
+        self.measurable = sink.measurable
+        self.positions: Positions = dict(positions or {})
+        self._settling: set[str] = set()
+        self._id = encode_positions(self.positions)
+        self.started = False  # the response's head is sent: bytes may follow
+        self.closed = False
+        self.final: tuple[int, str] | None = None  # the close's (code, reason)
+        self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.drain_s = 0.0
+        self.events = 0
+
+    def open(self, retry_ms: int) -> None:
+        """The response's head was sent: the stream starts with the client's ``retry``."""
+        self.started = True
+        self.sink.write(b"retry: %d\n\n" % retry_ms)
+
+    def buffered(self) -> int:
+        return self.sink.buffered()
+
+    def write(self, payload: bytes, frame: bytes | None = None) -> bool:
+        if self.closed or not self.started:
+            return False
+        if not payload.startswith(_MESSAGE):
+            return self._notice(payload)
+        pub = publication(payload)
+        if pub.epoch is not None and not self._advance(pub.channel, pub.epoch, pub.seq):
+            return not self.closed
+        self.events += 1
+        return self.sink.write(b"id: " + self._id + b"\n" + pub.body)
+
+    def _advance(self, channel: str, epoch: str, seq: int) -> bool:
+        """Move the stream's position on ``channel``; False when the frame is not sent."""
+        at = self.positions.get(channel)
+        if at is not None:
+            if epoch == at[0]:
+                if seq <= at[1]:
+                    return False  # had it already
+                if seq > at[1] + 1:
+                    if channel not in self._settling:  # dropped by the guard: resume on reconnect
+                        self.close(1013, "backpressure", self.drain_s)
+                        return False
+                    self.resync(channel, epoch, seq - 1, "too_old")
+            elif newer_epoch(epoch, at[0]):
+                self.resync(channel, epoch, seq - 1, "epoch_changed")
+            else:
+                return False  # a late frame of a history that was replaced
+        self.positions[channel] = (epoch, seq)
+        self._id = encode_positions(self.positions)
+        return True
+
+    def settling(self, channel: str) -> None:
+        """``channel`` is being subscribed (or resumed): its first frames may jump."""
+        self._settling.add(channel)
+
+    def settled(self, channel: str, answer: dict[str, Any]) -> None:
+        """``channel``'s subscribe answered ``answer``: a resume that failed is said as a
+        resync (unless a frame said it already); the position is at least the answer's."""
+        self._settling.discard(channel)
+        epoch, top = answer.get("epoch"), answer.get("seq")
+        if not isinstance(epoch, str) or not isinstance(top, int):
+            return
+        at = self.positions.get(channel)
+        if at is not None and (at[0] == epoch and at[1] >= top or newer_epoch(at[0], epoch)):
+            return
+        if at is not None and answer.get("recovered") is False:
+            self.resync(channel, epoch, top, str(answer.get("reason", "too_old")))
+        self.positions[channel] = (epoch, top)
+        self._id = encode_positions(self.positions)
+
+    def resync(self, channel: str, epoch: str, seq: int, reason: str) -> None:
+        """Tell the client its state of ``channel`` cannot be caught up: reload it."""
+        data = {"channel": channel, "epoch": epoch, "seq": seq, "reason": reason}
+        self.sink.write(event(RESYNC_EVENT, data))
+
+    def send_event(self, name: str, data: Any) -> bool:
+        """A control event of this stream (the subscribe answers, an error)."""
+        return self.started and not self.closed and self.sink.write(event(name, data))
+
+    def comment(self) -> bool:
+        """A heartbeat: a comment line, which keeps proxies and the client's timer quiet."""
+        return self.started and not self.closed and self.sink.write(b":\n\n")
+
+    def _notice(self, payload: bytes) -> bool:
+        """Another notification (``token_expiring``, ``presence``): ``realtime.<method>``."""
+        try:
+            message = json.loads(payload)
+        except ValueError:
+            return True
+        method = message.get("method") if isinstance(message, dict) else None
+        if not isinstance(method, str):
+            return True  # a response: nothing asks over a stream
+        return self.sink.write(event(f"realtime.{method}", message.get("params")))
+
+    def close(self, code: int, reason: str, drain_s: float) -> None:
+        """The final event, then the end of the response (the consumer writes it: it owns
+        the ASGI ``send``); what is queued gets ``drain_s`` to reach the client."""
+        if self.closed:
+            return
+        self.closed = True
+        self.final = (int(code), reason)
+        self.drain_s = drain_s
+        if self.started:
+            self.sink.write(event(CLOSE_EVENT, {"code": int(code), "reason": reason}))
+        if not self.ended.done():
+            self.ended.set_result(None)
+
+    def pause_reading(self, seconds: float) -> None:
+        self.sink.pause_reading(seconds)
+
+
+class QueueSink:
+    """Channels' ``ApplicationCommunicator``: body messages go to its queue."""
+
+    kind = "memory"
+    measurable = False
+
+    def __init__(self, send: Any) -> None:
+        self.put = send.__self__.put_nowait
+
+    def buffered(self) -> int:
+        return 0
+
+    def write(self, data: bytes) -> bool:
+        self.put({"type": "http.response.body", "body": data, "more_body": True})
+        return True
+
+    def abort(self) -> None:
+        pass
+
+    def pause_reading(self, seconds: float) -> None:
+        pass
+
+
+class AsgiSink:
+    """Any other server: body messages through ASGI, in order, nothing measured."""
+
+    kind = "asgi"
+    measurable = False
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.queue: deque[bytes] = deque()
+        self.task: asyncio.Task[None] | None = None
+
+    def buffered(self) -> int:
+        return sum(len(b) for b in self.queue)
+
+    def write(self, data: bytes) -> bool:
+        self.queue.append(data)
+        if self.task is None or self.task.done():
+            self.task = asyncio.ensure_future(self._pump())
+        return True
+
+    async def _pump(self) -> None:
+        while self.queue:
+            await self.send({"type": "http.response.body", "body": self.queue.popleft(), "more_body": True})
+
+    def abort(self) -> None:
+        self.queue.clear()
+        if self.task is not None:
+            self.task.cancel()
+
+    def pause_reading(self, seconds: float) -> None:
+        pass
+
+
+def sink_for(send: Send, *, require_measurable: bool = False) -> Sink:
+    """The sink of the server behind ``send`` (after ``http.response.start``)."""
+    from realtime_app.outbound.daphne import daphne_request
+    from realtime_app.outbound.uvicorn import UvicornHttpSink, uvicorn_cycle
+
+    raw = server_send(send)
+    request = daphne_request(raw)
+    if request is not None:
+        from realtime_app.outbound.daphne import DaphneHttpSink
+
+        return DaphneHttpSink(request)
+    owner = getattr(raw, "__self__", None)
+    if isinstance(owner, asyncio.Queue):
+        return QueueSink(raw)
+    if uvicorn_cycle(owner):
+        return UvicornHttpSink(owner)
+    if require_measurable:
+        raise UnsupportedServer(raw)
+    return AsgiSink(send)
