@@ -287,3 +287,57 @@ async def test_a_drain_ends_streams_with_the_restart_code(database):
     finally:
         stream.close()
         server.stop()
+
+
+async def test_a_dropped_frame_of_a_channel_with_history_ends_the_stream_and_the_reconnect_fills_the_gap(database):
+    key = "sse-test-key"
+    server = start(
+        database,
+        REALTIME_MAX_BACKPRESSURE=str(64 * 1024),
+        REALTIME_PUBLISH_API_KEYS=key,
+        REALTIME_CLOSE_AFTER_DROPS="1000000",
+    )
+    slow = SseStream(server.port, ["demo:events"])
+    try:
+        await slow.open()
+        await slow.read_until(lambda e: e.get("event") == "realtime.subscribed")
+        slow.pause()
+        blob = "x" * 3500
+        sent = []
+        for batch in range(9):  # ~3 MB of publications while the client reads nothing (within the history)
+            publications = [
+                {"channel": "demo:events", "data": {"n": batch * 100 + i, "blob": blob}} for i in range(100)
+            ]
+            status, body = await _publish_api(server.port, key, {"publications": publications})
+            assert status == 202, body
+            sent += [r["seq"] for r in body["results"]]
+        slow.resume()
+        events = await slow.read_to_end(30)
+        assert events[-1].get("event") == "realtime.close" and events[-1]["json"]["code"] == 1013
+        got = [e["json"]["seq"] for e in slow.publications()]
+        assert got == list(range(got[0], got[0] + len(got))) and len(got) < len(sent)  # no gap: it ended at the drop
+        again = SseStream(server.port, ["demo:events"], {"Last-Event-ID": slow.publications()[-1]["id"]})
+        try:
+            await again.open()
+            await again.read_until(lambda e: e.get("event") == "demo:events" and e["json"]["seq"] == sent[-1], 30)
+            assert got + [e["json"]["seq"] for e in again.publications()] == sent  # every one once, in order
+        finally:
+            again.close()
+    finally:
+        slow.close()
+        server.stop()
+
+
+async def _publish_api(port, key, body):
+    import urllib.request
+
+    def post():
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/realtime/api/publish",
+            data=json.dumps(body).encode(),
+            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+
+    return await asyncio.to_thread(post)

@@ -201,7 +201,7 @@ class EventStreamConsumer(RealtimeConsumer):
         except UnsupportedServer as exc:
             logger.error("refusing event streams: %s", exc)
             return await _answer(send, _closed_as(CloseCode.INTERNAL_ERROR, "unsupported server"))
-        stream = EventStream(sink, positions)
+        stream = EventStream(sink, positions, settings().close_drain_ms / 1000)
         conn = Connection(send, self.scope, transport=stream)
         conn.address = self.address()
         self.connection = conn
@@ -284,7 +284,8 @@ async def _end(send: Send, stream: EventStream) -> None:
     """End the response after the final event; a client that does not read what is still
     queued within ``CLOSE_DRAIN_MS`` is cut off."""
     try:
-        await asyncio.wait_for(send({"type": "http.response.body", "body": b"", "more_body": False}), stream.drain_s)
+        end = send({"type": "http.response.body", "body": b"", "more_body": False})
+        await asyncio.wait_for(end, max(stream.drain_s, 0.1))
     except (TimeoutError, OSError):
         stream.sink.abort()
         return

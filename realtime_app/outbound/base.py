@@ -89,6 +89,9 @@ class Transport:
         the connection is closing."""
         raise NotImplementedError
 
+    def dropped(self, payload: bytes) -> None:
+        """The guard dropped ``payload`` (a transport that must say a gap does it here)."""
+
     def close(self, code: int, reason: str, drain_s: float) -> None:
         """Send a close frame with any valid ``code``; give the client ``drain_s`` seconds
         to read what is queued before the connection is dropped."""

@@ -110,6 +110,8 @@ class Guard:
             self.transport.write(payload, frame)
         elif decision is CLOSE:
             self.close(CloseCode.TRY_AGAIN_LATER, BACKPRESSURE_REASON)
+        else:
+            self.transport.dropped(payload)
         if (queued or decision is not SEND or not self.measure) and self.watchlist is not None:
             self.watchlist.add(self.owner)
         return decision

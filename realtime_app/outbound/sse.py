@@ -148,7 +148,7 @@ class EventStream(Transport):
     subscribe answered: a jump there is history that could not fill the gap (a resync
     event), a jump elsewhere a frame the guard dropped (the stream ends)."""
 
-    def __init__(self, sink: Sink, positions: Positions | None = None) -> None:
+    def __init__(self, sink: Sink, positions: Positions | None = None, drain_s: float = 10.0) -> None:
         self.sink = sink
         self.kind = f"sse-{sink.kind}"
         self.measurable = sink.measurable
@@ -159,7 +159,7 @@ class EventStream(Transport):
         self.closed = False
         self.final: tuple[int, str] | None = None  # the close's (code, reason)
         self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.drain_s = 0.0
+        self.drain_s = drain_s  # CLOSE_DRAIN_MS: what a close of its own gives the client
         self.events = 0
 
     def open(self, retry_ms: int) -> None:
@@ -180,6 +180,12 @@ class EventStream(Transport):
             return not self.closed
         self.events += 1
         return self.sink.write(b"id: " + self._id + b"\n" + pub.body)
+
+    def dropped(self, payload: bytes) -> None:
+        """A frame of a channel with history dropped: the stream ends now (the client's
+        reconnect resumes from the last ``id`` it read), not at the next frame written."""
+        if not self.closed and payload.startswith(_MESSAGE) and publication(payload).epoch is not None:
+            self.close(1013, "backpressure", self.drain_s)
 
     def _advance(self, channel: str, epoch: str, seq: int) -> bool:
         """Move the stream's position on ``channel``; False when the frame is not sent."""
