@@ -85,6 +85,10 @@ class RealtimeClient:
             callable (sync or async) giving a new one when the server says it expires.
         call_timeout: seconds before a call fails; backoff_initial, backoff_max: reconnect
             delays in seconds (capped, jittered); connect_kwargs: to ``websockets.connect``.
+        transport: ``"websocket"``, or ``"sse"``: Server-Sent Events for what the server
+            pushes and JSON-RPC over HTTP for calls (``GET /realtime/sse``, ``POST
+            /realtime/rpc`` under the same URL; docs/sse.md) — for networks that break
+            WebSockets. Same features, except presence diffs and deltas (socket only).
     """
 
     def __init__(
@@ -98,8 +102,11 @@ class RealtimeClient:
         call_timeout: float = 10.0,
         backoff_initial: float = 0.5,
         backoff_max: float = 30.0,
+        transport: str = "websocket",
         **connect_kwargs: Any,
     ) -> None:
+        if transport not in ("websocket", "sse"):
+            raise ValueError(f'transport must be "websocket" or "sse", not {transport!r}')
         self.url = url
         self.origin = origin or f"{'https' if url.startswith('wss') else 'http'}://{url.split('/')[2]}"
         self.call_timeout, self.refresh_token = call_timeout, refresh_token
@@ -124,7 +131,8 @@ class RealtimeClient:
         self.session = ClientSession()
         hooks = Hooks(self._set_state, self._resubscribe, self._on_text, self._closed, partial(_renew, self))
         backoff = lambda: (self.backoff_initial, self.backoff_max)  # noqa: E731  (read at each reconnect)
-        self.socket = ReconnectingSocket(url, self.origin, headers, backoff, connect_kwargs, hooks)
+        self.transport = transport
+        self.socket = ReconnectingSocket(url, self.origin, headers, backoff, connect_kwargs, hooks, transport)
         self._answers: dict[int, asyncio.Future[Any]] = {}
         self._renewals: dict[str, list[asyncio.Future[Any]]] = {}  # subscribe()s a reconnect's renewal answers
         self._background: set[asyncio.Task[Any]] = set()

@@ -17,6 +17,7 @@ import websockets
 from websockets.typing import Origin
 
 from realtime_app.cancellation import cancel_and_wait
+from realtime_app.client.event_stream import StreamRefused, connect_event_stream
 
 __all__ = ["RECONNECT_CODES", "Hooks", "ReconnectingSocket", "is_reconnectable_close_code", "retry_after_ms"]
 
@@ -61,8 +62,10 @@ class ReconnectingSocket:
         backoff: Callable[[], tuple[float, float]],
         connect_kwargs: dict[str, Any],
         hooks: Hooks,
+        transport: str = "websocket",
     ) -> None:
         self.url, self.origin, self.headers = url, origin, headers
+        self.transport = transport  # "websocket", or "sse": Server-Sent Events and HTTP RPC
         self.backoff = backoff  # (initial, max) seconds, read at each reconnect
         self.connect_kwargs = connect_kwargs
         self._on_state, self._on_open, self._on_text, self._on_closed, self._on_expired = hooks
@@ -118,16 +121,22 @@ class ReconnectingSocket:
                 blip = told
             await asyncio.sleep(blip / 1000 if blip is not None else cap / 2 + random.random() * cap / 2)
 
+    def _connect(self) -> Any:
+        """The connection's context: a WebSocket, or the SSE transport."""
+        if self.transport == "sse":
+            return connect_event_stream(self.url, self.headers, self.connect_kwargs.get("ssl"))
+        return websockets.connect(
+            self.url,
+            origin=Origin(self.origin) if self.origin else None,
+            additional_headers=self.headers,
+            max_size=None,
+            **self.connect_kwargs,
+        )
+
     async def _session(self) -> tuple[int | None, str]:
         """One connection, from the handshake to its close: how it closed."""
         try:
-            async with websockets.connect(
-                self.url,
-                origin=Origin(self.origin) if self.origin else None,
-                additional_headers=self.headers,
-                max_size=None,
-                **self.connect_kwargs,
-            ) as ws:
+            async with self._connect() as ws:
                 self.ws = ws
                 self.attempt = 0
                 self.opened.set()
@@ -144,7 +153,15 @@ class ReconnectingSocket:
         except websockets.InvalidStatus as refused:  # 503 / 429: the server's 1013, before the accept
             status = refused.response.status_code
             return (1013 if status in (429, 503) else 4000 + status), f"handshake refused ({status})"
-        except (websockets.InvalidHandshake, OSError, EOFError) as error:  # unreachable, or cut: again
+        except StreamRefused as refused:  # the HTTP transport's door: as a handshake's
+            status = refused.status
+            return (1013 if status in (429, 503) else 4000 + status), f"refused ({status}): {refused.reason}"
+        except (
+            websockets.InvalidHandshake,
+            OSError,
+            EOFError,
+            asyncio.IncompleteReadError,
+        ) as error:  # unreachable, or cut: again
             return 1006, f"{type(error).__name__}: {error}"
         finally:
             self.ws = None

@@ -1,0 +1,104 @@
+"""The Python client with ``transport="sse"`` against a real daphne: the same calls,
+subscriptions, refusals, adaptive cadence and resumes as over a WebSocket; and the
+event-stream reader against the vectors the browser module passes too."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from realtime_app.client import RealtimeClient, bind_adaptive_channel
+from realtime_app.exceptions import RPCError
+from realtime_app.wire.event_stream import EventParser, translate
+from tests.support.servers import Server, login
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.timeout(90)
+
+VECTORS = json.loads((Path(__file__).parent / "vectors" / "event_stream.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def server(database):
+    s = Server({**database, "REDIS_URL": ""}).start()
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("case", VECTORS["cases"], ids=lambda c: c["name"])
+def test_the_event_stream_vectors(case):
+    parser = EventParser()
+    events = []
+    for chunk in case["chunks"]:
+        events += parser.feed(chunk)
+    assert [{"event": e.event, "data": e.data, "id": e.id} for e in events] == case["events"]
+    assert [list(translate(e)) for e in events] == case["translated"]
+    assert parser.retry_ms == case.get("retry_ms")
+
+
+async def test_calls_subscriptions_and_refusals_over_sse(server):
+    got: list[dict] = []
+    async with RealtimeClient(server.ws, transport="sse") as client:
+        assert await client.call("ping") == "pong"
+        answer = await client.subscribe("demo:events", got.append)
+        assert answer["channel"] == "demo:events" and "epoch" in answer
+        with pytest.raises(RPCError) as refused:
+            await client.subscribe("atelier:load", lambda _: None)
+        assert refused.value.reason == "forbidden_channel"
+        published = await client.call("publish", {"channel": "demo:events", "data": {"over": "sse"}})
+        await eventually(lambda: any(m["seq"] == published["seq"] for m in got))
+        assert got[-1]["data"] == {"over": "sse"} and got[-1]["channel"] == "demo:events"
+        with pytest.raises(RPCError) as unknown:
+            await client.call("no_such_method")
+        assert unknown.value.code == -32601
+
+
+async def test_a_session_client_calls_with_its_csrf_token(server):
+    cookie = login(server.http, "demo", "demo")
+    loads: list[dict] = []
+    async with RealtimeClient(server.ws, transport="sse", headers={"Cookie": cookie}) as client:
+        await client.subscribe("atelier:load:250", loads.append)  # signed in: allowed
+        await eventually(lambda: loads)
+        published = await client.call("publish", {"channel": "demo:events", "data": 1})  # CSRF sent for it
+        assert published["channel"] == "demo:events"
+
+
+async def test_the_adaptive_cadence_switches_by_reopening_the_stream(server):
+    received: list[str] = []
+    slow = {"on": False}
+
+    async def handler(params):
+        received.append(params["channel"])
+        if slow["on"]:
+            await asyncio.sleep(0.3)
+
+    async with RealtimeClient(server.ws, transport="sse") as client:
+        bound = await bind_adaptive_channel(client, "demo:clock", 100, handler, ladder=[100, 400], recovery_window=4)
+        await eventually(lambda: len(received) >= 5)
+        slow["on"] = True
+        await eventually(lambda: bound.interval_ms == 400)
+        switched = len(received)
+        await eventually(lambda: "demo:clock:400" in received[switched:])
+        slow["on"] = False
+        await bound.close()
+
+
+async def test_a_reconnect_resumes_every_publication_once_in_order(server):
+    got: list[int] = []
+    recovered: list[int] = []
+    async with (
+        RealtimeClient(server.ws, transport="sse") as client,
+        RealtimeClient(server.ws, transport="sse") as publisher,
+    ):
+        client.on_recovered.append(lambda channel, n: recovered.append(n))
+        await client.subscribe("demo:events", lambda m: got.append(m["seq"]))
+        first = await publisher.call("publish", {"channel": "demo:events", "data": 0})
+        await eventually(lambda: first["seq"] in got)
+        await client.reconnect(800)
+        seqs = [(await publisher.call("publish", {"channel": "demo:events", "data": n}))["seq"] for n in range(5)]
+        await eventually(lambda: seqs[-1] in got, 20)
+        assert got[got.index(first["seq"]) :] == [first["seq"], *seqs]  # every one once, in order
+        assert recovered and recovered[-1] >= 1
