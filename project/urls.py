@@ -14,6 +14,8 @@ urlpatterns = [
     path("realtime/", include("realtime_app.urls")),
     path("demo/room/<slug:name>/", views.room, name="demo-room"),
     path("demo/lot/<int:lot_id>/", views.lot, name="demo-lot"),
+    path("demo/sse/", views.sse, name="demo-sse"),
+    path("demo/htmx/", views.htmx, name="demo-htmx"),
     path("demo/heavy/", views.heavy, name="heavy"),  # in the pool "heavy" (settings.REALTIME_APP)
     path("demo/heavy-unlimited/", views.heavy, name="heavy-unlimited"),
 ]

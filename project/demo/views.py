@@ -27,6 +27,16 @@ def lot(request: HttpRequest, lot_id: int) -> HttpResponse:
     return render(request, "demo/lot.html", {"lot": state, "other": lot_id % 1000 + 1})
 
 
+def sse(request: HttpRequest) -> HttpResponse:
+    """The browser module over Server-Sent Events and HTTP RPC only (docs/sse.md)."""
+    return render(request, "demo/sse.html")
+
+
+def htmx(request: HttpRequest) -> HttpResponse:
+    """htmx's ``sse`` extension on ``/realtime/sse``: live values, no script of the page's own."""
+    return render(request, "demo/htmx.html")
+
+
 #: What one heavy request allocates and how long it holds it (SPEC §10).
 HEAVY_BYTES = 20 * 1024 * 1024
 HEAVY_HOLD_S = 0.2

@@ -329,6 +329,259 @@ export class EventCursor {
   }
 }
 
+/**
+ * A Server-Sent Events stream read as the WHATWG EventSource reads it (lines, data joined,
+ * id, retry, comments), fed text as it arrives (realtime_app.wire.event_stream.EventParser;
+ * tests/vectors/event_stream.json).
+ */
+export class EventParser {
+  constructor() { this.buffer = ""; this.lastId = null; this.retryMs = null; this._event = ""; this._data = []; }
+
+  /** @param {string} text @returns {{event: string, data: string, id: string|null}[]} */
+  feed(text) {
+    const out = [];
+    this.buffer += text;
+    for (;;) {
+      const lf = this.buffer.indexOf("\n"), cr = this.buffer.indexOf("\r");
+      if (lf === -1 && cr === -1) break;
+      let end, next;
+      if (cr === -1 || (lf !== -1 && lf < cr)) { end = lf; next = lf + 1; }
+      else if (cr + 1 === this.buffer.length) break; // maybe the first half of a CRLF
+      else { end = cr; next = this.buffer[cr + 1] === "\n" ? cr + 2 : cr + 1; }
+      const line = this.buffer.slice(0, end);
+      this.buffer = this.buffer.slice(next);
+      const event = this._line(line);
+      if (event) out.push(event);
+    }
+    return out;
+  }
+
+  _line(line) {
+    if (line === "") {
+      if (!this._data.length) { this._event = ""; return null; }
+      const event = { event: this._event || "message", data: this._data.join("\n"), id: this.lastId };
+      this._event = ""; this._data = [];
+      return event;
+    }
+    if (line.startsWith(":")) return null;
+    const colon = line.indexOf(":");
+    const name = colon === -1 ? line : line.slice(0, colon);
+    let value = colon === -1 ? "" : line.slice(colon + 1);
+    if (value.startsWith(" ")) value = value.slice(1);
+    if (name === "event") this._event = value;
+    else if (name === "data") this._data.push(value);
+    else if (name === "id" && !value.includes("\0")) this.lastId = value;
+    else if (name === "retry" && /^\d+$/.test(value)) this.retryMs = Number(value);
+    return null;
+  }
+}
+
+/**
+ * What an event of GET /realtime/sse is to the client, as a socket would have said it:
+ * ["frame", text], ["answer", result], ["refused", error], ["close", code, reason] or
+ * ["skip"] (realtime_app.wire.event_stream.translate).
+ */
+export function translateEvent(event) {
+  if (!event.event.startsWith("realtime.")) return ["frame", `{"jsonrpc":"2.0","method":"message","params":${event.data}}`];
+  let data;
+  try { data = JSON.parse(event.data); } catch { return ["skip"]; }
+  const kind = event.event.slice("realtime.".length);
+  if (kind === "subscribed") return ["answer", data];
+  if (kind === "error") return ["refused", data && typeof data === "object" && !Array.isArray(data) ? data.error : data];
+  if (kind === "close") {
+    const d = data && typeof data === "object" ? data : {};
+    return ["close", Number(d.code ?? 1006), String(d.reason ?? "")];
+  }
+  if (kind === "resync") return ["skip"];
+  return ["frame", JSON.stringify({ jsonrpc: "2.0", method: kind, params: data })];
+}
+
+function csrfToken() {
+  const cookie = globalThis.document ? globalThis.document.cookie || "" : "";
+  const found = cookie.split(";").map((part) => part.trim()).find((part) => part.startsWith("csrftoken="));
+  return found ? decodeURIComponent(found.slice("csrftoken=".length)) : null;
+}
+
+/**
+ * The endpoint over HTTP, with a WebSocket's face: GET /realtime/sse (read with fetch, so
+ * that it carries Last-Event-ID and a Bearer token) for what the server pushes, POST
+ * /realtime/rpc for calls (with the session's CSRF token). A subscribe or unsubscribe opens
+ * a stream with the new set of channels before the old one closes; its
+ * "realtime.subscribed" events answer the subscribes in order (docs/sse.md).
+ * (realtime_app.client.event_stream.EventStreamSocket.)
+ */
+export class SseSocket {
+  /** @param {string} url ws(s)://host/realtime/ or http(s)://… @param {{fetch?: Function, token?: string}} [options] */
+  constructor(url, options = {}) {
+    this.base = (url.startsWith("ws") ? "http" + url.slice(2) : url).replace(/\/?$/, "/");
+    this.fetch = options.fetch || globalThis.fetch.bind(globalThis);
+    this.token = options.token;
+    this.readyState = 0;
+    this.onopen = null; this.onmessage = null; this.onclose = null;
+    this._channels = new Map(); // requested name -> ids of its subscribes awaiting an answer
+    this._since = new Map(); // requested name -> the since its subscribe asked
+    this._positions = {}; // the stream's last id: canonical name -> [seq, epoch]
+    this._stream = null; // the AbortController of the stream being read
+    this._opening = false;
+    this._open();
+  }
+
+  _headers(extra = {}) {
+    const headers = { ...extra };
+    if (this.token) headers.Authorization = `Bearer ${this.token}`;
+    return headers;
+  }
+
+  async _open() {
+    try {
+      const response = await this.fetch(`${this.base}rpc`, {
+        method: "POST", credentials: "same-origin", body: JSON.stringify({ jsonrpc: "2.0", method: "ping" }),
+        headers: this._headers({ "Content-Type": "application/json", ...(csrfToken() ? { "X-CSRFToken": csrfToken() } : {}) }),
+      });
+      if (response.status !== 200 && response.status !== 204) {
+        return this._end(response.status === 429 || response.status === 503 ? 1013 : 4000 + response.status, `refused (${response.status})`);
+      }
+      if (this.readyState !== 0) return;
+      this.readyState = 1;
+      if (this.onopen) this.onopen({});
+    } catch (err) {
+      this._end(1006, String(err));
+    }
+  }
+
+  send(text) {
+    if (this.readyState !== 1) throw new Error("not open");
+    const message = JSON.parse(text);
+    const batch = Array.isArray(message);
+    const remote = [];
+    for (const request of batch ? message : [message]) {
+      const params = request && request.params;
+      const channel = params && typeof params === "object" ? params.channel : undefined;
+      if (request.method === "subscribe" && typeof channel === "string") {
+        if (!this._channels.has(channel)) this._channels.set(channel, []);
+        this._channels.get(channel).push(request.id);
+        if (params.since && typeof params.since === "object") this._since.set(channel, params.since);
+        this._changed();
+      } else if (request.method === "unsubscribe" && typeof channel === "string") {
+        const was = this._channels.delete(channel);
+        this._since.delete(channel);
+        if (request.id !== undefined) this._put({ jsonrpc: "2.0", result: { channel, unsubscribed: was }, id: request.id });
+        this._changed();
+      } else remote.push(request);
+    }
+    if (remote.length) this._post(remote, batch);
+  }
+
+  close(code = 1000, reason = "") { this._end(code, reason); }
+
+  _put(message) { if (this.readyState === 1 && this.onmessage) this.onmessage({ data: typeof message === "string" ? message : JSON.stringify(message) }); }
+
+  _end(code, reason) {
+    if (this.readyState === 3) return;
+    this.readyState = 3;
+    if (this._stream) this._stream.abort();
+    this._stream = null;
+    if (this.onclose) this.onclose({ code, reason });
+  }
+
+  _changed() {
+    if (this._opening) return;
+    this._opening = true;
+    queueMicrotask(() => { this._opening = false; this._reopen(); }); // the frame's other subscribes join
+  }
+
+  async _reopen() {
+    if (this.readyState !== 1) return;
+    const names = [...this._channels.keys()];
+    if (!names.length) { if (this._stream) this._stream.abort(); this._stream = null; return; }
+    const positions = { ...this._positions };
+    for (const [name, since] of this._since) if (since.epoch && Number.isInteger(since.seq)) positions[name] = [since.seq, since.epoch];
+    const headers = this._headers({ Accept: "text/event-stream" });
+    if (Object.keys(positions).length) headers["Last-Event-ID"] = JSON.stringify(positions);
+    const query = names.map((name) => `channel=${encodeURIComponent(name)}`).join("&");
+    const controller = new AbortController();
+    let response;
+    try {
+      response = await this.fetch(`${this.base}sse?${query}`, { headers, credentials: "same-origin", signal: controller.signal, cache: "no-store" });
+    } catch (err) {
+      return this._end(1006, String(err));
+    }
+    if (response.status !== 200) return this._refused(response);
+    this._since.clear();
+    const old = this._stream;
+    this._stream = controller;
+    if (old) old.abort(); // the new stream is open: the old one goes
+    this._read(response, names, controller);
+  }
+
+  async _refused(response) {
+    let error = {};
+    try { error = (await response.json()).error || {}; } catch { /* not ours */ }
+    const data = error.data || {};
+    if ([400, 403, 404].includes(response.status) && data.channel !== undefined) {
+      const waiting = [...this._channels].filter(([, ids]) => ids.length).map(([name]) => name);
+      const name = this._channels.has(data.channel) ? data.channel : (waiting[0] ?? [...this._channels.keys()][0]);
+      for (const id of this._channels.get(name) || []) this._put({ jsonrpc: "2.0", error, id });
+      this._channels.delete(name);
+      this._since.delete(name);
+      return this._changed(); // the others, without the refused one
+    }
+    const code = Number.isInteger(data.close_code) ? data.close_code
+      : response.status === 401 ? 4002 : response.status === 429 ? 1008 : response.status >= 500 ? 1013 : 1006;
+    this._end(code, error.message || `refused (${response.status})`);
+  }
+
+  async _read(response, names, controller) {
+    const reader = response.body.getReader();
+    const decoder = new TextDecoder();
+    const parser = new EventParser();
+    let answered = 0;
+    try {
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        for (const event of parser.feed(decoder.decode(value, { stream: true }))) {
+          if (this._stream !== controller) return;
+          if (event.id && event.id !== "-") { try { this._positions = JSON.parse(event.id); } catch { /* not ours */ } }
+          const action = translateEvent(event);
+          if (action[0] === "frame") this._put(action[1]);
+          else if ((action[0] === "answer" || action[0] === "refused") && answered < names.length) {
+            const name = names[answered++];
+            const key = action[0] === "answer" ? "result" : "error";
+            for (const id of this._channels.get(name) || []) this._put({ jsonrpc: "2.0", [key]: action[1], id });
+            if (this._channels.has(name)) {
+              if (action[0] === "refused") this._channels.delete(name); else this._channels.set(name, []);
+            }
+          } else if (action[0] === "close") return this._end(action[1], action[2]);
+        }
+      }
+      if (this._stream === controller) this._end(1006, "stream ended");
+    } catch (err) {
+      if (this._stream === controller) this._end(1006, String(err));
+    }
+  }
+
+  async _post(requests, batch) {
+    const token = csrfToken();
+    let response, text;
+    try {
+      response = await this.fetch(`${this.base}rpc`, {
+        method: "POST", credentials: "same-origin", body: JSON.stringify(batch ? requests : requests[0]),
+        headers: this._headers({ "Content-Type": "application/json", ...(token ? { "X-CSRFToken": token } : {}) }),
+      });
+      text = await response.text();
+    } catch (err) {
+      return this._end(1006, String(err));
+    }
+    if (response.status === 200) return this._put(text);
+    if (response.status === 204) return;
+    let error;
+    try { error = JSON.parse(text).error; } catch { /* below */ }
+    error = error || { code: -32603, message: `HTTP ${response.status}`, data: { reason: "http_error" } };
+    for (const request of requests) if (request && request.id !== undefined) this._put({ jsonrpc: "2.0", error, id: request.id });
+  }
+}
+
 function defaultUrl() {
   const scheme = globalThis.location && globalThis.location.protocol === "https:" ? "wss" : "ws";
   return `${scheme}://${globalThis.location.host}/realtime/`;
@@ -357,10 +610,22 @@ export class RealtimeClient extends EventTarget {
    *   domain signs in with it (RPC `auth`, the first call of every connection)
    * @param {() => Promise<string>|string} [options.refreshToken] a new token when the server
    *   says this one expires (`token_expiring`); without it the connection ends at expiry (4004)
+   * @param {string[]} [options.transports=["websocket"]] in order of preference:
+   *   `["websocket", "sse"]` falls back to Server-Sent Events and HTTP RPC when a WebSocket
+   *   cannot open, and tries the WebSocket again every `retryWebSocketMs` (docs/sse.md)
+   * @param {number} [options.retryWebSocketMs=60000] @param {typeof fetch} [options.fetch]
    */
   constructor(options = {}) {
     super();
     this.url = options.url || defaultUrl();
+    this.transports = options.transports || ["websocket"];
+    for (const kind of this.transports) {
+      if (kind !== "websocket" && kind !== "sse") throw new RangeError(`unknown transport ${kind}`);
+    }
+    this.transport = this.transports[0]; // the one in use (or tried next)
+    this.retryWebSocketMs = options.retryWebSocketMs ?? 60000;
+    this.fetch = options.fetch;
+    this._upgrade = null; // the timer of the next WebSocket try while on SSE
     this.callTimeoutMs = options.callTimeoutMs ?? 10000;
     this.backoffInitialMs = options.backoffInitialMs ?? 500;
     this.backoffMaxMs = options.backoffMaxMs ?? 30000;
@@ -398,18 +663,48 @@ export class RealtimeClient extends EventTarget {
     this._stopped = false;
     if (this._ws) return;
     this._setState(this.attempt ? "reconnecting" : "connecting");
-    const ws = new this.WebSocket(this.url);
+    const kind = this.transport;
+    const ws = kind === "sse" ? new SseSocket(this.url, { fetch: this.fetch, token: this.token }) : new this.WebSocket(this.url);
     this._ws = ws;
+    let opened = false;
     ws.onopen = () => {
+      opened = true;
       this.attempt = 0;
-      if (this.token) { // the first request: what follows is the token's user's
+      if (this.token && kind === "websocket") { // the first request: what follows is the token's user's
         this._callOnce("auth", { token: this.token }, {}).catch((err) => console.error("auth refused", err));
       }
+      if (kind !== this.transports[0]) this._scheduleUpgrade();
       this._setState("open");
       for (const name of this._handlers.keys()) this._resubscribe(name, ws);
     };
     ws.onmessage = (event) => this._onMessage(event.data);
-    ws.onclose = (event) => this._onClose(event.code, event.reason);
+    ws.onclose = (event) => {
+      const next = this.transports[this.transports.indexOf(kind) + 1];
+      if (!opened && next && event.code === 1006 && !this._stopped && this._blipMs === undefined) {
+        this.transport = next; // this network does not let it open: the next transport, now
+        this._blipMs = 0;
+      }
+      this._onClose(event.code, event.reason);
+    };
+  }
+
+  /** While on a fallback, try the first transport again every `retryWebSocketMs`: once a
+   * WebSocket opens, the connection moves back to it (a blip: resubscribed, resumed). */
+  _scheduleUpgrade() {
+    clearTimeout(this._upgrade);
+    this._upgrade = setTimeout(() => {
+      if (this._stopped || this.transport === this.transports[0]) return;
+      const probe = new this.WebSocket(this.url);
+      let opened = false;
+      probe.onopen = () => {
+        opened = true;
+        probe.close(1000);
+        if (this._stopped) return;
+        this.transport = this.transports[0];
+        this.reconnect(0);
+      };
+      probe.onclose = () => { if (!opened) this._scheduleUpgrade(); };
+    }, this.retryWebSocketMs);
   }
 
   /**
@@ -426,6 +721,7 @@ export class RealtimeClient extends EventTarget {
   close(code = 1000) {
     this._stopped = true;
     clearTimeout(this._timer);
+    clearTimeout(this._upgrade);
     if (this._ws) this._ws.close(code);
   }
 
@@ -491,7 +787,8 @@ export class RealtimeClient extends EventTarget {
     if (!this.refreshToken) { console.warn("the connection token expires soon and no refreshToken was given"); return; }
     try {
       this.token = await this.refreshToken();
-      await this.call("auth", { token: this.token });
+      if (this._ws instanceof SseSocket) { this._ws.token = this.token; this._ws._changed(); } // its next stream's header
+      else await this.call("auth", { token: this.token });
     } catch (err) {
       console.error("refreshing the connection token failed", err);
     }
