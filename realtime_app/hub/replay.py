@@ -180,7 +180,10 @@ class Replays:
         calm = guard.config.max_backpressure // 2
         deadline = time.monotonic() + REPLAY_TIMEOUT_S
         sent = 0
-        unmeasured = REPLAY_MEASURE_BYTES + 1  # the first frame waits for a calm queue
+        # measured often enough that what is sent between two reads stays under the
+        # threshold (a small MAX_BACKPRESSURE, say 64 KiB, was overrun: the replay dropped)
+        every = min(REPLAY_MEASURE_BYTES, max(calm // 2, 1))
+        unmeasured = every + 1  # the first frame waits for a calm queue
         while after < top:
             if not entries:
                 if not await self._pay_page(conn, deadline):
@@ -192,7 +195,7 @@ class Replays:
             for entry in entries:
                 payload = entry.text.encode("utf-8")
                 unmeasured += len(payload)
-                if unmeasured > REPLAY_MEASURE_BYTES and guard.measure:
+                if unmeasured > every and guard.measure:
                     unmeasured = 0
                     while not conn.closed:
                         step = pace(

@@ -86,6 +86,34 @@ def daphne_protocol(send: Send) -> Any | None:
     return None
 
 
+def _send_now(tcp: Any, sock: Any, data: bytes, write: Any) -> None:
+    """On plain TCP with nothing queued in Twisted, ``send()`` now (what asyncio's
+    transports do) instead of registering the socket for writing and sending at the next
+    turn of the loop: two ``epoll_ctl`` calls and a loop turn per frame and connection
+    saved. What the socket does not take goes to Twisted's buffer, so bytes stay in order
+    and the guard still sees them all; anything else goes through ``write``."""
+    if (
+        sock is None
+        or tcp._tempDataLen
+        or len(tcp.dataBuffer) != tcp.offset
+        or tcp.disconnecting
+        or not tcp.connected
+        or getattr(tcp, "_aborting", False)
+        or getattr(tcp, "TLS", False)  # a connection upgraded with startTLS
+    ):
+        write(data)
+        return
+    try:
+        sent = sock.send(data)
+    except (BlockingIOError, InterruptedError):
+        sent = 0
+    except OSError:  # the connection is going: Twisted reports it (a reset as a plain close)
+        tcp.write(data)
+        return
+    if sent < len(data):
+        tcp.write(data[sent:])
+
+
 def daphne_request(send: Send) -> Any | None:
     """daphne's HTTP request of a response being streamed, from the server's ``send``."""
     if isinstance(send, functools.partial) and send.args:
@@ -133,14 +161,25 @@ class DaphneHttpSink:
         self.tls, self.tcp = _layers(self.top)
         self.kind = "daphne-tls" if self.tls is not None else "daphne"
         self.fileno = _fileno(self.tcp)
+        self.sock = getattr(self.tcp, "socket", None) if self.tls is None else None
+        # HTTP/1.1 over Twisted's HTTPChannel: its body bytes are the transport's, in order
+        self.direct = request.clientproto == b"HTTP/1.1" and hasattr(request.channel, "writeSequence")
 
     def buffered(self) -> int:
         return _queued(self.tls, self.tcp, self.fileno)
 
-    def write(self, data: bytes) -> bool:
+    def write(self, data: bytes, chunk: bytes | None = None) -> bool:
+        """``data`` as the body's next bytes; ``chunk``, when given, is it framed as an
+        HTTP/1.1 chunk (built once per publication for every stream with the same id)."""
         request = self.request
         if request.finished or request.channel is None:
             return False
+        if request.chunked and request.startedWriting and self.direct and internals_tested():
+            # What Request.write does for a chunked body, minus Twisted's buffer and the
+            # next turn of the reactor: the chunk to the socket now (as a frame is).
+            request.sentLength += len(data)
+            _send_now(self.tcp, self.sock, chunk or b"%x\r\n%b\r\n" % (len(data), data), self.top.write)
+            return True
         request.handle_reply({"type": "http.response.body", "body": data, "more_body": True})
         return True
 
@@ -229,33 +268,7 @@ class DaphneTransport(Transport):
         return direct and not self.protocol.send_queue and not (0 < limit < len(payload))
 
     def _write_frame(self, frame: bytes) -> None:
-        """On plain TCP with nothing queued in Twisted, ``send()`` now (what asyncio's
-        transports do) instead of registering the socket for writing and sending at the
-        next turn of the loop: two ``epoll_ctl`` calls and a loop turn per frame and
-        connection saved. What the socket does not take goes to Twisted's buffer, so
-        bytes stay in order and the guard still sees them all."""
-        tcp = self.tcp
-        sock = self.sock
-        if (
-            sock is None
-            or tcp._tempDataLen
-            or len(tcp.dataBuffer) != tcp.offset
-            or tcp.disconnecting
-            or not tcp.connected
-            or getattr(tcp, "_aborting", False)
-            or getattr(tcp, "TLS", False)  # a connection upgraded with startTLS
-        ):
-            self.protocol.transport.write(frame)
-            return
-        try:
-            sent = sock.send(frame)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError:  # the connection is going: Twisted reports it (a reset as a plain close)
-            tcp.write(frame)
-            return
-        if sent < len(frame):
-            tcp.write(frame[sent:])
+        _send_now(self.tcp, self.sock, frame, self.protocol.transport.write)
 
     def close(self, code: int, reason: str, drain_s: float) -> None:
         protocol = self.protocol

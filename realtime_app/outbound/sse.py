@@ -46,6 +46,8 @@ __all__ = [
 
 CLOSE_EVENT = "realtime.close"
 RESYNC_EVENT = "realtime.resync"
+#: Events (with their ``id``) kept built per publication: streams at the same place share one.
+MAX_IDS_KEPT = 16
 #: ``Last-Event-ID`` read at most this long (a stream's positions on its channels).
 MAX_LAST_EVENT_ID = 16 * 1024
 
@@ -63,7 +65,7 @@ class Sink(Protocol):
     measurable: bool
 
     def buffered(self) -> int: ...
-    def write(self, data: bytes) -> bool: ...
+    def write(self, data: bytes, chunk: bytes | None = None) -> bool: ...
     def abort(self) -> None: ...
     def pause_reading(self, seconds: float) -> None: ...
 
@@ -72,7 +74,7 @@ class Publication:
     """One ``message`` notification read once for every stream: its channel, its
     position (channels with history) and its event without the ``id`` line."""
 
-    __slots__ = ("body", "channel", "epoch", "seq")
+    __slots__ = ("body", "channel", "epoch", "events", "seq")
 
     def __init__(self, payload: bytes) -> None:
         params = payload[len(_MESSAGE) : -1]
@@ -83,6 +85,18 @@ class Publication:
         self.seq = int(tail.group(1)) if tail else 0
         self.epoch = tail.group(2).decode("ascii") if tail and tail.group(2) is not None else None
         self.body = b"event: " + _line(channel) + b"\ndata: " + params + b"\n\n"
+        self.events: dict[bytes, tuple[bytes, bytes]] = {}  # id -> (event, its HTTP/1.1 chunk)
+
+    def event(self, event_id: bytes) -> tuple[bytes, bytes]:
+        """The event with ``event_id`` and its chunk: built once for every stream at the
+        same place (every stream of a ticker, every stream of one channel's history)."""
+        built = self.events.get(event_id)
+        if built is None:
+            data = b"id: " + event_id + b"\n" + self.body
+            built = (data, b"%x\r\n%b\r\n" % (len(data), data))
+            if len(self.events) < MAX_IDS_KEPT:
+                self.events[event_id] = built
+        return built
 
 
 _last: list[Any] = [None, None]  # the payload last read and its Publication: one read per publication
@@ -179,7 +193,7 @@ class EventStream(Transport):
         if pub.epoch is not None and not self._advance(pub.channel, pub.epoch, pub.seq):
             return not self.closed
         self.events += 1
-        return self.sink.write(b"id: " + self._id + b"\n" + pub.body)
+        return self.sink.write(*pub.event(self._id))
 
     def dropped(self, payload: bytes) -> None:
         """A frame of a channel with history dropped: the stream ends now (the client's
@@ -279,7 +293,7 @@ class QueueSink:
     def buffered(self) -> int:
         return 0
 
-    def write(self, data: bytes) -> bool:
+    def write(self, data: bytes, chunk: bytes | None = None) -> bool:
         self.put({"type": "http.response.body", "body": data, "more_body": True})
         return True
 
@@ -304,7 +318,7 @@ class AsgiSink:
     def buffered(self) -> int:
         return sum(len(b) for b in self.queue)
 
-    def write(self, data: bytes) -> bool:
+    def write(self, data: bytes, chunk: bytes | None = None) -> bool:
         self.queue.append(data)
         if self.task is None or self.task.done():
             self.task = asyncio.ensure_future(self._pump())

@@ -109,7 +109,7 @@ class UvicornHttpSink:
     def buffered(self) -> int:
         return int(self.transport.get_write_buffer_size()) + kernel_queue(self.fileno)
 
-    def write(self, data: bytes) -> bool:
+    def write(self, data: bytes, chunk: bytes | None = None) -> bool:
         cycle = self.cycle
         if cycle.disconnected or cycle.response_complete or self.transport.is_closing():
             return False
@@ -118,7 +118,7 @@ class UvicornHttpSink:
 
             self.transport.write(self.h11.send(h11.Data(data=data)))
         elif cycle.chunked_encoding:
-            self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+            self.transport.write(chunk or b"%x\r\n%b\r\n" % (len(data), data))
         else:
             self.transport.write(data)
         return True

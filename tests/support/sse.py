@@ -106,7 +106,8 @@ class SseStream:
             seen = len(self.events)
             left = deadline - time.monotonic()
             if self.ended or left <= 0:
-                raise AssertionError(f"no event {what or predicate} (ended={self.ended}): {self.events[-10:]}")
+                last = [(e.get("event"), e.get("json", {}).get("seq") if "json" in e else None) for e in self.events[-10:]]
+                raise AssertionError(f"no event {what or predicate} (ended={self.ended}); the last: {last}")
             try:
                 data = await asyncio.wait_for(self._chunk(), left)
             except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
