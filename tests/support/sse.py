@@ -106,7 +106,7 @@ class SseStream:
             seen = len(self.events)
             left = deadline - time.monotonic()
             if self.ended or left <= 0:
-                last = [(e.get("event"), e.get("json", {}).get("seq") if "json" in e else None) for e in self.events[-10:]]
+                last = [(e.get("event"), _seq(e)) for e in self.events[-10:]]
                 raise AssertionError(f"no event {what or predicate} (ended={self.ended}); the last: {last}")
             try:
                 data = await asyncio.wait_for(self._chunk(), left)
@@ -140,6 +140,11 @@ class SseStream:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def _seq(event: dict[str, Any]) -> Any:
+    data = event.get("json")
+    return data.get("seq") if isinstance(data, dict) else None
 
 
 async def rpc(port: int, body: Any, headers: dict[str, str] | None = None) -> tuple[int, Any]:
