@@ -341,3 +341,23 @@ async def _publish_api(port, key, body):
             return response.status, json.loads(response.read())
 
     return await asyncio.to_thread(post)
+
+
+async def test_an_idempotent_call_runs_once_whatever_the_transport_it_is_sent_again_on(daphne, database):
+    import websockets
+
+    token = manage(database, "realtime_token", "demo")
+    bearer = {"Authorization": f"Bearer {token}"}
+    call = {
+        "jsonrpc": "2.0",
+        "method": "demo.post",
+        "params": {"room": "sse-idem", "text": "once", "idempotency_key": "k-sse-1"},
+        "id": 1,
+    }
+    status, first = await rpc(daphne.port, call, bearer)
+    assert status == 200 and "result" in first, first
+    status, again = await rpc(daphne.port, call, bearer)
+    async with websockets.connect(daphne.ws, additional_headers=bearer) as ws:
+        await ws.send(json.dumps(call))
+        over_socket = json.loads(await ws.recv())
+    assert again["result"] == first["result"] == over_socket["result"]  # one message saved, one answer

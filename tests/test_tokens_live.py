@@ -297,7 +297,8 @@ async def test_the_publish_api_refuses_an_instance_its_exists_hook_denies(site):
     assert status == 503 and body["error"] == "exists hook failed", body
 
 
-async def test_the_python_client_signs_in_with_a_token_and_refreshes_it(site):
+@pytest.mark.parametrize("transport", ["websocket", "sse"])
+async def test_the_python_client_signs_in_with_a_token_and_refreshes_it(site, transport):
     from realtime_app.client import RealtimeClient
 
     server, env = site
@@ -308,9 +309,11 @@ async def test_the_python_client_signs_in_with_a_token_and_refreshes_it(site):
         return refreshed[-1]
 
     first = manage(env, "realtime_token", "demo", "--ttl", "4")
+    got: list[int] = []
     async with RealtimeClient(
-        server.ws, origin="http://elsewhere.example", token=first, refresh_token=refresh
+        server.ws, origin="http://elsewhere.example", token=first, refresh_token=refresh, transport=transport
     ) as client:
+        await client.subscribe("demo:events", lambda m: got.append(m["seq"]))
         posted = await client.call("demo.post", {"room": "tokens", "text": "python"})  # signed-in users only
         assert posted["room"] == "tokens"
         await eventually(lambda: refreshed, 10, "told the token expires, a new one asked for")
@@ -318,6 +321,9 @@ async def test_the_python_client_signs_in_with_a_token_and_refreshes_it(site):
         await eventually(lambda: time.time() > expired, 10, "past the first token's expiry")
         assert await client.call("ping") == "pong" and client.state == "open"
         assert client.socket.headers["Authorization"] == f"Bearer {refreshed[-1]}"  # the next handshake's
+        seq = (await client.call("publish", {"channel": "demo:events", "data": 1}))["seq"]
+        await eventually(lambda: seq in got, 10, "a publication after the first token's expiry")
+        assert client.last_close is None  # never closed: the stream (or socket) carried on
 
 
 async def test_a_client_whose_token_expired_while_away_connects_again_with_a_new_one(site):

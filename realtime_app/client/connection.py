@@ -430,7 +430,8 @@ async def _renew_later(client: RealtimeClient, name: str, refused: Refused) -> N
 
 async def _refresh(client: RealtimeClient) -> None:
     """The server says the connection's token expires soon: a new one from
-    ``refresh_token``, sent with RPC ``auth`` and used for the next handshakes."""
+    ``refresh_token``, sent with RPC ``auth`` (over SSE: the header of a new stream) and
+    used for the next handshakes."""
     if client.refresh_token is None:
         logger.warning("the connection token expires soon and no refresh_token was given: it will be closed (4004)")
         return
@@ -438,7 +439,10 @@ async def _refresh(client: RealtimeClient) -> None:
         token = client.refresh_token()
         token = await token if inspect.isawaitable(token) else token
         client.socket.headers["Authorization"] = f"Bearer {token}"
-        await client.call("auth", {"token": token})
+        if client.transport == "sse" and client.socket.ws is not None:
+            client.socket.ws.use_headers(client.socket.headers)  # a new stream with it, then the old one goes
+        else:
+            await client.call("auth", {"token": token})
     except Exception as error:
         logger.warning("refreshing the connection token failed: %s", error)
 

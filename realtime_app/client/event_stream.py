@@ -106,6 +106,13 @@ class EventStreamSocket:
             if task is not None and task is not asyncio.current_task():
                 await cancel_and_wait(task)
 
+    def use_headers(self, headers: dict[str, str]) -> None:
+        """New headers (a refreshed token): the next requests carry them, and a new stream
+        with them replaces the open one (make before break)."""
+        self.headers = {k: v for k, v in headers.items() if k.lower() != "origin"}
+        if self._channels:
+            self._changed()
+
     # -- the stream's channels ---------------------------------------------------------------
 
     def _subscribe(self, params: dict[str, Any], request_id: Any) -> None:

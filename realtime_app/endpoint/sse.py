@@ -32,7 +32,7 @@ from realtime_app.endpoint.doors import Answer, encode_answer
 from realtime_app.endpoint.methods import BUILTIN_COSTS
 from realtime_app.endpoint.refusals import log_auth_outage, log_error_counts, log_refused_connection, refusal_response
 from realtime_app.endpoint.subscribing import require_existing
-from realtime_app.endpoint.tokens import UNREAD_BEARER, cancel_expiry, unread_bearer
+from realtime_app.endpoint.tokens import UNREAD_BEARER, arm_expiry, cancel_expiry, unread_bearer
 from realtime_app.exceptions import BackplaneUnavailable, RPCError
 from realtime_app.hub.core import Connection, Hub
 from realtime_app.hub.hubs import get_hub
@@ -47,6 +47,8 @@ __all__ = ["EventStreamConsumer", "OpenStreams", "heartbeat_loop", "http_error"]
 
 logger = logging.getLogger("realtime_app.consumers")
 
+#: Query parameters read at most (channels are bounded by ``MAX_SUBSCRIPTIONS`` after).
+MAX_FIELDS = 1000
 #: The ``retry:`` a stream starts with: how long a browser waits before it reconnects.
 RETRY_MS = 1000
 #: Heartbeat interval when ``HEARTBEAT_SECONDS`` is 0 (under most proxies' 60 s idle timeout).
@@ -106,13 +108,21 @@ def _closed_as(code: int, reason: str) -> Answer:
 class EventStreamConsumer(RealtimeConsumer):
     """ASGI application of ``GET /realtime/sse`` (routed by :class:`~realtime_app.routing.MetricsShortcut`)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._tickets: list[Any] = []  # admitted subscribes not run yet: this stream's to give back
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             raise ValueError(f"EventStreamConsumer serves http scopes, got {scope['type']!r}")
         self.scope = scope
         if scope.get("method") != "GET":
             return await _answer(send, (405, {"error": "GET only"}, [(b"allow", b"GET")]))
-        query = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1"), max_num_fields=1000)
+        try:
+            query = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1"), max_num_fields=MAX_FIELDS)
+        except ValueError:
+            error = _error(protocol.INVALID_PARAMS, "Invalid params: too many query parameters", "too_many_fields")
+            return await _answer(send, http_error(400, error))
         names = query.get("channel", [])
         headers = dict(scope.get("headers", ()))
         last_id = headers.get(b"last-event-id", b"").decode("latin-1") or (query.get("last_event_id") or [""])[0]
@@ -176,24 +186,24 @@ class EventStreamConsumer(RealtimeConsumer):
             params = {"channel": name}
             ticket = await hub.gate.admit_request(self.admission_identity(), "subscribe", None, cost, params)
             if isinstance(ticket, Refusal):
-                self._release(hub, admitted)
                 error = refusal_response(None, ticket)["error"]
                 return [], http_error(STATUS.get(ticket.code, 429), dict(error), ticket.retry_after_ms)
+            self._tickets.append(ticket)  # released by _serve whatever happens next
             try:
                 spec = registry.resolve(channel_param(params))
                 await require(self, spec, "subscribe")
                 await require_existing(spec)
             except RPCError as exc:
-                hub.gate.done(ticket)
-                self._release(hub, admitted)
                 return [], http_error(STATUS.get(exc.code, 400), dict(exc.as_error()))
             admitted.append((spec, ticket))
         return admitted, None
 
-    @staticmethod
-    def _release(hub: Hub, admitted: list[tuple[ChannelSpec, Any]]) -> None:
-        for _, ticket in admitted:
-            hub.gate.done(ticket)
+    def _release(self, hub: Hub, ticket: Any = None) -> None:
+        """Give back ``ticket`` (every ticket still held, when None): once each."""
+        for held in [ticket] if ticket is not None else list(self._tickets):
+            if held in self._tickets:
+                self._tickets.remove(held)
+                hub.gate.done(held)
 
     async def _serve(self, hub: Hub, names: list[str], positions: Any, receive: Receive, send: Send) -> None:
         try:
@@ -217,9 +227,11 @@ class EventStreamConsumer(RealtimeConsumer):
             await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
             stream.open(RETRY_MS)
             streams.add(stream)
+            arm_expiry(hub, conn, self.scope)  # a token's stream is told before its token expires
             await self._subscribe(hub, stream, admitted)
             await _wait(receive, stream)
         finally:
+            self._release(hub)
             streams.discard(stream)
             cancel_expiry(self.scope)
             hub.pool.abandon(self)
@@ -240,7 +252,7 @@ class EventStreamConsumer(RealtimeConsumer):
             try:
                 response = await self._run(Request("subscribe", params, index))
             finally:
-                hub.gate.done(ticket)
+                self._release(hub, ticket)
             if stream.closed:
                 return
             if "error" in response:
