@@ -211,7 +211,8 @@ class EventStreamConsumer(RealtimeConsumer):
         except UnsupportedServer as exc:
             logger.error("refusing event streams: %s", exc)
             return await _answer(send, _closed_as(CloseCode.INTERNAL_ERROR, "unsupported server"))
-        stream = EventStream(sink, positions, settings().close_drain_ms / 1000)
+        ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        stream = EventStream(sink, positions, settings().close_drain_ms / 1000, ended)
         conn = Connection(send, self.scope, transport=stream)
         conn.address = self.address()
         self.connection = conn
@@ -281,6 +282,7 @@ async def _answer(send: Send, answer: Answer) -> None:
 
 async def _wait(receive: Receive, stream: EventStream) -> None:
     """Until the client goes away or the server closes the stream."""
+    assert stream.ended is not None
     while True:
         message = asyncio.ensure_future(receive())
         await asyncio.wait((message, stream.ended), return_when=asyncio.FIRST_COMPLETED)

@@ -162,7 +162,13 @@ class EventStream(Transport):
     subscribe answered: a jump there is history that could not fill the gap (a resync
     event), a jump elsewhere a frame the guard dropped (the stream ends)."""
 
-    def __init__(self, sink: Sink, positions: Positions | None = None, drain_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        sink: Sink,
+        positions: Positions | None = None,
+        drain_s: float = 10.0,
+        ended: asyncio.Future[None] | None = None,
+    ) -> None:
         self.sink = sink
         self.kind = f"sse-{sink.kind}"
         self.measurable = sink.measurable
@@ -172,7 +178,7 @@ class EventStream(Transport):
         self.started = False  # the response's head is sent: bytes may follow
         self.closed = False
         self.final: tuple[int, str] | None = None  # the close's (code, reason)
-        self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.ended = ended  # set when the stream closes (its consumer waits on it)
         self.drain_s = drain_s  # CLOSE_DRAIN_MS: what a close of its own gives the client
         self.events = 0
 
@@ -274,7 +280,7 @@ class EventStream(Transport):
         self.drain_s = drain_s
         if self.started:
             self.sink.write(event(CLOSE_EVENT, {"code": int(code), "reason": reason}))
-        if not self.ended.done():
+        if self.ended is not None and not self.ended.done():
             self.ended.set_result(None)
 
     def pause_reading(self, seconds: float) -> None:
