@@ -14,7 +14,7 @@ idle connection, side by side in one run, one server process of the demo site.
 Goal (docs/sse.md): an SSE event costs ≤ 1.5× a WebSocket frame's CPU.
 
 Usage:  python bench/sse.py [--clients 200] [--seconds 10] [--interval-ms 100]
-            [--idle 2000] [--server daphne|uvicorn] [--json FILE]
+            [--idle 2000] [--server daphne|uvicorn] [--json FILE] [--plot PNG]
 No Redis: one process on the in-memory layer.
 """
 
@@ -242,14 +242,39 @@ def report(cpu: list[dict[str, Any]], memory: list[dict[str, Any]], args: argpar
     return summary
 
 
+def plot(summaries: list[dict[str, Any]], path: Path) -> None:
+    """CPU per 1,000 events and memory per idle connection, WebSocket beside SSE, per server."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (cpu_ax, mem_ax) = plt.subplots(1, 2, figsize=(8, 3.6))
+    servers = [s["server"] for s in summaries]
+    xs = range(len(servers))
+    width = 0.38
+    for offset, kind, colour in ((-width / 2, "websocket", "tab:blue"), (width / 2, "sse", "tab:orange")):
+        cpu_ax.bar([x + offset for x in xs], [s[f"cpu_per_1000_{kind}"] for s in summaries], width, color=colour)
+        mem_ax.bar([x + offset for x in xs], [s[f"kib_per_idle_{kind}"] for s in summaries], width, color=colour)
+    for ax, title in ((cpu_ax, "server CPU s per 1,000 events"), (mem_ax, "KiB per idle connection")):
+        ax.set_xticks(list(xs), servers)
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+    cpu_ax.legend(["WebSocket", "SSE"])
+    fig.suptitle(f"SSE beside WebSocket: {summaries[0]['clients']} clients at {summaries[0]['interval_ms']} ms")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=200)
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--interval-ms", type=int, default=100)
     parser.add_argument("--idle", type=int, default=2000)
-    parser.add_argument("--server", choices=("daphne", "uvicorn"), default="daphne")
+    parser.add_argument("--server", choices=("daphne", "uvicorn"), nargs="+", default=["daphne"])
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     need = 2 * (args.idle + WARM) + 300
@@ -266,17 +291,22 @@ async def main() -> None:
         ),
     }
     os.environ.update(env)
-    cpu: list[dict[str, Any]] = []
-    port = free_port()
-    command = daphne(port) if args.server == "daphne" else uvicorn(port)
-    with processes([command], [port], env) as procs:
-        for kind in ("websocket", "sse", "websocket", "sse"):
-            progress(f"{kind}: {args.clients} clients for {args.seconds:.0f} s")
-            cpu.append(await cpu_phase(kind, port, procs[0].pid, args))
-    memory = [await memory_phase(kind, args, env) for kind in ("websocket", "sse")]
-    summary = report(cpu, memory, args)
+    runs = []
+    for server in args.server:
+        args_one = argparse.Namespace(**{**vars(args), "server": server})
+        cpu: list[dict[str, Any]] = []
+        port = free_port()
+        command = daphne(port) if server == "daphne" else uvicorn(port)
+        with processes([command], [port], env) as procs:
+            for kind in ("websocket", "sse", "websocket", "sse"):
+                progress(f"{server}, {kind}: {args.clients} clients for {args.seconds:.0f} s")
+                cpu.append(await cpu_phase(kind, port, procs[0].pid, args_one))
+        memory = [await memory_phase(kind, args_one, env) for kind in ("websocket", "sse")]
+        runs.append({"summary": report(cpu, memory, args_one), "cpu": cpu, "memory": memory})
     if args.json:
-        args.json.write_text(json.dumps({"summary": summary, "cpu": cpu, "memory": memory}, indent=2))
+        args.json.write_text(json.dumps(runs, indent=2))
+    if args.plot:
+        plot([run["summary"] for run in runs], args.plot)
 
 
 if __name__ == "__main__":

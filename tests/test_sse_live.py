@@ -33,10 +33,12 @@ def start(database, server="daphne", overrides=None, **env):
         "REALTIME_TEST_OVERRIDES": json.dumps({**OVERRIDES, **(overrides or {})}),
         **env,
     }
+    if server == "uvicorn-h11":  # uvicorn's other HTTP implementation
+        return Server(environment, server="uvicorn", extra_args=["--http", "h11"]).start()
     return Server(environment, server=server).start()
 
 
-@pytest.fixture(scope="module", params=["daphne", "uvicorn"])
+@pytest.fixture(scope="module", params=["daphne", "uvicorn", "uvicorn-h11"])
 def site(request, database):
     server = start(database, request.param)
     yield server
@@ -192,7 +194,7 @@ async def test_connection_caps_count_streams_with_sockets(database):
         server.stop()
 
 
-@pytest.mark.parametrize("server_kind", ["daphne", "uvicorn"])
+@pytest.mark.parametrize("server_kind", ["daphne", "uvicorn", "uvicorn-h11"])
 async def test_a_stream_that_stops_reading_is_bounded_then_closed_with_a_final_event(database, server_kind):
     limit = 1024 * 1024
     server = start(

@@ -88,7 +88,7 @@ def uvicorn_cycle(owner: Any) -> bool:
         and hasattr(owner, "transport")
         and hasattr(owner, "flow")
         and hasattr(owner, "response_complete")
-        and hasattr(owner, "chunked_encoding")
+        and (hasattr(owner, "chunked_encoding") or hasattr(owner, "conn"))  # httptools, h11
     )
 
 
