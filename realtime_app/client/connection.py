@@ -85,10 +85,8 @@ class RealtimeClient:
             callable (sync or async) giving a new one when the server says it expires.
         call_timeout: seconds before a call fails; backoff_initial, backoff_max: reconnect
             delays in seconds (capped, jittered); connect_kwargs: to ``websockets.connect``.
-        transport: ``"websocket"``, or ``"sse"``: Server-Sent Events for what the server
-            pushes and JSON-RPC over HTTP for calls (``GET /realtime/sse``, ``POST
-            /realtime/rpc`` under the same URL; docs/sse.md) — for networks that break
-            WebSockets. Same features, except presence diffs and deltas (socket only).
+        transport: ``"websocket"``, or ``"sse"`` (Server-Sent Events and HTTP RPC, for networks
+            that break WebSockets: docs/sse.md; presence diffs and deltas are the socket's).
     """
 
     def __init__(
@@ -105,8 +103,6 @@ class RealtimeClient:
         transport: str = "websocket",
         **connect_kwargs: Any,
     ) -> None:
-        if transport not in ("websocket", "sse"):
-            raise ValueError(f'transport must be "websocket" or "sse", not {transport!r}')
         self.url = url
         self.origin = origin or f"{'https' if url.startswith('wss') else 'http'}://{url.split('/')[2]}"
         self.call_timeout, self.refresh_token = call_timeout, refresh_token

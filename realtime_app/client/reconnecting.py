@@ -65,6 +65,8 @@ class ReconnectingSocket:
         transport: str = "websocket",
     ) -> None:
         self.url, self.origin, self.headers = url, origin, headers
+        if transport not in ("websocket", "sse"):
+            raise ValueError(f'transport must be "websocket" or "sse", not {transport!r}')
         self.transport = transport  # "websocket", or "sse": Server-Sent Events and HTTP RPC
         self.backoff = backoff  # (initial, max) seconds, read at each reconnect
         self.connect_kwargs = connect_kwargs
