@@ -363,3 +363,31 @@ async def test_an_idempotent_call_runs_once_whatever_the_transport_it_is_sent_ag
         await ws.send(json.dumps(call))
         over_socket = json.loads(await ws.recv())
     assert again["result"] == first["result"] == over_socket["result"]  # one message saved, one answer
+
+
+async def test_a_stream_whose_right_is_revoked_is_ended_by_the_revalidation(database):
+    server = start(database)
+    try:
+        cookie = login(server.http, "admin", "admin")
+        stream = await SseStream(server.port, ["test:staff"], {"Cookie": cookie}).open()
+        assert stream.status == 200
+        await stream.read_until(lambda e: e.get("event") == "realtime.subscribed")
+        manage(
+            database,
+            "shell",
+            "-c",
+            "from django.contrib.auth.models import User; User.objects.filter(username='admin').update(is_staff=False)",
+        )
+        final = await stream.read_until(lambda e: e.get("event") == "realtime.close", 15, "the final event")
+        assert final["json"]["code"] == 4003
+        again = await SseStream(server.port, ["test:staff"], {"Cookie": cookie}).open()
+        assert again.status == 403
+        stream.close()
+    finally:
+        manage(
+            database,
+            "shell",
+            "-c",
+            "from django.contrib.auth.models import User; User.objects.filter(username='admin').update(is_staff=True)",
+        )
+        server.stop()
