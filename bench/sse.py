@@ -260,7 +260,7 @@ def plot(summaries: list[dict[str, Any]], path: Path) -> None:
         ax.set_xticks(list(xs), servers)
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
-    cpu_ax.legend(["WebSocket", "SSE"])
+    cpu_ax.legend(["WebSocket", "SSE"], loc="lower left")
     fig.suptitle(f"SSE beside WebSocket: {summaries[0]['clients']} clients at {summaries[0]['interval_ms']} ms")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
