@@ -101,3 +101,23 @@ def test_the_htmx_page_swaps_events_in_with_no_script_of_its_own(site, browser):
     seq = publish(site, {"htmx": "swapped"})
     swapped = wait(browser, 10).until(lambda b: text(b, "#last-event").startswith("{") and text(b, "#last-event"))
     assert json.loads(swapped)["seq"] == seq and json.loads(swapped)["data"] == {"htmx": "swapped"}
+
+
+def test_a_cadence_switch_over_sse_reopens_the_stream_before_the_old_one_goes(site, browser):
+    browser.get(site.http + "/demo/sse/")
+    wait(browser, 15).until(lambda b: text(b, "#state") == "open" and text(b, "#clock").isdigit())
+    browser.execute_script("""
+      window.fast = [];
+      window.realtime.client.subscribe("demo:clock:250", (m) => window.fast.push([performance.now(), m.channel, m.ts]));
+    """)
+    wait(browser, 10).until(lambda b: b.execute_script("return window.fast.length") >= 3)
+    assert {c for _, c in browser.execute_script("return window.fast")} == {"demo:clock:250"}
+    browser.execute_script("window.realtime.client.unsubscribe('demo:clock'); window.dropped = performance.now();")
+    wait(browser, 10).until(
+        lambda b: b.execute_script("return window.fast.filter(f => f[0] > window.dropped).length") >= 3
+    )
+    # by the ticks' own timestamps (the server's clock, not this busy browser's): no tick
+    # missed at either switch
+    times = [ts for _, _, ts in browser.execute_script("return window.fast")]
+    assert max(b - a for a, b in zip(times, times[1:], strict=False)) < 2 * 250 + 150
+    assert browser.execute_script("return window.realtime.client.transport") == "sse"
