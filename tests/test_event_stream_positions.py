@@ -92,7 +92,7 @@ class StreamMachine(RuleBasedStateMachine):
         payload = self._payload(channel, self.top[channel])
         self.sent[channel].append(payload)
         self.stream.write(payload)
-        self.stream.settled(channel, {"epoch": self.epoch[channel], "seq": self.top[channel]})
+        self.stream.release(self.stream.settled(channel, {"epoch": self.epoch[channel], "seq": self.top[channel]}))
 
     @invariant()
     def a_reader_is_never_misled(self) -> None:
@@ -130,3 +130,39 @@ class StreamMachine(RuleBasedStateMachine):
 
 StreamMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
 TestStreamPositions = StreamMachine.TestCase
+
+
+def _events(sink: ListSink) -> list:
+    parser = EventParser()
+    return [e for data in sink.written for e in parser.feed(data.decode())]
+
+
+def test_a_client_that_says_it_is_further_than_the_history_is_resynced_and_loses_nothing_live():
+    """Found: a Last-Event-ID ahead of the history (a crafted one, a failover that lost
+    writes) had every later frame swallowed as "had it already", and no resync said."""
+    epoch = new_epoch(1_000_000)
+    for claimed in ((epoch, 10), (new_epoch(9_000_000), 10)):  # further on the epoch, or on a newer one
+        sink = ListSink()
+        stream = EventStream(sink, {"a:one": claimed})
+        stream.open(1000)
+        stream.settling("a:one")
+        for seq in (6, 7):  # live frames while its resume is answered (the history's top is 5)
+            stream.write(notification_text("a:one", "{}", seq, 1, epoch).encode())
+        held = stream.settled("a:one", {"epoch": epoch, "seq": 5, "recovered": False, "reason": "ahead"})
+        stream.send_event("realtime.subscribed", {"channel": "a:one", "epoch": epoch, "seq": 5})
+        stream.release(held)
+        stream.write(notification_text("a:one", "{}", 8, 1, epoch).encode())
+        events = _events(sink)
+        assert [e.event for e in events] == ["realtime.resync", "realtime.subscribed", "a:one", "a:one", "a:one"]
+        assert json.loads(events[0].data)["seq"] == 5
+        assert [json.loads(e.data)["seq"] for e in events[2:]] == [6, 7, 8]
+        assert parse_positions(events[-1].id) == {"a:one": (epoch, 8)}
+
+
+def test_a_stream_id_names_only_its_own_channels():
+    """Found: every position a client ever sent came back in the id, which only grew."""
+    stream = EventStream(ListSink(), {"a:one": ("e", 1), "gone:channel": ("e", 9)})
+    stream.keep_only({"a:one"})
+    stream.open(1000)
+    stream.send_event("realtime.subscribed", {})
+    assert parse_positions(EventParser().feed(stream.sink.written[-1].decode())[0].id) == {"a:one": ("e", 1)}

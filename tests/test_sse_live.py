@@ -391,3 +391,15 @@ async def test_a_stream_whose_right_is_revoked_is_ended_by_the_revalidation(data
             "from django.contrib.auth.models import User; User.objects.filter(username='admin').update(is_staff=True)",
         )
         server.stop()
+
+
+async def test_a_stream_of_many_channels_holds_one_admission_slot_at_a_time(daphne):
+    """Found: every channel's admission was held until the stream started: past
+    ADMISSION_MAX_PER_IDENTITY (10) channels a stream was always refused 429."""
+    channels = ["demo:events", *(f"demo:clock:{ms}" for ms in range(100, 2000, 100))]
+    stream = await SseStream(daphne.port, channels).open()
+    try:
+        assert stream.status == 200, stream.body
+        await stream.read_until(lambda e: len(stream.named("realtime.subscribed")) == len(channels) or None)
+    finally:
+        stream.close()

@@ -37,6 +37,7 @@ from realtime_app.exceptions import BackplaneUnavailable, RPCError
 from realtime_app.hub.core import Connection, Hub
 from realtime_app.hub.hubs import get_hub
 from realtime_app.inbound.admission import Refusal
+from realtime_app.observability.logsafe import safe
 from realtime_app.outbound.base import UnsupportedServer
 from realtime_app.outbound.sse import MAX_LAST_EVENT_ID, EventStream, parse_positions, sink_for
 from realtime_app.wire import protocol
@@ -75,6 +76,7 @@ HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-store"),
     (b"x-accel-buffering", b"no"),  # nginx: do not buffer the stream (docs/sse.md)
+    (b"connection", b"close"),  # a stream's connection is its own: its end (or cut) touches no other request
 ]
 
 
@@ -107,10 +109,6 @@ def _closed_as(code: int, reason: str) -> Answer:
 
 class EventStreamConsumer(RealtimeConsumer):
     """ASGI application of ``GET /realtime/sse`` (routed by :class:`~realtime_app.routing.MetricsShortcut`)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._tickets: list[Any] = []  # admitted subscribes not run yet: this stream's to give back
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -174,42 +172,46 @@ class EventStreamConsumer(RealtimeConsumer):
         code = CloseCode.TRY_AGAIN_LATER if refused == "server full" else CloseCode.POLICY_VIOLATION
         return _closed_as(code, refused)
 
-    async def _checked(self, hub: Hub, names: list[str]) -> tuple[list[tuple[ChannelSpec, Any]], Answer | None]:
-        """Each channel admitted (a subscribe's cost) and allowed, before the stream starts:
-        the specs with their tickets, or the refusal (tickets then released)."""
+    async def _checked(self, hub: Hub, names: list[str]) -> tuple[list[ChannelSpec], Answer | None]:
+        """Each channel admitted (a subscribe's cost, from the client's bucket, one at a
+        time: a stream of 50 channels holds one slot of its identity's, as a socket's
+        batch of subscribes does) and allowed, before the stream starts: the specs, or the
+        refusal."""
+        from django.db import DatabaseError
+
         from realtime_app.wire.session import ServerSession
 
         self.session = ServerSession(settings().max_frame_bytes, settings().max_batch)
         cost = BUILTIN_COSTS["subscribe"]
-        admitted: list[tuple[ChannelSpec, Any]] = []
+        admitted: list[ChannelSpec] = []
         for name in names:
             params = {"channel": name}
             ticket = await hub.gate.admit_request(self.admission_identity(), "subscribe", None, cost, params)
             if isinstance(ticket, Refusal):
                 error = refusal_response(None, ticket)["error"]
                 return [], http_error(STATUS.get(ticket.code, 429), dict(error), ticket.retry_after_ms)
-            self._tickets.append(ticket)  # released by _serve whatever happens next
             try:
                 spec = registry.resolve(channel_param(params))
                 await require(self, spec, "subscribe")
                 await require_existing(spec)
             except RPCError as exc:
-                return [], http_error(STATUS.get(exc.code, 400), dict(exc.as_error()))
-            admitted.append((spec, ticket))
+                refused: dict[str, Any] = dict(exc.as_error())
+                refused["data"] = {**refused.get("data", {}), "requested": name[:200]}  # the name the client asked
+                return [], http_error(STATUS.get(exc.code, 400), refused)
+            except (DatabaseError, BackplaneUnavailable) as exc:  # an outage: later, not a 500
+                logger.warning("an event stream refused for now: %s", safe(exc, 200))
+                return [], _closed_as(CloseCode.TRY_AGAIN_LATER, "database unavailable")
+            finally:
+                hub.gate.done(ticket)
+            admitted.append(spec)
         return admitted, None
-
-    def _release(self, hub: Hub, ticket: Any = None) -> None:
-        """Give back ``ticket`` (every ticket still held, when None): once each."""
-        for held in [ticket] if ticket is not None else list(self._tickets):
-            if held in self._tickets:
-                self._tickets.remove(held)
-                hub.gate.done(held)
 
     async def _serve(self, hub: Hub, names: list[str], positions: Any, receive: Receive, send: Send) -> None:
         try:
             sink = sink_for(send, require_measurable=settings().max_backpressure > 0)
         except UnsupportedServer as exc:
-            logger.error("refusing event streams: %s", exc)
+            if runtime().first_time("unsupported stream server"):
+                logger.error("refusing event streams: %s", exc)
             return await _answer(send, _closed_as(CloseCode.INTERNAL_ERROR, "unsupported server"))
         ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         stream = EventStream(sink, positions, settings().close_drain_ms / 1000, ended)
@@ -219,20 +221,26 @@ class EventStreamConsumer(RealtimeConsumer):
         streams = runtime().part(OpenStreams).streams
         try:
             refusal = await self._door(hub, conn)
-            admitted: list[tuple[ChannelSpec, Any]] = []
+            admitted: list[ChannelSpec] = []
             if refusal is None:
                 admitted, refusal = await self._checked(hub, names)
+            if refusal is None and stream.final is not None:  # closed while it was checked (a drain, a logout)
+                refusal = _closed_as(*stream.final)
             if refusal is not None:
                 conn.closed = True
                 return await _answer(send, refusal)
+            stream.keep_only({spec.name for spec in admitted})
             await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
             stream.open(RETRY_MS)
             streams.add(stream)
             arm_expiry(hub, conn, self.scope)  # a token's stream is told before its token expires
-            await self._subscribe(hub, stream, admitted)
+            try:
+                await self._subscribe(hub, stream, admitted)
+            except Exception:  # a bug: the stream ends with 1011, said, never left open
+                logger.exception("event stream %s failed", conn.id)
+                stream.close(CloseCode.INTERNAL_ERROR, "internal error", stream.drain_s)
             await _wait(receive, stream)
         finally:
-            self._release(hub)
             streams.discard(stream)
             cancel_expiry(self.scope)
             hub.pool.abandon(self)
@@ -241,28 +249,26 @@ class EventStreamConsumer(RealtimeConsumer):
         if stream.final is not None:  # closed by the server: its final event, then the end
             await _end(send, stream)
 
-    async def _subscribe(self, hub: Hub, stream: EventStream, admitted: list[tuple[ChannelSpec, Any]]) -> None:
+    async def _subscribe(self, hub: Hub, stream: EventStream, admitted: list[ChannelSpec]) -> None:
         """Subscribe (or resume) each admitted channel as the socket's ``subscribe`` does;
         each answer is a ``realtime.subscribed`` or ``realtime.error`` event."""
-        for index, (spec, ticket) in enumerate(admitted):
+        for index, spec in enumerate(admitted):
             params: dict[str, Any] = {"channel": spec.name}
             at = stream.positions.get(spec.name)
             if at is not None and spec.history is not None:
                 params["since"] = {"epoch": at[0], "seq": at[1]}
             stream.settling(spec.name)
-            try:
-                response = await self._run(Request("subscribe", params, index))
-            finally:
-                self._release(hub, ticket)
+            response = await self._run(Request("subscribe", params, index))
             if stream.closed:
                 return
             if "error" in response:
-                stream.settled(spec.name, {})
+                stream.release(stream.settled(spec.name, {}))
                 stream.send_event("realtime.error", {"channel": spec.name, "error": response["error"]})
                 continue
             answer = response["result"]
-            stream.settled(spec.name, answer)
+            held = stream.settled(spec.name, answer)
             stream.send_event("realtime.subscribed", answer)
+            stream.release(held)
         assert self.session is not None
         for spec in self.session.answered() or ():
             assert self.connection is not None
@@ -285,9 +291,12 @@ async def _wait(receive: Receive, stream: EventStream) -> None:
     assert stream.ended is not None
     while True:
         message = asyncio.ensure_future(receive())
-        await asyncio.wait((message, stream.ended), return_when=asyncio.FIRST_COMPLETED)
-        if not message.done():
-            message.cancel()
+        try:
+            await asyncio.wait((message, stream.ended), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not message.done():
+                message.cancel()
+        if not message.done() or message.cancelled():
             return
         if message.result().get("type") == "http.disconnect":
             stream.closed = True

@@ -115,11 +115,13 @@ def _send_now(tcp: Any, sock: Any, data: bytes, write: Any) -> None:
 
 
 def daphne_request(send: Send) -> Any | None:
-    """daphne's HTTP request of a response being streamed, from the server's ``send``."""
+    """daphne's HTTP/1.x request of a response being streamed, from the server's ``send``
+    (None for another server, HTTP/2, or a request whose client is gone)."""
     if isinstance(send, functools.partial) and send.args:
         request = send.args[0]
-        if hasattr(request, "handle_reply") and hasattr(request, "channel") and not hasattr(request, "sendCloseFrame"):
-            return request
+        channel = getattr(request, "channel", None)
+        if hasattr(request, "handle_reply") and not hasattr(request, "sendCloseFrame") and channel is not None:
+            return request if getattr(channel, "transport", None) is not None else None
     return None
 
 
@@ -164,6 +166,8 @@ class DaphneHttpSink:
         self.sock = getattr(self.tcp, "socket", None) if self.tls is None else None
         # HTTP/1.1 over Twisted's HTTPChannel: its body bytes are the transport's, in order
         self.direct = request.clientproto == b"HTTP/1.1" and hasattr(request.channel, "writeSequence")
+        if hasattr(request.channel, "persistent"):
+            request.channel.persistent = False  # the stream's connection ends with it (Connection: close)
 
     def buffered(self) -> int:
         return _queued(self.tls, self.tcp, self.fileno)

@@ -46,6 +46,8 @@ __all__ = [
 
 CLOSE_EVENT = "realtime.close"
 RESYNC_EVENT = "realtime.resync"
+#: Frames a settling channel holds at most until its subscribe answers.
+MAX_HELD_FRAMES = 1000
 #: Events (with their ``id``) kept built per publication: streams at the same place share one.
 MAX_IDS_KEPT = 16
 #: ``Last-Event-ID`` read at most this long (a stream's positions on its channels).
@@ -158,9 +160,11 @@ class EventStream(Transport):
     """One SSE response as the hub sees a connection's transport.
 
     ``positions``: where the client says it is (its ``Last-Event-ID``); channels being
-    subscribed are ``settling`` (:meth:`settling`, :meth:`settled`) until their
-    subscribe answered: a jump there is history that could not fill the gap (a resync
-    event), a jump elsewhere a frame the guard dropped (the stream ends)."""
+    subscribed are settling (:meth:`settling`, :meth:`settled`) until their subscribe
+    answered: a jump there is history that could not fill the gap (a resync event), a
+    jump elsewhere a frame lost on the way (the stream ends: the client's reconnect
+    resumes it). A frame a settling channel cannot place yet (the client said it was
+    further than the history is) waits for the answer."""
 
     def __init__(
         self,
@@ -173,7 +177,8 @@ class EventStream(Transport):
         self.kind = f"sse-{sink.kind}"
         self.measurable = sink.measurable
         self.positions: Positions = dict(positions or {})
-        self._settling: set[str] = set()
+        self._settling: dict[str, tuple[str, int] | None] = {}  # channel -> its position when it began
+        self._held: dict[str, list[bytes]] = {}  # frames of a settling channel not placed yet
         self._id = encode_positions(self.positions)
         self.started = False  # the response's head is sent: bytes may follow
         self.closed = False
@@ -181,6 +186,12 @@ class EventStream(Transport):
         self.ended = ended  # set when the stream closes (its consumer waits on it)
         self.drain_s = drain_s  # CLOSE_DRAIN_MS: what a close of its own gives the client
         self.events = 0
+
+    def keep_only(self, channels: set[str]) -> None:
+        """Forget the positions of channels this stream does not carry: its ``id`` names
+        its own channels only (an id a client sends back never grows)."""
+        self.positions = {c: at for c, at in self.positions.items() if c in channels}
+        self._id = encode_positions(self.positions)
 
     def open(self, retry_ms: int) -> None:
         """The response's head was sent: the stream starts with the client's ``retry``."""
@@ -196,7 +207,7 @@ class EventStream(Transport):
         if not payload.startswith(_MESSAGE):
             return self._notice(payload)
         pub = publication(payload)
-        if pub.epoch is not None and not self._advance(pub.channel, pub.epoch, pub.seq):
+        if pub.epoch is not None and not self._advance(pub.channel, pub.epoch, pub.seq, payload):
             return not self.closed
         self.events += 1
         return self.sink.write(*pub.event(self._id))
@@ -207,53 +218,76 @@ class EventStream(Transport):
         if not self.closed and payload.startswith(_MESSAGE) and publication(payload).epoch is not None:
             self.close(1013, "backpressure", self.drain_s)
 
-    def _advance(self, channel: str, epoch: str, seq: int) -> bool:
+    def _advance(self, channel: str, epoch: str, seq: int, payload: bytes) -> bool:
         """Move the stream's position on ``channel``; False when the frame is not sent."""
         at = self.positions.get(channel)
         if at is not None:
             if epoch == at[0]:
                 if seq <= at[1]:
-                    return False  # had it already
+                    return self._hold(channel, at, payload)  # had it already, or the client was ahead
                 if seq > at[1] + 1:
-                    if channel not in self._settling:  # dropped by the guard: resume on reconnect
-                        self.close(1013, "backpressure", self.drain_s)
+                    if channel not in self._settling:  # lost on the way: the reconnect resumes it
+                        self.close(1013, "gap", self.drain_s)
                         return False
                     self.resync(channel, epoch, seq - 1, "too_old")
             elif newer_epoch(epoch, at[0]):
                 self.resync(channel, epoch, seq - 1, "epoch_changed")
             else:
-                return False  # a late frame of a history that was replaced
+                return self._hold(channel, at, payload)  # a late frame of a replaced history, or ahead
         self.positions[channel] = (epoch, seq)
         self._id = encode_positions(self.positions)
         return True
 
+    def _hold(self, channel: str, at: tuple[str, int], payload: bytes) -> bool:
+        """Keep a frame the client's own position refuses while its subscribe is settling:
+        the answer may say that position is not the history's (then it is placed)."""
+        if channel in self._settling and self._settling[channel] == at:
+            held = self._held.setdefault(channel, [])
+            if len(held) < MAX_HELD_FRAMES:
+                held.append(payload)
+        return False
+
     def settling(self, channel: str) -> None:
         """``channel`` is being subscribed (or resumed): its first frames may jump."""
-        self._settling.add(channel)
+        self._settling[channel] = self.positions.get(channel)
 
-    def settled(self, channel: str, answer: dict[str, Any]) -> None:
+    def settled(self, channel: str, answer: dict[str, Any]) -> list[bytes]:
         """``channel``'s subscribe answered ``answer``: a resume that failed is said as a
-        resync (unless a frame said it already); the position is at least the answer's."""
-        self._settling.discard(channel)
+        resync and the position moves to the history's; returns the frames held meanwhile,
+        for :meth:`release` once the answer is out."""
+        began = self._settling.pop(channel, None)
+        held = self._held.pop(channel, [])
         epoch, top = answer.get("epoch"), answer.get("seq")
         if not isinstance(epoch, str) or not isinstance(top, int):
-            return
+            return held
         at = self.positions.get(channel)
-        if at is not None and (at[0] == epoch and at[1] >= top or newer_epoch(at[0], epoch)):
-            return
-        if at is not None and answer.get("recovered") is False:
+        failed = answer.get("recovered") is False
+        if at == began:  # nothing placed since it began: the answer says where the stream is
+            if at is not None and failed:
+                self.resync(channel, epoch, top, str(answer.get("reason", "too_old")))
+            self.positions[channel] = (epoch, top)
+        elif at is not None and failed and (at[0] == epoch and at[1] < top or at[0] != epoch):
             self.resync(channel, epoch, top, str(answer.get("reason", "too_old")))
-        self.positions[channel] = (epoch, top)
+            self.positions[channel] = (epoch, top)
         self._id = encode_positions(self.positions)
+        return held
+
+    def release(self, held: list[bytes]) -> None:
+        """Write the frames :meth:`settled` returned, now that the position is known."""
+        for payload in held:
+            self.write(payload)
 
     def resync(self, channel: str, epoch: str, seq: int, reason: str) -> None:
         """Tell the client its state of ``channel`` cannot be caught up: reload it."""
+        self.positions[channel] = (epoch, seq)
+        self._id = encode_positions(self.positions)
         data = {"channel": channel, "epoch": epoch, "seq": seq, "reason": reason}
-        self.sink.write(event(RESYNC_EVENT, data))
+        self.sink.write(event(RESYNC_EVENT, data, self._id))
 
     def send_event(self, name: str, data: Any) -> bool:
-        """A control event of this stream (the subscribe answers, an error)."""
-        return self.started and not self.closed and self.sink.write(event(name, data))
+        """A control event of this stream (the subscribe answers, an error), with the
+        stream's ``id``: a client that reconnects right after it resumes from there."""
+        return self.started and not self.closed and self.sink.write(event(name, data, self._id))
 
     def comment(self) -> bool:
         """A heartbeat: a comment line, which keeps proxies and the client's timer quiet."""
@@ -278,10 +312,12 @@ class EventStream(Transport):
         self.closed = True
         self.final = (int(code), reason)
         self.drain_s = drain_s
-        if self.started:
-            self.sink.write(event(CLOSE_EVENT, {"code": int(code), "reason": reason}))
-        if self.ended is not None and not self.ended.done():
-            self.ended.set_result(None)
+        try:
+            if self.started:
+                self.sink.write(event(CLOSE_EVENT, {"code": int(code), "reason": reason}))
+        finally:
+            if self.ended is not None and not self.ended.done():
+                self.ended.set_result(None)
 
     def pause_reading(self, seconds: float) -> None:
         self.sink.pause_reading(seconds)
