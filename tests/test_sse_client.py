@@ -102,3 +102,36 @@ async def test_a_reconnect_resumes_every_publication_once_in_order(server):
         await eventually(lambda: seqs[-1] in got, 20)
         assert got[got.index(first["seq"]) :] == [first["seq"], *seqs]  # every one once, in order
         assert recovered and recovered[-1] >= 1
+
+
+async def test_subscribes_made_together_are_all_served_by_the_stream(server):
+    """Found: two stream opens in flight at once, the older, smaller set could win."""
+    names = [f"demo:clock:{ms}" for ms in (300, 400, 500, 600, 700)]
+    got: dict[str, int] = dict.fromkeys(names, 0)
+
+    def counter(name):
+        def handle(message):
+            got[name] += 1
+
+        return handle
+
+    async with RealtimeClient(server.ws, transport="sse") as client:
+        for name in names:  # one after the other, each while the previous stream is opening
+            asyncio.get_running_loop().create_task(client.subscribe(name, counter(name)))
+            await asyncio.sleep(0.01)
+        await eventually(lambda: all(n >= 2 for n in got.values()), 15, f"every channel served: {got}")
+
+
+def test_a_stream_refused_for_the_clients_own_pace_is_retried_not_final():
+    """Found: a 429 of the client's bucket was taken as final (1008): the client stopped.
+    The close a socket would have had, and when to come back, as the reconnect reads them."""
+    from realtime_app.client.event_stream import refusal_of
+    from realtime_app.client.reconnecting import is_reconnectable_close_code, retry_after_ms
+
+    limited = json.dumps({"error": {"code": -32005, "message": "Rate limited", "data": {"retry_after_ms": 700}}})
+    code, reason = refusal_of(429, limited.encode())
+    assert is_reconnectable_close_code(code) and retry_after_ms(reason) == 700
+    capped = json.dumps({"error": {"code": -32003, "message": "too many connections", "data": {"close_code": 1008}}})
+    assert refusal_of(429, capped.encode())[0] == 1008  # past its own cap: do not come back
+    expired = json.dumps({"error": {"code": -32003, "message": "token expired", "data": {"close_code": 4004}}})
+    assert refusal_of(401, expired.encode())[0] == 4004  # the client asks for a new token

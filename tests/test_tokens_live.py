@@ -326,7 +326,8 @@ async def test_the_python_client_signs_in_with_a_token_and_refreshes_it(site, tr
         assert client.last_close is None  # never closed: the stream (or socket) carried on
 
 
-async def test_a_client_whose_token_expired_while_away_connects_again_with_a_new_one(site):
+@pytest.mark.parametrize("transport", ["websocket", "sse"])
+async def test_a_client_whose_token_expired_while_away_connects_again_with_a_new_one(site, transport):
     from realtime_app.client import RealtimeClient
 
     server, env = site
@@ -334,7 +335,7 @@ async def test_a_client_whose_token_expired_while_away_connects_again_with_a_new
     await eventually(lambda: time.time() > issued + 2, 5, "past its expiry")
     fresh = manage(env, "realtime_token", "demo", "--ttl", "60")
     closes: list[int | None] = []
-    client = RealtimeClient(server.ws, token=expired, refresh_token=lambda: fresh)
+    client = RealtimeClient(server.ws, token=expired, refresh_token=lambda: fresh, transport=transport)
     client.on_close.append(lambda code, reason, again: closes.append(code))
     async with client:  # accepted, then closed with 4004: the client asks for a new token and comes back
         await eventually(lambda: closes == [4004] and client.state == "open" and client.attempt == 0, 10, "back")

@@ -25,15 +25,45 @@ from realtime_app.cancellation import cancel_and_wait
 from realtime_app.client.http import HttpResponse, open_request
 from realtime_app.wire.event_stream import EventParser, translate
 
-__all__ = ["EventStreamSocket", "StreamRefused", "connect_event_stream", "http_base"]
+__all__ = ["EventStreamSocket", "StreamRefused", "connect_event_stream", "http_base", "refusal_of"]
+
+#: The answer of a subscribe whose channel was unsubscribed before the stream answered it.
+_UNSUBSCRIBED = {"code": -32603, "message": "Unsubscribed before its answer", "data": {"reason": "unsubscribed"}}
 
 
 class StreamRefused(Exception):
-    """The server refused the transport itself (``status``: 401, 429, 503…)."""
+    """The server refused the transport itself (``status``: 401, 429, 503…); ``close_code``:
+    what a socket would have been closed with, when the server says."""
 
-    def __init__(self, status: int, reason: str) -> None:
+    def __init__(self, status: int, reason: str, close_code: int | None = None) -> None:
         super().__init__(f"{status} {reason}")
-        self.status, self.reason = status, reason
+        self.status, self.reason, self.close_code = status, reason, close_code
+
+
+#: Seconds without a byte on a stream before the client takes it for dead (the server
+#: writes a heartbeat every ``HEARTBEAT_SECONDS``, 20 s by default).
+READ_TIMEOUT_S = 60.0
+#: A stream refused by the server's own limits, as the close a socket would have had.
+REFUSED_CODES = {401: 4002, 403: 1008, 429: 1013}
+
+
+def refusal_of(status: int, body: bytes) -> tuple[int, str]:
+    """The close code and reason of a refused stream or probe (its JSON-RPC error's
+    ``close_code`` and ``retry_after_ms`` when it has them)."""
+    try:
+        error = json.loads(body).get("error") or {}
+    except (ValueError, AttributeError):
+        error = {}
+    data = error.get("data") if isinstance(error, dict) else None
+    data = data if isinstance(data, dict) else {}
+    code = data.get("close_code")
+    if not isinstance(code, int):
+        code = REFUSED_CODES.get(status, 1013 if status >= 500 else 1006)
+    reason = str(error.get("message", f"HTTP {status}")) if isinstance(error, dict) else f"HTTP {status}"
+    retry = data.get("retry_after_ms")
+    if isinstance(retry, int):
+        reason += f" retry_after_ms={retry}"
+    return code, reason
 
 
 def http_base(url: str) -> str:
@@ -57,19 +87,23 @@ class EventStreamSocket:
     """What :class:`~realtime_app.client.reconnecting.ReconnectingSocket` reads of a
     websockets connection: ``send``, ``close``, iteration, ``close_code``."""
 
-    def __init__(self, base: str, headers: dict[str, str], ssl_context: Any = None) -> None:
+    def __init__(self, base: str, headers: dict[str, str], ssl_context: Any = None, on_stream: Any = None) -> None:
         self.base, self.ssl = http_base(base), ssl_context
         self.headers = {k: v for k, v in headers.items() if k.lower() != "origin"}
         self.origin = "{0.scheme}://{0.netloc}".format(urllib.parse.urlsplit(self.base))
+        self.on_stream = on_stream  # called when a stream opens (the reconnect's backoff restarts)
         self.close_code: int | None = None
         self.close_reason = ""
         self._frames: asyncio.Queue[str | None] = asyncio.Queue()
         self._channels: dict[str, list[Any]] = {}  # requested name -> ids of its subscribes awaiting an answer
         self._since: dict[str, dict[str, Any]] = {}  # requested name -> the since its subscribe asked
+        self._canonical: dict[str, str] = {}  # requested name -> the server's name of it
         self._positions: dict[str, Any] = {}  # the stream's last id: canonical name -> [seq, epoch]
         self._reader: asyncio.Task[None] | None = None
-        self._opening: asyncio.Task[None] | None = None
+        self._opener: asyncio.Task[None] | None = None  # the one task that (re)opens streams
+        self._dirty = False  # the set of channels changed since the stream being opened
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.refused_stream = False  # it ended on a refused stream (the backoff goes on growing)
 
     # -- what the reconnecting socket uses --------------------------------------------------
 
@@ -102,7 +136,7 @@ class EventStreamSocket:
 
     async def close(self, code: int = 1000, reason: str = "") -> None:
         self._end(code, reason)
-        for task in [self._reader, self._opening, *self._tasks]:
+        for task in [self._opener, self._reader, *self._tasks]:
             if task is not None and task is not asyncio.current_task():
                 await cancel_and_wait(task)
 
@@ -123,69 +157,96 @@ class EventStreamSocket:
         self._changed()
 
     def _unsubscribe(self, name: str, request_id: Any) -> None:
-        was = self._channels.pop(name, None) is not None
+        waiting = self._channels.pop(name, None)
+        for pending in waiting or []:  # a subscribe not answered yet: it never will be
+            self._put({"jsonrpc": "2.0", "error": _UNSUBSCRIBED, "id": pending})
         self._since.pop(name, None)
+        self._positions.pop(self._canonical.pop(name, name), None)  # a later subscribe starts afresh
         if request_id is not None:
-            self._put({"jsonrpc": "2.0", "result": {"channel": name, "unsubscribed": was}, "id": request_id})
+            self._put(
+                {"jsonrpc": "2.0", "result": {"channel": name, "unsubscribed": waiting is not None}, "id": request_id}
+            )
         self._changed()
 
     def _changed(self) -> None:
-        if self._opening is None or self._opening.done():
-            self._opening = asyncio.get_running_loop().create_task(self._reopen())
+        self._dirty = True
+        if self.close_code is None and (self._opener is None or self._opener.done()):
+            self._opener = asyncio.get_running_loop().create_task(self._reopen())
 
     async def _reopen(self) -> None:
-        await asyncio.sleep(0)  # the frame's other subscribes join this stream
-        self._opening = None
+        """Open streams until one carries the current set of channels: one at a time, so
+        that an older, smaller set never replaces a newer one."""
+        while self._dirty and self.close_code is None:
+            self._dirty = False
+            await asyncio.sleep(0)  # the frame's other subscribes join this stream
+            await self._open_once()
+
+    async def _open_once(self) -> None:
         names = list(self._channels)
         if not names:
             await cancel_and_wait(self._reader)
             self._reader = None
             return
-        positions = dict(self._positions)
-        for name, since in self._since.items():
-            if "seq" in since and "epoch" in since:
-                positions[name] = [since["seq"], since["epoch"]]
+        wanted = set(names) | {self._canonical.get(name, name) for name in names}
+        positions = {channel: at for channel, at in self._positions.items() if channel in wanted}
+        since = {name: dict(value) for name, value in self._since.items() if name in wanted}
+        for name, value in since.items():
+            if "seq" in value and "epoch" in value:
+                positions[name] = [value["seq"], value["epoch"]]
         query = urllib.parse.urlencode([("channel", name) for name in names])
         headers = {**self.headers, "Accept": "text/event-stream"}
         if positions:
             headers["Last-Event-ID"] = json.dumps(positions, separators=(",", ":"))
         try:
             response = await open_request(f"{self.base}sse?{query}", "GET", headers, ssl_context=self.ssl)
-        except (OSError, asyncio.IncompleteReadError, TimeoutError) as error:
+        except Exception as error:  # unreachable, cut, garbage: the transport is gone
             return self._end(1006, f"{type(error).__name__}: {error}")
+        if self.close_code is not None:  # closed while it opened: this stream is nobody's
+            response.close()
+            return
         if response.status != 200:
             return await self._refused(response)
-        self._since.clear()
+        for name, value in since.items():  # asked and carried: the next stream resumes from its id
+            if self._since.get(name) == value:
+                del self._since[name]
+        if self.on_stream is not None:
+            self.on_stream()
         old, self._reader = self._reader, asyncio.get_running_loop().create_task(self._read(response, names))
         await cancel_and_wait(old)  # the new stream is open: the old one goes
 
     async def _refused(self, response: HttpResponse) -> None:
         try:
-            error = json.loads(await response.body()).get("error") or {}
-        except (ValueError, AttributeError, OSError, asyncio.IncompleteReadError):
-            error = {}
+            body = await response.body()
+        except Exception:
+            body = b""
         finally:
             response.close()
+        try:
+            error = json.loads(body).get("error") or {}
+        except (ValueError, AttributeError):
+            error = {}
         data = error.get("data") if isinstance(error, dict) else None
-        channel = data.get("channel") if isinstance(data, dict) else None
-        if response.status in (400, 403, 404) and channel is not None:
-            waiting = [name for name, ids in self._channels.items() if ids]
-            name = channel if channel in self._channels else next(iter(waiting or self._channels), None)
-            for request_id in self._channels.pop(name, []) if name is not None else []:
+        data = data if isinstance(data, dict) else {}
+        asked = data.get("requested", data.get("channel"))
+        if response.status in (400, 403, 404) and asked in self._channels:
+            for request_id in self._channels.pop(asked):
                 self._put({"jsonrpc": "2.0", "error": error, "id": request_id})
-            self._since.pop(name or "", None)
+            self._since.pop(asked, None)
             return self._changed()  # the others, without the refused one
-        code = data.get("close_code") if isinstance(data, dict) else None
-        if not isinstance(code, int):
-            code = {401: 4002, 429: 1008}.get(response.status, 1013 if response.status >= 500 else 1006)
-        self._end(code, str(error.get("message", response.status)) if isinstance(error, dict) else "")
+        self.refused_stream = True
+        self._end(*refusal_of(response.status, body))
 
     async def _read(self, response: HttpResponse, names: list[str]) -> None:
         parser = EventParser()
         decoder = codecs.getincrementaldecoder("utf-8")()
         answered = 0
+        pieces = response.pieces().__aiter__()
         try:
-            async for piece in response.pieces():
+            while True:
+                try:  # a stream quiet past its heartbeats is a dead one (a half-open TCP connection)
+                    piece = await asyncio.wait_for(pieces.__anext__(), READ_TIMEOUT_S)
+                except StopAsyncIteration:
+                    break
                 for event in parser.feed(decoder.decode(piece)):
                     if event.id is not None and event.id != "-":
                         with contextlib.suppress(ValueError):
@@ -194,21 +255,28 @@ class EventStreamSocket:
                     if action[0] == "frame":
                         self._frames.put_nowait(action[1])
                     elif action[0] in ("answer", "refused") and answered < len(names):
-                        key = "result" if action[0] == "answer" else "error"
-                        for request_id in self._channels.get(names[answered], [])[:]:
-                            self._put({"jsonrpc": "2.0", key: action[1], "id": request_id})
-                        if names[answered] in self._channels:
-                            self._channels[names[answered]] = []
-                            if action[0] == "refused":
-                                del self._channels[names[answered]]
+                        self._answered(names[answered], action)
                         answered += 1
                     elif action[0] == "close":
                         return self._end(action[1], action[2])
             self._end(1006, "stream ended")
-        except (OSError, asyncio.IncompleteReadError, ValueError) as error:
+        except Exception as error:  # cut, timed out, garbage
             self._end(1006, f"{type(error).__name__}: {error}")
         finally:
             response.close()
+
+    def _answered(self, name: str, action: tuple[Any, ...]) -> None:
+        """The stream's answer to ``name``'s subscribe: to every request waiting for it."""
+        if action[0] == "answer" and isinstance(action[1], dict) and isinstance(action[1].get("channel"), str):
+            self._canonical[name] = action[1]["channel"]
+        key = "result" if action[0] == "answer" else "error"
+        for request_id in self._channels.get(name, []):
+            self._put({"jsonrpc": "2.0", key: action[1], "id": request_id})
+        if name in self._channels:
+            if action[0] == "refused":
+                del self._channels[name]
+            else:
+                self._channels[name] = []
 
     # -- RPC over HTTP ------------------------------------------------------------------------
 
@@ -221,7 +289,7 @@ class EventStreamSocket:
                 text = (await response.body()).decode("utf-8")
             finally:
                 response.close()
-        except (OSError, asyncio.IncompleteReadError, TimeoutError) as lost:
+        except Exception as lost:  # unreachable, cut, garbage: the transport is gone
             return self._end(1006, f"{type(lost).__name__}: {lost}")
         if response.status == 200:
             self._frames.put_nowait(text)
@@ -252,22 +320,23 @@ class EventStreamSocket:
 
 @contextlib.asynccontextmanager
 async def connect_event_stream(
-    base: str, headers: dict[str, str], ssl_context: Any = None
+    base: str, headers: dict[str, str], ssl_context: Any = None, on_stream: Any = None
 ) -> AsyncIterator[EventStreamSocket]:
     """Open the HTTP transport: a ``ping`` notification first tells whether the server
     serves this client at all (:class:`StreamRefused` otherwise)."""
-    socket = EventStreamSocket(base, headers, ssl_context)
+    socket = EventStreamSocket(base, headers, ssl_context, on_stream)
     ping = json.dumps({"jsonrpc": "2.0", "method": "ping"}).encode()
     probe_headers = {**socket.headers, "Content-Type": "application/json", "Origin": socket.origin}
     response = await open_request(
         f"{socket.base}rpc", "POST", {**probe_headers, **_csrf(socket.headers)}, ping, ssl_context
     )
     try:
-        text = (await response.body()).decode("utf-8", "replace")
+        body = await response.body()
     finally:
         response.close()
     if response.status not in (200, 204):
-        raise StreamRefused(response.status, text[:200])
+        code, reason = refusal_of(response.status, body)
+        raise StreamRefused(response.status, reason, code)
     try:
         yield socket
     finally:

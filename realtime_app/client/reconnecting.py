@@ -78,6 +78,7 @@ class ReconnectingSocket:
         self.opened = asyncio.Event()
         self.stopped = True
         self._blip_ms: float | None = None  # set by reconnect(): the delay before the new connection
+        self._stream_refused = False  # the last SSE transport ended on a refused stream
 
     def start(self) -> None:
         self.stopped = False
@@ -125,8 +126,8 @@ class ReconnectingSocket:
 
     def _connect(self) -> Any:
         """The connection's context: a WebSocket, or the SSE transport."""
-        if self.transport == "sse":
-            return connect_event_stream(self.url, self.headers, self.connect_kwargs.get("ssl"))
+        if self.transport == "sse":  # its backoff restarts when a stream opens, not at the probe
+            return connect_event_stream(self.url, self.headers, self.connect_kwargs.get("ssl"), self._streaming)
         return websockets.connect(
             self.url,
             origin=Origin(self.origin) if self.origin else None,
@@ -135,12 +136,17 @@ class ReconnectingSocket:
             **self.connect_kwargs,
         )
 
+    def _streaming(self) -> None:
+        self.attempt = 0
+        self._stream_refused = False
+
     async def _session(self) -> tuple[int | None, str]:
         """One connection, from the handshake to its close: how it closed."""
         try:
             async with self._connect() as ws:
                 self.ws = ws
-                self.attempt = 0
+                if not self._stream_refused:  # over SSE a refused stream restarts the backoff only once one opens
+                    self.attempt = 0
                 self.opened.set()
                 self._on_state("open")
                 opening = asyncio.get_running_loop().create_task(self._on_open())
@@ -149,15 +155,15 @@ class ReconnectingSocket:
                         await self._on_text(text)
                 finally:
                     opening.cancel()
+                    self._stream_refused = bool(getattr(ws, "refused_stream", False))
                 return ws.close_code or 1006, ws.close_reason or ""
         except websockets.ConnectionClosed as closed:
             return (closed.rcvd.code, closed.rcvd.reason) if closed.rcvd else (1006, "")
         except websockets.InvalidStatus as refused:  # 503 / 429: the server's 1013, before the accept
             status = refused.response.status_code
             return (1013 if status in (429, 503) else 4000 + status), f"handshake refused ({status})"
-        except StreamRefused as refused:  # the HTTP transport's door: as a handshake's
-            status = refused.status
-            return (1013 if status in (429, 503) else 4000 + status), f"refused ({status}): {refused.reason}"
+        except StreamRefused as refused:  # the HTTP transport's door: the close a socket would have had
+            return refused.close_code or 1006, f"refused ({refused.status}): {refused.reason}"
         except (
             websockets.InvalidHandshake,
             OSError,
