@@ -403,3 +403,90 @@ async def test_a_stream_of_many_channels_holds_one_admission_slot_at_a_time(daph
         await stream.read_until(lambda e: len(stream.named("realtime.subscribed")) == len(channels) or None)
     finally:
         stream.close()
+
+
+async def test_notifications_over_http_run_before_the_answer(daphne, database):
+    """Found: a notification to an application method was abandoned at the 204: it never ran."""
+    bearer = {"Authorization": f"Bearer {manage(database, 'realtime_token', 'demo')}"}
+
+    async def shots_left():
+        status, body = await rpc(daphne.port, {"jsonrpc": "2.0", "method": "inventory.snapshot", "id": 1}, bearer)
+        assert status == 200, body
+        return body["result"]["items"]
+
+    before = await shots_left()
+    item = next(iter(before))
+    fire = {"jsonrpc": "2.0", "method": "inventory.consume", "params": {"item": item, "shots": 1}}
+    for _ in range(3):
+        status, body = await rpc(daphne.port, fire, bearer)
+        assert status == 204 and body is None
+    assert (await shots_left())[item] == before[item] - 3
+
+
+def _pipelined(port, path, count):
+    import socket
+
+    sock = socket.create_connection(("127.0.0.1", port))
+    request = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: text/event-stream\r\n\r\n".encode()
+    sock.sendall(request * count)
+    return sock
+
+
+@pytest.mark.parametrize("server_kind", ["daphne", "uvicorn"])
+async def test_streams_of_a_connection_gone_are_released_even_when_the_server_never_says(database, server_kind):
+    """Found: under uvicorn a pipelined second request made the first stream deaf to the
+    client's going: its connection stayed counted until a restart (429 for the address)."""
+    server = start(database, server_kind)
+    try:
+        probe = Probe(server)
+        sockets = [_pipelined(server.port, "/realtime/sse?channel=demo:clock", 2) for _ in range(5)]
+        await eventually(lambda: probe.read()["connections"] >= 5, 10, "the streams open")
+        for sock in sockets:
+            sock.close()
+        await eventually(lambda: probe.read()["connections"] == 0, 15, "every stream released")
+        assert "Traceback" not in server.output()
+    finally:
+        server.stop()
+
+
+async def test_a_client_gone_right_after_its_request_costs_no_traceback(daphne):
+    import socket
+    import struct
+
+    for _ in range(10):
+        sock = socket.create_connection(("127.0.0.1", daphne.port))
+        sock.sendall(b"GET /realtime/sse?channel=demo:clock HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset
+        sock.close()
+    stream = await SseStream(daphne.port, ["demo:clock"]).open()  # the process serves on, after them
+    await stream.read_until(lambda e: e.get("event") == "realtime.subscribed")
+    stream.close()
+    log = daphne.output()
+    assert "Exception inside application" not in log and "Traceback" not in log and "refusing event streams" not in log
+
+
+async def test_bad_input_over_http_is_answered_and_logged_once_not_per_request(daphne):
+    stream = await SseStream(daphne.port, ["demo:events"], {"Last-Event-ID": "[" * 8000 + "]" * 8000}).open()
+    assert stream.status == 200  # an id that is none of ours reads as none
+    stream.close()
+    for _ in range(30):
+        status, body = await rpc(daphne.port, b"{not json")
+        assert status in (200, 429)
+    lines = [line for line in daphne.output().splitlines() if "invalid_json" in line]
+    assert len(lines) <= 2, lines  # one a minute with the count since (other tests of the module sent some too)
+
+
+async def test_a_session_stream_from_another_sites_page_is_refused_and_csrf_failures_cost_tokens(daphne):
+    cookie = login(daphne.http, "demo", "demo")
+    evil = await SseStream(daphne.port, ["demo:events"], {"Cookie": cookie, "Origin": "http://evil.example"}).open()
+    assert evil.status == 403 and evil.json()["error"]["data"]["reason"] == "origin_not_allowed"
+    same = f"http://127.0.0.1:{daphne.port}"
+    ok = await SseStream(daphne.port, ["demo:events"], {"Cookie": cookie, "Origin": same}).open()
+    assert ok.status == 200
+    ok.close()
+    statuses = [(await rpc(daphne.port, {"jsonrpc": "2.0", "method": "ping", "id": 1}, {"Cookie": cookie}))[0]]
+    statuses += [
+        (await rpc(daphne.port, {"jsonrpc": "2.0", "method": "ping", "id": 1}, {"Cookie": cookie}))[0]
+        for _ in range(40)
+    ]
+    assert statuses[0] == 403 and 429 in statuses  # a flood of forged calls is refused, not checked each time

@@ -21,7 +21,7 @@ from realtime_app.conf.runtime import settings
 from realtime_app.endpoint.auth import AUTH_UNAVAILABLE
 from realtime_app.endpoint.consumer import RealtimeConsumer
 from realtime_app.endpoint.doors import Answer, encode_answer
-from realtime_app.endpoint.refusals import log_auth_outage, log_error_counts, token_refusal
+from realtime_app.endpoint.refusals import log_auth_outage, log_bad_http_request, refusal_response, token_refusal
 from realtime_app.endpoint.replies import Pending
 from realtime_app.endpoint.sse import _closed_as, _error, http_error
 from realtime_app.endpoint.tokens import TOKEN, UNREAD_BEARER, bearer, unread_bearer
@@ -38,6 +38,10 @@ __all__ = ["STREAM_ONLY", "HttpRpcConsumer"]
 
 logger = logging.getLogger("realtime_app.consumers")
 
+#: Seconds a request's body may take to arrive whole (408 past it).
+BODY_TIMEOUT_S = 10.0
+#: What :func:`_body` returns for a client gone before its body was whole.
+GONE = object()
 #: Methods of a connection that lives on: over HTTP they are answered with where to go.
 STREAM_ONLY = {
     "subscribe": "subscribe with GET /realtime/sse?channel=…",
@@ -65,45 +69,62 @@ class HttpRpcConsumer(RealtimeConsumer):
 
     def __init__(self) -> None:
         super().__init__()
-        self._answer: asyncio.Future[str] | None = None
+        self._answer: asyncio.Future[str | None] | None = None
         self._closed: tuple[int, str] | None = None
-        self._waiting = 0  # requests (not notifications) whose answer comes from the pool
+        self._jobs: list[asyncio.Future[Any]] = []  # the pool's work for this body, notifications included
+        self._requests = 0  # requests (not notifications) among them
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             raise ValueError(f"HttpRpcConsumer serves http scopes, got {scope['type']!r}")
         self.scope = scope
         if scope.get("method") != "POST":
-            return await _reply(send, (405, {"error": "POST a JSON-RPC request"}, [(b"allow", b"POST")]))
-        body = await _body(receive, settings().max_frame_bytes)
+            error = _error(protocol.INVALID_REQUEST, "POST a JSON-RPC request", "method_not_allowed")
+            return await _reply(send, (405, http_error(405, error)[1], [(b"allow", b"POST")]))
+        limit = settings().max_frame_bytes
+        try:
+            body = await asyncio.wait_for(_body(receive, limit), BODY_TIMEOUT_S)
+        except TimeoutError:  # a body that trickles holds nothing for long
+            error = _error(protocol.INVALID_REQUEST, f"body not received within {BODY_TIMEOUT_S:.0f} s", "too_slow")
+            return await _reply(send, http_error(408, error))
+        if body is GONE:
+            return  # the client went away before its body was whole: nothing runs
         if body is None:
-            limit = settings().max_frame_bytes
             error = _error(protocol.INVALID_REQUEST, f"body over {limit} bytes", "frame_too_big")
             return await _reply(send, http_error(413, error))
-        refusal = await self._refusal(body)
-        if refusal is not None:
-            return await _reply(send, refusal)
         try:
             hub = await get_hub()
         except BackplaneUnavailable:
             return await _reply(send, _closed_as(CloseCode.TRY_AGAIN_LATER, "backplane unavailable"))
+        assert isinstance(body, bytes)
+        refusal = await self._refusal(hub, body)
+        if refusal is not None:
+            return await _reply(send, refusal)
         conn = Connection(send, scope, transport=Discard())
         conn.identity = conn.owner = self.admission_identity()
         conn.address = self.address()
         self.connection = conn
-        self.session = ServerSession(settings().max_frame_bytes, settings().max_batch)
+        self.session = ServerSession(limit, settings().max_batch)
         self._answer = asyncio.get_running_loop().create_future()
+        finished = False
         try:
             await self.receive_frame(body.decode("utf-8", "replace"), None)
-            text = await self._wait(receive)
+            finished = await self._wait(receive)
         finally:
-            hub.pool.abandon(self)
-            log_error_counts(self.session, conn)
+            if not finished:  # the client went away (or this task was cancelled): its queued work goes
+                hub.pool.abandon(self)
+        await self._send_answer(send)
+
+    async def _send_answer(self, send: Send) -> None:
         if self._closed is not None:
             code, reason = self._closed
-            status = CLOSED_STATUS.get(code, 400)
             error = _error(protocol.INVALID_REQUEST, reason, reason.replace(" ", "_"))
-            return await _reply(send, http_error(status, error))
+            return await _reply(send, http_error(CLOSED_STATUS.get(code, 400), error))
+        assert self._answer is not None
+        text = self._answer.result() if self._answer.done() else None
+        if text is None and self._requests:  # the pool closed under them (a shutdown)
+            error = _error(protocol.OVERLOADED, "Shutting down", "shutting_down", retry_after_ms=1000)
+            return await _reply(send, http_error(503, error, 1000))
         if text is None:
             await send({"type": "http.response.start", "status": 204, "headers": [(b"cache-control", b"no-store")]})
             await send({"type": "http.response.body", "body": b""})
@@ -117,7 +138,7 @@ class HttpRpcConsumer(RealtimeConsumer):
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": data})
 
-    async def _refusal(self, body: bytes) -> Answer | None:
+    async def _refusal(self, hub: Any, body: bytes) -> Answer | None:
         scope = self.scope
         if scope.get(AUTH_UNAVAILABLE):
             log_auth_outage(scope[AUTH_UNAVAILABLE])
@@ -127,50 +148,54 @@ class HttpRpcConsumer(RealtimeConsumer):
         if unread_bearer(scope):
             return _closed_as(CloseCode.TOKEN_REFUSED, UNREAD_BEARER)
         if _by_session(scope) and not await _csrf_passes(scope, body):
+            # costs the client's bucket as any bad request does: a flood is refused, not checked
+            if (limited := await hub.gate.charge_error(self.admission_identity())) is not None:
+                error = dict(refusal_response(None, limited)["error"])
+                return http_error(429, error, limited.retry_after_ms)
             message = "CSRF token missing or incorrect (send X-CSRFToken)"
-            error = _error(protocol.INVALID_REQUEST, message, "csrf_failed")
-            return http_error(403, error)
+            return http_error(403, _error(protocol.INVALID_REQUEST, message, "csrf_failed"))
         if not await self.accept_connection():
             return http_error(403, _error(protocol.FORBIDDEN_CHANNEL, "Forbidden", "refused"))
         return None
 
-    async def _wait(self, receive: Receive) -> str | None:
-        """The answer, once every request of the body is done (None: notifications only);
-        a client that goes away meanwhile abandons what it asked."""
-        assert self._answer is not None
-        if self._closed is not None:
-            return None
-        if not self._answer.done():
-            gone = asyncio.ensure_future(receive())
-            try:
-                while not self._answer.done():
-                    await asyncio.wait((self._answer, gone), return_when=asyncio.FIRST_COMPLETED)
-                    if gone.done() and not self._answer.done():
-                        if gone.result().get("type") == "http.disconnect":
-                            return None
-                        gone = asyncio.ensure_future(receive())
-            finally:
-                gone.cancel()
-        return self._answer.result()
+    async def _wait(self, receive: Receive) -> bool:
+        """Until every request and notification of the body is done (True), or the client
+        went away (False)."""
+        pending = [job for job in self._jobs if not job.done()]
+        if not pending or self._closed is not None:
+            return True
+        gone = asyncio.ensure_future(receive())
+        try:
+            while pending:
+                await asyncio.wait((*pending, gone), return_when=asyncio.FIRST_COMPLETED)
+                pending = [job for job in pending if not job.done()]
+                if gone.done() and pending:
+                    if gone.result().get("type") == "http.disconnect":
+                        return False
+                    gone = asyncio.ensure_future(receive())
+        finally:
+            gone.cancel()
+        await asyncio.sleep(0)  # the reply's callbacks run after the futures' own
+        return True
 
     def _respond(self, hub: Any, text: str) -> None:
         if self._answer is not None and not self._answer.done():
             self._answer.set_result(text)
 
-    async def receive_frame(self, text: str | None, data: bytes | None) -> None:
-        await super().receive_frame(text, data)
-        if self._answer is not None and not self._answer.done() and not self._pending():
-            self._answer.set_result(None)  # type: ignore[arg-type]
-
-    def _pending(self) -> bool:
-        """True while an answer is still to come (a queued method's)."""
-        return bool(self._waiting)
-
     async def handle_request(self, request: Request) -> Response | Pending | None:
         outcome = await super().handle_request(request)
-        if isinstance(outcome, Pending) and not request.is_notification:
-            self._waiting += 1
+        if not request.is_notification:
+            self._requests += 1
+        if isinstance(outcome, Pending):
+            self._jobs.append(outcome.future)
         return outcome
+
+    def count_error(self, reason: str, detail: str = "") -> None:
+        """Counted as a socket's are; logged once a minute per reason for the process (each
+        HTTP request is a connection of its own: once per connection would be once per request)."""
+        if self.session is not None:
+            self.session.count_error(reason)
+        log_bad_http_request(reason, detail)
 
     async def close(self, code: int, reason: str) -> None:
         self._closed = (int(code), reason)
@@ -201,8 +226,11 @@ async def _csrf_passes(scope: Scope, body: bytes) -> bool:
         request = ASGIRequest(scope, io.BytesIO(body))
         request.session = scope.get("session")
         middleware = CsrfViewMiddleware(lambda r: None)
-        middleware.process_request(request)
-        return middleware.process_view(request, _csrf_target, (), {}) is None
+        try:
+            middleware.process_request(request)
+            return middleware.process_view(request, _csrf_target, (), {}) is None
+        except Exception:  # DisallowedHost and the like: not a request to run
+            return False
 
     return bool(await sync_to_async(check)())
 
@@ -211,14 +239,15 @@ def _csrf_target(request: Any) -> None:
     """The view the CSRF check is made for (none is run)."""
 
 
-async def _body(receive: Receive, limit: int) -> bytes | None:
-    """The request's body, None past ``limit`` bytes (read no further)."""
+async def _body(receive: Receive, limit: int) -> bytes | object | None:
+    """The request's body, None past ``limit`` bytes (read no further), :data:`GONE` when
+    the client went away before it was whole."""
     chunks: list[bytes] = []
     size = 0
     while True:
         message = await receive()
         if message["type"] != "http.request":
-            return b""
+            return GONE
         chunk = message.get("body", b"")
         size += len(chunk)
         if limit and size > limit:

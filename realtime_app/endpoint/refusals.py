@@ -21,6 +21,7 @@ from realtime_app.wire.asgi import Scope, Send
 from realtime_app.wire.protocol import CloseCode, RequestId, Response
 
 __all__ = [
+    "log_bad_http_request",
     "log_error_counts",
     "NO_SNAPSHOT",
     "deny",
@@ -188,3 +189,11 @@ def log_auth_outage(why: str) -> None:
     """One WARNING a minute of a database outage, with the handshakes refused since."""
     if count := _count_then_log("database unavailable"):
         logger.warning("%d signed-in handshake(s) closed with 1013: the database does not answer (%s)", count, why)
+
+
+def log_bad_http_request(reason: str, detail: str = "") -> None:
+    """A bad JSON-RPC request over HTTP: one INFO line a minute per reason, with the count
+    since (each HTTP request is a connection of its own)."""
+    if count := _count_then_log(f"bad http rpc: {reason}"):
+        suffix = f" (the last: {safe(detail, 200)})" if detail else ""
+        logger.info("%d bad JSON-RPC request(s) over HTTP: %s%s", count, safe(reason), suffix)

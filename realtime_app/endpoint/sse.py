@@ -19,6 +19,7 @@ before the old one is closed (the clients do that). docs/sse.md.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import urllib.parse
 from typing import Any
@@ -115,7 +116,8 @@ class EventStreamConsumer(RealtimeConsumer):
             raise ValueError(f"EventStreamConsumer serves http scopes, got {scope['type']!r}")
         self.scope = scope
         if scope.get("method") != "GET":
-            return await _answer(send, (405, {"error": "GET only"}, [(b"allow", b"GET")]))
+            error = _error(protocol.INVALID_REQUEST, "GET an event stream", "method_not_allowed")
+            return await _answer(send, (405, http_error(405, error)[1], [(b"allow", b"GET")]))
         try:
             query = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1"), max_num_fields=MAX_FIELDS)
         except ValueError:
@@ -154,6 +156,9 @@ class EventStreamConsumer(RealtimeConsumer):
             return _closed_as(*refused)
         if unread_bearer(scope):
             return _closed_as(CloseCode.TOKEN_REFUSED, UNREAD_BEARER)
+        if not _origin_allowed(scope):  # another site's page riding on the visitor's session
+            error = _error(protocol.FORBIDDEN_CHANNEL, "Origin not allowed", "origin_not_allowed")
+            return http_error(403, error)
         if not await self.accept_connection():
             return http_error(403, _error(protocol.FORBIDDEN_CHANNEL, "Forbidden", "refused"))
         return None
@@ -209,6 +214,8 @@ class EventStreamConsumer(RealtimeConsumer):
     async def _serve(self, hub: Hub, names: list[str], positions: Any, receive: Receive, send: Send) -> None:
         try:
             sink = sink_for(send, require_measurable=settings().max_backpressure > 0)
+        except ConnectionError:
+            return  # the client went away before its stream began: nothing to answer
         except UnsupportedServer as exc:
             if runtime().first_time("unsupported stream server"):
                 logger.error("refusing event streams: %s", exc)
@@ -280,6 +287,28 @@ class EventStreamConsumer(RealtimeConsumer):
         return await super().dispatch(method, params)
 
 
+def _origin_allowed(scope: Scope) -> bool:
+    """A stream signed in by the session cookie and opened by a page of another origin is
+    refused, as a socket's handshake is (``OriginValidator``): the same origin, one of
+    ``CSRF_TRUSTED_ORIGINS`` or none said (not a browser's cross-origin request) pass. A
+    Bearer or anonymous stream carries no ambient right."""
+    from django.conf import settings as django_settings
+
+    from realtime_app.endpoint.tokens import TOKEN, USER_FROM_OUTSIDE
+
+    user = scope.get("user")
+    if not getattr(user, "is_authenticated", False) or TOKEN in scope or scope.get(USER_FROM_OUTSIDE):
+        return True
+    headers = dict(scope.get("headers", ()))
+    origin = headers.get(b"origin", b"").decode("latin-1")
+    if not origin:
+        return True
+    host = headers.get(b"host", b"").decode("latin-1")
+    return urllib.parse.urlsplit(origin).netloc == host or origin in getattr(
+        django_settings, "CSRF_TRUSTED_ORIGINS", []
+    )
+
+
 async def _answer(send: Send, answer: Answer) -> None:
     status, headers, body = encode_answer(answer)
     await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -309,8 +338,9 @@ async def _end(send: Send, stream: EventStream) -> None:
     try:
         end = send({"type": "http.response.body", "body": b"", "more_body": False})
         await asyncio.wait_for(end, max(stream.drain_s, 0.1))
-    except (TimeoutError, OSError):
-        stream.sink.abort()
+    except Exception:  # too slow, or the connection went meanwhile (uvicorn raises RuntimeError then)
+        with contextlib.suppress(Exception):
+            stream.sink.abort()
         return
     if stream.buffered():
         loop = asyncio.get_running_loop()

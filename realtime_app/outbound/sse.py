@@ -137,7 +137,7 @@ def parse_positions(text: str | None) -> Positions:
         return {}
     try:
         data = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser: none of ours
         return {}
     if not isinstance(data, dict):
         return {}
@@ -210,7 +210,23 @@ class EventStream(Transport):
         if pub.epoch is not None and not self._advance(pub.channel, pub.epoch, pub.seq, payload):
             return not self.closed
         self.events += 1
-        return self.sink.write(*pub.event(self._id))
+        return self._put(*pub.event(self._id))
+
+    def _put(self, data: bytes, chunk: bytes | None = None) -> bool:
+        """Write to the sink; a sink that takes nothing more (its connection is gone, and
+        the server may never say so: uvicorn tells only the last request of a pipelined
+        connection) ends the stream, so that its connection is released."""
+        if self.sink.write(data, chunk):
+            return True
+        self.lost()
+        return False
+
+    def lost(self) -> None:
+        """The client's connection is gone: the stream ends without a final event."""
+        if not self.closed:
+            self.closed = True
+            if self.ended is not None and not self.ended.done():
+                self.ended.set_result(None)
 
     def dropped(self, payload: bytes) -> None:
         """A frame of a channel with history dropped: the stream ends now (the client's
@@ -282,16 +298,16 @@ class EventStream(Transport):
         self.positions[channel] = (epoch, seq)
         self._id = encode_positions(self.positions)
         data = {"channel": channel, "epoch": epoch, "seq": seq, "reason": reason}
-        self.sink.write(event(RESYNC_EVENT, data, self._id))
+        self._put(event(RESYNC_EVENT, data, self._id))
 
     def send_event(self, name: str, data: Any) -> bool:
         """A control event of this stream (the subscribe answers, an error), with the
         stream's ``id``: a client that reconnects right after it resumes from there."""
-        return self.started and not self.closed and self.sink.write(event(name, data, self._id))
+        return self.started and not self.closed and self._put(event(name, data, self._id))
 
     def comment(self) -> bool:
         """A heartbeat: a comment line, which keeps proxies and the client's timer quiet."""
-        return self.started and not self.closed and self.sink.write(b":\n\n")
+        return self.started and not self.closed and self._put(b":\n\n")
 
     def _notice(self, payload: bytes) -> bool:
         """Another notification (``token_expiring``, ``presence``): ``realtime.<method>``."""
@@ -302,7 +318,7 @@ class EventStream(Transport):
         method = message.get("method") if isinstance(message, dict) else None
         if not isinstance(method, str):
             return True  # a response: nothing asks over a stream
-        return self.sink.write(event(f"realtime.{method}", message.get("params")))
+        return self._put(event(f"realtime.{method}", message.get("params")))
 
     def close(self, code: int, reason: str, drain_s: float) -> None:
         """The final event, then the end of the response (the consumer writes it: it owns
@@ -386,6 +402,8 @@ def sink_for(send: Send, *, require_measurable: bool = False) -> Sink:
 
     raw = server_send(send)
     request = daphne_request(raw)
+    if request is None and getattr(getattr(raw, "args", (None,))[0], "channel", True) is None:
+        raise ConnectionError("the client went away before its stream began")  # daphne's request, its socket gone
     if request is not None:
         from realtime_app.outbound.daphne import DaphneHttpSink
 
