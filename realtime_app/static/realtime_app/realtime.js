@@ -397,18 +397,37 @@ export function translateEvent(event) {
 }
 
 function csrfToken() {
-  const cookie = globalThis.document ? globalThis.document.cookie || "" : "";
-  const found = cookie.split(";").map((part) => part.trim()).find((part) => part.startsWith("csrftoken="));
-  return found ? decodeURIComponent(found.slice("csrftoken=".length)) : null;
+  const doc = globalThis.document;
+  if (!doc) return null;
+  const found = (doc.cookie || "").split(";").map((part) => part.trim()).find((part) => part.startsWith("csrftoken="));
+  if (found) return decodeURIComponent(found.slice("csrftoken=".length));
+  const field = doc.querySelector && doc.querySelector("[name=csrfmiddlewaretoken]"); // CSRF_COOKIE_HTTPONLY
+  return field ? field.value : null;
+}
+
+/** Seconds without a byte on a stream before it is taken for dead (the server's heartbeat: 20 s). */
+const READ_TIMEOUT_MS = 60000;
+
+/** The close a socket would have had for a refused stream or probe, and its reason
+ * (with `retry_after_ms=<n>` when the server says when): realtime_app.client.event_stream.refusal_of. */
+async function refusalOf(response) {
+  let error = {};
+  try { error = (await response.json()).error || {}; } catch { /* not ours */ }
+  const data = (error && error.data) || {};
+  let code = data.close_code;
+  if (!Number.isInteger(code)) code = { 401: 4002, 403: 1008, 429: 1013 }[response.status] ?? (response.status >= 500 ? 1013 : 1006);
+  let reason = error.message || `HTTP ${response.status}`;
+  if (Number.isInteger(data.retry_after_ms)) reason += ` retry_after_ms=${data.retry_after_ms}`;
+  return { code, reason, error, data };
 }
 
 /**
  * The endpoint over HTTP, with a WebSocket's face: GET /realtime/sse (read with fetch, so
  * that it carries Last-Event-ID and a Bearer token) for what the server pushes, POST
  * /realtime/rpc for calls (with the session's CSRF token). A subscribe or unsubscribe opens
- * a stream with the new set of channels before the old one closes; its
- * "realtime.subscribed" events answer the subscribes in order (docs/sse.md).
- * (realtime_app.client.event_stream.EventStreamSocket.)
+ * a stream with the new set of channels before the old one closes (one open at a time: an
+ * older set never replaces a newer one); its "realtime.subscribed" events answer the
+ * subscribes in order (docs/sse.md). (realtime_app.client.event_stream.EventStreamSocket.)
  */
 export class SseSocket {
   /** @param {string} url ws(s)://host/realtime/ or http(s)://… @param {{fetch?: Function, token?: string}} [options] */
@@ -418,11 +437,15 @@ export class SseSocket {
     this.token = options.token;
     this.readyState = 0;
     this.onopen = null; this.onmessage = null; this.onclose = null;
+    this.onstream = null; // a stream opened (the client's backoff restarts)
+    this.refusedStream = false; // it ended on a refused stream
     this._channels = new Map(); // requested name -> ids of its subscribes awaiting an answer
     this._since = new Map(); // requested name -> the since its subscribe asked
+    this._canonical = new Map(); // requested name -> the server's name of it
     this._positions = {}; // the stream's last id: canonical name -> [seq, epoch]
     this._stream = null; // the AbortController of the stream being read
-    this._opening = false;
+    this._opening = null; // the promise of the loop that (re)opens streams
+    this._dirty = false;
     this._open();
   }
 
@@ -434,12 +457,14 @@ export class SseSocket {
 
   async _open() {
     try {
+      const token = csrfToken();
       const response = await this.fetch(`${this.base}rpc`, {
         method: "POST", credentials: "same-origin", body: JSON.stringify({ jsonrpc: "2.0", method: "ping" }),
-        headers: this._headers({ "Content-Type": "application/json", ...(csrfToken() ? { "X-CSRFToken": csrfToken() } : {}) }),
+        headers: this._headers({ "Content-Type": "application/json", ...(token ? { "X-CSRFToken": token } : {}) }),
       });
       if (response.status !== 200 && response.status !== 204) {
-        return this._end(response.status === 429 || response.status === 503 ? 1013 : 4000 + response.status, `refused (${response.status})`);
+        const { code, reason } = await refusalOf(response);
+        return this._end(code, reason);
       }
       if (this.readyState !== 0) return;
       this.readyState = 1;
@@ -463,9 +488,15 @@ export class SseSocket {
         if (params.since && typeof params.since === "object") this._since.set(channel, params.since);
         this._changed();
       } else if (request.method === "unsubscribe" && typeof channel === "string") {
-        const was = this._channels.delete(channel);
+        const waiting = this._channels.get(channel);
+        for (const id of waiting || []) { // a subscribe not answered yet: it never will be
+          this._put({ jsonrpc: "2.0", error: { code: -32603, message: "Unsubscribed before its answer", data: { reason: "unsubscribed" } }, id });
+        }
+        this._channels.delete(channel);
         this._since.delete(channel);
-        if (request.id !== undefined) this._put({ jsonrpc: "2.0", result: { channel, unsubscribed: was }, id: request.id });
+        delete this._positions[this._canonical.get(channel) || channel]; // a later subscribe starts afresh
+        this._canonical.delete(channel);
+        if (request.id !== undefined) this._put({ jsonrpc: "2.0", result: { channel, unsubscribed: waiting !== undefined }, id: request.id });
         this._changed();
       } else remote.push(request);
     }
@@ -485,17 +516,28 @@ export class SseSocket {
   }
 
   _changed() {
-    if (this._opening) return;
-    this._opening = true;
-    queueMicrotask(() => { this._opening = false; this._reopen(); }); // the frame's other subscribes join
+    this._dirty = true;
+    if (this._opening || this.readyState === 3) return;
+    this._opening = (async () => {
+      try {
+        while (this._dirty && this.readyState === 1) {
+          this._dirty = false;
+          await Promise.resolve(); // the frame's other subscribes join this stream
+          await this._openOnce();
+        }
+      } finally {
+        this._opening = null;
+      }
+    })();
   }
 
-  async _reopen() {
-    if (this.readyState !== 1) return;
+  async _openOnce() {
     const names = [...this._channels.keys()];
     if (!names.length) { if (this._stream) this._stream.abort(); this._stream = null; return; }
-    const positions = { ...this._positions };
-    for (const [name, since] of this._since) if (since.epoch && Number.isInteger(since.seq)) positions[name] = [since.seq, since.epoch];
+    const wanted = new Set([...names, ...names.map((name) => this._canonical.get(name) || name)]);
+    const positions = Object.fromEntries(Object.entries(this._positions).filter(([channel]) => wanted.has(channel)));
+    const since = new Map([...this._since].filter(([name]) => wanted.has(name)));
+    for (const [name, value] of since) if (value.epoch && Number.isInteger(value.seq)) positions[name] = [value.seq, value.epoch];
     const headers = this._headers({ Accept: "text/event-stream" });
     if (Object.keys(positions).length) headers["Last-Event-ID"] = JSON.stringify(positions);
     const query = names.map((name) => `channel=${encodeURIComponent(name)}`).join("&");
@@ -506,8 +548,10 @@ export class SseSocket {
     } catch (err) {
       return this._end(1006, String(err));
     }
+    if (this.readyState !== 1) { controller.abort(); return; } // closed while it opened: nobody's stream
     if (response.status !== 200) return this._refused(response);
-    this._since.clear();
+    for (const [name, value] of since) if (this._since.get(name) === value) this._since.delete(name);
+    if (this.onstream) this.onstream();
     const old = this._stream;
     this._stream = controller;
     if (old) old.abort(); // the new stream is open: the old one goes
@@ -515,20 +559,17 @@ export class SseSocket {
   }
 
   async _refused(response) {
-    let error = {};
-    try { error = (await response.json()).error || {}; } catch { /* not ours */ }
-    const data = error.data || {};
-    if ([400, 403, 404].includes(response.status) && data.channel !== undefined) {
-      const waiting = [...this._channels].filter(([, ids]) => ids.length).map(([name]) => name);
-      const name = this._channels.has(data.channel) ? data.channel : (waiting[0] ?? [...this._channels.keys()][0]);
-      for (const id of this._channels.get(name) || []) this._put({ jsonrpc: "2.0", error, id });
-      this._channels.delete(name);
-      this._since.delete(name);
-      return this._changed(); // the others, without the refused one
+    const { code, reason, error, data } = await refusalOf(response);
+    const asked = data.requested ?? data.channel;
+    if ([400, 403, 404].includes(response.status) && this._channels.has(asked)) {
+      for (const id of this._channels.get(asked)) this._put({ jsonrpc: "2.0", error, id });
+      this._channels.delete(asked);
+      this._since.delete(asked);
+      this._dirty = true; // the others, without the refused one (the opening loop goes on)
+      return;
     }
-    const code = Number.isInteger(data.close_code) ? data.close_code
-      : response.status === 401 ? 4002 : response.status === 429 ? 1008 : response.status >= 500 ? 1013 : 1006;
-    this._end(code, error.message || `refused (${response.status})`);
+    this.refusedStream = true;
+    this._end(code, reason);
   }
 
   async _read(response, names, controller) {
@@ -536,8 +577,11 @@ export class SseSocket {
     const decoder = new TextDecoder();
     const parser = new EventParser();
     let answered = 0;
+    let watchdog = null;
+    const arm = () => { clearTimeout(watchdog); watchdog = setTimeout(() => controller.abort(), READ_TIMEOUT_MS); };
     try {
       for (;;) {
+        arm(); // a stream quiet past its heartbeats is a dead one (a half-open connection)
         const { value, done } = await reader.read();
         if (done) break;
         for (const event of parser.feed(decoder.decode(value, { stream: true }))) {
@@ -547,6 +591,7 @@ export class SseSocket {
           if (action[0] === "frame") this._put(action[1]);
           else if ((action[0] === "answer" || action[0] === "refused") && answered < names.length) {
             const name = names[answered++];
+            if (action[0] === "answer" && action[1] && typeof action[1].channel === "string") this._canonical.set(name, action[1].channel);
             const key = action[0] === "answer" ? "result" : "error";
             for (const id of this._channels.get(name) || []) this._put({ jsonrpc: "2.0", [key]: action[1], id });
             if (this._channels.has(name)) {
@@ -558,6 +603,8 @@ export class SseSocket {
       if (this._stream === controller) this._end(1006, "stream ended");
     } catch (err) {
       if (this._stream === controller) this._end(1006, String(err));
+    } finally {
+      clearTimeout(watchdog);
     }
   }
 
@@ -667,9 +714,10 @@ export class RealtimeClient extends EventTarget {
     const ws = kind === "sse" ? new SseSocket(this.url, { fetch: this.fetch, token: this.token }) : new this.WebSocket(this.url);
     this._ws = ws;
     let opened = false;
+    if (kind === "sse") ws.onstream = () => { this.attempt = 0; }; // its backoff restarts when a stream opens
     ws.onopen = () => {
       opened = true;
-      this.attempt = 0;
+      if (kind !== "sse" || !this._streamRefused) this.attempt = 0;
       if (this.token && kind === "websocket") { // the first request: what follows is the token's user's
         this._callOnce("auth", { token: this.token }, {}).catch((err) => console.error("auth refused", err));
       }
@@ -680,9 +728,12 @@ export class RealtimeClient extends EventTarget {
     ws.onmessage = (event) => this._onMessage(event.data);
     ws.onclose = (event) => {
       const next = this.transports[this.transports.indexOf(kind) + 1];
+      this._streamRefused = Boolean(ws.refusedStream);
       if (!opened && next && event.code === 1006 && !this._stopped && this._blipMs === undefined) {
         this.transport = next; // this network does not let it open: the next transport, now
         this._blipMs = 0;
+      } else if (!opened && kind !== this.transports[0]) {
+        this.transport = this.transports[0]; // the fallback did not open either (the server is away): the first again
       }
       this._onClose(event.code, event.reason);
     };
