@@ -336,6 +336,9 @@ async def _end(send: Send, stream: EventStream) -> None:
     """End the response after the final event; a client that does not read what is still
     queued within ``CLOSE_DRAIN_MS`` is cut off."""
     try:
+        drained = getattr(stream.sink, "drained", None)  # a sink that queues: its events first
+        if drained is not None:
+            await asyncio.wait_for(drained(), max(stream.drain_s, 0.1))
         end = send({"type": "http.response.body", "body": b"", "more_body": False})
         await asyncio.wait_for(end, max(stream.drain_s, 0.1))
     except Exception:  # too slow, or the connection went meanwhile (uvicorn raises RuntimeError then)

@@ -386,6 +386,11 @@ class AsgiSink:
         while self.queue:
             await self.send({"type": "http.response.body", "body": self.queue.popleft(), "more_body": True})
 
+    async def drained(self) -> None:
+        """Until what was written is sent (the end of the body must come after it)."""
+        while self.task is not None and not self.task.done():
+            await asyncio.shield(self.task)
+
     def abort(self) -> None:
         self.queue.clear()
         if self.task is not None:
