@@ -490,3 +490,33 @@ async def test_a_session_stream_from_another_sites_page_is_refused_and_csrf_fail
         for _ in range(40)
     ]
     assert statuses[0] == 403 and 429 in statuses  # a flood of forged calls is refused, not checked each time
+
+
+async def test_a_position_given_under_the_name_asked_resumes_the_canonical_channel(database):
+    """A client that knows a channel by the name it asked (``test:bids:01``) resumes it
+    all the same: the stream's positions are the canonical names' (``test:bids:1``)."""
+    key = "sse-test-key"
+    server = start(database, REALTIME_PUBLISH_API_KEYS=key)
+    try:
+
+        async def publish_bid(n):
+            status, body = await _publish_api(server.port, key, {"channel": "test:bids:1", "data": {"n": n}})
+            assert status == 202, body
+            return body["seq"]
+
+        first = await SseStream(server.port, ["test:bids:01"]).open()
+        answer = (await first.read_until(lambda e: e.get("event") == "realtime.subscribed"))["json"]
+        assert answer["channel"] == "test:bids:1"
+        seq = await publish_bid(0)
+        await first.read_until(lambda e: e.get("event") == "test:bids:1")
+        first.close()
+        missed = [await publish_bid(n) for n in (1, 2)]
+        since = json.dumps({"test:bids:01": [seq, answer["epoch"]]})
+        again = await SseStream(server.port, ["test:bids:01"], {"Last-Event-ID": since}).open()
+        try:
+            await again.read_until(lambda e: len(again.publications()) == 2 or None)
+            assert [e["json"]["seq"] for e in again.publications()] == missed
+        finally:
+            again.close()
+    finally:
+        server.stop()

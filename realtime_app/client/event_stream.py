@@ -192,7 +192,7 @@ class EventStreamSocket:
         since = {name: dict(value) for name, value in self._since.items() if name in wanted}
         for name, value in since.items():
             if "seq" in value and "epoch" in value:
-                positions[name] = [value["seq"], value["epoch"]]
+                positions[self._canonical.get(name, name)] = [value["seq"], value["epoch"]]
         query = urllib.parse.urlencode([("channel", name) for name in names])
         headers = {**self.headers, "Accept": "text/event-stream"}
         if positions:

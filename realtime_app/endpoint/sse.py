@@ -236,6 +236,9 @@ class EventStreamConsumer(RealtimeConsumer):
             if refusal is not None:
                 conn.closed = True
                 return await _answer(send, refusal)
+            for name, spec in zip(names, admitted, strict=True):  # a position given under the name asked
+                if name in stream.positions and spec.name not in stream.positions:
+                    stream.positions[spec.name] = stream.positions[name]
             stream.keep_only({spec.name for spec in admitted})
             await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
             stream.open(RETRY_MS)

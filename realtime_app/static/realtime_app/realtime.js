@@ -537,7 +537,7 @@ export class SseSocket {
     const wanted = new Set([...names, ...names.map((name) => this._canonical.get(name) || name)]);
     const positions = Object.fromEntries(Object.entries(this._positions).filter(([channel]) => wanted.has(channel)));
     const since = new Map([...this._since].filter(([name]) => wanted.has(name)));
-    for (const [name, value] of since) if (value.epoch && Number.isInteger(value.seq)) positions[name] = [value.seq, value.epoch];
+    for (const [name, value] of since) if (value.epoch && Number.isInteger(value.seq)) positions[this._canonical.get(name) || name] = [value.seq, value.epoch];
     const headers = this._headers({ Accept: "text/event-stream" });
     if (Object.keys(positions).length) headers["Last-Event-ID"] = JSON.stringify(positions);
     const query = names.map((name) => `channel=${encodeURIComponent(name)}`).join("&");
