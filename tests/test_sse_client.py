@@ -135,3 +135,26 @@ def test_a_stream_refused_for_the_clients_own_pace_is_retried_not_final():
     assert refusal_of(429, capped.encode())[0] == 1008  # past its own cap: do not come back
     expired = json.dumps({"error": {"code": -32003, "message": "token expired", "data": {"close_code": 4004}}})
     assert refusal_of(401, expired.encode())[0] == 4004  # the client asks for a new token
+
+
+async def test_channels_subscribed_one_at_a_time_are_paced_by_the_bucket_never_stuck(server):
+    """Found: each awaited subscribe opened a stream with every channel so far; past about
+    eleven the bucket refused the stream, the client closed and reopened it the same way,
+    forever. Now a refused new channel is the caller's ``Refused`` (as over a socket) and the
+    open stream goes on; subscribing channels together costs one stream (docs/sse.md)."""
+    from realtime_app.exceptions import Refused
+
+    names = [f"demo:clock:{ms}" for ms in range(200, 2600, 100)]
+    got: set[str] = set()
+    refused = 0
+    async with RealtimeClient(server.ws, transport="sse") as client:
+        for name in names:
+            while True:
+                try:
+                    await asyncio.wait_for(client.subscribe(name, lambda m, asked=name: got.add(asked)), 30)
+                    break
+                except Refused as error:  # the client's own pace: come back when told
+                    refused += 1
+                    await asyncio.sleep(error.retry_after_ms / 1000)
+        await eventually(lambda: got == set(names), 30, "every channel served")
+        assert client.last_close is None  # the stream was never dropped for it

@@ -183,14 +183,12 @@ class RealtimeClient:
             _settle(self._answers.pop(request_id, None), OutcomeUnknown(f"connection lost, outcome unknown ({code})"))
 
     async def _resubscribe(self) -> None:
-        for name in list(self.session.handlers):
-            try:
-                await _subscribe_remote(self, name, renewal=True)
-            except Refused as refused:  # e.g. too many resumes at once after a deploy: again when told
-                if refused.reason in RENEWAL_RETRY_REASONS:
-                    self._spawn(_renew_later(self, name, refused))
-            except Exception:  # reported by _subscribe_remote
-                pass
+        names = list(self.session.handlers)
+        if self.transport == "sse":  # all at once: one stream carries them (one at a time would be one each)
+            await asyncio.gather(*(_renew_one(self, name) for name in names))
+            return
+        for name in names:
+            await _renew_one(self, name)
 
     async def _on_text(self, text: str | bytes) -> None:
         for event in self.session.receive(text):
@@ -319,6 +317,17 @@ class RealtimeClient:
             with contextlib.suppress(Exception):  # the channel the server subscribed (a nearer cadence, say)
                 return await self.call("unsubscribe", {"channel": canonical})  # type: ignore[no-any-return]
         return None
+
+
+async def _renew_one(client: RealtimeClient, name: str) -> None:
+    """A reconnect's subscribe of one booked channel; a refusal that passes is tried again when told."""
+    try:
+        await _subscribe_remote(client, name, renewal=True)
+    except Refused as refused:  # e.g. too many resumes at once after a deploy: again when told
+        if refused.reason in RENEWAL_RETRY_REASONS:
+            client._spawn(_renew_later(client, name, refused))
+    except Exception:  # reported by _subscribe_remote
+        pass
 
 
 async def _subscribe_remote(client: RealtimeClient, name: str, renewal: bool = False) -> dict[str, Any]:

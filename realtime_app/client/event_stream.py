@@ -43,6 +43,8 @@ class StreamRefused(Exception):
 #: Seconds without a byte on a stream before the client takes it for dead (the server
 #: writes a heartbeat every ``HEARTBEAT_SECONDS``, 20 s by default).
 READ_TIMEOUT_S = 60.0
+#: Seconds a change of the channel set waits for others (subscribes made together: one stream).
+REOPEN_DEBOUNCE_S = 0.01
 #: A stream refused by the server's own limits, as the close a socket would have had.
 REFUSED_CODES = {401: 4002, 403: 1008, 429: 1013}
 
@@ -98,6 +100,7 @@ class EventStreamSocket:
         self._channels: dict[str, list[Any]] = {}  # requested name -> ids of its subscribes awaiting an answer
         self._since: dict[str, dict[str, Any]] = {}  # requested name -> the since its subscribe asked
         self._canonical: dict[str, str] = {}  # requested name -> the server's name of it
+        self._served: dict[str, Any] = {}  # requested name -> the answer of the stream carrying it
         self._positions: dict[str, Any] = {}  # the stream's last id: canonical name -> [seq, epoch]
         self._reader: asyncio.Task[None] | None = None
         self._opener: asyncio.Task[None] | None = None  # the one task that (re)opens streams
@@ -151,6 +154,11 @@ class EventStreamSocket:
 
     def _subscribe(self, params: dict[str, Any], request_id: Any) -> None:
         name = params["channel"]
+        served = self._served.get(name)
+        if served is not None and name in self._channels and not params.get("since"):
+            # the stream carries it already: answered as it was, no new stream (each costs every channel)
+            self._put({"jsonrpc": "2.0", "result": served, "id": request_id})
+            return
         self._channels.setdefault(name, []).append(request_id)
         if isinstance(params.get("since"), dict):
             self._since[name] = params["since"]
@@ -158,6 +166,7 @@ class EventStreamSocket:
 
     def _unsubscribe(self, name: str, request_id: Any) -> None:
         waiting = self._channels.pop(name, None)
+        self._served.pop(name, None)
         for pending in waiting or []:  # a subscribe not answered yet: it never will be
             self._put({"jsonrpc": "2.0", "error": _UNSUBSCRIBED, "id": pending})
         self._since.pop(name, None)
@@ -177,8 +186,8 @@ class EventStreamSocket:
         """Open streams until one carries the current set of channels: one at a time, so
         that an older, smaller set never replaces a newer one."""
         while self._dirty and self.close_code is None:
+            await asyncio.sleep(REOPEN_DEBOUNCE_S)  # subscribes made together join one stream
             self._dirty = False
-            await asyncio.sleep(0)  # the frame's other subscribes join this stream
             await self._open_once()
 
     async def _open_once(self) -> None:
@@ -209,8 +218,6 @@ class EventStreamSocket:
         for name, value in since.items():  # asked and carried: the next stream resumes from its id
             if self._since.get(name) == value:
                 del self._since[name]
-        if self.on_stream is not None:
-            self.on_stream()
         old, self._reader = self._reader, asyncio.get_running_loop().create_task(self._read(response, names))
         await cancel_and_wait(old)  # the new stream is open: the old one goes
 
@@ -228,11 +235,21 @@ class EventStreamSocket:
         data = error.get("data") if isinstance(error, dict) else None
         data = data if isinstance(data, dict) else {}
         asked = data.get("requested", data.get("channel"))
+        if asked not in self._channels:  # not named (too many channels): the newest waiting subscribe
+            asked = next((name for name, ids in reversed(self._channels.items()) if ids), None)
         if response.status in (400, 403, 404) and asked in self._channels:
             for request_id in self._channels.pop(asked):
                 self._put({"jsonrpc": "2.0", "error": error, "id": request_id})
             self._since.pop(asked, None)
             return self._changed()  # the others, without the refused one
+        if response.status == 429 and self._reader is not None and not self._reader.done():
+            # the client's pace, with a stream open: the new subscribes are refused (as a socket's
+            # would be: Refused, retry_after_ms), the open stream goes on
+            for name in [name for name, ids in self._channels.items() if ids]:
+                for request_id in self._channels.pop(name):
+                    self._put({"jsonrpc": "2.0", "error": error, "id": request_id})
+                self._since.pop(name, None)
+            return
         self.refused_stream = True
         self._end(*refusal_of(response.status, body))
 
@@ -257,6 +274,8 @@ class EventStreamSocket:
                     elif action[0] in ("answer", "refused") and answered < len(names):
                         self._answered(names[answered], action)
                         answered += 1
+                        if answered == len(names) and not self._dirty and self.on_stream is not None:
+                            self.on_stream()  # the whole set answered: the backoff restarts
                     elif action[0] == "close":
                         return self._end(action[1], action[2])
             self._end(1006, "stream ended")
@@ -269,6 +288,7 @@ class EventStreamSocket:
         """The stream's answer to ``name``'s subscribe: to every request waiting for it."""
         if action[0] == "answer" and isinstance(action[1], dict) and isinstance(action[1].get("channel"), str):
             self._canonical[name] = action[1]["channel"]
+            self._served[name] = action[1]
         key = "result" if action[0] == "answer" else "error"
         for request_id in self._channels.get(name, []):
             self._put({"jsonrpc": "2.0", key: action[1], "id": request_id})

@@ -120,9 +120,11 @@ class ReconnectingSocket:
             self.attempt += 1
             self._on_state("reconnecting")
             told = retry_after_ms(reason)  # a draining server says when (its own share of the reconnections)
+            backoff = cap / 2 + random.random() * cap / 2
             if blip is None and told is not None:
-                blip = told
-            await asyncio.sleep(blip / 1000 if blip is not None else cap / 2 + random.random() * cap / 2)
+                # a refused stream's bucket said when; the next stream may carry more: the backoff too
+                blip = told if self.transport != "sse" else max(told, backoff * 1000)
+            await asyncio.sleep(blip / 1000 if blip is not None else backoff)
 
     def _connect(self) -> Any:
         """The connection's context: a WebSocket, or the SSE transport."""

@@ -111,7 +111,7 @@ class HttpRpcConsumer(RealtimeConsumer):
             await self.receive_frame(body.decode("utf-8", "replace"), None)
             finished = await self._wait(receive)
         finally:
-            if not finished:  # the client went away (or this task was cancelled): its queued work goes
+            if not finished or self._closed is not None:  # gone, cancelled, or refused as a whole
                 hub.pool.abandon(self)
         await self._send_answer(send)
 
@@ -163,6 +163,7 @@ class HttpRpcConsumer(RealtimeConsumer):
         went away (False)."""
         pending = [job for job in self._jobs if not job.done()]
         if not pending or self._closed is not None:
+            await asyncio.sleep(0)  # the reply's callbacks of jobs just done run first
             return True
         gone = asyncio.ensure_future(receive())
         try:

@@ -178,37 +178,39 @@ class EventStreamConsumer(RealtimeConsumer):
         return _closed_as(code, refused)
 
     async def _checked(self, hub: Hub, names: list[str]) -> tuple[list[ChannelSpec], Answer | None]:
-        """Each channel admitted (a subscribe's cost, from the client's bucket, one at a
-        time: a stream of 50 channels holds one slot of its identity's, as a socket's
-        batch of subscribes does) and allowed, before the stream starts: the specs, or the
-        refusal."""
+        """The stream admitted and each channel allowed, before the stream starts: the specs,
+        or the refusal. A stream costs a subscribe per channel, charged at once (at most a
+        full bucket: any stream ``MAX_SUBSCRIPTIONS`` allows can open), all or nothing — a
+        stream refused halfway would have spent tokens on channels its retry pays again —
+        and holds one in-flight slot of its identity's while it is checked."""
         from django.db import DatabaseError
 
         from realtime_app.wire.session import ServerSession
 
-        self.session = ServerSession(settings().max_frame_bytes, settings().max_batch)
-        cost = BUILTIN_COSTS["subscribe"]
+        config = settings()
+        self.session = ServerSession(config.max_frame_bytes, config.max_batch)
+        cost = min(BUILTIN_COSTS["subscribe"] * len(names), float(config.admission_bucket_capacity) or float("inf"))
+        params = {"channels": names[:3]}
+        ticket = await hub.gate.admit_request(self.admission_identity(), "subscribe", None, cost, params)
+        if isinstance(ticket, Refusal):
+            error = refusal_response(None, ticket)["error"]
+            return [], http_error(STATUS.get(ticket.code, 429), dict(error), ticket.retry_after_ms)
         admitted: list[ChannelSpec] = []
-        for name in names:
-            params = {"channel": name}
-            ticket = await hub.gate.admit_request(self.admission_identity(), "subscribe", None, cost, params)
-            if isinstance(ticket, Refusal):
-                error = refusal_response(None, ticket)["error"]
-                return [], http_error(STATUS.get(ticket.code, 429), dict(error), ticket.retry_after_ms)
-            try:
-                spec = registry.resolve(channel_param(params))
+        try:
+            for name in names:
+                spec = registry.resolve(channel_param({"channel": name}))
                 await require(self, spec, "subscribe")
                 await require_existing(spec)
-            except RPCError as exc:
-                refused: dict[str, Any] = dict(exc.as_error())
-                refused["data"] = {**refused.get("data", {}), "requested": name[:200]}  # the name the client asked
-                return [], http_error(STATUS.get(exc.code, 400), refused)
-            except (DatabaseError, BackplaneUnavailable) as exc:  # an outage: later, not a 500
-                logger.warning("an event stream refused for now: %s", safe(exc, 200))
-                return [], _closed_as(CloseCode.TRY_AGAIN_LATER, "database unavailable")
-            finally:
-                hub.gate.done(ticket)
-            admitted.append(spec)
+                admitted.append(spec)
+        except RPCError as exc:
+            refused: dict[str, Any] = dict(exc.as_error())
+            refused["data"] = {**refused.get("data", {}), "requested": name[:200]}  # the name the client asked
+            return [], http_error(STATUS.get(exc.code, 400), refused)
+        except (DatabaseError, BackplaneUnavailable) as exc:  # an outage: later, not a 500
+            logger.warning("an event stream refused for now: %s", safe(exc, 200))
+            return [], _closed_as(CloseCode.TRY_AGAIN_LATER, "database unavailable")
+        finally:
+            hub.gate.done(ticket)
         return admitted, None
 
     async def _serve(self, hub: Hub, names: list[str], positions: Any, receive: Receive, send: Send) -> None:
@@ -258,6 +260,9 @@ class EventStreamConsumer(RealtimeConsumer):
             log_error_counts(self.session, conn)
         if stream.final is not None:  # closed by the server: its final event, then the end
             await _end(send, stream)
+        else:  # the client went (or its connection did): the response ends all the same
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(send({"type": "http.response.body", "body": b"", "more_body": False}), 1)
 
     async def _subscribe(self, hub: Hub, stream: EventStream, admitted: list[ChannelSpec]) -> None:
         """Subscribe (or resume) each admitted channel as the socket's ``subscribe`` does;
@@ -272,13 +277,15 @@ class EventStreamConsumer(RealtimeConsumer):
             if stream.closed:
                 return
             if "error" in response:
-                stream.release(stream.settled(spec.name, {}))
+                stream.settled(spec.name, {})  # not subscribed: what it held is nobody's
                 stream.send_event("realtime.error", {"channel": spec.name, "error": response["error"]})
                 continue
             answer = response["result"]
             held = stream.settled(spec.name, answer)
             stream.send_event("realtime.subscribed", answer)
-            stream.release(held)
+            assert self.connection is not None
+            for payload in held:  # through the guard, as every frame
+                hub.fanout.push(self.connection, payload, channel=spec.name)
         assert self.session is not None
         for spec in self.session.answered() or ():
             assert self.connection is not None
@@ -292,24 +299,21 @@ class EventStreamConsumer(RealtimeConsumer):
 
 def _origin_allowed(scope: Scope) -> bool:
     """A stream signed in by the session cookie and opened by a page of another origin is
-    refused, as a socket's handshake is (``OriginValidator``): the same origin, one of
-    ``CSRF_TRUSTED_ORIGINS`` or none said (not a browser's cross-origin request) pass. A
-    Bearer or anonymous stream carries no ambient right."""
-    from django.conf import settings as django_settings
+    refused as a socket's handshake is: the origin's host must be one of ``ALLOWED_HOSTS``
+    (Channels' own ``AllowedHostsOriginValidator`` decides, with its rules for wildcards,
+    ports and ``DEBUG``). No origin said (not a browser's cross-origin request), a Bearer
+    or an anonymous stream pass: they carry no ambient right."""
+    from channels.security.websocket import AllowedHostsOriginValidator
 
     from realtime_app.endpoint.tokens import TOKEN, USER_FROM_OUTSIDE
 
     user = scope.get("user")
     if not getattr(user, "is_authenticated", False) or TOKEN in scope or scope.get(USER_FROM_OUTSIDE):
         return True
-    headers = dict(scope.get("headers", ()))
-    origin = headers.get(b"origin", b"").decode("latin-1")
+    origin = dict(scope.get("headers", ())).get(b"origin", b"").decode("latin-1")
     if not origin:
         return True
-    host = headers.get(b"host", b"").decode("latin-1")
-    return urllib.parse.urlsplit(origin).netloc == host or origin in getattr(
-        django_settings, "CSRF_TRUSTED_ORIGINS", []
-    )
+    return bool(AllowedHostsOriginValidator(None).valid_origin(urllib.parse.urlparse(origin.lower())))
 
 
 async def _answer(send: Send, answer: Answer) -> None:

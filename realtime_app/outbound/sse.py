@@ -31,6 +31,7 @@ import re
 from collections import deque
 from typing import Any, Protocol
 
+from realtime_app.conf.runtime import runtime
 from realtime_app.outbound.base import Transport, UnsupportedServer, server_send
 from realtime_app.wire.asgi import Send
 from realtime_app.wire.history import newer_epoch
@@ -101,14 +102,20 @@ class Publication:
         return built
 
 
-_last: list[Any] = [None, None]  # the payload last read and its Publication: one read per publication
+class LastPublication:
+    """The payload last read and its :class:`Publication` (a part of the process's runtime):
+    every stream of a publication reads it once."""
+
+    def __init__(self) -> None:
+        self.payload: bytes | None = None
+        self.publication: Publication | None = None
 
 
 def publication(payload: bytes) -> Publication:
-    if _last[0] is not payload:
-        _last[0], _last[1] = payload, Publication(payload)
-    result: Publication = _last[1]
-    return result
+    last = runtime().part(LastPublication)
+    if last.payload is not payload or last.publication is None:
+        last.payload, last.publication = payload, Publication(payload)
+    return last.publication
 
 
 def _line(text: str) -> bytes:
@@ -270,7 +277,7 @@ class EventStream(Transport):
     def settled(self, channel: str, answer: dict[str, Any]) -> list[bytes]:
         """``channel``'s subscribe answered ``answer``: a resume that failed is said as a
         resync and the position moves to the history's; returns the frames held meanwhile,
-        for :meth:`release` once the answer is out."""
+        to send (through the connection's guard) once the answer is out."""
         began = self._settling.pop(channel, None)
         held = self._held.pop(channel, [])
         epoch, top = answer.get("epoch"), answer.get("seq")
@@ -282,16 +289,11 @@ class EventStream(Transport):
             if at is not None and failed:
                 self.resync(channel, epoch, top, str(answer.get("reason", "too_old")))
             self.positions[channel] = (epoch, top)
-        elif at is not None and failed and (at[0] == epoch and at[1] < top or at[0] != epoch):
+        elif at is not None and failed and (at[0] == epoch and at[1] < top or newer_epoch(epoch, at[0])):
             self.resync(channel, epoch, top, str(answer.get("reason", "too_old")))
             self.positions[channel] = (epoch, top)
         self._id = encode_positions(self.positions)
         return held
-
-    def release(self, held: list[bytes]) -> None:
-        """Write the frames :meth:`settled` returned, now that the position is known."""
-        for payload in held:
-            self.write(payload)
 
     def resync(self, channel: str, epoch: str, seq: int, reason: str) -> None:
         """Tell the client its state of ``channel`` cannot be caught up: reload it."""
@@ -407,7 +409,7 @@ def sink_for(send: Send, *, require_measurable: bool = False) -> Sink:
 
     raw = server_send(send)
     request = daphne_request(raw)
-    if request is None and getattr(getattr(raw, "args", (None,))[0], "channel", True) is None:
+    if request is None and getattr((getattr(raw, "args", None) or (None,))[0], "channel", True) is None:
         raise ConnectionError("the client went away before its stream began")  # daphne's request, its socket gone
     if request is not None:
         from realtime_app.outbound.daphne import DaphneHttpSink

@@ -442,6 +442,7 @@ export class SseSocket {
     this._channels = new Map(); // requested name -> ids of its subscribes awaiting an answer
     this._since = new Map(); // requested name -> the since its subscribe asked
     this._canonical = new Map(); // requested name -> the server's name of it
+    this._served = new Map(); // requested name -> the answer of the stream carrying it
     this._positions = {}; // the stream's last id: canonical name -> [seq, epoch]
     this._stream = null; // the AbortController of the stream being read
     this._opening = null; // the promise of the loop that (re)opens streams
@@ -483,12 +484,18 @@ export class SseSocket {
       const params = request && request.params;
       const channel = params && typeof params === "object" ? params.channel : undefined;
       if (request.method === "subscribe" && typeof channel === "string") {
+        if (this._served.has(channel) && this._channels.has(channel) && !params.since) {
+          // the stream carries it already: answered as it was, no new stream (each costs every channel)
+          this._put({ jsonrpc: "2.0", result: this._served.get(channel), id: request.id });
+          continue;
+        }
         if (!this._channels.has(channel)) this._channels.set(channel, []);
         this._channels.get(channel).push(request.id);
         if (params.since && typeof params.since === "object") this._since.set(channel, params.since);
         this._changed();
       } else if (request.method === "unsubscribe" && typeof channel === "string") {
         const waiting = this._channels.get(channel);
+        this._served.delete(channel);
         for (const id of waiting || []) { // a subscribe not answered yet: it never will be
           this._put({ jsonrpc: "2.0", error: { code: -32603, message: "Unsubscribed before its answer", data: { reason: "unsubscribed" } }, id });
         }
@@ -521,8 +528,8 @@ export class SseSocket {
     this._opening = (async () => {
       try {
         while (this._dirty && this.readyState === 1) {
+          await new Promise((resolve) => setTimeout(resolve, 10)); // subscribes made together join one stream
           this._dirty = false;
-          await Promise.resolve(); // the frame's other subscribes join this stream
           await this._openOnce();
         }
       } finally {
@@ -551,7 +558,6 @@ export class SseSocket {
     if (this.readyState !== 1) { controller.abort(); return; } // closed while it opened: nobody's stream
     if (response.status !== 200) return this._refused(response);
     for (const [name, value] of since) if (this._since.get(name) === value) this._since.delete(name);
-    if (this.onstream) this.onstream();
     const old = this._stream;
     this._stream = controller;
     if (old) old.abort(); // the new stream is open: the old one goes
@@ -560,12 +566,26 @@ export class SseSocket {
 
   async _refused(response) {
     const { code, reason, error, data } = await refusalOf(response);
-    const asked = data.requested ?? data.channel;
+    let asked = data.requested ?? data.channel;
+    if (!this._channels.has(asked)) { // not named (too many channels): the newest waiting subscribe
+      asked = [...this._channels].filter(([, ids]) => ids.length).map(([name]) => name).pop();
+    }
     if ([400, 403, 404].includes(response.status) && this._channels.has(asked)) {
       for (const id of this._channels.get(asked)) this._put({ jsonrpc: "2.0", error, id });
       this._channels.delete(asked);
       this._since.delete(asked);
       this._dirty = true; // the others, without the refused one (the opening loop goes on)
+      return;
+    }
+    if (response.status === 429 && this._stream) {
+      // the client's pace, with a stream open: the new subscribes are refused (as a socket's
+      // would be: RefusedError, retryAfterMs), the open stream goes on
+      for (const [name, ids] of [...this._channels]) {
+        if (!ids.length) continue;
+        for (const id of ids) this._put({ jsonrpc: "2.0", error, id });
+        this._channels.delete(name);
+        this._since.delete(name);
+      }
       return;
     }
     this.refusedStream = true;
@@ -591,7 +611,11 @@ export class SseSocket {
           if (action[0] === "frame") this._put(action[1]);
           else if ((action[0] === "answer" || action[0] === "refused") && answered < names.length) {
             const name = names[answered++];
-            if (action[0] === "answer" && action[1] && typeof action[1].channel === "string") this._canonical.set(name, action[1].channel);
+            if (answered === names.length && !this._dirty && this.onstream) this.onstream(); // the whole set answered
+            if (action[0] === "answer" && action[1] && typeof action[1].channel === "string") {
+              this._canonical.set(name, action[1].channel);
+              this._served.set(name, action[1]);
+            }
             const key = action[0] === "answer" ? "result" : "error";
             for (const id of this._channels.get(name) || []) this._put({ jsonrpc: "2.0", [key]: action[1], id });
             if (this._channels.has(name)) {
@@ -796,7 +820,10 @@ export class RealtimeClient extends EventTarget {
     if (renew) { this._renew(); return; }
     const cap = Math.min(this.backoffMaxMs, this.backoffInitialMs * 2 ** this.attempt);
     const told = /\bretry_after_ms=(\d{1,9})\b/.exec(reason || ""); // a draining server says when
-    const delay = blip ?? (told ? Number(told[1]) : cap / 2 + Math.random() * (cap / 2)); // else jittered, capped
+    const backoff = cap / 2 + Math.random() * (cap / 2);
+    // a refused stream's bucket said when; the next stream may carry more: the backoff too
+    const toldMs = told ? (this.transport === "sse" ? Math.max(Number(told[1]), backoff) : Number(told[1])) : undefined;
+    const delay = blip ?? toldMs ?? backoff; // else jittered, capped
     this.attempt += 1;
     this._setState("reconnecting");
     this._timer = setTimeout(() => this.connect(), delay);
