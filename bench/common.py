@@ -184,3 +184,14 @@ def prepare_database(path: str, settings: str = "project.settings") -> dict[str,
     for args in (["migrate", "--noinput", "-v", "0"], ["demo_setup"]):
         subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env, check=True, capture_output=True)
     return {"DATABASE_URL": f"sqlite:///{path}"}
+
+
+async def settled_rss(pid: int, seconds: float = 3) -> int:
+    """RSS once the server is idle: after ``seconds`` of no CPU, the last reading."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        before = cpu_seconds(pid)
+        await asyncio.sleep(seconds)
+        if cpu_seconds(pid) - before < 0.02 * seconds:
+            break
+    return rss_bytes(pid)

@@ -61,7 +61,7 @@ from bench.common import (
     percentile,
     processes,
     progress,
-    rss_bytes,
+    settled_rss,
     uvicorn,
 )
 
@@ -113,17 +113,6 @@ async def close_all(sockets: list[Any]) -> None:
 
     await asyncio.gather(*(one(ws) for ws in sockets))
     sockets.clear()
-
-
-async def settled_rss(pid: int, seconds: float = 3) -> int:
-    """RSS once the server is idle: after ``seconds`` of no CPU, the last reading."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        before = cpu_seconds(pid)
-        await asyncio.sleep(seconds)
-        if cpu_seconds(pid) - before < 0.02 * seconds:
-            break
-    return rss_bytes(pid)
 
 
 PACKAGES = ("twisted", "autobahn", "daphne", "channels", "django", "realtime_app", "asyncio", "websockets")

@@ -47,7 +47,7 @@ from bench.common import (
     prepare_database,
     processes,
     progress,
-    rss_bytes,
+    settled_rss,
     uvicorn,
 )
 
@@ -146,16 +146,6 @@ async def open_many(kind: str, port: int, channel: str, count: int, collector: C
 
 async def close_many(kind: str, conns: list[Any]) -> None:
     await asyncio.gather(*((close_ws(c) if kind == "websocket" else c.close()) for c in conns))
-
-
-async def settled_rss(pid: int, seconds: float = 3) -> int:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        before = cpu_seconds(pid)
-        await asyncio.sleep(seconds)
-        if cpu_seconds(pid) - before < 0.02 * seconds:
-            break
-    return rss_bytes(pid)
 
 
 async def cpu_phase(kind: str, port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:

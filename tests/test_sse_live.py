@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from tests.support.health import Probe
-from tests.support.servers import ROOT, Server, login, logout
+from tests.support.servers import Server, login, logout, manage
 from tests.support.sse import SseStream, rpc
 from tests.support.waiting import eventually
 
@@ -58,18 +55,6 @@ async def publish(port, channel, data, **headers):
     )
     assert status == 200 and "result" in body, body
     return body["result"]["seq"]
-
-
-def manage(env, *args):
-    done = subprocess.run(
-        [sys.executable, "manage.py", *args],
-        cwd=ROOT,
-        env={**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", **env},
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return done.stdout.strip()
 
 
 async def test_refusals_answer_before_the_stream_with_the_json_rpc_error(site):

@@ -15,8 +15,6 @@ import http.cookiejar
 import json
 import os
 import secrets
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -27,7 +25,7 @@ import pytest
 import redis
 import websockets
 
-from tests.support.servers import ROOT, login, prepare_database, servers
+from tests.support.servers import login, manage, prepare_database, servers
 from tests.support.waiting import eventually
 from tests.support.wsclient import RPC, close_code
 
@@ -58,18 +56,6 @@ def site(redis_url, tmp_path):
     for key in client.scan_iter(match=f"{prefix}*"):
         client.delete(key)
     client.close()
-
-
-def manage(env: dict[str, str], *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "manage.py", *args],
-        cwd=ROOT,
-        env={**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", **env},
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return done.stdout.strip()
 
 
 def shell(env: dict[str, str], code: str) -> None:

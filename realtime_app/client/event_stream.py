@@ -49,19 +49,25 @@ REOPEN_DEBOUNCE_S = 0.01
 REFUSED_CODES = {401: 4002, 403: 1008, 429: 1013}
 
 
-def refusal_of(status: int, body: bytes) -> tuple[int, str]:
-    """The close code and reason of a refused stream or probe (its JSON-RPC error's
-    ``close_code`` and ``retry_after_ms`` when it has them)."""
+def error_of(body: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A refusal's JSON-RPC error object and its ``data`` (both empty when it has none)."""
     try:
         error = json.loads(body).get("error") or {}
     except (ValueError, AttributeError):
         error = {}
-    data = error.get("data") if isinstance(error, dict) else None
-    data = data if isinstance(data, dict) else {}
+    error = error if isinstance(error, dict) else {}
+    data = error.get("data")
+    return error, data if isinstance(data, dict) else {}
+
+
+def refusal_of(status: int, body: bytes) -> tuple[int, str]:
+    """The close code and reason of a refused stream or probe (its JSON-RPC error's
+    ``close_code`` and ``retry_after_ms`` when it has them)."""
+    error, data = error_of(body)
     code = data.get("close_code")
     if not isinstance(code, int):
         code = REFUSED_CODES.get(status, 1013 if status >= 500 else 1006)
-    reason = str(error.get("message", f"HTTP {status}")) if isinstance(error, dict) else f"HTTP {status}"
+    reason = str(error.get("message", f"HTTP {status}"))
     retry = data.get("retry_after_ms")
     if isinstance(retry, int):
         reason += f" retry_after_ms={retry}"
@@ -228,12 +234,7 @@ class EventStreamSocket:
             body = b""
         finally:
             response.close()
-        try:
-            error = json.loads(body).get("error") or {}
-        except (ValueError, AttributeError):
-            error = {}
-        data = error.get("data") if isinstance(error, dict) else None
-        data = data if isinstance(data, dict) else {}
+        error, data = error_of(body)
         asked = data.get("requested", data.get("channel"))
         if asked not in self._channels:  # not named (too many channels): the newest waiting subscribe
             asked = next((name for name, ids in reversed(self._channels.items()) if ids), None)

@@ -18,13 +18,12 @@ import logging
 from typing import Any
 
 from realtime_app.conf.runtime import settings
-from realtime_app.endpoint.auth import AUTH_UNAVAILABLE
 from realtime_app.endpoint.consumer import RealtimeConsumer
 from realtime_app.endpoint.doors import Answer, encode_answer
-from realtime_app.endpoint.refusals import log_auth_outage, log_bad_http_request, refusal_response, token_refusal
+from realtime_app.endpoint.refusals import log_bad_http_request, refusal_response
 from realtime_app.endpoint.replies import Pending
-from realtime_app.endpoint.sse import _closed_as, _error, http_error
-from realtime_app.endpoint.tokens import TOKEN, UNREAD_BEARER, bearer, unread_bearer
+from realtime_app.endpoint.sse import _closed_as, _error, auth_refusal, http_error
+from realtime_app.endpoint.tokens import TOKEN, bearer
 from realtime_app.exceptions import BackplaneUnavailable, RPCError
 from realtime_app.hub.core import Connection
 from realtime_app.hub.hubs import get_hub
@@ -140,13 +139,8 @@ class HttpRpcConsumer(RealtimeConsumer):
 
     async def _refusal(self, hub: Any, body: bytes) -> Answer | None:
         scope = self.scope
-        if scope.get(AUTH_UNAVAILABLE):
-            log_auth_outage(scope[AUTH_UNAVAILABLE])
-            return _closed_as(CloseCode.TRY_AGAIN_LATER, "database unavailable")
-        if (refused := await token_refusal(scope, self.address_identity())) is not None:
-            return _closed_as(*refused)
-        if unread_bearer(scope):
-            return _closed_as(CloseCode.TOKEN_REFUSED, UNREAD_BEARER)
+        if (refused := await auth_refusal(self)) is not None:
+            return refused
         if _by_session(scope) and not await _csrf_passes(scope, body):
             # costs the client's bucket as any bad request does: a flood is refused, not checked
             if (limited := await hub.gate.charge_error(self.admission_identity())) is not None:

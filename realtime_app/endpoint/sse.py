@@ -45,7 +45,7 @@ from realtime_app.wire import protocol
 from realtime_app.wire.asgi import Receive, Scope, Send
 from realtime_app.wire.protocol import CloseCode, Request
 
-__all__ = ["EventStreamConsumer", "OpenStreams", "heartbeat_loop", "http_error"]
+__all__ = ["EventStreamConsumer", "OpenStreams", "auth_refusal", "heartbeat_loop", "http_error"]
 
 logger = logging.getLogger("realtime_app.consumers")
 
@@ -96,6 +96,23 @@ def http_error(status: int, error: dict[str, Any], retry_after_ms: int | None = 
     return status, {"jsonrpc": "2.0", "error": error, "id": None}, extra
 
 
+async def auth_refusal(consumer: RealtimeConsumer) -> Answer | None:
+    """The socket's auth doors for an HTTP request (a stream, an RPC), as HTTP: the
+    database unreadable (503), a token refused or past its handshake bucket, a Bearer this
+    app's auth stack did not read (401)."""
+    from realtime_app.endpoint.refusals import token_refusal
+
+    scope = consumer.scope
+    if scope.get(AUTH_UNAVAILABLE):
+        log_auth_outage(scope[AUTH_UNAVAILABLE])
+        return _closed_as(CloseCode.TRY_AGAIN_LATER, "database unavailable")
+    if (refused := await token_refusal(scope, consumer.address_identity())) is not None:
+        return _closed_as(*refused)
+    if unread_bearer(scope):
+        return _closed_as(CloseCode.TOKEN_REFUSED, UNREAD_BEARER)
+    return None
+
+
 def _error(code: int, message: str, reason: str, **data: Any) -> dict[str, Any]:
     return dict(protocol.error_response(None, code, message, reason, **data)["error"])
 
@@ -137,8 +154,6 @@ class EventStreamConsumer(RealtimeConsumer):
 
     async def _refusal(self, names: list[str], last_id: str) -> Answer | None:
         """Refusals that need no hub: parameters, then the socket's own auth doors."""
-        from realtime_app.endpoint.refusals import token_refusal
-
         limit = settings().max_subscriptions or 100
         if not names:
             error = _error(protocol.INVALID_PARAMS, "Invalid params: ?channel= is required", "missing_channel")
@@ -149,13 +164,8 @@ class EventStreamConsumer(RealtimeConsumer):
         if len(last_id) > MAX_LAST_EVENT_ID:
             return http_error(400, _error(protocol.INVALID_PARAMS, "Last-Event-ID too long", "invalid_since"))
         scope = self.scope
-        if scope.get(AUTH_UNAVAILABLE):
-            log_auth_outage(scope[AUTH_UNAVAILABLE])
-            return _closed_as(CloseCode.TRY_AGAIN_LATER, "database unavailable")
-        if (refused := await token_refusal(scope, self.address_identity())) is not None:
-            return _closed_as(*refused)
-        if unread_bearer(scope):
-            return _closed_as(CloseCode.TOKEN_REFUSED, UNREAD_BEARER)
+        if (refused := await auth_refusal(self)) is not None:
+            return refused
         if not _origin_allowed(scope):  # another site's page riding on the visitor's session
             error = _error(protocol.FORBIDDEN_CHANNEL, "Origin not allowed", "origin_not_allowed")
             return http_error(403, error)

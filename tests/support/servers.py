@@ -181,3 +181,16 @@ def logout(base: str, cookie: str) -> int:
 class NoRedirect(urllib.request.HTTPRedirectHandler):
     def redirect_request(self, *args, **kwargs):
         return None
+
+
+def manage(env: dict[str, str], *args: str) -> str:
+    """``manage.py`` with the test settings and ``env``: its output (a token, say)."""
+    done = subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=ROOT,
+        env={**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", **env},
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return done.stdout.strip()
