@@ -97,8 +97,10 @@ async def test_a_reconnect_resumes_every_publication_once_in_order(server):
         await client.subscribe("demo:events", lambda m: got.append(m["seq"]))
         first = await publisher.call("publish", {"channel": "demo:events", "data": 0})
         await eventually(lambda: first["seq"] in got)
-        await client.reconnect(800)
+        await client.reconnect(3000)
+        await eventually(lambda: client.state == "reconnecting", 5, "away")
         seqs = [(await publisher.call("publish", {"channel": "demo:events", "data": n}))["seq"] for n in range(5)]
+        assert client.state == "reconnecting"  # published while it was away: they come by the resume
         await eventually(lambda: seqs[-1] in got, 20)
         assert got[got.index(first["seq"]) :] == [first["seq"], *seqs]  # every one once, in order
         assert recovered and recovered[-1] >= 1
