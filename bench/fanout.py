@@ -1,7 +1,8 @@
 """Fan-out cost: realtime_app's per-process hub vs plain Channels group_send vs bare websockets.
 
 Two daphne (or, with ``--server uvicorn``, uvicorn) processes on Redis serve both
-endpoints; N WebSocket clients are split over them, all on one channel. In the same run,
+endpoints (``--processes 1``: one, as the bare server runs); N WebSocket clients are split
+over them, all on one channel. In the same run,
 for each N, three phases measure delivered frames/s, p50/p99 latency (client clock −
 server ``ts``), server CPU seconds per 1000 delivered frames and Redis commands per
 publication:
@@ -13,7 +14,8 @@ publication:
 * ``websockets``: a bare ``websockets`` broadcast server (one process), the physical floor.
 
 Usage:  REDIS_URL=redis://127.0.0.1:6379/0 python bench/fanout.py [--clients 100 1000]
-            [--seconds 10] [--interval-ms 100] [--server daphne|uvicorn] [--json FILE]
+            [--seconds 10] [--interval-ms 100] [--server daphne|uvicorn] [--processes 2]
+            [--json FILE]
         ... python bench/fanout.py --daphne-write direct prepared message [--clients ...]
 
 ``--daphne-write`` compares, in one run, how daphne's hub path writes the frame built once
@@ -151,6 +153,9 @@ async def main() -> None:
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--interval-ms", type=int, default=None)
     parser.add_argument("--server", choices=["daphne", "uvicorn"], default="daphne")
+    parser.add_argument(
+        "--processes", type=int, default=2, help="hub processes (1: as many as the bare websockets server)"
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--daphne-write", nargs="+", choices=["direct", "prepared", "message"], default=None)
     args = parser.parse_args()
@@ -158,7 +163,15 @@ async def main() -> None:
     if not url:
         sys.exit("set REDIS_URL (e.g. redis://127.0.0.1:6379/0)")
     prefix = f"bench-{secrets.token_hex(3)}"
-    env = {"REDIS_URL": url, "REALTIME_KEY_PREFIX": prefix, "DJANGO_SETTINGS_MODULE": "bench.settings"}
+    # 1,000 clients connect at once: the process's anonymous handshake rate (200/s, bursts
+    # of 400) would refuse some of them on one process; it is admission, not fan-out.
+    overrides = json.dumps({"MAX_ANONYMOUS_HANDSHAKES_PER_S": 0})
+    env = {
+        "REDIS_URL": url,
+        "REALTIME_KEY_PREFIX": prefix,
+        "DJANGO_SETTINGS_MODULE": "bench.settings",
+        "REALTIME_BENCH_OVERRIDES": overrides,
+    }
     os.environ.update(env)
     import django
 
@@ -167,7 +180,7 @@ async def main() -> None:
 
     layer = get_channel_layer()
     r = redis.Redis.from_url(url)
-    ports = [free_port(), free_port()]
+    ports = [free_port() for _ in range(args.processes)]
     ref_port = free_port()
     results = []
     if args.daphne_write:
@@ -180,7 +193,7 @@ async def main() -> None:
         return
     try:
         server = daphne if args.server == "daphne" else uvicorn
-        print(f"== servers: two {args.server} processes", file=sys.stderr)
+        print(f"== servers: {args.processes} {args.server} process(es)", file=sys.stderr)
         with processes([server(p) for p in ports], ports, env) as procs:
             pids = [p.pid for p in procs]
             for n in [10, *args.clients]:

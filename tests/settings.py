@@ -2,6 +2,7 @@
 
 import json
 import os
+import sys
 import tempfile
 
 from project.settings import *  # noqa: F403
@@ -41,6 +42,10 @@ if os.environ.get("REALTIME_TEST_DB_FILE"):
 # (publish(using=)). Nothing of the app's lives there; tests that use it say so.
 DATABASES["other"] = {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}  # noqa: F405
 
+# The test process's own hubs leave its heap alone: gc.get_referrers does not see frozen
+# objects (Hypothesis's register_random then warns). The servers the tests start freeze
+# theirs, as a served process does.
+REALTIME_APP["FREEZE_STARTUP_OBJECTS"] = "pytest" not in sys.modules
 # Fault and limit tests start servers with settings of their own, as JSON in the environment.
 REALTIME_APP.update(json.loads(os.environ.get("REALTIME_TEST_OVERRIDES") or "{}"))
 if os.environ.get("REALTIME_TEST_GROUP_EXPIRY") and "CONFIG" in CHANNEL_LAYERS["default"]:  # noqa: F405

@@ -20,6 +20,7 @@ def autobahn_protocol() -> tuple[WebSocketServerProtocol, StringTransport]:
     protocol = factory.buildProtocol(None)
     wire = StringTransport()
     wire.dataBuffer, wire.offset, wire._tempDataLen = b"", 0, 0  # what the guard reads on TCP
+    wire._writeDisconnected = False
     wire.fileno = lambda: -1
     protocol.makeConnection(wire)
     protocol.state = protocol.STATE_OPEN
@@ -99,10 +100,10 @@ class Socket:
 def test_a_frame_goes_to_the_socket_at_once_and_what_it_does_not_take_to_twisted_in_order():
     protocol, wire = autobahn_protocol()
     wire.disconnecting, wire.connected = False, 1
-    transport = DaphneTransport(protocol)
-    transport.sock = sock = Socket(room=10)
+    wire.socket = sock = Socket(room=10)
     queued = []
     wire.write = queued.append  # Twisted's buffer (StringTransport keeps no dataBuffer)
+    transport = DaphneTransport(protocol)
     first, second = text_frame(b"a" * 20), text_frame(b"b" * 5)
     transport.write(b"a" * 20, first)
     assert sock.sent == first[:10] and queued == [first[10:]]  # the rest waits in Twisted, in order
@@ -133,12 +134,12 @@ def gate(monkeypatch):
     fence.tested = None
 
 
-def test_untested_versions_shut_the_direct_path_with_one_warning(gate, caplog):
+def test_untested_versions_shut_the_direct_path_with_one_warning(gate, caplog, monkeypatch):
     gate(shut=True)
+    monkeypatch.setattr(daphne, "SendAtOnce", None)  # the private path must not be taken
     assert daphne.untested() == ["daphne 99.0", "autobahn 99.0", "twisted 99.0"]
     protocol, wire = autobahn_protocol()
     transport = DaphneTransport(protocol)
-    transport._write_frame = None  # the private path must not be taken
     payloads = [b'{"n":1}', b'{"n":2}']
     with caplog.at_level("WARNING", logger="realtime_app.backpressure"):
         for payload in payloads:
@@ -177,3 +178,99 @@ def test_a_publication_is_prepared_once_for_all_connections(monkeypatch):
         DaphneTransport(protocol).write(payload, frame)
         assert wire.value() == frame
     assert prepared == [payload]  # built once, written three times
+
+
+class Kernel:
+    """A socket's send queue: ``send`` takes what fits in ``size`` bytes; the client
+    reads with ``read``; ``queue`` is what SIOCOUTQ would say."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.queue = 0
+        self.sent = b""
+        self.reads = 0  # SIOCOUTQ reads
+
+    def send(self, data: bytes) -> int:
+        room = self.size - self.queue
+        if not room:
+            raise BlockingIOError
+        taken = data[:room]
+        self.queue += len(taken)
+        self.sent += taken
+        return len(taken)
+
+    def read(self, n: int) -> None:
+        self.queue -= min(n, self.queue)
+
+    def outq(self, fileno: int) -> int:
+        self.reads += 1
+        return self.queue
+
+
+def on_kernel(monkeypatch, size: int = 1 << 20) -> tuple[WebSocketServerProtocol, StringTransport, Kernel, list[bytes]]:
+    """An open autobahn protocol over a plain-TCP-like transport whose socket is ``Kernel``;
+    what Twisted would buffer goes to the returned list."""
+    protocol, wire = autobahn_protocol()
+    wire.disconnecting, wire.connected = False, 1
+    wire.socket = kernel = Kernel(size)
+    twisted: list[bytes] = []
+    wire.write = twisted.append
+    monkeypatch.setattr(daphne, "kernel_queue", kernel.outq)
+    return protocol, wire, kernel, twisted
+
+
+def test_autobahns_own_writes_go_to_the_socket_at_once(monkeypatch):
+    """Found: a ping (and every reply autobahn framed) went through Twisted's buffer — two
+    epoll_ctl calls and a turn of the loop each — while the fanned-out frames did not."""
+    protocol, wire, kernel, twisted = on_kernel(monkeypatch)
+    DaphneTransport(protocol)
+    protocol.sendPing(b"p")
+    protocol.sendMessage(b"reply", False)
+    assert kernel.sent == b"\x89\x01p" + text_frame(b"reply") and twisted == []
+
+
+def test_small_writes_cost_the_guard_no_read_of_the_kernels_queue(monkeypatch):
+    """Found: the guard read the kernel's queue (an ioctl) before every frame, though
+    frames that all went to the kernel and add up to little cannot reach the threshold."""
+    from realtime_app.outbound.backpressure import SEND, BackpressureConfig
+    from realtime_app.outbound.guard import Guard
+
+    protocol, wire, kernel, twisted = on_kernel(monkeypatch)
+    transport = DaphneTransport(protocol)
+    guard = Guard(None, BackpressureConfig(4000, "drop", 0), transport=transport)  # type: ignore[arg-type]
+    payload = b"x" * 90
+    decisions = [guard.send(payload, frame=text_frame(payload)) for _ in range(10)]  # 920 bytes: under 1000
+    assert decisions == [SEND] * 10 and kernel.reads == 0
+    for _ in range(2):  # past a quarter of the threshold: read, then counted afresh
+        guard.send(payload, frame=text_frame(payload))
+    assert kernel.reads == 1
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_guard_skips_a_read_only_when_the_queue_cannot_exceed_the_bound(monkeypatch, seed):
+    """Random writes, client reads and a full socket: ``queued(under)`` is the exact
+    queue, or 0 only when the exact queue is at most ``under``."""
+    import random
+
+    rng = random.Random(seed)
+    protocol, wire, kernel, twisted = on_kernel(monkeypatch, size=rng.choice([200, 2000, 1 << 20]))
+    transport = DaphneTransport(protocol)
+    under = rng.choice([0, 50, 500, 5000])
+    for _ in range(300):
+        step = rng.random()
+        if step < 0.5:
+            size = rng.choice([1, 10, 100, 1000])
+            transport.write(b"y" * size, text_frame(b"y" * size))
+        elif step < 0.8:
+            kernel.read(rng.choice([1, 50, 500, 5000]))
+        else:  # Twisted writes what it holds once the socket has room
+            while twisted and kernel.queue < kernel.size:
+                chunk = twisted.pop(0)
+                sent = kernel.send(chunk)
+                if sent < len(chunk):
+                    twisted.insert(0, chunk[sent:])
+            wire.dataBuffer = b"".join(twisted)  # what the guard reads of Twisted's buffer
+        wire.dataBuffer = b"".join(twisted)
+        exact = kernel.queue + len(wire.dataBuffer)
+        seen = transport.queued(under)
+        assert seen == exact or (seen == 0 and exact <= under)

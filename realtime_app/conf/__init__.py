@@ -239,6 +239,7 @@ DEFAULTS: dict[str, Any] = {
     # is found after about this plus the ping timeout; each ping costs every connection a
     # wake-up (docs/deployment.md). 0: the server's own (--ping-interval, 20 s).
     "HEARTBEAT_SECONDS": 0,
+    "FREEZE_STARTUP_OBJECTS": True,
     # Keys of the HTTP publish API (POST /realtime/api/publish, Authorization: Bearer <key>):
     # services in any language publish with one; [] switches the API off (401 to all).
     "PUBLISH_API_KEYS": [],

@@ -122,6 +122,7 @@ class Settings:
     token_salt: str | None
     drain_seconds: int = bounded(0)
     heartbeat_seconds: int = bounded(0)
+    freeze_startup_objects: bool
     publish_api_keys: list[str]
     json_encoder: str
 

@@ -13,6 +13,7 @@ from realtime_app.endpoint.sse import heartbeat_loop
 from realtime_app.endpoint.sweeps import install_sweeps
 from realtime_app.hub.core import HubParts
 from realtime_app.hub.fanout import drain_held
+from realtime_app.hub.heap import freeze_startup_objects
 from realtime_app.hub.outbox import drain_outbox
 
 __all__ = ["parts"]
@@ -28,6 +29,7 @@ def parts() -> HubParts:
             "realtime-drain": install_drain,
             "realtime-sweeps": install_sweeps,
             "realtime-sse-heartbeat": heartbeat_loop,
+            "realtime-freeze-startup": freeze_startup_objects,
         },
         handlers={"logout": on_logout_message, "close_connection": on_close_message},
     )

@@ -83,6 +83,11 @@ class Transport:
         """Bytes accepted for this connection and not yet sent on the network."""
         return 0
 
+    def queued(self, under: int) -> int:
+        """What the guard reads before each frame: :meth:`buffered`, or 0 where the
+        transport knows without reading that at most ``under`` bytes are queued."""
+        return self.buffered()
+
     def write(self, payload: bytes, frame: bytes | None = None) -> bool:
         """Queue one text message (UTF-8 ``payload``; ``frame``, when given, is
         :func:`text_frame` of it, for servers whose socket can take it as is); False if

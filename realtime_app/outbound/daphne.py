@@ -5,7 +5,7 @@ The application's ``send`` is ``functools.partial(server.handle_reply, protocol)
 Channels' wrappers; the queued bytes are Twisted's ``FileDescriptor`` buffers
 (``dataBuffer``/``offset``/``_tempDataLen``), plus TLS's pre-handshake buffer one level
 up. With the tested series (:data:`TESTED`) a frame built once per publication goes
-straight to the socket (:meth:`DaphneTransport._write_frame`, docs/performance.md says
+straight to the socket (:class:`SendAtOnce`, docs/performance.md says
 what it saves); with any other version that path is off — frames go through autobahn's
 public ``sendPreparedMessage`` — and a warning says so once (check ``W020`` says it at
 ``manage.py check``). The buffers are read on every version that still has them;
@@ -31,6 +31,8 @@ __all__ = [
     "daphne_protocol",
     "daphne_request",
     "internals_tested",
+    "SendAtOnce",
+    "send_at_once",
     "untested",
 ]
 
@@ -86,32 +88,68 @@ def daphne_protocol(send: Send) -> Any | None:
     return None
 
 
-def _send_now(tcp: Any, sock: Any, data: bytes, write: Any) -> None:
-    """On plain TCP with nothing queued in Twisted, ``send()`` now (what asyncio's
-    transports do) instead of registering the socket for writing and sending at the next
-    turn of the loop: two ``epoll_ctl`` calls and a loop turn per frame and connection
-    saved. What the socket does not take goes to Twisted's buffer, so bytes stay in order
-    and the guard still sees them all; anything else goes through ``write``."""
-    if (
-        sock is None
-        or tcp._tempDataLen
+def _twisted_holds(tcp: Any) -> bool:
+    """Twisted must take this write: it holds bytes for the connection (order), or the
+    connection is going or was upgraded to TLS."""
+    return bool(
+        tcp._tempDataLen
         or len(tcp.dataBuffer) != tcp.offset
         or tcp.disconnecting
         or not tcp.connected
+        or tcp._writeDisconnected
         or getattr(tcp, "_aborting", False)
         or getattr(tcp, "TLS", False)  # a connection upgraded with startTLS
-    ):
-        write(data)
-        return
-    try:
-        sent = sock.send(data)
-    except (BlockingIOError, InterruptedError):
-        sent = 0
-    except OSError:  # the connection is going: Twisted reports it (a reset as a plain close)
-        tcp.write(data)
-        return
-    if sent < len(data):
-        tcp.write(data[sent:])
+    )
+
+
+class SendAtOnce:
+    """Every write of one plain-TCP connection (fanned-out frames, autobahn's pings,
+    replies and close frames): ``send()`` now while Twisted holds nothing for it, as
+    asyncio's transports do, instead of registering the socket for writing and sending
+    at the next turn of the loop — two ``epoll_ctl`` calls and a loop turn per write
+    saved. What the socket does not take goes to Twisted's own ``write``, so bytes stay
+    in order and the guard still sees them all.
+
+    It counts what it hands the kernel (``since``) and whether Twisted took anything
+    (``spilled``) since the guard last read the kernel's queue: while that sum is small,
+    the kernel holds at most it and the guard need not ask (:meth:`DaphneTransport.queued`).
+    """
+
+    __slots__ = ("own", "since", "sock", "spilled", "tcp")
+
+    def __init__(self, tcp: Any) -> None:
+        self.tcp = tcp
+        self.sock = tcp.socket
+        self.own = tcp.write  # Twisted's
+        self.since = 0
+        self.spilled = False
+
+    def __call__(self, data: bytes) -> None:
+        tcp = self.tcp
+        if _twisted_holds(tcp):
+            self.spilled = True
+            self.own(data)
+            return
+        try:
+            sent = self.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:  # the connection is going: Twisted reports it (a reset as a plain close)
+            self.spilled = True
+            self.own(data)
+            return
+        self.since += sent
+        if sent < len(data):
+            self.spilled = True
+            self.own(data[sent:])
+
+
+def send_at_once(tcp: Any) -> SendAtOnce:
+    """The connection's :class:`SendAtOnce`, installed as its ``write`` on first use."""
+    writer = tcp.write
+    if not isinstance(writer, SendAtOnce):
+        writer = tcp.write = SendAtOnce(tcp)
+    return writer
 
 
 def daphne_request(send: Send) -> Any | None:
@@ -163,9 +201,10 @@ class DaphneHttpSink:
         self.tls, self.tcp = _layers(self.top)
         self.kind = "daphne-tls" if self.tls is not None else "daphne"
         self.fileno = _fileno(self.tcp)
-        self.sock = getattr(self.tcp, "socket", None) if self.tls is None else None
+        plain = self.tls is None and getattr(self.tcp, "socket", None) is not None
         # HTTP/1.1 over Twisted's HTTPChannel: its body bytes are the transport's, in order
-        self.direct = request.clientproto == b"HTTP/1.1" and hasattr(request.channel, "writeSequence")
+        direct = request.clientproto == b"HTTP/1.1" and hasattr(request.channel, "writeSequence")
+        self.writer = send_at_once(self.tcp) if plain and direct and internals_tested() else None
         if hasattr(request.channel, "persistent"):
             request.channel.persistent = False  # the stream's connection ends with it (Connection: close)
 
@@ -178,11 +217,11 @@ class DaphneHttpSink:
         request = self.request
         if request.finished or request.channel is None:
             return False
-        if request.chunked and request.startedWriting and self.direct and internals_tested():
+        if request.chunked and request.startedWriting and self.writer is not None:
             # What Request.write does for a chunked body, minus Twisted's buffer and the
             # next turn of the reactor: the chunk to the socket now (as a frame is).
             request.sentLength += len(data)
-            _send_now(self.tcp, self.sock, chunk or b"%x\r\n%b\r\n" % (len(data), data), self.top.write)
+            self.writer(chunk or b"%x\r\n%b\r\n" % (len(data), data))
             return True
         request.handle_reply({"type": "http.response.body", "body": data, "more_body": True})
         return True
@@ -225,11 +264,28 @@ class DaphneTransport(Transport):
             self.kind = "daphne-tls"
         self.fileno = _fileno(self.tcp)
         self._direct: bool | None = None  # decided at the first write, once the handshake is done
-        # Plain TCP: a frame may go to the socket at once while Twisted holds nothing for it.
-        self.sock = getattr(self.tcp, "socket", None) if self.tls is None else None
+        self._tested = self.write_mode == "direct" and internals_tested()  # the gate, read once
+        # Plain TCP: every write goes to the socket at once while Twisted holds nothing for it.
+        plain = self.tls is None and getattr(self.tcp, "socket", None) is not None
+        self.writer = send_at_once(self.tcp) if plain and self._tested else None
+        self._kernel = 0  # the kernel's send queue when last read
 
     def buffered(self) -> int:
-        return _queued(self.tls, self.tcp, self.fileno)
+        queued = _queued(self.tls, self.tcp, self.fileno)
+        writer = self.writer
+        if writer is not None:
+            held = len(self.tcp.dataBuffer) - self.tcp.offset + self.tcp._tempDataLen
+            writer.since, writer.spilled, self._kernel = 0, bool(held), queued - held
+        return queued
+
+    def queued(self, under: int) -> int:
+        """0 without a syscall while all this connection's writes went to the kernel at
+        once and they and what it held when last read add up to at most ``under`` (the
+        kernel cannot hold more); else :meth:`buffered`, read."""
+        writer = self.writer
+        if writer is not None and not writer.spilled and writer.since + self._kernel <= under:
+            return 0
+        return self.buffered()
 
     def _can_write_frames(self) -> bool:
         """True when autobahn would put exactly :func:`text_frame` on the wire: no
@@ -251,11 +307,11 @@ class DaphneTransport(Transport):
         if protocol.state != self._open:
             return False
         if frame is not None and self.write_mode != "message" and self._frame_as_is(payload):
-            if self.write_mode == "direct" and internals_tested():
+            if self._tested:
                 # The frame built once per publication, straight to the socket's transport
                 # (TLS included): autobahn's sendMessage would rebuild the same bytes per
                 # connection and format a debug line it then discards.
-                self._write_frame(frame)
+                (self.writer or protocol.transport.write)(frame)
             else:
                 protocol.sendPreparedMessage(_prepared(protocol.factory, payload, frame))
             return True
@@ -270,9 +326,6 @@ class DaphneTransport(Transport):
             direct = self._direct = self._can_write_frames()
         limit = self.protocol.maxMessagePayloadSize
         return direct and not self.protocol.send_queue and not (0 < limit < len(payload))
-
-    def _write_frame(self, frame: bytes) -> None:
-        _send_now(self.tcp, self.sock, frame, self.protocol.transport.write)
 
     def close(self, code: int, reason: str, drain_s: float) -> None:
         protocol = self.protocol

@@ -54,6 +54,7 @@ class Guard:
         "measure",
         "never_drop_responses",
         "owner",
+        "read_under",
         "state",
         "transport",
         "watchlist",
@@ -73,6 +74,9 @@ class Guard:
         self.never_drop_responses = settings.never_drop_responses
         self.closed = False
         self.measure = self.config.max_backpressure > 0  # a disabled guard reads nothing
+        #: Under this many bytes queued a transport may answer 0 without a syscall
+        #: (:meth:`Transport.queued`): a quarter of the threshold and of the slow-consumer mark.
+        self.read_under = min(self.config.max_backpressure, settings.slow_consumer_bytes or 1 << 62) // 4
         self.held: Held | None = None  # conflated frames waiting for the queue to drain
         #: Where this connection (``owner``) is noted once it lags: a frame found bytes still
         #: queued, was refused or held (every frame, when the guard measures nothing). The
@@ -104,7 +108,7 @@ class Guard:
         if self.held:  # conflated frames wait for no newer frame of another channel
             self.flush_held()
         config = self.config if policy is None or policy == self.config.policy else _with_policy(self.config, policy)
-        queued = self.transport.buffered() if self.measure else 0
+        queued = self.transport.queued(self.read_under) if self.measure else 0
         decision = decide_send(queued, config, self.state)
         if decision is SEND or (decision is DROP and response and self.never_drop_responses):
             self.transport.write(payload, frame)

@@ -39,9 +39,21 @@ class UvicornTransport(Transport):
         self.transport = protocol.transport
         sock = self.transport.get_extra_info("socket")
         self.fileno = sock.fileno() if sock is not None else -1
+        self.since = 0  # bytes written since the kernel's queue was last read
+        self.kernel = 0  # the kernel's queue then
 
     def buffered(self) -> int:
-        return int(self.transport.get_write_buffer_size()) + kernel_queue(self.fileno)
+        held = int(self.transport.get_write_buffer_size())
+        self.kernel, self.since = kernel_queue(self.fileno), 0
+        return held + self.kernel
+
+    def queued(self, under: int) -> int:
+        """0 without a syscall while asyncio holds nothing and what was written since the
+        kernel's queue was read, plus what it held then, is at most ``under`` (uvicorn's
+        own pings, a few bytes each, aside)."""
+        if self.since + self.kernel <= under and not self.transport.get_write_buffer_size():
+            return 0
+        return self.buffered()
 
     def write(self, payload: bytes, frame: bytes | None = None) -> bool:
         protocol = self.protocol
@@ -50,7 +62,9 @@ class UvicornTransport(Transport):
         # What uvicorn's own send does, minus ``await writable.wait()``: the guard, not
         # the transport's 64 KiB high-water mark, bounds what is queued.
         protocol.conn.send_text(payload)
-        self.transport.write(b"".join(protocol.conn.data_to_send()))
+        data = b"".join(protocol.conn.data_to_send())
+        self.since += len(data)
+        self.transport.write(data)
         return True
 
     def close(self, code: int, reason: str, drain_s: float) -> None:
