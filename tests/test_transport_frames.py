@@ -274,3 +274,35 @@ def test_the_guard_skips_a_read_only_when_the_queue_cannot_exceed_the_bound(monk
         exact = kernel.queue + len(wire.dataBuffer)
         seen = transport.queued(under)
         assert seen == exact or (seen == 0 and exact <= under)
+
+
+def test_an_open_socket_lets_go_of_the_http_request_it_was_upgraded_from(monkeypatch):
+    """Found: Twisted's HTTPChannel stayed the TCP transport's producer for the socket's
+    life, keeping the upgraded request, its headers and body, and autobahn kept its own
+    copies of the handshake: about 5.7 KiB of each connection's 26 KiB of Python heap."""
+    import weakref
+
+    from twisted.web.http import HTTPChannel
+
+    protocol, wire, kernel, twisted = on_kernel(monkeypatch)
+    channel = HTTPChannel()
+    channel.requests = [request := object()]
+    wire.registerProducer(channel, True)
+    wire.protocol = protocol  # daphne handed the socket over to the WebSocket
+    protocol.http_request_data = b"GET /realtime/ HTTP/1.1\r\nHost: x\r\n\r\n"
+    protocol.http_headers = {"host": "x"}
+
+    class Request:
+        path = "/realtime/"
+        headers = protocol.http_headers
+
+    protocol.request = Request()
+    gone = weakref.ref(channel)
+    transport = DaphneTransport(protocol)
+    assert transport.write(b"x", text_frame(b"x"))  # the first frame: the socket is open
+    assert wire.producer is None and channel.requests == [] and request is not None
+    del channel
+    assert gone() is None  # nothing else held it
+    assert protocol.http_request_data is None and protocol.http_headers is None
+    assert protocol.request.path == "/realtime/" and not hasattr(protocol.request, "headers")  # daphne's log reads it
+    assert kernel.sent == text_frame(b"x")

@@ -31,6 +31,7 @@ __all__ = [
     "daphne_protocol",
     "daphne_request",
     "internals_tested",
+    "release_handshake",
     "SendAtOnce",
     "send_at_once",
     "untested",
@@ -243,6 +244,52 @@ def _prepared(factory: Any, payload: bytes, frame: bytes) -> Any:
     return fence.last[1]
 
 
+#: What autobahn keeps of the opening handshake and never reads once the socket is open
+#: (autobahn 26: read only in ``processHandshake``/``succeedHandshake``).
+_HANDSHAKE_ONLY = (
+    "http_request_data",
+    "http_response_data",
+    "http_status_line",
+    "http_request_uri",
+    "http_request_host",
+    "http_request_params",
+    "http_headers",
+    "websocket_protocols",
+    "websocket_extensions",
+)
+
+
+class _Path:
+    """What daphne reads of the handshake's request once the socket is open: its path
+    (its access log at close and reject)."""
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+
+def release_handshake(protocol: Any, tcp: Any) -> None:
+    """Let go of what the opening handshake left behind on an open socket — about a
+    quarter of a connection's Python heap (docs/performance.md): the HTTP request daphne
+    upgraded (Twisted's ``HTTPChannel`` stays the TCP transport's producer and keeps the
+    request, its headers and its body for the socket's life; its pause and resume do
+    nothing after the upgrade), and autobahn's copies of the request's bytes and headers
+    and of its answer. Tested series only (the caller checks the gate)."""
+    from twisted.web.http import HTTPChannel
+
+    channel = getattr(tcp, "producer", None)
+    if isinstance(channel, HTTPChannel) and getattr(tcp, "protocol", None) is not channel:  # handed over
+        channel.requests = []
+        tcp.unregisterProducer()
+    request = getattr(protocol, "request", None)
+    if request is not None and not isinstance(request, _Path):
+        protocol.request = _Path(request.path)
+    for name in _HANDSHAKE_ONLY:
+        if name in vars(protocol):
+            setattr(protocol, name, None)
+
+
 class DaphneTransport(Transport):
     kind = "daphne"
     measurable = True
@@ -324,6 +371,8 @@ class DaphneTransport(Transport):
         direct = self._direct
         if direct is None:
             direct = self._direct = self._can_write_frames()
+            if self._tested and self.tls is None:  # the socket is open: its first frame
+                release_handshake(self.protocol, self.tcp)
         limit = self.protocol.maxMessagePayloadSize
         return direct and not self.protocol.send_queue and not (0 < limit < len(payload))
 
