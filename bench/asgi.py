@@ -24,6 +24,11 @@ if "bench:big-history" not in registry.exact:  # 1,000 events of any size kept: 
 
     event_channel("bench:big-history", history_size=1000, history_ttl_s=600)
 
+if "bench:room:<int:id>" not in registry.templates:  # bench/supabase.py: echo channels and rooms of six
+    from realtime_app import event_channel
+
+    event_channel("bench:room:<int:id>", public=True, max_instances=100_000)
+
 if "bench:dash" not in registry.families:  # bench/bandwidth.py's feeds
     import random
     from typing import Any

@@ -139,6 +139,7 @@ def test_untested_versions_shut_the_direct_path_with_one_warning(gate, caplog, m
     monkeypatch.setattr(daphne, "SendAtOnce", None)  # the private path must not be taken
     assert daphne.untested() == ["daphne 99.0", "autobahn 99.0", "twisted 99.0"]
     protocol, wire = autobahn_protocol()
+    wire.socket = Kernel(1 << 20)  # plain TCP: only the gate keeps the direct path shut
     transport = DaphneTransport(protocol)
     payloads = [b'{"n":1}', b'{"n":2}']
     with caplog.at_level("WARNING", logger="realtime_app.backpressure"):
@@ -306,3 +307,104 @@ def test_an_open_socket_lets_go_of_the_http_request_it_was_upgraded_from(monkeyp
     assert protocol.http_request_data is None and protocol.http_headers is None
     assert protocol.request.path == "/realtime/" and not hasattr(protocol.request, "headers")  # daphne's log reads it
     assert kernel.sent == text_frame(b"x")
+
+
+def test_the_direct_writer_keeps_no_closed_connection_alive(monkeypatch):
+    """Found (review): the writer installed as the connection's ``write`` held the
+    connection: a cycle that kept a closed connection and its unsent buffers until a full
+    collection."""
+    import gc
+    import weakref
+
+    protocol, wire, kernel, twisted = on_kernel(monkeypatch)
+    DaphneTransport(protocol)
+    gone = weakref.ref(wire)
+    gc.disable()
+    try:
+        protocol.transport = None
+        del wire
+        assert gone() is None  # freed by reference counting alone
+    finally:
+        gc.enable()
+
+
+def test_bytes_twisted_holds_without_our_write_make_the_guard_read(monkeypatch):
+    """Found (review): ``writeSequence`` puts bytes in Twisted's buffer without our
+    ``write``: the guard must not answer 0 while Twisted holds them."""
+    protocol, wire, kernel, twisted = on_kernel(monkeypatch)
+    transport = DaphneTransport(protocol)
+    assert transport.queued(1000) == 0 and kernel.reads == 0
+    wire._tempDataLen = 5000  # what writeSequence leaves
+    assert transport.queued(1000) == 5000 and kernel.reads == 1
+
+
+class UvicornWire:
+    """asyncio's transport of a uvicorn connection, as the guard reads it."""
+
+    def __init__(self) -> None:
+        self.held = 0  # asyncio's write buffer
+        self.written = b""
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def writelines(self, chunks) -> None:
+        self.written += b"".join(chunks)
+
+    def get_write_buffer_size(self) -> int:
+        return self.held
+
+    def get_extra_info(self, name: str):
+        return None
+
+    def is_closing(self) -> bool:
+        return False
+
+
+def uvicorn_protocol():
+    from websockets.server import ServerProtocol
+
+    class Protocol:
+        close_sent = False
+        conn = ServerProtocol()
+        writable = None
+
+    protocol = Protocol()
+    protocol.conn.state = protocol.conn.state.OPEN
+    protocol.transport = UvicornWire()
+    return protocol
+
+
+def test_uvicorn_bytes_asyncio_held_at_a_read_count_until_read_again(monkeypatch):
+    """Found (review): under uvicorn a read forgot what asyncio held then; flushed to the
+    kernel later, uncounted, the guard answered 0 with 900 KB queued."""
+    from realtime_app.outbound import uvicorn
+    from realtime_app.outbound.uvicorn import UvicornTransport
+
+    protocol = uvicorn_protocol()
+    transport = UvicornTransport(protocol)
+    kernel = [0]
+    monkeypatch.setattr(uvicorn, "kernel_queue", lambda fileno: kernel[0])
+    protocol.transport.real.held = 900_000
+    assert transport.buffered() == 900_000
+    protocol.transport.real.held, kernel[0] = 0, 900_000  # asyncio flushed it to the kernel
+    assert transport.queued(250_000) == 900_000
+
+
+def test_uvicorn_writes_of_its_own_count_too(monkeypatch):
+    """Found (review): only the guard's own writes were counted under uvicorn; uvicorn's
+    pings and close frames, and binary messages sent past the guard, were not."""
+    from realtime_app.outbound import uvicorn
+    from realtime_app.outbound.uvicorn import UvicornTransport
+
+    protocol = uvicorn_protocol()
+    transport = UvicornTransport(protocol)
+    reads = []
+    monkeypatch.setattr(uvicorn, "kernel_queue", lambda fileno: reads.append(fileno) or 0)
+    transport.buffered()
+    protocol.transport.write(b"b" * 300_000)  # uvicorn's own write of a binary message
+    transport.queued(250_000)
+    assert len(reads) == 2  # past the mark: read again
+    protocol.transport.writelines([b"p" * 10])
+    assert transport.queued(250_000) == 0 and len(reads) == 2
+    assert protocol.transport.real.written == b"b" * 300_000 + b"p" * 10

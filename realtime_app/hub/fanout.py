@@ -298,7 +298,9 @@ class Fanout:
         return queued
 
     def probe(self, queued: dict[Connection, int]) -> BackpressureProbe:
-        """Queued bytes of the lagging connections (:meth:`lagging`: the others have none)."""
+        """Queued bytes of the lagging connections (:meth:`lagging`). The others have none,
+        or less than a quarter of the thresholds: a guard that knows its queue is that
+        small does not read it (:meth:`~realtime_app.outbound.base.Transport.queued`)."""
         slow = settings().slow_consumer_bytes
         worst = total = slow_count = balance = 0
         for conn, amount in queued.items():

@@ -2,7 +2,11 @@
 configuration, the ORM's caches) lives as long as the process, yet each full collection
 of the garbage collector would walk it again. With ``FREEZE_STARTUP_OBJECTS`` the hub
 collects once and freezes it (:func:`gc.freeze`): later full collections walk only what
-connections and requests made since. docs/performance.md measures what it saves."""
+connections and requests made since. docs/performance.md measures what it saves.
+
+The hub starts with its first connection or publication, so what that one holds at the
+moment is frozen too: a cycle among it is then never collected (once per process, a few
+KiB)."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from importlib import metadata
 from typing import Any
 
@@ -112,37 +113,49 @@ class SendAtOnce:
     in order and the guard still sees them all.
 
     It counts what it hands the kernel (``since``) and whether Twisted took anything
-    (``spilled``) since the guard last read the kernel's queue: while that sum is small,
-    the kernel holds at most it and the guard need not ask (:meth:`DaphneTransport.queued`).
+    (``spilled``) since the guard last read the kernel's queue (``kernel``, then): while
+    their sum is small, the kernel holds at most it and the guard need not ask
+    (:meth:`DaphneTransport.queued`). It holds its connection weakly: installed as the
+    connection's ``write``, a strong reference would be a cycle that keeps a closed
+    connection and its unsent buffers until a full collection.
     """
 
-    __slots__ = ("own", "since", "sock", "spilled", "tcp")
+    __slots__ = ("bound", "kernel", "own", "ref", "since", "sock", "spilled")
 
     def __init__(self, tcp: Any) -> None:
-        self.tcp = tcp
+        self.ref = weakref.ref(tcp)
         self.sock = tcp.socket
-        self.own = tcp.write  # Twisted's
+        own = tcp.write  # Twisted's
+        self.bound = getattr(own, "__self__", None) is tcp
+        self.own = own.__func__ if self.bound else own  # called with the connection when it was its method
         self.since = 0
+        self.kernel = 0
         self.spilled = False
 
-    def __call__(self, data: bytes) -> None:
-        tcp = self.tcp
-        if _twisted_holds(tcp):
-            self.spilled = True
+    def _twisted(self, tcp: Any, data: bytes) -> None:
+        self.spilled = True
+        if self.bound:
+            self.own(tcp, data)
+        else:
             self.own(data)
+
+    def __call__(self, data: bytes) -> None:
+        tcp = self.ref()
+        if tcp is None:  # the connection is gone: nothing to write to
+            return
+        if _twisted_holds(tcp):
+            self._twisted(tcp, data)
             return
         try:
             sent = self.sock.send(data)
         except (BlockingIOError, InterruptedError):
             sent = 0
         except OSError:  # the connection is going: Twisted reports it (a reset as a plain close)
-            self.spilled = True
-            self.own(data)
+            self._twisted(tcp, data)
             return
         self.since += sent
         if sent < len(data):
-            self.spilled = True
-            self.own(data[sent:])
+            self._twisted(tcp, data[sent:])
 
 
 def send_at_once(tcp: Any) -> SendAtOnce:
@@ -315,22 +328,27 @@ class DaphneTransport(Transport):
         # Plain TCP: every write goes to the socket at once while Twisted holds nothing for it.
         plain = self.tls is None and getattr(self.tcp, "socket", None) is not None
         self.writer = send_at_once(self.tcp) if plain and self._tested else None
-        self._kernel = 0  # the kernel's send queue when last read
 
     def buffered(self) -> int:
         queued = _queued(self.tls, self.tcp, self.fileno)
         writer = self.writer
         if writer is not None:
             held = len(self.tcp.dataBuffer) - self.tcp.offset + self.tcp._tempDataLen
-            writer.since, writer.spilled, self._kernel = 0, bool(held), queued - held
+            writer.since, writer.spilled, writer.kernel = 0, bool(held), queued - held
         return queued
 
     def queued(self, under: int) -> int:
         """0 without a syscall while all this connection's writes went to the kernel at
         once and they and what it held when last read add up to at most ``under`` (the
-        kernel cannot hold more); else :meth:`buffered`, read."""
-        writer = self.writer
-        if writer is not None and not writer.spilled and writer.since + self._kernel <= under:
+        kernel cannot hold more), and Twisted holds nothing; else :meth:`buffered`, read."""
+        writer, tcp = self.writer, self.tcp
+        if (
+            writer is not None
+            and not writer.spilled
+            and writer.since + writer.kernel <= under
+            and not tcp._tempDataLen  # writeSequence writes there without our write
+            and len(tcp.dataBuffer) == tcp.offset
+        ):
             return 0
         return self.buffered()
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from realtime_app.outbound.base import Transport, kernel_queue
 
-__all__ = ["TESTED", "UvicornHttpSink", "UvicornTransport", "untested", "uvicorn_cycle", "uvicorn_protocol"]
+__all__ = ["TESTED", "Counted", "UvicornHttpSink", "UvicornTransport", "untested", "uvicorn_cycle", "uvicorn_protocol"]
 
 #: The series whose private names this module was tested against (the ``uvicorn`` extra bounds it).
 TESTED = {"uvicorn": ("0.54",)}
@@ -30,28 +30,57 @@ def uvicorn_protocol(owner: Any) -> bool:
     return owner is not None and hasattr(owner, "conn") and hasattr(owner, "writable") and hasattr(owner, "transport")
 
 
+class Counted:
+    """The connection's transport as uvicorn's protocol sees it: every write counted
+    (uvicorn's pings, pongs, close frames and binary messages too, on asyncio's loop or
+    uvloop's), everything else the transport's own."""
+
+    __slots__ = ("kernel", "real", "since")
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.since = 0  # bytes written since the guard last read the queues
+        self.kernel = 0  # bytes queued then (asyncio's and the kernel's)
+
+    def write(self, data: bytes) -> None:
+        self.since += len(data)
+        self.real.write(data)
+
+    def writelines(self, chunks: Any) -> None:
+        chunks = list(chunks)
+        self.since += sum(len(c) for c in chunks)
+        self.real.writelines(chunks)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
 class UvicornTransport(Transport):
     kind = "uvicorn"
     measurable = True
 
     def __init__(self, protocol: Any) -> None:
         self.protocol = protocol
-        self.transport = protocol.transport
+        counted = protocol.transport
+        if not isinstance(counted, Counted):  # every write of the connection counted from now on
+            counted = protocol.transport = Counted(counted)
+        self.counter = counted  # what is written through
+        self.transport = counted.real  # what is read
         sock = self.transport.get_extra_info("socket")
         self.fileno = sock.fileno() if sock is not None else -1
-        self.since = 0  # bytes written since the kernel's queue was last read
-        self.kernel = 0  # the kernel's queue then
 
     def buffered(self) -> int:
         held = int(self.transport.get_write_buffer_size())
-        self.kernel, self.since = kernel_queue(self.fileno), 0
-        return held + self.kernel
+        queued = held + kernel_queue(self.fileno)
+        self.counter.since, self.counter.kernel = 0, queued  # what asyncio holds reaches the kernel uncounted
+        return queued
 
     def queued(self, under: int) -> int:
-        """0 without a syscall while asyncio holds nothing and what was written since the
-        kernel's queue was read, plus what it held then, is at most ``under`` (uvicorn's
-        own pings, a few bytes each, aside)."""
-        if self.since + self.kernel <= under and not self.transport.get_write_buffer_size():
+        """0 without a syscall while what was written since the queues were read plus
+        what was queued then is at most ``under`` and the loop holds nothing: the kernel
+        cannot hold more."""
+        counter = self.counter
+        if counter.since + counter.kernel <= under and not self.transport.get_write_buffer_size():
             return 0
         return self.buffered()
 
@@ -62,9 +91,7 @@ class UvicornTransport(Transport):
         # What uvicorn's own send does, minus ``await writable.wait()``: the guard, not
         # the transport's 64 KiB high-water mark, bounds what is queued.
         protocol.conn.send_text(payload)
-        data = b"".join(protocol.conn.data_to_send())
-        self.since += len(data)
-        self.transport.write(data)
+        self.counter.write(b"".join(protocol.conn.data_to_send()))
         return True
 
     def close(self, code: int, reason: str, drain_s: float) -> None:
@@ -73,7 +100,7 @@ class UvicornTransport(Transport):
             return
         protocol.queue.put_nowait({"type": "websocket.disconnect", "code": code, "reason": reason})
         protocol.conn.send_close(code, reason)
-        self.transport.write(b"".join(protocol.conn.data_to_send()))
+        self.counter.write(b"".join(protocol.conn.data_to_send()))
         protocol.close_sent = True
         if protocol.read_paused:
             protocol.read_paused = False
