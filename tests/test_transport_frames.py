@@ -341,10 +341,6 @@ def test_bytes_twisted_holds_without_our_write_make_the_guard_read(monkeypatch):
 class UvicornWire:
     """asyncio's transport of a uvicorn connection, as the guard reads it."""
 
-    def __init__(self) -> None:
-        self.held = 0  # asyncio's write buffer
-        self.written = b""
-
     def write(self, data: bytes) -> None:
         self.written += data
 
@@ -354,14 +350,19 @@ class UvicornWire:
     def get_write_buffer_size(self) -> int:
         return self.held
 
+    def __init__(self, tls: bool = False) -> None:
+        self.held = 0  # asyncio's write buffer
+        self.written = b""
+        self.tls = tls
+
     def get_extra_info(self, name: str):
-        return None
+        return object() if name == "sslcontext" and self.tls else None
 
     def is_closing(self) -> bool:
         return False
 
 
-def uvicorn_protocol():
+def uvicorn_protocol(tls: bool = False):
     from websockets.server import ServerProtocol
 
     class Protocol:
@@ -371,7 +372,7 @@ def uvicorn_protocol():
 
     protocol = Protocol()
     protocol.conn.state = protocol.conn.state.OPEN
-    protocol.transport = UvicornWire()
+    protocol.transport = UvicornWire(tls)
     return protocol
 
 
@@ -408,3 +409,18 @@ def test_uvicorn_writes_of_its_own_count_too(monkeypatch):
     protocol.transport.writelines([b"p" * 10])
     assert transport.queued(250_000) == 0 and len(reads) == 2
     assert protocol.transport.real.written == b"b" * 300_000 + b"p" * 10
+
+
+def test_uvicorns_own_tls_reads_the_queue_before_every_frame(monkeypatch):
+    """Found (review): under uvicorn's own TLS what its SSL layer handed the TCP transport
+    is in no buffer the guard reads, and the counted plaintext is not the wire's bytes:
+    no read is skipped there."""
+    from realtime_app.outbound import uvicorn
+    from realtime_app.outbound.uvicorn import UvicornTransport
+
+    reads = []
+    monkeypatch.setattr(uvicorn, "kernel_queue", lambda fileno: reads.append(fileno) or 0)
+    transport = UvicornTransport(uvicorn_protocol(tls=True))
+    transport.queued(250_000)
+    transport.queued(250_000)
+    assert len(reads) == 2

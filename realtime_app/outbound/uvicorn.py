@@ -68,6 +68,9 @@ class UvicornTransport(Transport):
         self.transport = counted.real  # what is read
         sock = self.transport.get_extra_info("socket")
         self.fileno = sock.fileno() if sock is not None else -1
+        # uvicorn's own TLS: what its SSL layer handed the TCP transport is in no buffer
+        # the guard reads, and the wire carries more than the counted plaintext: read always.
+        self.exact = self.transport.get_extra_info("sslcontext") is not None
 
     def buffered(self) -> int:
         held = int(self.transport.get_write_buffer_size())
@@ -80,7 +83,7 @@ class UvicornTransport(Transport):
         what was queued then is at most ``under`` and the loop holds nothing: the kernel
         cannot hold more."""
         counter = self.counter
-        if counter.since + counter.kernel <= under and not self.transport.get_write_buffer_size():
+        if not self.exact and counter.since + counter.kernel <= under and not self.transport.get_write_buffer_size():
             return 0
         return self.buffered()
 
