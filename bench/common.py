@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -15,6 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import websockets
 
@@ -120,6 +122,44 @@ class Collector:
             self.latencies.append(time.time() * 1000 - params["ts"])
 
 
+def redis_site(overrides: dict[str, Any] | None = None) -> tuple[str, str, dict[str, str]]:
+    """``REDIS_URL`` (the script exits saying how to set it), a key prefix of this run's
+    own, and the environment of the bench site's servers on them; ``overrides``:
+    ``REALTIME_APP`` keys the servers change (bench/settings.py reads them)."""
+    url = os.environ.get("REDIS_URL")
+    if not url:
+        sys.exit("set REDIS_URL (e.g. redis://127.0.0.1:6379/0)")
+    prefix = f"bench-{secrets.token_hex(3)}"
+    env = {"REDIS_URL": url, "REALTIME_KEY_PREFIX": prefix, "DJANGO_SETTINGS_MODULE": "bench.settings"}
+    if overrides:
+        env["REALTIME_BENCH_OVERRIDES"] = json.dumps(overrides)
+    return url, prefix, env
+
+
+def drop_keys(url: str, prefix: str) -> None:
+    """This run's keys, and only them."""
+    import redis
+
+    r = redis.Redis.from_url(url)
+    for key in r.scan_iter(match=f"{prefix}*"):
+        r.delete(key)
+
+
+async def open_ws(url: str, open_timeout: float = 120, **extra: Any) -> Any:
+    """A benchmark's WebSocket: a client of its own (``as_new_client``), no client
+    pings, no compression, no size limit; ``extra``: more of ``websockets.connect``'s."""
+    return await websockets.connect(
+        url,
+        origin="http://127.0.0.1",
+        open_timeout=open_timeout,
+        ping_interval=None,
+        compression=None,
+        max_size=None,
+        additional_headers=as_new_client(),
+        **extra,
+    )
+
+
 async def client(
     url: str,
     collector: Collector,
@@ -130,15 +170,7 @@ async def client(
     sem: asyncio.Semaphore,
 ) -> None:
     async with sem:
-        ws = await websockets.connect(
-            url,
-            origin="http://127.0.0.1",
-            max_size=None,
-            open_timeout=60,
-            ping_interval=None,
-            compression=None,
-            additional_headers=as_new_client(),
-        )
+        ws = await open_ws(url, open_timeout=60)
         if subscribe:
             await ws.send(
                 json.dumps({"jsonrpc": "2.0", "method": "subscribe", "params": {"channel": subscribe}, "id": 1})

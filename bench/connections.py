@@ -54,10 +54,10 @@ import redis
 import websockets
 
 from bench.common import (
-    as_new_client,
     cpu_seconds,
     daphne,
     free_port,
+    open_ws,
     percentile,
     processes,
     progress,
@@ -77,14 +77,8 @@ async def open_connections(url: str, count: int, subscribe: str | None, into: li
 
     async def one(i: int) -> None:
         async with sem:
-            ws = await websockets.connect(
+            ws = await open_ws(
                 url,
-                origin="http://127.0.0.1",
-                open_timeout=120,
-                ping_interval=None,
-                compression=None,
-                max_size=None,
-                additional_headers=as_new_client(),
                 # one source address has 28,000 ports to a server's port: past 20,000
                 # sockets, from 127.0.0.1, .2, .3 and .4 in turn
                 local_addr=(f"127.0.0.{1 + (start + i) % 4}", 0) if start + count > 20_000 else None,

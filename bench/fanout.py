@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import json
 import os
-import secrets
 import sys
 import time
 from pathlib import Path
@@ -47,10 +46,12 @@ from bench.common import (
     client,
     cpu_seconds,
     daphne,
+    drop_keys,
     free_port,
     percentile,
     processes,
     progress,
+    redis_site,
     uvicorn,
 )
 
@@ -159,19 +160,9 @@ async def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--daphne-write", nargs="+", choices=["direct", "prepared", "message"], default=None)
     args = parser.parse_args()
-    url = os.environ.get("REDIS_URL")
-    if not url:
-        sys.exit("set REDIS_URL (e.g. redis://127.0.0.1:6379/0)")
-    prefix = f"bench-{secrets.token_hex(3)}"
     # 1,000 clients connect at once: the process's anonymous handshake rate (200/s, bursts
     # of 400) would refuse some of them on one process; it is admission, not fan-out.
-    overrides = json.dumps({"MAX_ANONYMOUS_HANDSHAKES_PER_S": 0})
-    env = {
-        "REDIS_URL": url,
-        "REALTIME_KEY_PREFIX": prefix,
-        "DJANGO_SETTINGS_MODULE": "bench.settings",
-        "REALTIME_BENCH_OVERRIDES": overrides,
-    }
+    url, prefix, env = redis_site({"MAX_ANONYMOUS_HANDSHAKES_PER_S": 0})
     os.environ.update(env)
     import django
 
@@ -187,8 +178,7 @@ async def main() -> None:
         try:
             results = await compare_writes(args.daphne_write, args, env, r, ports, ref_port)
         finally:
-            for key in r.scan_iter(match=f"{prefix}*"):
-                r.delete(key)
+            drop_keys(url, prefix)
         report(results)
         return
     try:
@@ -226,8 +216,7 @@ async def main() -> None:
                             )
                         )
     finally:
-        for key in r.scan_iter(match=f"{prefix}*"):
-            r.delete(key)
+        drop_keys(url, prefix)
     report(results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

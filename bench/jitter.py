@@ -28,7 +28,6 @@ import contextlib
 import json
 import os
 import random
-import secrets
 import sys
 import time
 from dataclasses import dataclass, field
@@ -37,9 +36,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import redis
 
-from bench.common import as_new_client, daphne, free_port, percentile, processes, progress
+from bench.common import as_new_client, daphne, drop_keys, free_port, percentile, processes, progress, redis_site
 
 CHANNEL = "demo:events"
 
@@ -212,30 +210,18 @@ async def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    url = os.environ.get("REDIS_URL")
-    if not url:
-        sys.exit("set REDIS_URL (e.g. redis://127.0.0.1:6379/0)")
-    prefix = f"bench-{secrets.token_hex(3)}"
     # Clients reconnect all the time here: the handshake limits are admission, not this.
-    overrides = json.dumps({"MAX_ANONYMOUS_HANDSHAKES_PER_S": 0, "HANDSHAKES_PER_S": 0})
-    env = {
-        "REDIS_URL": url,
-        "REALTIME_KEY_PREFIX": prefix,
-        "DJANGO_SETTINGS_MODULE": "bench.settings",
-        "REALTIME_BENCH_OVERRIDES": overrides,
-    }
+    url, prefix, env = redis_site({"MAX_ANONYMOUS_HANDSHAKES_PER_S": 0, "HANDSHAKES_PER_S": 0})
     os.environ.update(env)
     import django
 
     django.setup()
-    r = redis.Redis.from_url(url)
     ports = [free_port() for _ in range(args.processes)]
     try:
         with processes([daphne(p) for p in ports], ports, env):
             row = await run(args, [f"ws://127.0.0.1:{p}/realtime/" for p in ports])
     finally:
-        for key in r.scan_iter(match=f"{prefix}*"):
-            r.delete(key)
+        drop_keys(url, prefix)
     report(row)
     if args.json:
         args.json.write_text(json.dumps(row, indent=2))

@@ -22,8 +22,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import os
-import secrets
 import sys
 import time
 from pathlib import Path
@@ -31,10 +29,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import redis
-import websockets
 
-from bench.common import as_new_client, cpu_seconds, daphne, free_port, percentile, processes, progress
+from bench.common import cpu_seconds, daphne, drop_keys, free_port, open_ws, percentile, processes, progress, redis_site
 
 ROOM = 6  # users per broadcast channel
 RATE = 2.0  # messages a second per channel
@@ -56,15 +52,7 @@ async def user(
 ) -> None:
     echo, room = f"bench:room:{u}", f"bench:room:{rooms_base + u // ROOM}"
     async with sem:
-        ws = await websockets.connect(
-            url,
-            origin="http://127.0.0.1",
-            open_timeout=120,
-            ping_interval=None,
-            compression=None,
-            max_size=None,
-            additional_headers=as_new_client(),
-        )
+        ws = await open_ws(url)
         for i, channel in enumerate((echo, room), start=1):
             await ws.send(
                 json.dumps({"jsonrpc": "2.0", "method": "subscribe", "params": {"channel": channel}, "id": i})
@@ -170,26 +158,14 @@ async def main() -> None:
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    url = os.environ.get("REDIS_URL")
-    if not url:
-        sys.exit("set REDIS_URL (e.g. redis://127.0.0.1:6379/0)")
-    prefix = f"bench-{secrets.token_hex(3)}"
     # Opening hundreds of sockets at once is admission, not this workload.
-    overrides = json.dumps({"MAX_ANONYMOUS_HANDSHAKES_PER_S": 0, "HANDSHAKES_PER_S": 0})
-    env = {
-        "REDIS_URL": url,
-        "REALTIME_KEY_PREFIX": prefix,
-        "DJANGO_SETTINGS_MODULE": "bench.settings",
-        "REALTIME_BENCH_OVERRIDES": overrides,
-    }
-    r = redis.Redis.from_url(url)
+    url, prefix, env = redis_site({"MAX_ANONYMOUS_HANDSHAKES_PER_S": 0, "HANDSHAKES_PER_S": 0})
     ports = [free_port() for _ in range(args.processes)]
     try:
         with processes([daphne(p) for p in ports], ports, env) as procs:
             row = await run(args, [f"ws://127.0.0.1:{p}/realtime/" for p in ports], [p.pid for p in procs])
     finally:
-        for key in r.scan_iter(match=f"{prefix}*"):
-            r.delete(key)
+        drop_keys(url, prefix)
     report(row)
     if args.json:
         args.json.write_text(json.dumps(row, indent=2))
