@@ -424,3 +424,72 @@ def test_uvicorns_own_tls_reads_the_queue_before_every_frame(monkeypatch):
     transport.queued(250_000)
     transport.queued(250_000)
     assert len(reads) == 2
+
+
+@pytest.mark.parametrize("size", [0, 125, 126, 65535, 65536, 70000])
+def test_uvicorn_connections_get_the_frame_as_is_byte_for_byte_what_websockets_writes(size, monkeypatch):
+    """No extension negotiated: the publication's frame, built once, is written as is —
+    not framed again per connection by websockets' sans-I/O connection."""
+    from realtime_app.outbound.uvicorn import UvicornTransport
+
+    payload = bytes(range(256)) * (size // 256) + bytes(range(size % 256))
+    reference = uvicorn_protocol()
+    reference.conn.send_text(payload)
+    protocol = uvicorn_protocol()
+    transport = UvicornTransport(protocol)
+    monkeypatch.setattr(protocol.conn, "send_text", lambda *a: pytest.fail("framed per connection"))
+    assert transport.write(payload, text_frame(payload))
+    assert protocol.transport.real.written == b"".join(reference.conn.data_to_send())
+
+
+def test_uvicorn_connections_with_permessage_deflate_are_framed_per_connection():
+    from websockets.extensions.permessage_deflate import PerMessageDeflate
+
+    from realtime_app.outbound.uvicorn import UvicornTransport
+
+    protocol = uvicorn_protocol()
+    protocol.conn.extensions = [PerMessageDeflate(False, False, 15, 15)]
+    transport = UvicornTransport(protocol)
+    payload = b'{"jsonrpc":"2.0","method":"message","params":{"data":"' + b"x" * 500 + b'"}}'
+    assert transport.write(payload, text_frame(payload))
+    written = protocol.transport.real.written
+    assert written != text_frame(payload) and written[0] & 0x40  # RSV1: compressed
+    assert len(written) < len(payload)
+
+
+def test_uvicorn_connections_no_longer_open_take_nothing():
+    """A frame to a connection the client is closing reports it (False), never raises."""
+    from realtime_app.outbound.uvicorn import UvicornTransport
+
+    protocol = uvicorn_protocol()
+    transport = UvicornTransport(protocol)
+    protocol.conn.state = protocol.conn.state.CLOSING
+    assert transport.write(b"{}", text_frame(b"{}")) is False
+    assert transport.write(b"{}") is False
+    assert protocol.transport.real.written == b""
+
+
+def test_uvicorns_wsproto_implementation_is_refused_not_guessed_at():
+    """Found: ``uvicorn_protocol`` matched ``--ws wsproto`` too (it has a ``conn``), whose
+    first frame then failed; it is refused as an unsupported server instead."""
+    import asyncio
+
+    from uvicorn.config import Config
+    from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+    from uvicorn.protocols.websockets.wsproto_impl import WSProtocol
+    from uvicorn.server import ServerState
+
+    from realtime_app.outbound.uvicorn import uvicorn_protocol as matches
+
+    async def app(scope, receive, send):  # pragma: no cover - never called
+        pass
+
+    loop = asyncio.new_event_loop()
+    try:
+        config = Config(app=app)
+        wsproto = WSProtocol(config=config, server_state=ServerState(), app_state={}, _loop=loop)
+        sansio = WebSocketsSansIOProtocol(config=config, server_state=ServerState(), app_state={}, _loop=loop)
+    finally:
+        loop.close()
+    assert not matches(wsproto)
+    assert matches(sansio)

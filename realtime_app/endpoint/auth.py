@@ -66,7 +66,7 @@ async def authenticated(scope: Scope) -> Scope:
     scope = await _signed_in(scope)
     if outer:
         scope[USER_FROM_OUTSIDE] = True  # re-validated by its key, not by the cookie's session
-    return await with_token(scope, outer)
+    return await with_token(scope, outer, owned=True)  # _signed_in made it a copy of its own
 
 
 def _signed_in_user(user: Any) -> bool:

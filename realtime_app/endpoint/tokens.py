@@ -210,7 +210,7 @@ def bearer(scope: Scope) -> str | None:
     return None
 
 
-async def with_token(scope: Scope, outer_user: bool = False) -> Scope:
+async def with_token(scope: Scope, outer_user: bool = False, *, owned: bool = False) -> Scope:
     """The scope of a WebSocket handshake, its ``Authorization: Bearer`` read: one of this
     site's connection tokens makes the scope its user's (``scope[TOKEN]``, and no session:
     logging a cookie's session out does not close it; the token's own expiry and revocation
@@ -220,8 +220,12 @@ async def with_token(scope: Scope, outer_user: bool = False) -> Scope:
     project's own consumers never look). ``outer_user``: a signed-in user was set by a
     middleware further out (a JWT middleware reading the same header): it stands, and the
     header is left to it. Marks the scope
-    :data:`AUTH_STACK`: the header was read."""
-    scope = {**scope, AUTH_STACK: True}
+    :data:`AUTH_STACK`: the header was read. ``owned``: ``scope`` is the caller's own copy,
+    marked in place (a copy more would stay for the socket's life)."""
+    if owned:
+        scope[AUTH_STACK] = True
+    else:
+        scope = {**scope, AUTH_STACK: True}
     token = bearer(scope) if scope.get("type") in ("websocket", "http") else None
     if token is None or outer_user:
         return scope

@@ -14,6 +14,7 @@ one that does not is refused as :class:`UnsupportedServer`, never guessed at.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import weakref
@@ -21,6 +22,7 @@ from importlib import metadata
 from typing import Any
 
 from realtime_app.conf.runtime import runtime
+from realtime_app.outbound import input_queue
 from realtime_app.outbound.base import Transport, UnsupportedServer, kernel_queue
 from realtime_app.wire.asgi import Send
 
@@ -34,6 +36,8 @@ __all__ = [
     "internals_tested",
     "release_handshake",
     "SendAtOnce",
+    "SendQueue",
+    "compact",
     "send_at_once",
     "untested",
 ]
@@ -51,6 +55,9 @@ class DaphneFence:
     def __init__(self) -> None:
         self.tested: bool | None = None
         self.last: tuple[bytes, Any] | None = None  # the frame being fanned out, prepared
+        #: Per protocol class: its factory and the subclass holding what every open socket
+        #: of that factory holds alike (:func:`compact`).
+        self.lean: dict[type, tuple[Any, type]] = {}
 
 
 def untested() -> list[str]:
@@ -301,6 +308,61 @@ def release_handshake(protocol: Any, tcp: Any) -> None:
     for name in _HANDSHAKE_ONLY:
         if name in vars(protocol):
             setattr(protocol, name, None)
+    input_queue.lighten(getattr(protocol, "application_queue", None))
+    compact(protocol)
+
+
+def compact(protocol: Any) -> None:
+    """Rebuild an open socket's attribute dict without what every socket of its factory
+    holds alike: autobahn copies the factory's 29 options onto each protocol
+    (``CONFIG_ATTRS``), which with the handshake's names takes the dict past 85 keys — a
+    3.2 KiB table where 1.5 KiB hold the rest. Those values move to one subclass per
+    factory (the same class name, module and interfaces); a value a socket holds of its own
+    stays in its dict; its empty send queue becomes a :class:`SendQueue`. Tested series
+    only (the caller checks the gate)."""
+    cls, factory = type(protocol), getattr(protocol, "factory", None)
+    names = getattr(cls, "CONFIG_ATTRS", None)
+    if factory is None or not names:
+        return
+    lean = runtime().part(DaphneFence).lean
+    known = lean.get(cls)
+    if known is None or known[0] is not factory:
+        if getattr(cls, "_lean_of", None) is not None:
+            return  # already lean
+        shared = {name: getattr(factory, name) for name in names if hasattr(factory, name)}
+        shared.update(dict.fromkeys(_HANDSHAKE_ONLY), _lean_of=factory, __module__=cls.__module__)
+        shared["__qualname__"] = cls.__qualname__
+        known = lean[cls] = (factory, type(cls.__name__, (cls,), shared))
+    sub = known[1]
+    own = vars(protocol)
+    kept = {name: value for name, value in own.items() if name not in sub.__dict__ or value is not sub.__dict__[name]}
+    if type(kept.get("send_queue")) is collections.deque and not kept["send_queue"]:
+        kept["send_queue"] = SendQueue()  # 760 bytes of deque for sends daphne never chops
+    protocol.__class__ = sub
+    protocol.__dict__ = kept
+
+
+class SendQueue:
+    """autobahn's queue of chopped or synced sends (daphne makes none): empty, it holds
+    no deque; the first send it queues makes one."""
+
+    __slots__ = ("items",)
+
+    def __init__(self) -> None:
+        self.items: collections.deque[Any] | None = None
+
+    def __len__(self) -> int:
+        return len(self.items) if self.items is not None else 0
+
+    def append(self, item: Any) -> None:
+        if self.items is None:
+            self.items = collections.deque()
+        self.items.append(item)
+
+    def popleft(self) -> Any:
+        if self.items is None:
+            raise IndexError("pop from an empty deque")
+        return self.items.popleft()
 
 
 class DaphneTransport(Transport):

@@ -1,16 +1,32 @@
 """The uvicorn transport (0.54, ``--ws websockets-sansio``): ``send`` is the bound
 ``send`` of the protocol, whose asyncio transport reports its write buffer publicly; a
-frame is written through the protocol's sans-I/O connection without awaiting uvicorn's
-flow control (the guard, not its 64 KiB high-water mark, bounds what is queued)."""
+frame is written without awaiting uvicorn's flow control (the guard, not its 64 KiB
+high-water mark, bounds what is queued). Where the connection negotiated no extension
+(no permessage-deflate), the publication's frame, built once, goes to the transport as
+is; otherwise it goes through the protocol's sans-I/O connection, framed per connection.
+uvicorn's other implementations (``--ws wsproto``, ``--ws websockets``) are not matched:
+their queued bytes are not read (:class:`~realtime_app.outbound.base.UnsupportedServer`)."""
 
 from __future__ import annotations
 
 from importlib import metadata
 from typing import Any
 
+from realtime_app.conf.runtime import runtime
+from realtime_app.outbound import input_queue
 from realtime_app.outbound.base import Transport, kernel_queue
 
-__all__ = ["TESTED", "Counted", "UvicornHttpSink", "UvicornTransport", "untested", "uvicorn_cycle", "uvicorn_protocol"]
+__all__ = [
+    "TESTED",
+    "Counted",
+    "UvicornFence",
+    "UvicornHttpSink",
+    "UvicornTransport",
+    "release_handshake",
+    "untested",
+    "uvicorn_cycle",
+    "uvicorn_protocol",
+]
 
 #: The series whose private names this module was tested against (the ``uvicorn`` extra bounds it).
 TESTED = {"uvicorn": ("0.54",)}
@@ -25,9 +41,37 @@ def untested() -> list[str]:
     return [] if version.startswith(TESTED["uvicorn"]) else [f"uvicorn {version}"]
 
 
+class UvicornFence:
+    """The version gate as read once per process (a part of the process's runtime)."""
+
+    def __init__(self) -> None:
+        self.tested = not untested()
+
+
+def release_handshake(protocol: Any) -> None:
+    """Let go of what the opening handshake left on an open socket: the request uvicorn
+    keeps (websockets' parser holds it as well, so its headers are emptied) and the
+    answer it sent (about 4 KiB, docs/performance.md), and lighten the input queue
+    (:func:`~realtime_app.outbound.input_queue.lighten`). Tested series only; the scope
+    the application holds is its own copy of the headers and stays."""
+    if not runtime().part(UvicornFence).tested or not getattr(protocol, "handshake_complete", False):
+        return
+    if getattr(protocol, "initial_response", None) is None:  # an accepted socket, not a denial response
+        request = getattr(protocol, "request", None)
+        if request is not None:  # websockets' parser keeps it too, for the socket's life
+            request.headers.clear()
+        protocol.request = protocol.response = None
+    input_queue.lighten(getattr(protocol, "queue", None))
+
+
 def uvicorn_protocol(owner: Any) -> bool:
-    """True when ``owner`` (what the server's ``send`` is bound to) is uvicorn's sans-I/O protocol."""
-    return owner is not None and hasattr(owner, "conn") and hasattr(owner, "writable") and hasattr(owner, "transport")
+    """True when ``owner`` (what the server's ``send`` is bound to) is uvicorn's protocol
+    over websockets' sans-I/O connection (``--ws websockets-sansio``); its wsproto
+    implementation also has a ``conn``, but one this module cannot drive."""
+    if owner is None or not (hasattr(owner, "writable") and hasattr(owner, "transport")):
+        return False
+    conn = getattr(owner, "conn", None)
+    return hasattr(conn, "data_to_send") and hasattr(conn, "send_text") and hasattr(conn, "extensions")
 
 
 class Counted:
@@ -71,6 +115,8 @@ class UvicornTransport(Transport):
         # uvicorn's own TLS: what its SSL layer handed the TCP transport is in no buffer
         # the guard reads, and the wire carries more than the counted plaintext: read always.
         self.exact = self.transport.get_extra_info("sslcontext") is not None
+        self.open = type(protocol.conn.state).OPEN
+        self.fresh = True  # the handshake's leftovers are let go at the first frame
 
     def buffered(self) -> int:
         held = int(self.transport.get_write_buffer_size())
@@ -93,8 +139,18 @@ class UvicornTransport(Transport):
             return False
         # What uvicorn's own send does, minus ``await writable.wait()``: the guard, not
         # the transport's 64 KiB high-water mark, bounds what is queued.
-        protocol.conn.send_text(payload)
-        self.counter.write(b"".join(protocol.conn.data_to_send()))
+        conn = protocol.conn
+        if conn.state is not self.open:
+            return False
+        if self.fresh:
+            self.fresh = False
+            release_handshake(protocol)
+        if frame is not None and not conn.extensions and not conn.expect_continuation_frame:
+            # No extension negotiated: conn.send_text would frame exactly this, built once.
+            self.counter.write(frame)
+            return True
+        conn.send_text(payload)
+        self.counter.write(b"".join(conn.data_to_send()))
         return True
 
     def close(self, code: int, reason: str, drain_s: float) -> None:
