@@ -59,9 +59,10 @@ SAMPLE_S = 0.25
 class Site:
     """Three daphne processes behind nginx; a process is restarted on its own port."""
 
-    def __init__(self, env: dict[str, str], root: Path) -> None:
+    def __init__(self, env: dict[str, str], root: Path, clients: int = 3000) -> None:
         self.env = env
         self.root = root
+        self.clients = clients
         self.ports = [free_port() for _ in range(PROCESSES)]
         self.front = free_port()
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * PROCESSES
@@ -84,6 +85,10 @@ class Site:
         text = re.sub(r"(upstream django \{\n[^\n]*\n)(?:\s*server [^\n]*\n)+", lambda m: m.group(1) + servers, text)
         text = text.replace("127.0.0.1:8000", f"127.0.0.1:{self.front}")
         text = text.replace("worker_processes auto;", "worker_processes 1;")
+        # one worker holds every client twice (its socket and daphne's), with room for a deploy's overlap
+        connections = max(8192, 2 * self.clients + 1024)
+        text = re.sub(r"worker_connections \d+;", f"worker_connections {connections};", text)
+        text = text.replace("worker_processes 1;", f"worker_processes 1;\nworker_rlimit_nofile {connections + 256};")
         return text.replace("include /etc/nginx/mime.types;", "")
 
     def write_config(self) -> None:
@@ -147,7 +152,7 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
 
     drain = args.drain if mode == "drained" else 0
     env = {**base_env, "REALTIME_BENCH_OVERRIDES": json.dumps({"DRAIN_SECONDS": drain})}
-    site = Site(env, site_root())
+    site = Site(env, site_root(), args.clients)
     root = site.root
     clients: list[Any] = []
     received: list[set[int]] = []

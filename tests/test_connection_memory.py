@@ -17,10 +17,14 @@ from realtime_app.outbound.input_queue import lighten
 
 
 def test_an_unbounded_input_queue_drops_its_putters_and_join_event():
+    def held(queue) -> int:
+        event = queue._finished
+        return sys.getsizeof(queue._putters) + sys.getsizeof(event) + sys.getsizeof(getattr(event, "_waiters", ()))
+
     queue: asyncio.Queue[int] = asyncio.Queue()
-    before = sys.getsizeof(queue._putters) + sys.getsizeof(queue._finished._waiters)
+    before = held(queue)
     assert lighten(queue)
-    assert sys.getsizeof(queue._putters) + sys.getsizeof(queue._finished) < before // 10
+    assert held(queue) < before // 10 and not isinstance(queue._finished, asyncio.Event)
     queue.put_nowait(1)
     assert queue.get_nowait() == 1 and queue.empty()
 
@@ -131,7 +135,7 @@ def test_sockets_of_one_factory_share_one_class_and_another_factory_gets_its_own
     other_factory = WebSocketServerFactory()
     other_factory.setProtocolOptions(autoPingInterval=7)
     other, _ = daphne_socket(other_factory)
-    for protocol in (first, second, other):
+    for protocol in (first, other, second):  # the factories alternate
         compact(protocol)
     compact(first)  # twice: nothing more happens
     assert type(first) is type(second) and type(other) is not type(first)
@@ -202,13 +206,19 @@ def test_an_open_daphne_socket_queues_chopped_sends_as_autobahn_did(monkeypatch)
         SendQueue().popleft()
 
 
+@pytest.mark.django_db(transaction=True)
 async def test_the_auth_stack_copies_a_handshakes_scope_once_and_never_changes_the_callers():
     """Found: the stack copied the scope twice (cookies and session, then the Bearer read);
     both copies stayed for the socket's life."""
+    from realtime_app.endpoint.auth import authenticated
     from realtime_app.endpoint.tokens import AUTH_STACK, with_token
 
-    scope = {"type": "websocket", "headers": [], "path": "/realtime/"}
-    mine = dict(scope)
+    scope = {"type": "websocket", "headers": [(b"cookie", b"sessionid=none")], "path": "/realtime/"}
+    given = dict(scope)
+    result = await authenticated(scope)
+    assert scope == given  # the server's scope, as it was
+    assert result is not scope and result[AUTH_STACK] is True and not result["user"].is_authenticated
+    mine = dict(given)
     assert await with_token(mine, owned=True) is mine and mine[AUTH_STACK] is True
-    copied = await with_token(scope)
-    assert copied is not scope and AUTH_STACK not in scope and copied[AUTH_STACK] is True
+    copied = await with_token(given)
+    assert copied is not given and AUTH_STACK not in given and copied[AUTH_STACK] is True

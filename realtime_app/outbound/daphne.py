@@ -55,9 +55,9 @@ class DaphneFence:
     def __init__(self) -> None:
         self.tested: bool | None = None
         self.last: tuple[bytes, Any] | None = None  # the frame being fanned out, prepared
-        #: Per protocol class: its factory and the subclass holding what every open socket
-        #: of that factory holds alike (:func:`compact`).
-        self.lean: dict[type, tuple[Any, type]] = {}
+        #: Per factory (held weakly), per protocol class: the subclass holding what every
+        #: open socket of that factory holds alike (:func:`compact`).
+        self.lean: weakref.WeakKeyDictionary[Any, dict[type, type]] = weakref.WeakKeyDictionary()
 
 
 def untested() -> list[str]:
@@ -324,16 +324,15 @@ def compact(protocol: Any) -> None:
     names = getattr(cls, "CONFIG_ATTRS", None)
     if factory is None or not names:
         return
-    lean = runtime().part(DaphneFence).lean
-    known = lean.get(cls)
-    if known is None or known[0] is not factory:
-        if getattr(cls, "_lean_of", None) is not None:
-            return  # already lean
+    if "_lean" in cls.__dict__:
+        return  # already lean
+    classes = runtime().part(DaphneFence).lean.setdefault(factory, {})
+    sub = classes.get(cls)
+    if sub is None:
         shared = {name: getattr(factory, name) for name in names if hasattr(factory, name)}
-        shared.update(dict.fromkeys(_HANDSHAKE_ONLY), _lean_of=factory, __module__=cls.__module__)
+        shared.update(dict.fromkeys(_HANDSHAKE_ONLY), _lean=True, __module__=cls.__module__)
         shared["__qualname__"] = cls.__qualname__
-        known = lean[cls] = (factory, type(cls.__name__, (cls,), shared))
-    sub = known[1]
+        sub = classes[cls] = type(cls.__name__, (cls,), shared)
     own = vars(protocol)
     kept = {name: value for name, value in own.items() if name not in sub.__dict__ or value is not sub.__dict__[name]}
     if type(kept.get("send_queue")) is collections.deque and not kept["send_queue"]:
