@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -239,6 +240,8 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
             await asyncio.sleep(0.25)
         back = time.monotonic() - first_stop
         deploy_end = time.monotonic()
+        # the clients not back, by how their last connection ended (a final close stops a client)
+        away = collections.Counter("{} {}".format(*(c.last_close or (None, ""))) for c in clients if c.state != "open")
         pinger.stdin.write(b"stop\n")
         await pinger.stdin.drain()
         side = json.loads(await asyncio.wait_for(pinger.stdout.read(), 60))
@@ -262,6 +265,7 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
         shutil.rmtree(root, ignore_errors=True)
     row = summarize(mode, drain, args, samples, pings, published, received, first_stop, deploy_end, back, restarting)
     row["resumed_all_after_s"] = round(recovered, 1)
+    row["not_back_by_last_close"] = dict(away.most_common(10))
     return row
 
 
@@ -333,6 +337,9 @@ def report(rows: list[dict[str, Any]]) -> None:
             f"{row['ping_p99_idle_ms']:>15.1f}{row['ping_p99_deploy_ms']:>17.1f}{row['back_after_s']:>12.1f}"
             f"{row['resumed_all_after_s']:>11.1f}"
         )
+    for row in rows:
+        if row["not_back_by_last_close"]:
+            print(f"{row['mode']}: clients not back, by their last close: {row['not_back_by_last_close']}")
     if len(rows) == 2:
         drained, immediate = rows
         print(

@@ -342,8 +342,11 @@ async def test_a_delta_subscription_rebuilds_every_publication_across_a_reconnec
         expected = {f["seq"]: digest(f["data"]) for f in await plain.frames(20)}
     assert got == expected  # every publication, exactly
     # a full frame first; after the reconnect the current value, whole, at once (its seq seen
-    # before), and it is the base of the next delta: 21 frames for 20 publications
-    assert kinds.count(False) == 2 and kinds.count(True) == 19
+    # before), and it is the base of the next delta: 21 frames for 20 publications. The rest
+    # are deltas, except that a loaded machine may send one whole (the delta search is
+    # bounded in time, docs/performance.md): correct, only larger.
+    assert len(kinds) == 21 and kinds[0] is False and kinds[10] is False
+    assert kinds.count(True) >= 17, kinds
 
 
 async def test_a_delta_subscription_of_a_channel_with_history_rebuilds_every_publication_across_a_resume(server):
@@ -613,5 +616,94 @@ async def test_a_subscribe_in_flight_when_the_server_says_1013_waits_for_the_rec
             answer = await asyncio.wait_for(client.subscribe("orders", lambda params: None), 10)
             assert answer["channel"] == "orders" and "orders" in client.session.handlers
             assert fake.subscribes[-1] == ["orders"]  # the renewal: asked once on the new connection
+        finally:
+            await client.close()
+
+
+@pytest.mark.parametrize("statuses", [[502, 504, 500], [503, 429]])
+async def test_a_handshake_refused_by_a_proxy_or_a_busy_server_is_tried_again(statuses):
+    """Found (a rolling restart of 4,500 clients behind nginx): an HTTP 5xx answer to the
+    handshake closed the Python client for good (4502, 4504…) where the browser's comes
+    back: both clients now read a refused handshake with one rule (``refusal_of``)."""
+    import websockets
+
+    answers = list(statuses)
+    closes: list[tuple] = []
+
+    def process_request(connection, request):
+        return connection.respond(answers.pop(0), "upstream unavailable\n") if answers else None
+
+    async def handler(ws):
+        await ws.wait_closed()
+
+    async with websockets.serve(handler, "127.0.0.1", 0, process_request=process_request) as served:
+        port = served.sockets[0].getsockname()[1]
+        client = RealtimeClient(f"ws://127.0.0.1:{port}/", backoff_initial=0.05, backoff_max=0.2)
+        client.on_close.append(lambda c, r, again: closes.append((c, again)))
+        try:
+            opened = asyncio.ensure_future(client.connect())
+            await eventually(lambda: client.state == "open", 15, "the client back once the server answers")
+            await asyncio.wait_for(opened, 15)
+            assert [again for _, again in closes] == [True] * len(statuses) and not answers
+        finally:
+            await client.close()
+
+
+@pytest.mark.parametrize(("status", "code"), [(403, 1008), (401, 4002)])
+async def test_a_handshake_refused_for_its_origin_or_token_stays_closed(status, code):
+    import websockets
+
+    from realtime_app.cancellation import cancel_and_wait
+
+    closes: list[tuple] = []
+
+    async def handler(ws):  # pragma: no cover - never reached
+        await ws.wait_closed()
+
+    refuse = lambda connection, request: connection.respond(status, "refused\n")  # noqa: E731
+    async with websockets.serve(handler, "127.0.0.1", 0, process_request=refuse) as served:
+        port = served.sockets[0].getsockname()[1]
+        client = RealtimeClient(f"ws://127.0.0.1:{port}/", backoff_initial=0.05, backoff_max=0.2)
+        client.on_close.append(lambda c, r, again: closes.append((c, again)))
+        opening = asyncio.ensure_future(client.connect(timeout=30))
+        try:
+            await eventually(lambda: closes, 15, "the refusal")
+            await eventually(lambda: client.socket.runner is not None and client.socket.runner.done(), 15, "its end")
+            assert closes == [(code, False)] and client.state == "closed" and not opening.done()
+        finally:
+            await cancel_and_wait(opening)
+            await client.close()
+
+
+async def test_a_403_to_a_client_the_server_let_in_before_is_tried_again():
+    """Found (a rolling restart at once, 4,500 clients): daphne answers 403 to a handshake
+    its application has not accepted within ``--websocket_connect_timeout`` — the returning
+    crowd's — and 208 clients took it as a refused origin and stopped for good."""
+    import websockets
+
+    refusals = [0]  # 403s still to answer; the first handshake is let in
+    closes: list[tuple] = []
+
+    def process_request(connection, request):
+        if refusals[0]:
+            refusals[0] -= 1
+            return connection.respond(403, "Access denied\n")
+        return None
+
+    async def handler(ws):
+        if not closes:  # the first connection: dropped as a restarting server does
+            refusals[0] = 2
+            await ws.close(1012, "restart")
+        else:
+            await ws.wait_closed()
+
+    async with websockets.serve(handler, "127.0.0.1", 0, process_request=process_request) as served:
+        port = served.sockets[0].getsockname()[1]
+        client = RealtimeClient(f"ws://127.0.0.1:{port}/", backoff_initial=0.05, backoff_max=0.2)
+        client.on_close.append(lambda c, r, again: closes.append((c, again)))
+        try:
+            await client.connect(timeout=15)
+            await eventually(lambda: len(closes) == 3 and client.state == "open", 15, "back after two 403s")
+            assert closes == [(1012, True), (1006, True), (1006, True)] and refusals[0] == 0
         finally:
             await client.close()

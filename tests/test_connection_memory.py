@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from realtime_app.outbound import input_queue
 from realtime_app.outbound.base import text_frame
 from realtime_app.outbound.input_queue import lighten
+from tests.support.waiting import eventually
 
 
 def test_an_unbounded_input_queue_drops_its_putters_and_join_event():
@@ -33,7 +34,7 @@ async def test_a_lightened_queue_still_wakes_its_reader():
     queue: asyncio.Queue[str] = asyncio.Queue()
     assert lighten(queue)
     reader = asyncio.ensure_future(queue.get())
-    await asyncio.sleep(0)  # the reader waits on an empty queue
+    await eventually(lambda: queue._getters, 5, "the reader waiting on the empty queue")
     queue.put_nowait("websocket.receive")
     assert await asyncio.wait_for(reader, 5) == "websocket.receive"
     await queue.put("websocket.disconnect")  # an unbounded put never waits
@@ -57,7 +58,7 @@ async def test_queues_that_are_not_the_servers_plain_input_queue_are_left_alone(
     joined: asyncio.Queue[int] = asyncio.Queue()
     joined.put_nowait(1)
     waiter = asyncio.ensure_future(joined.join())
-    await asyncio.sleep(0)
+    await eventually(lambda: joined._finished._waiters, 5, "the join waiting")
     assert not lighten(joined)  # somebody waits on its join(): it keeps its event
     joined.get_nowait()
     joined.task_done()

@@ -17,7 +17,7 @@ import websockets
 from websockets.typing import Origin
 
 from realtime_app.cancellation import cancel_and_wait
-from realtime_app.client.event_stream import StreamRefused, connect_event_stream
+from realtime_app.client.event_stream import StreamRefused, connect_event_stream, refusal_of
 
 __all__ = ["RECONNECT_CODES", "Hooks", "ReconnectingSocket", "is_reconnectable_close_code", "retry_after_ms"]
 
@@ -73,6 +73,7 @@ class ReconnectingSocket:
         self._on_state, self._on_open, self._on_text, self._on_closed, self._on_expired = hooks
         self.ws: Any = None
         self.attempt = 0
+        self.was_open = False  # this server let the socket in once: a 403 now is not about its origin
         self.last_close: tuple[int | None, str] | None = None
         self.runner: asyncio.Task[None] | None = None
         self.opened = asyncio.Event()
@@ -147,6 +148,7 @@ class ReconnectingSocket:
         try:
             async with self._connect() as ws:
                 self.ws = ws
+                self.was_open = True
                 if not self._stream_refused:  # over SSE a refused stream restarts the backoff only once one opens
                     self.attempt = 0
                 self.opened.set()
@@ -161,9 +163,17 @@ class ReconnectingSocket:
                 return ws.close_code or 1006, ws.close_reason or ""
         except websockets.ConnectionClosed as closed:
             return (closed.rcvd.code, closed.rcvd.reason) if closed.rcvd else (1006, "")
-        except websockets.InvalidStatus as refused:  # 503 / 429: the server's 1013, before the accept
+        except websockets.InvalidStatus as refused:  # an HTTP answer instead of the upgrade
+            # The rule of every refused HTTP request of both clients: 429 and any 5xx (the
+            # server's 1013 before the accept, a proxy's 502/504 mid-deploy) come back later;
+            # 401 is a refused token, 403 a refused origin (fatal) — unless this socket was
+            # let in before: then it is daphne's answer to a handshake its application did not
+            # accept in time (``--websocket_connect_timeout``, a reconnection storm): again.
             status = refused.response.status_code
-            return (1013 if status in (429, 503) else 4000 + status), f"handshake refused ({status})"
+            code, _ = refusal_of(status, bytes(refused.response.body or b""))
+            if status == 403 and self.was_open:
+                code = 1006
+            return code, f"handshake refused ({status})"
         except StreamRefused as refused:  # the HTTP transport's door: the close a socket would have had
             return refused.close_code or 1006, f"refused ({refused.status}): {refused.reason}"
         except (
