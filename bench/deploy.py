@@ -156,6 +156,7 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
     site = Site(env, site_root(), args.clients)
     root = site.root
     clients: list[Any] = []
+    closes: collections.Counter[str] = collections.Counter()  # every close a client saw, by code and reason
     received: list[set[int]] = []
     samples: list[tuple[float, list[int], int]] = []  # (time, connections per process, clients not open)
     pings: list[tuple[float, float]] = []
@@ -188,6 +189,7 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
                 compression=None,
             )
             await client.subscribe("demo:events", handler_for(seen))
+            client.on_close.append(lambda code, reason, again: closes.update([f"{code} {reason}"]))
             clients.append(client)
             received.append(seen)
         opening = asyncio.gather(*(c.connect(timeout=180) for c in clients), return_exceptions=True)
@@ -266,6 +268,7 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
     row = summarize(mode, drain, args, samples, pings, published, received, first_stop, deploy_end, back, restarting)
     row["resumed_all_after_s"] = round(recovered, 1)
     row["not_back_by_last_close"] = dict(away.most_common(10))
+    row["closes_by_reason"] = dict(closes.most_common(8))  # every close the clients saw, the deploy's own first
     return row
 
 
@@ -338,6 +341,7 @@ def report(rows: list[dict[str, Any]]) -> None:
             f"{row['resumed_all_after_s']:>11.1f}"
         )
     for row in rows:
+        print(f"{row['mode']}: the clients' closes, by code and reason: {row['closes_by_reason']}")
         if row["not_back_by_last_close"]:
             print(f"{row['mode']}: clients not back, by their last close: {row['not_back_by_last_close']}")
     if len(rows) == 2:
