@@ -155,22 +155,8 @@ class RealtimeClient:
         ``ConnectionRefusedError`` as soon as the loop ends for good instead (a final close:
         a refused origin or token, the reason in :attr:`last_close`), ``TimeoutError`` after
         ``timeout`` while it is still trying."""
-        socket = self.socket
-        socket.start()
-        opened = asyncio.ensure_future(socket.opened.wait())
-        ended = socket.runner
-        try:
-            await asyncio.wait(
-                {opened} if ended is None else {opened, ended}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            opened.cancel()  # no-op once it is done
-        if opened.done() and not opened.cancelled():  # it opened (it may have closed again since)
-            return
-        if ended is not None and ended.done():
-            code, reason = self.last_close or (None, "")
-            raise ConnectionRefusedError(f"closed for good ({code}): {reason}")
-        raise TimeoutError(f"not open after {timeout} s (still trying)")
+        self.socket.start()
+        await self.socket.first_open(timeout)
 
     async def close(self, code: int = 1000) -> None:
         """Close for good (with ``code``): no reconnect."""

@@ -86,6 +86,24 @@ class ReconnectingSocket:
         if self.runner is None or self.runner.done():
             self.runner = asyncio.get_running_loop().create_task(self._run(), name="realtime-client")
 
+    async def first_open(self, timeout: float) -> None:
+        """Until the loop (started) has opened a connection; ``ConnectionRefusedError`` as
+        soon as it ends for good first, ``TimeoutError`` after ``timeout``."""
+        opened = asyncio.ensure_future(self.opened.wait())
+        ended = self.runner
+        try:
+            await asyncio.wait(
+                {opened} if ended is None else {opened, ended}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            opened.cancel()  # no-op once it is done
+        if opened.done() and not opened.cancelled():  # it opened (it may have closed again since)
+            return
+        if ended is not None and ended.done():
+            code, reason = self.last_close or (None, "")
+            raise ConnectionRefusedError(f"closed for good ({code}): {reason}")
+        raise TimeoutError(f"not open after {timeout} s (still trying)")
+
     async def stop(self, code: int) -> None:
         self.stopped = True
         if self.ws is not None:
