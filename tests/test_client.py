@@ -620,13 +620,28 @@ async def test_a_subscribe_in_flight_when_the_server_says_1013_waits_for_the_rec
             await client.close()
 
 
+@contextlib.asynccontextmanager
+async def answering(handler, process_request, closes: list[tuple]):
+    """A plain ``websockets`` server answering each handshake with ``process_request`` (an
+    HTTP answer, or None to let it in) and a client of it recording ``(code, again)`` of
+    every close in ``closes``; the client is closed on the way out."""
+    import websockets
+
+    async with websockets.serve(handler, "127.0.0.1", 0, process_request=process_request) as served:
+        port = served.sockets[0].getsockname()[1]
+        client = RealtimeClient(f"ws://127.0.0.1:{port}/", backoff_initial=0.05, backoff_max=0.2)
+        client.on_close.append(lambda c, r, again: closes.append((c, again)))
+        try:
+            yield client
+        finally:
+            await client.close()
+
+
 @pytest.mark.parametrize("statuses", [[502, 504, 500], [503, 429]])
 async def test_a_handshake_refused_by_a_proxy_or_a_busy_server_is_tried_again(statuses):
     """Found (a rolling restart of 4,500 clients behind nginx): an HTTP 5xx answer to the
     handshake closed the Python client for good (4502, 4504…) where the browser's comes
     back: both clients now read a refused handshake with one rule (``refusal_of``)."""
-    import websockets
-
     answers = list(statuses)
     closes: list[tuple] = []
 
@@ -636,47 +651,31 @@ async def test_a_handshake_refused_by_a_proxy_or_a_busy_server_is_tried_again(st
     async def handler(ws):
         await ws.wait_closed()
 
-    async with websockets.serve(handler, "127.0.0.1", 0, process_request=process_request) as served:
-        port = served.sockets[0].getsockname()[1]
-        client = RealtimeClient(f"ws://127.0.0.1:{port}/", backoff_initial=0.05, backoff_max=0.2)
-        client.on_close.append(lambda c, r, again: closes.append((c, again)))
-        try:
-            opened = asyncio.ensure_future(client.connect())
-            await eventually(lambda: client.state == "open", 15, "the client back once the server answers")
-            await asyncio.wait_for(opened, 15)
-            assert [again for _, again in closes] == [True] * len(statuses) and not answers
-        finally:
-            await client.close()
+    async with answering(handler, process_request, closes) as client:
+        opened = asyncio.ensure_future(client.connect())
+        await eventually(lambda: client.state == "open", 15, "the client back once the server answers")
+        await asyncio.wait_for(opened, 15)
+        assert [again for _, again in closes] == [True] * len(statuses) and not answers
 
 
 @pytest.mark.parametrize(("status", "code"), [(403, 1008), (401, 4002)])
 async def test_a_handshake_refused_for_its_origin_or_token_stays_closed(status, code):
-    import websockets
-
     closes: list[tuple] = []
 
     async def handler(ws):  # pragma: no cover - never reached
         await ws.wait_closed()
 
     refuse = lambda connection, request: connection.respond(status, "refused\n")  # noqa: E731
-    async with websockets.serve(handler, "127.0.0.1", 0, process_request=refuse) as served:
-        port = served.sockets[0].getsockname()[1]
-        client = RealtimeClient(f"ws://127.0.0.1:{port}/", backoff_initial=0.05, backoff_max=0.2)
-        client.on_close.append(lambda c, r, again: closes.append((c, again)))
-        try:
-            with pytest.raises(ConnectionRefusedError, match=f"closed for good \\({code}\\)"):
-                await client.connect(timeout=20)  # at once: not after the timeout, as a TimeoutError
-            assert closes == [(code, False)] and client.state == "closed"
-        finally:
-            await client.close()
+    async with answering(handler, refuse, closes) as client:
+        with pytest.raises(ConnectionRefusedError, match=f"closed for good \\({code}\\)"):
+            await client.connect(timeout=20)  # at once: not after the timeout, as a TimeoutError
+        assert closes == [(code, False)] and client.state == "closed"
 
 
 async def test_a_403_to_a_client_the_server_let_in_before_is_tried_again():
     """Found (a rolling restart at once, 4,500 clients): daphne answers 403 to a handshake
     its application has not accepted within ``--websocket_connect_timeout`` — the returning
     crowd's — and 208 clients took it as a refused origin and stopped for good."""
-    import websockets
-
     refusals = [0]  # 403s still to answer; the first handshake is let in
     closes: list[tuple] = []
 
@@ -693,13 +692,7 @@ async def test_a_403_to_a_client_the_server_let_in_before_is_tried_again():
         else:
             await ws.wait_closed()
 
-    async with websockets.serve(handler, "127.0.0.1", 0, process_request=process_request) as served:
-        port = served.sockets[0].getsockname()[1]
-        client = RealtimeClient(f"ws://127.0.0.1:{port}/", backoff_initial=0.05, backoff_max=0.2)
-        client.on_close.append(lambda c, r, again: closes.append((c, again)))
-        try:
-            await client.connect(timeout=15)
-            await eventually(lambda: len(closes) == 3 and client.state == "open", 15, "back after two 403s")
-            assert closes == [(1012, True), (1006, True), (1006, True)] and refusals[0] == 0
-        finally:
-            await client.close()
+    async with answering(handler, process_request, closes) as client:
+        await client.connect(timeout=15)
+        await eventually(lambda: len(closes) == 3 and client.state == "open", 15, "back after two 403s")
+        assert closes == [(1012, True), (1006, True), (1006, True)] and refusals[0] == 0
