@@ -19,7 +19,9 @@ once, handshakes per second on the processes that were not restarting (peak, fro
 established connections, read in ``/proc/net/tcp`` every 0.25 s), a well-behaved client's
 ``ping`` p99 during the deploy vs before it (in a process of its own), the time from the
 first stop until every client is back, and until every client holds every publication
-(resumes done). ``--plot``: connections per process over the deploy.
+(resumes done: ``resumed s``, polled each second once every client is back; ``caught up s``,
+from the last process back until every client held every publication made up to then, by
+each frame's own arrival). ``--plot``: connections per process over the deploy.
 
 One process drives every client here: on a small machine its own CPU bounds how fast the
 clients come back, in both modes alike. On 2 cores, 3,000 clients at 10 publications a
@@ -157,7 +159,7 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
     root = site.root
     clients: list[Any] = []
     closes: collections.Counter[str] = collections.Counter()  # every close a client saw, by code and reason
-    received: list[set[int]] = []
+    received: list[dict[int, float]] = []  # per client: seq -> when it first arrived
     samples: list[tuple[float, list[int], int]] = []  # (time, connections per process, clients not open)
     pings: list[tuple[float, float]] = []
     published: list[tuple[float, int]] = []
@@ -172,11 +174,11 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
         site.start_nginx()
         url = f"ws://127.0.0.1:{site.front}/realtime/"
 
-        def handler_for(seen: set[int]) -> Any:
-            return lambda params: seen.add(int(params["seq"]))
+        def handler_for(seen: dict[int, float]) -> Any:
+            return lambda params: seen.setdefault(int(params["seq"]), time.monotonic())
 
         for n in range(args.clients):
-            seen: set[int] = set()
+            seen: dict[int, float] = {}
             address = f"10.{n >> 16 & 255}.{n >> 8 & 255}.{n & 255}"
             client = RealtimeClient(
                 url,
@@ -267,9 +269,26 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
         shutil.rmtree(root, ignore_errors=True)
     row = summarize(mode, drain, args, samples, pings, published, received, first_stop, deploy_end, back, restarting)
     row["resumed_all_after_s"] = round(recovered, 1)
+    row["caught_up_after_s"] = caught_up(published, received, first_stop, restarting[-1][1])
     row["not_back_by_last_close"] = dict(away.most_common(10))
     row["closes_by_reason"] = dict(closes.most_common(8))  # every close the clients saw, the deploy's own first
     return row
+
+
+def caught_up(
+    published: list[tuple[float, int]], received: list[dict[int, float]], first_stop: float, last_back: float
+) -> float | None:
+    """Seconds from the last process back until every client held every publication made
+    up to then (each frame's own arrival: no polling step, nothing of the bench's teardown);
+    None when some client never got one."""
+    due = [seq for t, seq in published if first_stop - 5 <= t <= last_back]
+    latest = last_back
+    for seen in received:
+        for seq in due:
+            if seq not in seen:
+                return None
+            latest = max(latest, seen[seq])
+    return round(latest - last_back, 2)
 
 
 def summarize(
@@ -279,7 +298,7 @@ def summarize(
     samples: list[tuple[float, list[int], int]],
     pings: list[tuple[float, float]],
     published: list[tuple[float, int]],
-    received: list[set[int]],
+    received: list[dict[int, float]],
     first_stop: float,
     deploy_end: float,
     back: float,
@@ -331,14 +350,15 @@ def summarize(
 def report(rows: list[dict[str, Any]]) -> None:
     print(
         f"{'mode':<10}{'lost':>6}{'missed':>8}{'closes/s peak':>14}{'away at once':>13}{'hs/s peak':>11}"
-        f"{'ping p99 idle':>15}{'ping p99 deploy':>17}{'all back s':>12}{'resumed s':>11}"
+        f"{'ping p99 idle':>15}{'ping p99 deploy':>17}{'all back s':>12}{'resumed s':>11}{'caught up s':>13}"
     )
     for row in rows:
+        caught = "never" if row["caught_up_after_s"] is None else row["caught_up_after_s"]
         print(
             f"{row['mode']:<10}{row['publications_lost']:>6}{row['frames_missed']:>8}{row['closes_per_s_peak']:>14}"
             f"{row['disconnected_at_once']:>13}{row['handshakes_per_s_peak']:>11.0f}"
             f"{row['ping_p99_idle_ms']:>15.1f}{row['ping_p99_deploy_ms']:>17.1f}{row['back_after_s']:>12.1f}"
-            f"{row['resumed_all_after_s']:>11.1f}"
+            f"{row['resumed_all_after_s']:>11.1f}{caught:>13}"
         )
     for row in rows:
         print(f"{row['mode']}: the clients' closes, by code and reason: {row['closes_by_reason']}")

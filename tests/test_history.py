@@ -221,6 +221,50 @@ async def test_past_max_concurrent_resumes_a_resume_is_refused_to_come_back_and_
             await hub.aclose()
 
 
+async def test_a_crowd_refused_its_resumes_is_told_one_turn_each():
+    """Found (a rolling restart of 4,500 clients): every resume refused for
+    MAX_CONCURRENT_RESUMES was told 1,000 ms, so the crowd came back as a crowd and was
+    refused again, round after round — the last clients held every publication 5.4 s after
+    the deploy. Each is now told its turn: the slots free up one every ``resume_s / limit``
+    (a running mean of how long a resume takes here), so the crowd is told turns that far
+    apart, in order."""
+    from realtime_app.hub import get_hub
+
+    GatedHistory.gate, GatedHistory.reading = asyncio.Event(), asyncio.Event()
+    config = {**get_config(), "BACKPLANE": "tests.testapp.backplanes.GatedHistory", "MAX_CONCURRENT_RESUMES": 1}
+    with override_settings(REALTIME_APP=config):
+        hub = await get_hub()
+        try:
+            GatedHistory.gate.set()
+            async with Client() as c:
+                first = (await c.call("subscribe", {"channel": "demo:events"}))["result"]
+            await hub.publish("demo:events", 0)
+            resume = {"channel": "demo:events", "since": {"seq": first["seq"], "epoch": first["epoch"]}}
+            GatedHistory.gate.clear()
+            GatedHistory.reading.clear()
+            hub.replays.clock = lambda: 1000.0  # the turns are exact whatever the machine's pace
+            spacing_ms = hub.replays.resume_s * 1000  # one slot, freed every resume_s
+            crowd = [Client(address=f"10.88.0.{i}") for i in range(5)]
+            for client in crowd:
+                await client.__aenter__()
+            try:
+                await crowd[0].call_nowait("subscribe", resume)
+                await asyncio.wait_for(GatedHistory.reading.wait(), 5)  # it holds the one slot
+                told = []
+                for client in crowd[1:]:
+                    refused = await client.call("subscribe", resume)
+                    assert refused["error"]["data"]["reason"] == "too_many_resumes", refused
+                    told.append(refused["error"]["data"]["retry_after_ms"])
+                assert told == [round(spacing_ms * i) for i in (1, 2, 3, 4)], told
+                GatedHistory.gate.set()
+                assert [f["data"] for f in await crowd[0].frames(1)] == [0]
+            finally:
+                for client in crowd:
+                    await client.__aexit__(None, None, None)
+        finally:
+            await hub.aclose()
+
+
 async def test_one_identity_holds_at_most_its_share_of_the_resume_slots():
     """Found: one address held all 8 resume slots by pipelining resumes into a socket it
     never read; a signed-in user's resume waited 21-25 s. An identity now holds at most
