@@ -368,46 +368,7 @@ async def test_the_address_cap_closes_with_1008_and_the_handshake_rate_with_1013
     server = start(database, MAX_CONNECTIONS_PER_ADDRESS=0, HANDSHAKES_PER_S=0.01, HANDSHAKE_BURST=2)
     try:
         async with RPC(server.ws), RPC(server.ws):  # the burst
-            code, reason = await closed_with(server.ws)
-            assert code == 1013 and reason.startswith("too many handshakes retry_after_ms="), reason
-            assert int(reason.rsplit("=", 1)[1]) > 90_000  # its own bucket's next token: 1 per 100 s
-    finally:
-        server.stop()
-
-
-async def test_on_uvicorn_a_crowd_past_the_handshake_bucket_is_answered_503_with_its_turn(database):
-    """A handshake past the process's anonymous bucket is answered 503 before any socket,
-    told its turn (``retry_after_ms``, and ``Retry-After`` in seconds), and the Python
-    client waits that turn, not its own backoff."""
-    from realtime_app.client import RealtimeClient
-
-    overrides = {"MAX_ANONYMOUS_HANDSHAKES_PER_S": 0.5, "HANDSHAKES_PER_S": 0}  # a burst of 1, then one per 2 s
-    server = Server(
-        {**database, "REDIS_URL": "", "REALTIME_TEST_OVERRIDES": json.dumps(overrides)}, server="uvicorn"
-    ).start()
-    try:
-        async with RPC(server.ws, address="198.51.100.1") as first:
-            assert (await first.call("ping"))["result"] == "pong"
-            with pytest.raises(websockets.InvalidStatus) as refused:
-                await RPC(server.ws, address="198.51.100.2").__aenter__()
-            response = refused.value.response
-            answer = json.loads(response.body)
-            assert response.status_code == 503 and answer["close_code"] == 1013, answer
-            assert answer["error"].startswith("too many handshakes") and 0 < answer["retry_after_ms"] <= 2000, answer
-            assert response.headers["Retry-After"] == str(-(-answer["retry_after_ms"] // 1000))
-            client = RealtimeClient(
-                server.ws, headers={"X-Forwarded-For": "198.51.100.3"}, backoff_initial=0.01, backoff_max=0.02
-            )
-            closes: list[str] = []
-            client.on_close.append(lambda code, reason, again: closes.append(reason))
-            opening = asyncio.get_running_loop().create_task(client.connect(timeout=30))
-            await eventually(lambda: closes, 15, "the client's handshake refused")
-            told = int(closes[0].rsplit("=", 1)[1])
-            assert closes[0].startswith("handshake refused (503) retry_after_ms=") and told > 1000, closes
-            await opening  # it came back on its turn: a backoff of 10-20 ms would have met more 503s
-            assert len(closes) == 1, closes
-            assert (await client.call("ping")) == "pong"
-            await client.close()
+            assert await closed_with(server.ws) == (1013, "too many handshakes")
     finally:
         server.stop()
 

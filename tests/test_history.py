@@ -189,9 +189,12 @@ async def test_live_publications_during_a_replay_come_after_it_in_order_none_twi
 
 async def test_past_max_concurrent_resumes_a_resume_is_refused_to_come_back_and_then_served():
     """MAX_CONCURRENT_RESUMES (no test named it): while one resume replays, another client's
-    is refused -32003 too_many_resumes with retry_after_ms; it is served once it retries."""
+    is refused -32003 too_many_resumes with retry_after_ms; it is served once it retries.
+    Both are longer than SHORT_RESUME (a short one is not queued: the next test)."""
     from realtime_app.hub import get_hub
+    from realtime_app.hub.replay import SHORT_RESUME
 
+    gap = SHORT_RESUME + 5
     GatedHistory.gate, GatedHistory.reading = asyncio.Event(), asyncio.Event()
     config = {**get_config(), "BACKPLANE": "tests.testapp.backplanes.GatedHistory", "MAX_CONCURRENT_RESUMES": 1}
     with override_settings(REALTIME_APP=config):
@@ -200,67 +203,65 @@ async def test_past_max_concurrent_resumes_a_resume_is_refused_to_come_back_and_
             GatedHistory.gate.set()
             async with Client() as c:
                 first = (await c.call("subscribe", {"channel": "demo:events"}))["result"]
-            for i in range(3):
-                await hub.publish("demo:events", i)
-            since = {"seq": first["seq"], "epoch": first["epoch"]}
-            GatedHistory.gate.clear()
-            GatedHistory.reading.clear()
-            async with Client() as a, Client() as b:
-                await a.call_nowait("subscribe", {"channel": "demo:events", "since": since})
-                await asyncio.wait_for(GatedHistory.reading.wait(), 5)  # a's replay holds the one slot
-                refused = await b.call("subscribe", {"channel": "demo:events", "since": since})
-                assert refused["error"]["code"] == -32003, refused
-                assert refused["error"]["data"]["reason"] == "too_many_resumes"
-                assert refused["error"]["data"]["limit"] == 1 and refused["error"]["data"]["retry_after_ms"] > 0
-                GatedHistory.gate.set()
-                assert [f["data"] for f in await a.frames(3)] == [0, 1, 2]
-                answer = await b.call("subscribe", {"channel": "demo:events", "since": since})  # its retry
-                assert answer["result"]["recovered"] is True and answer["result"]["replayed"] == 3
-                assert hub.replays.resuming == 0  # every slot given back
+                for i in range(gap):
+                    await hub.publish("demo:events", i)
+                since = {"seq": first["seq"], "epoch": first["epoch"]}
+                GatedHistory.gate.clear()
+                GatedHistory.reading.clear()
+                async with Client() as a, Client() as b:
+                    await a.call_nowait("subscribe", {"channel": "demo:events", "since": since})
+                    await asyncio.wait_for(GatedHistory.reading.wait(), 5)  # a's replay holds the one slot
+                    refused = await b.call("subscribe", {"channel": "demo:events", "since": since})
+                    assert refused["error"]["code"] == -32003, refused
+                    assert refused["error"]["data"]["reason"] == "too_many_resumes"
+                    assert refused["error"]["data"]["limit"] == 1 and refused["error"]["data"]["retry_after_ms"] > 0
+                    GatedHistory.gate.set()
+                    assert [f["data"] for f in await a.frames(gap)] == list(range(gap))
+                    answer = await b.call("subscribe", {"channel": "demo:events", "since": since})  # its retry
+                    assert answer["result"]["recovered"] is True and answer["result"]["replayed"] == gap
+                    assert hub.replays.resuming == 0  # every slot given back
         finally:
             await hub.aclose()
 
 
-async def test_a_crowd_refused_its_resumes_is_told_one_turn_each():
-    """Found (a rolling restart of 4,500 clients): every resume refused for
-    MAX_CONCURRENT_RESUMES was told 1,000 ms, so the crowd came back as a crowd and was
-    refused again, round after round — the last clients held every publication 5.4 s after
-    the deploy. Each is now told its turn: the slots free up one every ``resume_s / limit``
-    (a running mean of how long a resume takes here), so the crowd is told turns that far
-    apart, in order."""
+async def test_a_short_resume_is_not_queued_behind_long_ones():
+    """Found (a rolling restart of 4,500 clients): every client of a stopped process resumed
+    a few seconds' worth of publications, 8 at a time per process, the rest refused for a
+    second, round after round: the last held every publication 11-13 s after the last
+    process was back. A resume within SHORT_RESUME publications of the process's position
+    costs what a subscribe costs and is admitted while long ones hold every slot."""
     from realtime_app.hub import get_hub
+    from realtime_app.hub.replay import SHORT_RESUME
+    from tests.support.waiting import eventually
 
+    gap = SHORT_RESUME + 5
     GatedHistory.gate, GatedHistory.reading = asyncio.Event(), asyncio.Event()
     config = {**get_config(), "BACKPLANE": "tests.testapp.backplanes.GatedHistory", "MAX_CONCURRENT_RESUMES": 1}
     with override_settings(REALTIME_APP=config):
         hub = await get_hub()
         try:
             GatedHistory.gate.set()
-            async with Client() as c:
+            async with Client(address="10.91.0.1") as c:
                 first = (await c.call("subscribe", {"channel": "demo:events"}))["result"]
-            await hub.publish("demo:events", 0)
-            resume = {"channel": "demo:events", "since": {"seq": first["seq"], "epoch": first["epoch"]}}
-            GatedHistory.gate.clear()
-            GatedHistory.reading.clear()
-            hub.replays.clock = lambda: 1000.0  # the turns are exact whatever the machine's pace
-            spacing_ms = hub.replays.resume_s * 1000  # one slot, freed every resume_s
-            crowd = [Client(address=f"10.88.0.{i}") for i in range(5)]
-            for client in crowd:
-                await client.__aenter__()
-            try:
-                await crowd[0].call_nowait("subscribe", resume)
-                await asyncio.wait_for(GatedHistory.reading.wait(), 5)  # it holds the one slot
-                told = []
-                for client in crowd[1:]:
-                    refused = await client.call("subscribe", resume)
-                    assert refused["error"]["data"]["reason"] == "too_many_resumes", refused
-                    told.append(refused["error"]["data"]["retry_after_ms"])
-                assert told == [round(spacing_ms * i) for i in (1, 2, 3, 4)], told
-                GatedHistory.gate.set()
-                assert [f["data"] for f in await crowd[0].frames(1)] == [0]
-            finally:
-                for client in crowd:
-                    await client.__aexit__(None, None, None)
+                for i in range(gap):
+                    await hub.publish("demo:events", i)
+                top = hub.last_seq["demo:events"]
+                GatedHistory.gate.clear()
+                GatedHistory.reading.clear()
+                async with Client(address="10.91.0.2") as long, Client(address="10.91.0.3") as short:
+                    since = {"seq": first["seq"], "epoch": first["epoch"]}
+                    await long.call_nowait("subscribe", {"channel": "demo:events", "since": since})
+                    await asyncio.wait_for(GatedHistory.reading.wait(), 5)  # the long one holds the one slot
+                    assert hub.replays.resuming == 1
+                    recent = {"seq": top - 3, "epoch": first["epoch"]}
+                    answer = asyncio.ensure_future(short.call("subscribe", {"channel": "demo:events", "since": recent}))
+                    await eventually(lambda: len(hub.replays.resuming_by) == 2, 5, "the short resume admitted")
+                    assert hub.replays.resuming == 1  # it takes no slot
+                    GatedHistory.gate.set()
+                    result = (await answer)["result"]
+                    assert result["recovered"] is True and result["replayed"] == 3, result
+                    assert [f["data"] for f in await long.frames(gap)] == list(range(gap))
+                await eventually(lambda: hub.replays.resuming == 0 and not hub.replays.resuming_by, 5, "slots back")
         finally:
             await hub.aclose()
 

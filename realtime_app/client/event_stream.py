@@ -25,7 +25,7 @@ from realtime_app.cancellation import cancel_and_wait
 from realtime_app.client.http import HttpResponse, open_request
 from realtime_app.wire.event_stream import EventParser, translate
 
-__all__ = ["EventStreamSocket", "StreamRefused", "connect_event_stream", "http_base", "refusal_of", "told_in"]
+__all__ = ["EventStreamSocket", "StreamRefused", "connect_event_stream", "http_base", "refusal_of"]
 
 #: The answer of a subscribe whose channel was unsubscribed before the stream answered it.
 _UNSUBSCRIBED = {"code": -32603, "message": "Unsubscribed before its answer", "data": {"reason": "unsubscribed"}}
@@ -72,16 +72,6 @@ def refusal_of(status: int, body: bytes) -> tuple[int, str]:
     if isinstance(retry, int):
         reason += f" retry_after_ms={retry}"
     return code, reason
-
-
-def told_in(body: bytes) -> int | None:
-    """The ``retry_after_ms`` of a refused WebSocket handshake's HTTP answer (the server's
-    503 before the accept: ``{"error", "close_code", "retry_after_ms"}``), if it says one."""
-    try:
-        told = json.loads(body).get("retry_after_ms")
-    except (ValueError, AttributeError):
-        return None
-    return told if isinstance(told, int) and not isinstance(told, bool) and told >= 0 else None
 
 
 def http_base(url: str) -> str:

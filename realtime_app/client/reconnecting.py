@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, NamedTuple
 
@@ -16,8 +17,7 @@ import websockets
 from websockets.typing import Origin
 
 from realtime_app.cancellation import cancel_and_wait
-from realtime_app.client.event_stream import StreamRefused, connect_event_stream, refusal_of, told_in
-from realtime_app.wire.retry import retry_after_of, with_retry_after
+from realtime_app.client.event_stream import StreamRefused, connect_event_stream, refusal_of
 
 __all__ = ["RECONNECT_CODES", "Hooks", "ReconnectingSocket", "is_reconnectable_close_code", "retry_after_ms"]
 
@@ -33,9 +33,9 @@ def is_reconnectable_close_code(code: int | None) -> bool:
 
 
 def retry_after_ms(reason: str) -> int | None:
-    """The ``retry_after_ms=<n>`` of a close reason (a draining server's 1012, a refused
-    handshake's 1013), if any."""
-    return retry_after_of(reason)
+    """The ``retry_after_ms=<n>`` of a close reason (a draining server's 1012), if any."""
+    match = re.search(r"\bretry_after_ms=(\d{1,9})\b", reason or "")
+    return int(match[1]) if match else None
 
 
 class Hooks(NamedTuple):
@@ -188,13 +188,10 @@ class ReconnectingSocket:
             # let in before: then it is daphne's answer to a handshake its application did not
             # accept in time (``--websocket_connect_timeout``, a reconnection storm): again.
             status = refused.response.status_code
-            body = bytes(refused.response.body or b"")
-            code, _ = refusal_of(status, body)
+            code, _ = refusal_of(status, bytes(refused.response.body or b""))
             if status == 403 and self.was_open:
                 code = 1006
-            told = told_in(body)  # the server's 503 says when: this client's turn
-            reason = f"handshake refused ({status})"
-            return code, with_retry_after(reason, told) if told is not None else reason
+            return code, f"handshake refused ({status})"
         except StreamRefused as refused:  # the HTTP transport's door: the close a socket would have had
             return refused.close_code or 1006, f"refused ({refused.status}): {refused.reason}"
         except (

@@ -19,7 +19,6 @@ from realtime_app.outbound.guard import Guard
 from realtime_app.wire import protocol
 from realtime_app.wire.asgi import Scope, Send
 from realtime_app.wire.protocol import CloseCode, RequestId, Response
-from realtime_app.wire.retry import retry_after_of, with_retry_after
 
 __all__ = [
     "log_bad_http_request",
@@ -33,7 +32,6 @@ __all__ = [
     "log_refused_connection",
     "log_unsupported_once",
     "refuse",
-    "too_many_handshakes",
 ]
 
 #: The HTTP answer of a refused handshake, by close code, where the server can give one
@@ -91,12 +89,7 @@ async def deny(
     else accepted and closed with ``code`` (``guard``: the connection's own)."""
     if "websocket.http.response" in (scope.get("extensions") or {}) and code in HTTP_ANSWERS:
         status, retry_after = HTTP_ANSWERS[code]
-        told_ms = retry_after_of(reason)  # a refusal that says when (its turn): said to the client too
-        answer: dict[str, Any] = {"error": reason, "close_code": int(code), "retry_after_s": retry_after}
-        if told_ms is not None:
-            retry_after = answer["retry_after_s"] = max(1, -(-told_ms // 1000))
-            answer["retry_after_ms"] = told_ms
-        body = json.dumps(answer).encode()
+        body = json.dumps({"error": reason, "close_code": int(code), "retry_after_s": retry_after}).encode()
         headers = [(b"content-type", b"application/json")]
         if retry_after:
             headers.append((b"retry-after", str(retry_after).encode()))
@@ -131,11 +124,6 @@ def _count_then_log(key: str) -> int:
     return count
 
 
-def too_many_handshakes(wait_ms: int) -> str:
-    """The close reason of a handshake past a bucket, with when to come back."""
-    return with_retry_after("too many handshakes", wait_ms)
-
-
 async def refused_socket(hub: Hub, conn: Connection, identity: tuple[str, str]) -> bool:
     """The door of one socket: its identity's handshake rate, then its connection caps.
     True when refused, the socket closed with why: 1008 past its own cap (do not come
@@ -144,10 +132,9 @@ async def refused_socket(hub: Hub, conn: Connection, identity: tuple[str, str]) 
         conn.closed = True
         await deny(conn.send, conn.scope, CloseCode.SERVICE_RESTART, "retry_after_ms=1000", conn.guard)
         return True
-    wait_ms = hub.gate.handshake_wait(identity)  # logged by the hub, once while it lasts
-    if wait_ms is not None:
+    if not hub.gate.handshake(identity):  # logged by the hub, once while it lasts
         conn.closed = True
-        await deny(conn.send, conn.scope, CloseCode.TRY_AGAIN_LATER, too_many_handshakes(wait_ms), conn.guard)
+        await deny(conn.send, conn.scope, CloseCode.TRY_AGAIN_LATER, "too many handshakes", conn.guard)
         return True
     refused = hub.add_connection(conn, identity)
     if refused is None:
@@ -176,9 +163,8 @@ async def token_refusal(scope: Scope, address: tuple[str, str]) -> tuple[CloseCo
         hub = await get_hub()
     except BackplaneUnavailable:  # logged by the hub, once per outage: the client retries later
         return CloseCode.TRY_AGAIN_LATER, "backplane unavailable"
-    wait_ms = hub.gate.handshake_wait(address, anonymous=refused is not None)  # a good token's user is known
-    if wait_ms is not None:
-        return CloseCode.TRY_AGAIN_LATER, too_many_handshakes(wait_ms)
+    if not hub.gate.handshake(address, anonymous=refused is not None):  # a good token's user is known
+        return CloseCode.TRY_AGAIN_LATER, "too many handshakes"
     if refused is not None:
         hub.gate.refused["tokens"] = hub.gate.refused.get("tokens", 0) + 1
         return CloseCode(refused.close_code), str(refused)

@@ -117,13 +117,11 @@ def _error(code: int, message: str, reason: str, **data: Any) -> dict[str, Any]:
     return dict(protocol.error_response(None, code, message, reason, **data)["error"])
 
 
-def _closed_as(code: int, reason: str, retry_after_ms: int | None = None) -> Answer:
-    """What a socket would be closed with, as an HTTP refusal (``retry_after_ms``: when to
-    come back, where the refusal knows: in the error's data and ``Retry-After``)."""
+def _closed_as(code: int, reason: str) -> Answer:
+    """What a socket would be closed with, as an HTTP refusal."""
     status = CLOSE_STATUS.get(CloseCode(code), 403) if code in CloseCode.__members__.values() else 403
-    retry = retry_after_ms or (1000 if status == 503 else None)
-    told = {"retry_after_ms": retry_after_ms} if retry_after_ms else {}
-    error = _error(protocol.OVERLOADED, reason, reason.replace(" ", "_"), close_code=int(code), **told)
+    retry = 1000 if status == 503 else None
+    error = _error(protocol.OVERLOADED, reason, reason.replace(" ", "_"), close_code=int(code))
     return http_error(status, error, retry)
 
 
@@ -180,9 +178,8 @@ class EventStreamConsumer(RealtimeConsumer):
         identity = self.admission_identity()
         if hub.gate.draining:
             return _closed_as(CloseCode.SERVICE_RESTART, "draining")
-        wait_ms = hub.gate.handshake_wait(identity)
-        if wait_ms is not None:
-            return _closed_as(CloseCode.TRY_AGAIN_LATER, "too many handshakes", wait_ms)
+        if not hub.gate.handshake(identity):
+            return _closed_as(CloseCode.TRY_AGAIN_LATER, "too many handshakes")
         refused = hub.add_connection(conn, identity)
         if refused is None:
             return None

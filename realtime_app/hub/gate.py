@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 import weakref
 from collections import OrderedDict
@@ -20,7 +19,6 @@ from realtime_app.conf.runtime import runtime, settings
 from realtime_app.conf.typed import Settings
 from realtime_app.hub.once import KEY_PARAM, Once
 from realtime_app.inbound.admission import Admission, AdmissionLimits, Refusal, RefusalBudget
-from realtime_app.inbound.appointments import Appointments
 from realtime_app.inbound.method_limits import MethodLimits
 from realtime_app.inbound.workers import Call, Coalesce, RequestPool, Run
 
@@ -36,9 +34,6 @@ logger = logging.getLogger("realtime_app.hub")
 MAX_REFUSAL_BUDGETS = 10_000
 #: Identities whose refused handshakes are remembered, to log each once while it lasts.
 MAX_REFUSING = 10_000
-#: The furthest turn the process's anonymous handshake bucket gives a refused crowd one by
-#: one (a third of the Python client's default ``backoff_max``).
-HANDSHAKE_HORIZON_S = 10.0
 Identity = tuple[str, str]
 
 
@@ -142,8 +137,7 @@ class Gate:
         self.refused: dict[str, int] = {"connections": 0, "handshakes": 0, "server_full": 0, "process_handshakes": 0}
         self.draining = False  # the process stops: no new connection (realtime_app.endpoint.drain)
         # the anonymous handshakes of every address together: one bucket, drawn as one identity
-        self.anonymous_handshakes = Admission(anonymous_handshake_limits(self.settings))
-        self._turns = Appointments(HANDSHAKE_HORIZON_S)  # of the handshakes that bucket refused
+        self._anonymous = Admission(anonymous_handshake_limits(self.settings))
         self.refusal_closes = 0  # connections closed (1008) for ignoring their refusals
         self._refusing: set[Identity] = set()  # identities whose handshakes are refused now
         self._bucket_fallback: str | None = None  # why users' buckets are local now, if they are
@@ -164,36 +158,25 @@ class Gate:
             return
         self.settings = self.once.settings = limits
         self.once.local.max_bytes = limits.idempotency_max_bytes
-        self.admission.limits, self.handshakes.limits, self.anonymous_handshakes.limits = books
+        self.admission.limits, self.handshakes.limits, self._anonymous.limits = books
         running = limits.admission_max_running
         self.pool.core.anonymous_share = max(1, int(running * (1 - float(limits.signed_in_reserve)))) if running else 0
         self.pool.max_running = running
         self._refusal_budgets.clear()  # sized by ADMISSION_CLOSE_AFTER_REFUSALS: started again
 
     def handshake(self, identity: Identity, anonymous: bool = True) -> bool:
-        """Count one handshake of ``identity``; False when it is refused (:meth:`handshake_wait`)."""
-        return self.handshake_wait(identity, anonymous) is None
-
-    def handshake_wait(self, identity: Identity, anonymous: bool = True) -> int | None:
-        """Count one handshake of ``identity``: None when it may open, else the milliseconds
-        it is told to wait (its close's ``retry_after_ms``) — past ``HANDSHAKES_PER_S``,
-        when its own bucket has a token again (reconnect churn: every reconnect of an
-        identity draws on the same bucket); past the process's anonymous bucket (an
-        address's handshake, not a good token's: its user is known), its turn among the
-        crowd refused (:class:`~realtime_app.inbound.appointments.Appointments`)."""
+        """Count one handshake of ``identity``; False past ``HANDSHAKES_PER_S`` (reconnect
+        churn: every reconnect of an identity draws on the same bucket). ``anonymous``: an
+        address's handshake also draws on the process's anonymous bucket (not a good
+        token's: its user is known)."""
         self.handshakes.forget_idle()  # memory follows the identities that connect now
-        own = self.handshakes.charge(identity, 1.0) if self.handshakes.limits.bucket_capacity else None
-        if own is None:
+        if not self.handshakes.limits.bucket_capacity or self.handshakes.charge(identity, 1.0) is None:
             self._refusing.discard(identity)
             # its own bucket first: what one address may not open never draws on the others'
-            if identity[0] != "user" and anonymous:
-                crowded = self.anonymous_handshakes.charge("anonymous", 1.0)
-                if crowded is not None:
-                    self.refused["process_handshakes"] += 1
-                    spacing = 1 / self.anonymous_handshakes.limits.refill_per_s
-                    now = self.anonymous_handshakes.clock()
-                    return self._turns.next_ms(now, spacing, crowded.retry_after_ms / 1000, random.random())
-            return None
+            if identity[0] != "user" and anonymous and not self._anonymous_handshake():
+                self.refused["process_handshakes"] += 1
+                return False
+            return True
         self.refused["handshakes"] += 1
         if identity not in self._refusing:  # once until it slows down, not once per handshake
             if len(self._refusing) > MAX_REFUSING:
@@ -204,7 +187,12 @@ class Gate:
                 identity[0],
                 self.handshakes.limits.refill_per_s,
             )
-        return own.retry_after_ms
+        return False
+
+    def _anonymous_handshake(self) -> bool:
+        """One anonymous handshake from the process's bucket: many addresses together
+        cannot take every handshake."""
+        return self._anonymous.charge("anonymous", 1.0) is None
 
     def enter(self, identity: Identity) -> str | None:
         """Count one open connection of ``identity``; why not, when it may not open one:

@@ -11,7 +11,6 @@ connection's send queue (docs/recovery.md). The rules — :func:`~realtime_app.w
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from typing import Any, Literal, Protocol
 
@@ -24,7 +23,6 @@ from realtime_app.hub.fanout import Fanout, Held
 from realtime_app.hub.ordering import Ordering
 from realtime_app.hub.shares import ShareBook, lineage_bytes
 from realtime_app.inbound.admission import Admission
-from realtime_app.inbound.appointments import Appointments
 from realtime_app.wire.deltas import FOSSIL
 from realtime_app.wire.history import PAGE, HistoryEntry, Since, follows, plan_resume
 from realtime_app.wire.protocol import OVERLOADED
@@ -38,15 +36,15 @@ REPLAY_MEASURE_BYTES = 64 * 1024
 MAX_REPLAY_BUFFER = 10_000
 #: How often a replay waiting for a calm queue looks at it again.
 REPLAY_POLL_S = 0.02
-#: Tokens a resume pays for each page of history it reads after the first, and when an
-#: identity refused past its own share of the slots may come back (its own resumes, of
-#: any length, hold them: not a crowd's turn).
+#: Tokens a resume pays for each page of history it reads after the first, and when a
+#: resume refused for ``MAX_CONCURRENT_RESUMES`` may come back.
 RESUME_PAGE_COST = 1.0
 RESUME_RETRY_MS = 1000
-#: How long a resume takes, before one was measured (then: a running mean), and the
-#: furthest turn a crowd refused for ``MAX_CONCURRENT_RESUMES`` is given one by one.
-RESUME_SECONDS_AT_FIRST = 0.05
-RESUME_HORIZON_S = 30.0
+#: A resume at most this many publications from where this process is on its channel
+#: replays one short read: it costs what a subscribe costs, so it is not queued behind
+#: ``MAX_CONCURRENT_RESUMES`` (the identity's ``MAX_RESUMES_PER_IDENTITY`` still counts it).
+#: After a deploy every client of a stopped process resumes a few seconds' worth.
+SHORT_RESUME = 64
 
 
 class Subscriptions(Protocol):
@@ -86,12 +84,9 @@ class Replays:
         self.admission = admission  # each page after the first is paid from its buckets
         self.buffers = fanout.buffers  # per channel, per connection being replayed
         self.recoveries: dict[str, int] = {"served": 0, "failed": 0, "deferred": 0}
-        self.resuming = 0  # resumes replaying now (MAX_CONCURRENT_RESUMES)
+        self.resuming = 0  # resumes replaying now, the short ones left out (MAX_CONCURRENT_RESUMES)
         self.resuming_by: dict[tuple[str, str] | None, int] = {}  # per identity (MAX_RESUMES_PER_IDENTITY)
         self.replayed = 0  # publications sent again from a history
-        self.resume_s = RESUME_SECONDS_AT_FIRST  # how long a resume takes here (a running mean)
-        self.turns = Appointments(RESUME_HORIZON_S)  # of the resumes refused for the process's slots
-        self.clock = time.monotonic  # of the turns and the running mean
 
     async def subscribe_kept(
         self, conn: Connection, spec: ChannelSpec, since: Since | None = None, deltas: bool = False
@@ -101,44 +96,36 @@ class Replays:
         ``recovered`` and ``replayed``, or ``reason`` when the gap was not filled;
         ``delta`` when ``deltas`` were asked for and granted (replayed frames go whole)."""
         who = conn.identity
+        counted = since is not None and not self.short(spec.name, since)
         if since is not None:
             config = settings()
             # one identity's share first: an address pipelining resumes into a socket it
             # never reads holds its own slots, not every other client's
-            for limit, taken, crowd in (
-                (config.max_resumes_per_identity, self.resuming_by.get(who, 0), False),
-                (config.max_concurrent_resumes, self.resuming, True),
+            for limit, taken in (
+                (config.max_resumes_per_identity, self.resuming_by.get(who, 0)),
+                (config.max_concurrent_resumes if counted else 0, self.resuming),
             ):
                 if limit and taken >= limit:
                     self.recoveries["deferred"] += 1
                     raise RPCError(
-                        OVERLOADED,
-                        "Too many resumes",
-                        "too_many_resumes",
-                        limit=limit,
-                        retry_after_ms=self._turn(limit, crowd),
+                        OVERLOADED, "Too many resumes", "too_many_resumes", limit=limit, retry_after_ms=RESUME_RETRY_MS
                     )
-            self.resuming += 1
+            self.resuming += int(counted)
             self.resuming_by[who] = self.resuming_by.get(who, 0) + 1
-        began = self.clock()
         try:
             return await self._subscribe_kept(conn, spec, since, deltas)
         finally:
             if since is not None:
-                self.resume_s += 0.2 * (self.clock() - began - self.resume_s)
-                self.resuming -= 1
+                self.resuming -= int(counted)
                 left = self.resuming_by.pop(who, 1) - 1
                 if left:
                     self.resuming_by[who] = left
 
-    def _turn(self, limit: int, crowd: bool) -> int:
-        """When a refused resume comes back: the process's slots free up one every
-        ``resume_s / limit`` seconds, so a crowd refused together is given turns that far
-        apart; one identity past its own share, after ``RESUME_RETRY_MS``."""
-        if not crowd:
-            return RESUME_RETRY_MS
-        spacing = self.resume_s / limit
-        return self.turns.next_ms(self.clock(), spacing, spacing, random.random())
+    def short(self, channel: str, since: Since) -> bool:
+        """Whether a resume is within ``SHORT_RESUME`` publications of where this process
+        is on ``channel`` (unknown here: not short)."""
+        top = self.hub.last_seq.get(channel, 0)
+        return top > 0 and abs(top - since.seq) <= SHORT_RESUME
 
     async def _subscribe_kept(
         self, conn: Connection, spec: ChannelSpec, since: Since | None, deltas: bool

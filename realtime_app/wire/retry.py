@@ -4,9 +4,8 @@ module (``retryDelayMs``, shared vectors: tests/vectors/refusal.json) and the te
 from __future__ import annotations
 
 import math
-import re
 
-__all__ = ["RENEWAL_RETRY_REASONS", "retry_after_of", "retry_delay_ms", "with_retry_after"]
+__all__ = ["RENEWAL_RETRY_REASONS", "retry_delay_ms"]
 
 #: Refusals of a subscription renewed after a reconnect that pass with time (a crowd of
 #: resumes after a deploy, a bucket, a busy backplane): the client sends the renewal again
@@ -24,16 +23,3 @@ def retry_delay_ms(retry_after_ms: float, u: float) -> int:
     back at once — never earlier than the server said. The browser module's
     ``retryDelayMs`` is the same rule (shared vectors: tests/vectors/refusal.json)."""
     return math.ceil(retry_after_ms * (1 + 0.25 * u))
-
-
-def with_retry_after(reason: str, retry_after_ms: int) -> str:
-    """A close reason that says when to come back (``too many handshakes retry_after_ms=40``):
-    both clients wait that long before they reconnect (a draining server's 1012 says it so)."""
-    return f"{reason} retry_after_ms={int(retry_after_ms)}" if reason else f"retry_after_ms={int(retry_after_ms)}"
-
-
-def retry_after_of(reason: str) -> int | None:
-    """The ``retry_after_ms=<n>`` of a close reason, if it has one (the browser module reads
-    it with the same pattern)."""
-    match = re.search(r"\bretry_after_ms=(\d{1,9})\b", reason or "")
-    return int(match.group(1)) if match else None
