@@ -266,6 +266,71 @@ async def test_a_short_resume_is_not_queued_behind_long_ones():
             await hub.aclose()
 
 
+async def test_a_resume_whose_publications_may_not_fit_one_read_is_queued_however_short():
+    """Review: a resume was taken for short by its count alone — 64 publications of a
+    channel bounded only by MAX_PUBLICATION_BYTES can be megabytes, many reads. A channel
+    whose 64 publications may pass one read (PAGE_BYTES) is counted against the slots
+    however few it is behind, and refused while they are held."""
+    from realtime_app.hub import get_hub
+
+    GatedHistory.gate, GatedHistory.reading = asyncio.Event(), asyncio.Event()
+    config = {**get_config(), "BACKPLANE": "tests.testapp.backplanes.GatedHistory", "MAX_CONCURRENT_RESUMES": 1}
+    with override_settings(REALTIME_APP=config):
+        hub = await get_hub()
+        try:
+            GatedHistory.gate.set()
+            async with Client(address="10.92.0.1") as c:
+                first = (await c.call("subscribe", {"channel": "demo:events"}))["result"]
+                big = (await c.call("subscribe", {"channel": "test:big-history"}))["result"]
+                for i in range(3):
+                    await hub.publish("demo:events", i)
+                    await hub.publish("test:big-history", i)
+                GatedHistory.gate.clear()
+                GatedHistory.reading.clear()
+                async with Client(address="10.92.0.2") as a, Client(address="10.92.0.3") as b:
+                    since = {"seq": first["seq"], "epoch": first["epoch"]}
+                    hub.replays.resuming = 1  # the one slot held, as by a long resume
+                    short = asyncio.ensure_future(a.call("subscribe", {"channel": "demo:events", "since": since}))
+                    behind = {"seq": big["seq"], "epoch": big["epoch"]}  # 3 behind, each up to MAX_PUBLICATION_BYTES
+                    refused = await b.call("subscribe", {"channel": "test:big-history", "since": behind})
+                    assert refused["error"]["data"]["reason"] == "too_many_resumes", refused
+                    GatedHistory.gate.set()
+                    assert (await short)["result"]["replayed"] == 3  # demo:events: 64 × 4 KiB fit one read
+                    hub.replays.resuming = 0
+        finally:
+            await hub.aclose()
+
+
+async def test_a_resume_short_by_this_processs_position_but_long_by_its_read_takes_a_slot():
+    """Review: a process behind its channel (its subscription lagging) took a resume for
+    short by its own position while the read brought the whole gap. A resume the read shows
+    longer than SHORT_RESUME takes a slot then, or is refused while they are held."""
+    from realtime_app.hub import get_hub
+    from realtime_app.hub.replay import SHORT_RESUME
+
+    config = {**get_config(), "MAX_CONCURRENT_RESUMES": 1}
+    with override_settings(REALTIME_APP=config):
+        hub = await get_hub()
+        try:
+            async with Client(address="10.93.0.1") as c:
+                first = (await c.call("subscribe", {"channel": "demo:events"}))["result"]
+                for i in range(SHORT_RESUME + 5):
+                    await hub.publish("demo:events", i)
+                hub.last_seq["demo:events"] = first["seq"] + 3  # as if this process had seen only 3
+                hub.replays.resuming = 1  # the one slot held
+                async with Client(address="10.93.0.2") as a:
+                    since = {"seq": first["seq"], "epoch": first["epoch"]}
+                    refused = await a.call("subscribe", {"channel": "demo:events", "since": since})
+                    assert refused["error"]["data"]["reason"] == "too_many_resumes", refused
+                    hub.replays.resuming = 0
+                    answer = await a.call("subscribe", {"channel": "demo:events", "since": since})
+                    assert answer["result"]["replayed"] == SHORT_RESUME + 5
+                    assert "demo:events" in hub.subscribers  # c's subscription kept through a's refusal
+                assert hub.replays.resuming == 0
+        finally:
+            await hub.aclose()
+
+
 async def test_one_identity_holds_at_most_its_share_of_the_resume_slots():
     """Found: one address held all 8 resume slots by pipelining resumes into a socket it
     never read; a signed-in user's resume waited 21-25 s. An identity now holds at most
@@ -293,7 +358,8 @@ async def test_one_identity_holds_at_most_its_share_of_the_resume_slots():
                 async with Client(address="10.77.0.1") as other:
                     await hog[0].call_nowait("subscribe", resume)
                     await hog[1].call_nowait("subscribe", resume)
-                    await eventually(lambda: hub.replays.resuming == 2, 5, "the hog's two resumes replaying")
+                    replaying = lambda: sum(hub.replays.resuming_by.values())  # noqa: E731  (short ones too)
+                    await eventually(lambda: replaying() == 2, 5, "the hog's two resumes replaying")
                     refused = await hog[2].call("subscribe", resume)
                     assert refused["error"]["data"] == {
                         "reason": "too_many_resumes",
@@ -301,7 +367,7 @@ async def test_one_identity_holds_at_most_its_share_of_the_resume_slots():
                         "retry_after_ms": refused["error"]["data"]["retry_after_ms"],
                     }
                     await other.call_nowait("subscribe", resume)
-                    await eventually(lambda: hub.replays.resuming == 3, 5, "another identity's resume admitted")
+                    await eventually(lambda: replaying() == 3, 5, "another identity's resume admitted")
                     GatedHistory.gate.set()
                     assert [f["data"] for f in await other.frames(1)] == [0]
                     assert (await other.recv())["result"]["recovered"] is True

@@ -148,8 +148,9 @@ DEFAULTS: dict[str, Any] = {
     # Refusals a connection may collect (refilled at a tenth of this per second) before it is
     # closed with 1008: a client that ignores retry_after_ms; 0 = never closed for that.
     "ADMISSION_CLOSE_AFTER_REFUSALS": 200,
-    # Resumes (subscribe with since) replaying at once in a process; past it -32003
-    # too_many_resumes with retry_after_ms (clients retry). 0 = unlimited.
+    # Resumes (subscribe with since) replaying at once in a process, short ones left out
+    # (hub.replay.SHORT_RESUME); past it -32003 too_many_resumes with retry_after_ms
+    # (clients retry). 0 = unlimited.
     "MAX_CONCURRENT_RESUMES": 8,
     # Of those, at most this many for one identity (a user, or an address): 0 = no share.
     "MAX_RESUMES_PER_IDENTITY": 2,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from realtime_app.cluster.roles import HistoryStore, now_ms
@@ -19,12 +20,13 @@ from realtime_app.conf.runtime import settings
 from realtime_app.declarations.registry import ChannelSpec
 from realtime_app.exceptions import BackplaneUnavailable, RPCError
 from realtime_app.hub.connections import Connection
+from realtime_app.hub.envelope import publication_limit
 from realtime_app.hub.fanout import Fanout, Held
 from realtime_app.hub.ordering import Ordering
 from realtime_app.hub.shares import ShareBook, lineage_bytes
 from realtime_app.inbound.admission import Admission
 from realtime_app.wire.deltas import FOSSIL
-from realtime_app.wire.history import PAGE, HistoryEntry, Since, follows, plan_resume
+from realtime_app.wire.history import PAGE, PAGE_BYTES, HistoryEntry, Since, follows, plan_resume
 from realtime_app.wire.protocol import OVERLOADED
 
 __all__ = ["Replays", "pace"]
@@ -40,11 +42,20 @@ REPLAY_POLL_S = 0.02
 #: resume refused for ``MAX_CONCURRENT_RESUMES`` may come back.
 RESUME_PAGE_COST = 1.0
 RESUME_RETRY_MS = 1000
-#: A resume at most this many publications from where this process is on its channel
-#: replays one short read: it costs what a subscribe costs, so it is not queued behind
-#: ``MAX_CONCURRENT_RESUMES`` (the identity's ``MAX_RESUMES_PER_IDENTITY`` still counts it).
-#: After a deploy every client of a stopped process resumes a few seconds' worth.
+#: A resume at most this many publications from where this process is on its channel,
+#: all within one read, costs what a subscribe and that read cost: it is not queued behind
+#: ``MAX_CONCURRENT_RESUMES`` (:meth:`Replays.short`; the identity's
+#: ``MAX_RESUMES_PER_IDENTITY`` still counts it). After a deploy every client of a stopped
+#: process resumes a few seconds' worth.
 SHORT_RESUME = 64
+
+
+@dataclass(slots=True)
+class Slot:
+    """Whether a resume holds one of the process's ``MAX_CONCURRENT_RESUMES`` slots (a
+    short one takes none, unless its read shows it is long after all)."""
+
+    taken: bool = False
 
 
 class Subscriptions(Protocol):
@@ -96,39 +107,52 @@ class Replays:
         ``recovered`` and ``replayed``, or ``reason`` when the gap was not filled;
         ``delta`` when ``deltas`` were asked for and granted (replayed frames go whole)."""
         who = conn.identity
-        counted = since is not None and not self.short(spec.name, since)
+        slot = Slot()
         if since is not None:
-            config = settings()
             # one identity's share first: an address pipelining resumes into a socket it
             # never reads holds its own slots, not every other client's
-            for limit, taken in (
-                (config.max_resumes_per_identity, self.resuming_by.get(who, 0)),
-                (config.max_concurrent_resumes if counted else 0, self.resuming),
-            ):
-                if limit and taken >= limit:
-                    self.recoveries["deferred"] += 1
-                    raise RPCError(
-                        OVERLOADED, "Too many resumes", "too_many_resumes", limit=limit, retry_after_ms=RESUME_RETRY_MS
-                    )
-            self.resuming += int(counted)
+            self._refuse_past(settings().max_resumes_per_identity, self.resuming_by.get(who, 0))
+            if not self.short(conn, spec, since):
+                self._take(slot)
             self.resuming_by[who] = self.resuming_by.get(who, 0) + 1
         try:
-            return await self._subscribe_kept(conn, spec, since, deltas)
+            return await self._subscribe_kept(conn, spec, since, deltas, slot)
         finally:
             if since is not None:
-                self.resuming -= int(counted)
+                self.resuming -= int(slot.taken)
                 left = self.resuming_by.pop(who, 1) - 1
                 if left:
                     self.resuming_by[who] = left
 
-    def short(self, channel: str, since: Since) -> bool:
-        """Whether a resume is within ``SHORT_RESUME`` publications of where this process
-        is on ``channel`` (unknown here: not short)."""
-        top = self.hub.last_seq.get(channel, 0)
-        return top > 0 and abs(top - since.seq) <= SHORT_RESUME
+    def short(self, conn: Connection, spec: ChannelSpec, since: Since) -> bool:
+        """Whether a resume costs what a subscribe and one read cost: within
+        ``SHORT_RESUME`` publications of where this process is on the channel (unknown
+        here: not short), all of which fit one read (``SHORT_RESUME`` times the channel's
+        bound on a publication within ``PAGE_BYTES``), to a socket whose queue is calm (its
+        first frame does not wait)."""
+        top = self.hub.last_seq.get(spec.name, 0)
+        if top <= 0 or abs(top - since.seq) > SHORT_RESUME:
+            return False
+        limit, _ = publication_limit(spec)
+        if not limit or SHORT_RESUME * limit > PAGE_BYTES:
+            return False
+        return conn.guard.buffered() <= conn.guard.config.max_backpressure // 2
+
+    def _refuse_past(self, limit: int, taken: int) -> None:
+        if limit and taken >= limit:
+            self.recoveries["deferred"] += 1
+            raise RPCError(
+                OVERLOADED, "Too many resumes", "too_many_resumes", limit=limit, retry_after_ms=RESUME_RETRY_MS
+            )
+
+    def _take(self, slot: Slot) -> None:
+        """One of the process's ``MAX_CONCURRENT_RESUMES`` slots, or -32003 too_many_resumes."""
+        self._refuse_past(settings().max_concurrent_resumes, self.resuming)
+        self.resuming += 1
+        slot.taken = True
 
     async def _subscribe_kept(
-        self, conn: Connection, spec: ChannelSpec, since: Since | None, deltas: bool
+        self, conn: Connection, spec: ChannelSpec, since: Since | None, deltas: bool, slot: Slot
     ) -> dict[str, Any]:
         hub = self.hub
         policy, backplane = spec.history, hub.backplane
@@ -141,6 +165,8 @@ class Replays:
             added = await hub.subscribe(conn, spec)
             granted = deltas and self.fanout.want_deltas(conn, channel)  # before any frame
             read = await backplane.history(channel, policy, since, hub.last_seq.get(channel, 0))
+            if since is not None and not slot.taken and read.top - since.seq > SHORT_RESUME:
+                self._take(slot)  # this process was behind its channel: a long resume after all
             if read.created and conn.owner is not None:  # keys this subscribe made live: its identity's
                 hub.shares.stored_by(conn.owner, lineage_bytes(channel), max(policy.ttl_ms, 1000))
             if channel in hub.subscribers:
