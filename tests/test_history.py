@@ -274,7 +274,12 @@ async def test_a_resume_whose_publications_may_not_fit_one_read_is_queued_howeve
     from realtime_app.hub import get_hub
 
     GatedHistory.gate, GatedHistory.reading = asyncio.Event(), asyncio.Event()
-    config = {**get_config(), "BACKPLANE": "tests.testapp.backplanes.GatedHistory", "MAX_CONCURRENT_RESUMES": 1}
+    config = {
+        **get_config(),
+        "BACKPLANE": "tests.testapp.backplanes.GatedHistory",
+        "MAX_CONCURRENT_RESUMES": 1,
+        "MAX_PUBLICATION_BYTES": 1_000_000,  # the default: test:big-history declares no max_bytes
+    }
     with override_settings(REALTIME_APP=config):
         hub = await get_hub()
         try:
@@ -291,9 +296,11 @@ async def test_a_resume_whose_publications_may_not_fit_one_read_is_queued_howeve
                     since = {"seq": first["seq"], "epoch": first["epoch"]}
                     hub.replays.resuming = 1  # the one slot held, as by a long resume
                     short = asyncio.ensure_future(a.call("subscribe", {"channel": "demo:events", "since": since}))
+                    assert hub.last_seq["test:big-history"] == big["seq"] + 3  # known here: 3 behind is near
                     behind = {"seq": big["seq"], "epoch": big["epoch"]}  # 3 behind, each up to MAX_PUBLICATION_BYTES
                     refused = await b.call("subscribe", {"channel": "test:big-history", "since": behind})
                     assert refused["error"]["data"]["reason"] == "too_many_resumes", refused
+                    assert hub.replays.resuming == 1  # the refused one took nothing
                     GatedHistory.gate.set()
                     assert (await short)["result"]["replayed"] == 3  # demo:events: 64 × 4 KiB fit one read
                     hub.replays.resuming = 0
@@ -322,10 +329,12 @@ async def test_a_resume_short_by_this_processs_position_but_long_by_its_read_tak
                     since = {"seq": first["seq"], "epoch": first["epoch"]}
                     refused = await a.call("subscribe", {"channel": "demo:events", "since": since})
                     assert refused["error"]["data"]["reason"] == "too_many_resumes", refused
+                    assert hub.replays.resuming == 1 and not hub.replays.resuming_by  # nothing taken, all given back
+                    assert len(hub.subscribers["demo:events"]) == 1  # a's subscription undone: c's is left
                     hub.replays.resuming = 0
                     answer = await a.call("subscribe", {"channel": "demo:events", "since": since})
                     assert answer["result"]["replayed"] == SHORT_RESUME + 5
-                    assert "demo:events" in hub.subscribers  # c's subscription kept through a's refusal
+                    assert len(hub.subscribers["demo:events"]) == 2  # c's, and a's now
                 assert hub.replays.resuming == 0
         finally:
             await hub.aclose()

@@ -128,15 +128,17 @@ class Replays:
         """Whether a resume costs what a subscribe and one read cost: within
         ``SHORT_RESUME`` publications of where this process is on the channel (unknown
         here: not short), all of which fit one read (``SHORT_RESUME`` times the channel's
-        bound on a publication within ``PAGE_BYTES``), to a socket whose queue is calm (its
-        first frame does not wait)."""
+        bound on a publication within ``PAGE_BYTES``: with ``MAX_PUBLICATION_BYTES`` alone,
+        never), to a socket whose queue is calm (at most half ``MAX_BACKPRESSURE``: its first
+        frame does not wait)."""
         top = self.hub.last_seq.get(spec.name, 0)
         if top <= 0 or abs(top - since.seq) > SHORT_RESUME:
             return False
         limit, _ = publication_limit(spec)
         if not limit or SHORT_RESUME * limit > PAGE_BYTES:
             return False
-        return conn.guard.buffered() <= conn.guard.config.max_backpressure // 2
+        guard = conn.guard  # calm as a replay's first frame reads it (nothing measured: calm)
+        return not guard.measure or guard.buffered() <= guard.config.max_backpressure // 2
 
     def _refuse_past(self, limit: int, taken: int) -> None:
         if limit and taken >= limit:
@@ -165,8 +167,6 @@ class Replays:
             added = await hub.subscribe(conn, spec)
             granted = deltas and self.fanout.want_deltas(conn, channel)  # before any frame
             read = await backplane.history(channel, policy, since, hub.last_seq.get(channel, 0))
-            if since is not None and not slot.taken and read.top - since.seq > SHORT_RESUME:
-                self._take(slot)  # this process was behind its channel: a long resume after all
             if read.created and conn.owner is not None:  # keys this subscribe made live: its identity's
                 hub.shares.stored_by(conn.owner, lineage_bytes(channel), max(policy.ttl_ms, 1000))
             if channel in hub.subscribers:
@@ -180,6 +180,8 @@ class Replays:
             if since is None:
                 return answer
             plan = plan_resume(since, read, policy, now_ms())
+            if plan.recovered and not slot.taken and read.top - since.seq > SHORT_RESUME:
+                self._take(slot)  # this process was behind its channel: a long replay after all
             reason, sent = plan.reason, 0
             if plan.recovered:
                 sent, reason = await self._replay(conn, channel, plan.entries, since.seq, read.top, buffer)
