@@ -4,6 +4,9 @@ race between a replay and live publications, and bad ``since`` values."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from django.test import override_settings
@@ -18,6 +21,29 @@ from tests.support.asgi_client import Client
 from tests.testapp.backplanes import GatedHistory
 
 POLICY = HistoryPolicy(size=5, ttl_s=60)
+
+
+@contextlib.asynccontextmanager
+async def gated_hub(**overrides: object) -> AsyncIterator[Any]:
+    """A hub on ``GatedHistory`` (its history reads wait while the gate is shut), the gate
+    open; ``overrides``: more of ``REALTIME_APP``."""
+    from realtime_app.hub import get_hub
+
+    GatedHistory.gate, GatedHistory.reading = asyncio.Event(), asyncio.Event()
+    config = {**get_config(), "BACKPLANE": "tests.testapp.backplanes.GatedHistory", **overrides}
+    with override_settings(REALTIME_APP=config):
+        hub = await get_hub()
+        try:
+            GatedHistory.gate.set()
+            yield hub
+        finally:
+            await hub.aclose()
+
+
+def shut_gate() -> None:
+    """History reads wait from now on, and ``GatedHistory.reading`` says when one does."""
+    GatedHistory.gate.clear()
+    GatedHistory.reading.clear()
 
 
 def read(epoch: str, top: int, seqs: list[int], ts: int = 1_000_000) -> HistoryRead:
@@ -154,74 +180,56 @@ async def test_bad_since_is_invalid_params_and_a_channel_without_history_says_so
 
 
 async def test_live_publications_during_a_replay_come_after_it_in_order_none_twice():
-    from realtime_app.hub import get_hub
-
-    GatedHistory.gate, GatedHistory.reading = asyncio.Event(), asyncio.Event()
-    with override_settings(REALTIME_APP={**get_config(), "BACKPLANE": "tests.testapp.backplanes.GatedHistory"}):
-        hub = await get_hub()
-        try:
-            GatedHistory.gate.set()
-            async with Client() as c:
-                first = (await c.call("subscribe", {"channel": "demo:events"}))["result"]
-                for i in range(4):
-                    await hub.publish("demo:events", i)
-                await c.frames(4)
-            for i in range(4, 10):  # missed
+    async with gated_hub() as hub:
+        async with Client() as c:
+            first = (await c.call("subscribe", {"channel": "demo:events"}))["result"]
+            for i in range(4):
                 await hub.publish("demo:events", i)
-            GatedHistory.gate.clear()
-            GatedHistory.reading.clear()
-            async with Client() as c:
-                since = {"seq": first["seq"] + 4, "epoch": first["epoch"]}
-                await c.call_nowait("subscribe", {"channel": "demo:events", "since": since})
-                await asyncio.wait_for(GatedHistory.reading.wait(), 5)
-                for i in range(10, 15):  # live while the history is being read
-                    await hub.publish("demo:events", i)
-                GatedHistory.gate.set()
-                got = [f["data"] for f in await c.frames(11)]
-                assert got == list(range(4, 15))
-                answer = await c.recv()
-                assert answer["result"]["recovered"] is True and answer["result"]["replayed"] == 6
-                await hub.publish("demo:events", 15)
-                assert [f["data"] for f in await c.frames(1)] == [15]
-        finally:
-            await hub.aclose()
+            await c.frames(4)
+        for i in range(4, 10):  # missed
+            await hub.publish("demo:events", i)
+        shut_gate()
+        async with Client() as c:
+            since = {"seq": first["seq"] + 4, "epoch": first["epoch"]}
+            await c.call_nowait("subscribe", {"channel": "demo:events", "since": since})
+            await asyncio.wait_for(GatedHistory.reading.wait(), 5)
+            for i in range(10, 15):  # live while the history is being read
+                await hub.publish("demo:events", i)
+            GatedHistory.gate.set()
+            got = [f["data"] for f in await c.frames(11)]
+            assert got == list(range(4, 15))
+            answer = await c.recv()
+            assert answer["result"]["recovered"] is True and answer["result"]["replayed"] == 6
+            await hub.publish("demo:events", 15)
+            assert [f["data"] for f in await c.frames(1)] == [15]
 
 
 async def test_past_max_concurrent_resumes_a_resume_is_refused_to_come_back_and_then_served():
     """MAX_CONCURRENT_RESUMES (no test named it): while one resume replays, another client's
     is refused -32003 too_many_resumes with retry_after_ms; it is served once it retries.
     Both are longer than SHORT_RESUME (a short one is not queued: the next test)."""
-    from realtime_app.hub import get_hub
     from realtime_app.hub.replay import SHORT_RESUME
 
     gap = SHORT_RESUME + 5
-    GatedHistory.gate, GatedHistory.reading = asyncio.Event(), asyncio.Event()
-    config = {**get_config(), "BACKPLANE": "tests.testapp.backplanes.GatedHistory", "MAX_CONCURRENT_RESUMES": 1}
-    with override_settings(REALTIME_APP=config):
-        hub = await get_hub()
-        try:
-            GatedHistory.gate.set()
-            async with Client() as c:
-                first = (await c.call("subscribe", {"channel": "demo:events"}))["result"]
-                for i in range(gap):
-                    await hub.publish("demo:events", i)
-                since = {"seq": first["seq"], "epoch": first["epoch"]}
-                GatedHistory.gate.clear()
-                GatedHistory.reading.clear()
-                async with Client() as a, Client() as b:
-                    await a.call_nowait("subscribe", {"channel": "demo:events", "since": since})
-                    await asyncio.wait_for(GatedHistory.reading.wait(), 5)  # a's replay holds the one slot
-                    refused = await b.call("subscribe", {"channel": "demo:events", "since": since})
-                    assert refused["error"]["code"] == -32003, refused
-                    assert refused["error"]["data"]["reason"] == "too_many_resumes"
-                    assert refused["error"]["data"]["limit"] == 1 and refused["error"]["data"]["retry_after_ms"] > 0
-                    GatedHistory.gate.set()
-                    assert [f["data"] for f in await a.frames(gap)] == list(range(gap))
-                    answer = await b.call("subscribe", {"channel": "demo:events", "since": since})  # its retry
-                    assert answer["result"]["recovered"] is True and answer["result"]["replayed"] == gap
-                    assert hub.replays.resuming == 0  # every slot given back
-        finally:
-            await hub.aclose()
+    async with gated_hub(MAX_CONCURRENT_RESUMES=1) as hub:
+        async with Client() as c:
+            first = (await c.call("subscribe", {"channel": "demo:events"}))["result"]
+            for i in range(gap):
+                await hub.publish("demo:events", i)
+            since = {"seq": first["seq"], "epoch": first["epoch"]}
+            shut_gate()
+            async with Client() as a, Client() as b:
+                await a.call_nowait("subscribe", {"channel": "demo:events", "since": since})
+                await asyncio.wait_for(GatedHistory.reading.wait(), 5)  # a's replay holds the one slot
+                refused = await b.call("subscribe", {"channel": "demo:events", "since": since})
+                assert refused["error"]["code"] == -32003, refused
+                assert refused["error"]["data"]["reason"] == "too_many_resumes"
+                assert refused["error"]["data"]["limit"] == 1 and refused["error"]["data"]["retry_after_ms"] > 0
+                GatedHistory.gate.set()
+                assert [f["data"] for f in await a.frames(gap)] == list(range(gap))
+                answer = await b.call("subscribe", {"channel": "demo:events", "since": since})  # its retry
+                assert answer["result"]["recovered"] is True and answer["result"]["replayed"] == gap
+                assert hub.replays.resuming == 0  # every slot given back
 
 
 async def test_a_short_resume_is_not_queued_behind_long_ones():
@@ -230,40 +238,31 @@ async def test_a_short_resume_is_not_queued_behind_long_ones():
     second, round after round: the last held every publication 11-13 s after the last
     process was back. A resume within SHORT_RESUME publications of the process's position
     costs what a subscribe costs and is admitted while long ones hold every slot."""
-    from realtime_app.hub import get_hub
     from realtime_app.hub.replay import SHORT_RESUME
     from tests.support.waiting import eventually
 
     gap = SHORT_RESUME + 5
-    GatedHistory.gate, GatedHistory.reading = asyncio.Event(), asyncio.Event()
-    config = {**get_config(), "BACKPLANE": "tests.testapp.backplanes.GatedHistory", "MAX_CONCURRENT_RESUMES": 1}
-    with override_settings(REALTIME_APP=config):
-        hub = await get_hub()
-        try:
-            GatedHistory.gate.set()
-            async with Client(address="10.91.0.1") as c:
-                first = (await c.call("subscribe", {"channel": "demo:events"}))["result"]
-                for i in range(gap):
-                    await hub.publish("demo:events", i)
-                top = hub.last_seq["demo:events"]
-                GatedHistory.gate.clear()
-                GatedHistory.reading.clear()
-                async with Client(address="10.91.0.2") as long, Client(address="10.91.0.3") as short:
-                    since = {"seq": first["seq"], "epoch": first["epoch"]}
-                    await long.call_nowait("subscribe", {"channel": "demo:events", "since": since})
-                    await asyncio.wait_for(GatedHistory.reading.wait(), 5)  # the long one holds the one slot
-                    assert hub.replays.resuming == 1
-                    recent = {"seq": top - 3, "epoch": first["epoch"]}
-                    answer = asyncio.ensure_future(short.call("subscribe", {"channel": "demo:events", "since": recent}))
-                    await eventually(lambda: len(hub.replays.resuming_by) == 2, 5, "the short resume admitted")
-                    assert hub.replays.resuming == 1  # it takes no slot
-                    GatedHistory.gate.set()
-                    result = (await answer)["result"]
-                    assert result["recovered"] is True and result["replayed"] == 3, result
-                    assert [f["data"] for f in await long.frames(gap)] == list(range(gap))
-                await eventually(lambda: hub.replays.resuming == 0 and not hub.replays.resuming_by, 5, "slots back")
-        finally:
-            await hub.aclose()
+    async with gated_hub(MAX_CONCURRENT_RESUMES=1) as hub:
+        async with Client(address="10.91.0.1") as c:
+            first = (await c.call("subscribe", {"channel": "demo:events"}))["result"]
+            for i in range(gap):
+                await hub.publish("demo:events", i)
+            top = hub.last_seq["demo:events"]
+            shut_gate()
+            async with Client(address="10.91.0.2") as long, Client(address="10.91.0.3") as short:
+                since = {"seq": first["seq"], "epoch": first["epoch"]}
+                await long.call_nowait("subscribe", {"channel": "demo:events", "since": since})
+                await asyncio.wait_for(GatedHistory.reading.wait(), 5)  # the long one holds the one slot
+                assert hub.replays.resuming == 1
+                recent = {"seq": top - 3, "epoch": first["epoch"]}
+                answer = asyncio.ensure_future(short.call("subscribe", {"channel": "demo:events", "since": recent}))
+                await eventually(lambda: len(hub.replays.resuming_by) == 2, 5, "the short resume admitted")
+                assert hub.replays.resuming == 1  # it takes no slot
+                GatedHistory.gate.set()
+                result = (await answer)["result"]
+                assert result["recovered"] is True and result["replayed"] == 3, result
+                assert [f["data"] for f in await long.frames(gap)] == list(range(gap))
+            await eventually(lambda: hub.replays.resuming == 0 and not hub.replays.resuming_by, 5, "slots back")
 
 
 async def test_a_resume_whose_publications_may_not_fit_one_read_is_queued_however_short():
@@ -271,41 +270,29 @@ async def test_a_resume_whose_publications_may_not_fit_one_read_is_queued_howeve
     channel bounded only by MAX_PUBLICATION_BYTES can be megabytes, many reads. A channel
     whose 64 publications may pass one read (PAGE_BYTES) is counted against the slots
     however few it is behind, and refused while they are held."""
-    from realtime_app.hub import get_hub
-
-    GatedHistory.gate, GatedHistory.reading = asyncio.Event(), asyncio.Event()
-    config = {
-        **get_config(),
-        "BACKPLANE": "tests.testapp.backplanes.GatedHistory",
-        "MAX_CONCURRENT_RESUMES": 1,
-        "MAX_PUBLICATION_BYTES": 1_000_000,  # the default: test:big-history declares no max_bytes
-    }
-    with override_settings(REALTIME_APP=config):
-        hub = await get_hub()
-        try:
-            GatedHistory.gate.set()
-            async with Client(address="10.92.0.1") as c:
-                first = (await c.call("subscribe", {"channel": "demo:events"}))["result"]
-                big = (await c.call("subscribe", {"channel": "test:big-history"}))["result"]
-                for i in range(3):
-                    await hub.publish("demo:events", i)
-                    await hub.publish("test:big-history", i)
-                GatedHistory.gate.clear()
-                GatedHistory.reading.clear()
-                async with Client(address="10.92.0.2") as a, Client(address="10.92.0.3") as b:
-                    since = {"seq": first["seq"], "epoch": first["epoch"]}
-                    hub.replays.resuming = 1  # the one slot held, as by a long resume
-                    short = asyncio.ensure_future(a.call("subscribe", {"channel": "demo:events", "since": since}))
-                    assert hub.last_seq["test:big-history"] == big["seq"] + 3  # known here: 3 behind is near
-                    behind = {"seq": big["seq"], "epoch": big["epoch"]}  # 3 behind, each up to MAX_PUBLICATION_BYTES
-                    refused = await b.call("subscribe", {"channel": "test:big-history", "since": behind})
-                    assert refused["error"]["data"]["reason"] == "too_many_resumes", refused
-                    assert hub.replays.resuming == 1  # the refused one took nothing
-                    GatedHistory.gate.set()
-                    assert (await short)["result"]["replayed"] == 3  # demo:events: 64 × 4 KiB fit one read
-                    hub.replays.resuming = 0
-        finally:
-            await hub.aclose()
+    async with gated_hub(
+        MAX_CONCURRENT_RESUMES=1,
+        MAX_PUBLICATION_BYTES=1_000_000,  # the default: test:big-history declares no max_bytes
+    ) as hub:
+        async with Client(address="10.92.0.1") as c:
+            first = (await c.call("subscribe", {"channel": "demo:events"}))["result"]
+            big = (await c.call("subscribe", {"channel": "test:big-history"}))["result"]
+            for i in range(3):
+                await hub.publish("demo:events", i)
+                await hub.publish("test:big-history", i)
+            shut_gate()
+            async with Client(address="10.92.0.2") as a, Client(address="10.92.0.3") as b:
+                since = {"seq": first["seq"], "epoch": first["epoch"]}
+                hub.replays.resuming = 1  # the one slot held, as by a long resume
+                short = asyncio.ensure_future(a.call("subscribe", {"channel": "demo:events", "since": since}))
+                assert hub.last_seq["test:big-history"] == big["seq"] + 3  # known here: 3 behind is near
+                behind = {"seq": big["seq"], "epoch": big["epoch"]}  # 3 behind, each up to MAX_PUBLICATION_BYTES
+                refused = await b.call("subscribe", {"channel": "test:big-history", "since": behind})
+                assert refused["error"]["data"]["reason"] == "too_many_resumes", refused
+                assert hub.replays.resuming == 1  # the refused one took nothing
+                GatedHistory.gate.set()
+                assert (await short)["result"]["replayed"] == 3  # demo:events: 64 × 4 KiB fit one read
+                hub.replays.resuming = 0
 
 
 async def test_a_resume_short_by_this_processs_position_but_long_by_its_read_takes_a_slot():
@@ -345,47 +332,39 @@ async def test_one_identity_holds_at_most_its_share_of_the_resume_slots():
     never read; a signed-in user's resume waited 21-25 s. An identity now holds at most
     MAX_RESUMES_PER_IDENTITY (2) of them: its third is refused, another identity's is
     admitted at once."""
-    from realtime_app.hub import get_hub
     from tests.support.waiting import eventually
 
-    GatedHistory.gate, GatedHistory.reading = asyncio.Event(), asyncio.Event()
-    config = {**get_config(), "BACKPLANE": "tests.testapp.backplanes.GatedHistory"}
-    with override_settings(REALTIME_APP=config):
-        hub = await get_hub()
+    async with gated_hub() as hub:
+        async with Client() as c:
+            first = (await c.call("subscribe", {"channel": "demo:events"}))["result"]
+        await hub.publish("demo:events", 0)
+        since = {"seq": first["seq"], "epoch": first["epoch"]}
+        resume = {"channel": "demo:events", "since": since}
+        GatedHistory.gate.clear()
+        hog = [Client(address="10.66.0.1") for _ in range(3)]
+        for client in hog:
+            await client.__aenter__()
         try:
-            GatedHistory.gate.set()
-            async with Client() as c:
-                first = (await c.call("subscribe", {"channel": "demo:events"}))["result"]
-            await hub.publish("demo:events", 0)
-            since = {"seq": first["seq"], "epoch": first["epoch"]}
-            resume = {"channel": "demo:events", "since": since}
-            GatedHistory.gate.clear()
-            hog = [Client(address="10.66.0.1") for _ in range(3)]
-            for client in hog:
-                await client.__aenter__()
-            try:
-                async with Client(address="10.77.0.1") as other:
-                    await hog[0].call_nowait("subscribe", resume)
-                    await hog[1].call_nowait("subscribe", resume)
-                    replaying = lambda: sum(hub.replays.resuming_by.values())  # noqa: E731  (short ones too)
-                    await eventually(lambda: replaying() == 2, 5, "the hog's two resumes replaying")
-                    refused = await hog[2].call("subscribe", resume)
-                    assert refused["error"]["data"] == {
-                        "reason": "too_many_resumes",
-                        "limit": 2,
-                        "retry_after_ms": refused["error"]["data"]["retry_after_ms"],
-                    }
-                    await other.call_nowait("subscribe", resume)
-                    await eventually(lambda: replaying() == 3, 5, "another identity's resume admitted")
-                    GatedHistory.gate.set()
-                    assert [f["data"] for f in await other.frames(1)] == [0]
-                    assert (await other.recv())["result"]["recovered"] is True
-            finally:
-                for client in hog:
-                    await client.__aexit__(None, None, None)
-            await eventually(lambda: hub.replays.resuming == 0 and not hub.replays.resuming_by, 5, "slots given back")
+            async with Client(address="10.77.0.1") as other:
+                await hog[0].call_nowait("subscribe", resume)
+                await hog[1].call_nowait("subscribe", resume)
+                replaying = lambda: sum(hub.replays.resuming_by.values())  # noqa: E731  (short ones too)
+                await eventually(lambda: replaying() == 2, 5, "the hog's two resumes replaying")
+                refused = await hog[2].call("subscribe", resume)
+                assert refused["error"]["data"] == {
+                    "reason": "too_many_resumes",
+                    "limit": 2,
+                    "retry_after_ms": refused["error"]["data"]["retry_after_ms"],
+                }
+                await other.call_nowait("subscribe", resume)
+                await eventually(lambda: replaying() == 3, 5, "another identity's resume admitted")
+                GatedHistory.gate.set()
+                assert [f["data"] for f in await other.frames(1)] == [0]
+                assert (await other.recv())["result"]["recovered"] is True
         finally:
-            await hub.aclose()
+            for client in hog:
+                await client.__aexit__(None, None, None)
+        await eventually(lambda: hub.replays.resuming == 0 and not hub.replays.resuming_by, 5, "slots given back")
 
 
 async def test_the_probe_and_metrics_show_histories_and_resumes(hub):

@@ -25,11 +25,12 @@ from realtime_app.hub.fanout import Fanout, Held
 from realtime_app.hub.ordering import Ordering
 from realtime_app.hub.shares import ShareBook, lineage_bytes
 from realtime_app.inbound.admission import Admission
+from realtime_app.outbound.guard import Guard
 from realtime_app.wire.deltas import FOSSIL
 from realtime_app.wire.history import PAGE, PAGE_BYTES, HistoryEntry, Since, follows, plan_resume
 from realtime_app.wire.protocol import OVERLOADED
 
-__all__ = ["Replays", "pace"]
+__all__ = ["Replays", "calm_bytes", "pace"]
 
 #: How long a replay may wait for a slow client to read (docs/recovery.md), and how many
 #: live frames may wait for it meanwhile; past either, the resume answers ``too_slow``.
@@ -71,6 +72,12 @@ class Subscriptions(Protocol):
     async def subscribe(self, conn: Connection, spec: ChannelSpec) -> bool: ...
 
     def undo_subscribe(self, conn: Connection, channel: str) -> None: ...
+
+
+def calm_bytes(guard: Guard) -> int:
+    """What a connection's queue may hold for a replay to send on: half the backpressure
+    threshold (a client that just had frames dropped is not dropped again)."""
+    return int(guard.config.max_backpressure) // 2
 
 
 def pace(*, queued: int, calm: int, held: int, now: float, deadline: float) -> Literal["send", "wait", "too_slow"]:
@@ -138,7 +145,7 @@ class Replays:
         if not limit or SHORT_RESUME * limit > PAGE_BYTES:
             return False
         guard = conn.guard  # calm as a replay's first frame reads it (nothing measured: calm)
-        return not guard.measure or guard.buffered() <= guard.config.max_backpressure // 2
+        return not guard.measure or guard.buffered() <= calm_bytes(guard)
 
     def _refuse_past(self, limit: int, taken: int) -> None:
         if limit and taken >= limit:
@@ -217,7 +224,7 @@ class Replays:
         backplane = self.hub.backplane
         assert backplane is not None
         guard = conn.guard
-        calm = guard.config.max_backpressure // 2
+        calm = calm_bytes(guard)
         deadline = time.monotonic() + REPLAY_TIMEOUT_S
         sent = 0
         # measured often enough that what is sent between two reads stays under the
