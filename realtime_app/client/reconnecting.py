@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import re
+import urllib.parse
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, NamedTuple
 
@@ -19,7 +20,15 @@ from websockets.typing import Origin
 from realtime_app.cancellation import cancel_and_wait
 from realtime_app.client.event_stream import StreamRefused, connect_event_stream, refusal_of
 
-__all__ = ["RECONNECT_CODES", "Hooks", "ReconnectingSocket", "is_reconnectable_close_code", "retry_after_ms"]
+__all__ = [
+    "RECONNECT_CODES",
+    "Hooks",
+    "ReconnectingSocket",
+    "is_reconnectable_close_code",
+    "reconnect_ticket",
+    "retry_after_ms",
+    "with_ticket",
+]
 
 #: Close codes after which the client reconnects; 1008 and 4xxx are fatal.
 RECONNECT_CODES = frozenset({1001, 1005, 1006, 1011, 1012, 1013})
@@ -36,6 +45,22 @@ def retry_after_ms(reason: str) -> int | None:
     """The ``retry_after_ms=<n>`` of a close reason (a draining server's 1012), if any."""
     match = re.search(r"\bretry_after_ms=(\d{1,9})\b", reason or "")
     return int(match[1]) if match else None
+
+
+def reconnect_ticket(reason: str) -> str | None:
+    """The ``ticket=<t>`` of a draining server's 1012, if any: shown on the next handshake,
+    it is not refused as a crowd's (:mod:`realtime_app.endpoint.tickets`)."""
+    match = re.search(r"(?:^|\s)ticket=([\w:-]{1,100})(?:\s|$)", reason or "")
+    return match[1] if match else None
+
+
+def with_ticket(url: str, ticket: str | None) -> str:
+    """``url`` with ``ticket=<ticket>`` added to its query (the URL as given without one)."""
+    if not ticket:
+        return url
+    parts = urllib.parse.urlsplit(url)
+    query = "&".join(filter(None, [parts.query, urllib.parse.urlencode({"ticket": ticket})]))
+    return urllib.parse.urlunsplit(parts._replace(query=query))
 
 
 class Hooks(NamedTuple):
@@ -80,6 +105,7 @@ class ReconnectingSocket:
         self.stopped = True
         self._blip_ms: float | None = None  # set by reconnect(): the delay before the new connection
         self._stream_refused = False  # the last SSE transport ended on a refused stream
+        self._ticket: str | None = None  # a drain's reconnect ticket, shown (by a WebSocket) until one opens
 
     def start(self) -> None:
         self.stopped = False
@@ -139,6 +165,7 @@ class ReconnectingSocket:
             self.attempt += 1
             self._on_state("reconnecting")
             told = retry_after_ms(reason)  # a draining server says when (its own share of the reconnections)
+            self._ticket = reconnect_ticket(reason) or self._ticket
             backoff = cap / 2 + random.random() * cap / 2
             if blip is None and told is not None:
                 # a refused stream's bucket said when; the next stream may carry more: the backoff too
@@ -150,7 +177,7 @@ class ReconnectingSocket:
         if self.transport == "sse":  # its backoff restarts when a stream opens, not at the probe
             return connect_event_stream(self.url, self.headers, self.connect_kwargs.get("ssl"), self._streaming)
         return websockets.connect(
-            self.url,
+            with_ticket(self.url, self._ticket),
             origin=Origin(self.origin) if self.origin else None,
             additional_headers=self.headers,
             max_size=None,
@@ -167,6 +194,7 @@ class ReconnectingSocket:
             async with self._connect() as ws:
                 self.ws = ws
                 self.was_open = True
+                self._ticket = None  # taken (or not needed): the next handshake is a stranger's again
                 if not self._stream_refused:  # over SSE a refused stream restarts the backoff only once one opens
                     self.attempt = 0
                 self.opened.set()

@@ -8,7 +8,9 @@ On SIGTERM (under daphne or uvicorn) the process, before the server shuts down:
   80 % of it, so that the last ones are gone before a typical 30 s grace period ends),
   each close reason ``retry_after_ms=<n>``: the client waits that long before it
   reconnects (both clients do) — the surviving processes take the handshakes in a trickle,
-  not an avalanche; event channels resume as after any reconnect;
+  not an avalanche; event channels resume as after any reconnect. An anonymous connection
+  is also told a reconnect ticket (``ticket=<t>``): shown on its next handshake, it is not
+  refused by the survivors' anonymous handshake bucket (:mod:`realtime_app.endpoint.tickets`);
 * **hands its tickers over first**: each lease it holds is released at once and the other
   processes are told, so one with subscribers runs the ticker within milliseconds, not a
   lease timeout later (this process competes again from its second beat: a channel nobody
@@ -31,10 +33,11 @@ import weakref
 from typing import Any
 
 from realtime_app.conf.runtime import runtime, settings
-from realtime_app.hub.core import Hub
+from realtime_app.endpoint.tickets import mint
+from realtime_app.hub.core import Connection, Hub
 from realtime_app.wire.protocol import CloseCode
 
-__all__ = ["DRAIN_SHARE", "Drains", "drain", "draining", "install_drain", "schedule"]
+__all__ = ["DRAIN_SHARE", "Drains", "close_reason", "drain", "draining", "install_drain", "schedule"]
 
 logger = logging.getLogger("realtime_app.hub")
 
@@ -68,6 +71,15 @@ def draining(hub: Hub | None) -> bool:
     return hub is not None and hub.gate.draining
 
 
+def close_reason(conn: Connection, retry_ms: int) -> str:
+    """A drained connection's close reason: when to come back and, for an anonymous one, a
+    reconnect ticket (its handshake elsewhere is not refused as a crowd's:
+    :mod:`realtime_app.endpoint.tickets`)."""
+    if conn.address is None or (conn.identity is not None and conn.identity[0] == "user"):
+        return f"retry_after_ms={retry_ms}"
+    return f"retry_after_ms={retry_ms} ticket={mint(conn.address)}"
+
+
 async def drain(hub: Hub, seconds: float) -> int:
     """Stop accepting, then close every connection with 1012 and its ``retry_after_ms``,
     spread over ``seconds``; returns how many were closed."""
@@ -84,7 +96,7 @@ async def drain(hub: Hub, seconds: float) -> int:
         await asyncio.sleep(start + at - loop.time())  # late: no wait (a delay <= 0 is none)
         if conn.closed:
             continue
-        conn.guard.close(int(CloseCode.SERVICE_RESTART), f"retry_after_ms={retry_ms}")
+        conn.guard.close(int(CloseCode.SERVICE_RESTART), close_reason(conn, retry_ms))
         hub.forget(conn)
         closed += 1
     # the last close frames on their way before the server stops (within the margin left)

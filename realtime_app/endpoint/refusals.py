@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from realtime_app.conf.runtime import runtime
+from realtime_app.endpoint.tickets import redeem, shown_ticket
 from realtime_app.hub.core import Connection, Hub
 from realtime_app.inbound.admission import Refusal
 from realtime_app.observability.logsafe import safe
@@ -127,12 +128,13 @@ def _count_then_log(key: str) -> int:
 async def refused_socket(hub: Hub, conn: Connection, identity: tuple[str, str]) -> bool:
     """The door of one socket: its identity's handshake rate, then its connection caps.
     True when refused, the socket closed with why: 1008 past its own cap (do not come
-    back), 1013 past the process's ceiling or the handshake rate (later)."""
+    back), 1013 past the process's ceiling or the handshake rate (later). A handshake
+    showing a drain's reconnect ticket skips the process's anonymous bucket only."""
     if hub.gate.draining:  # stopping: to another process, after a moment
         conn.closed = True
         await deny(conn.send, conn.scope, CloseCode.SERVICE_RESTART, "retry_after_ms=1000", conn.guard)
         return True
-    if not hub.gate.handshake(identity):  # logged by the hub, once while it lasts
+    if not hub.gate.handshake(identity, ticket=lambda: redeem(shown_ticket(conn.scope), conn.address or "")):
         conn.closed = True
         await deny(conn.send, conn.scope, CloseCode.TRY_AGAIN_LATER, "too many handshakes", conn.guard)
         return True

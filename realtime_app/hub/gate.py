@@ -10,7 +10,7 @@ import logging
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
@@ -139,6 +139,7 @@ class Gate:
         # the anonymous handshakes of every address together: one bucket, drawn as one identity
         self._anonymous = Admission(anonymous_handshake_limits(self.settings))
         self.refusal_closes = 0  # connections closed (1008) for ignoring their refusals
+        self.reconnect_tickets = 0  # handshakes let past the anonymous bucket by a drain's ticket
         self._refusing: set[Identity] = set()  # identities whose handshakes are refused now
         self._bucket_fallback: str | None = None  # why users' buckets are local now, if they are
         # Per identity, so that reconnecting does not refill it; least recently used first.
@@ -164,16 +165,22 @@ class Gate:
         self.pool.max_running = running
         self._refusal_budgets.clear()  # sized by ADMISSION_CLOSE_AFTER_REFUSALS: started again
 
-    def handshake(self, identity: Identity, anonymous: bool = True) -> bool:
+    def handshake(self, identity: Identity, anonymous: bool = True, ticket: Callable[[], bool] | None = None) -> bool:
         """Count one handshake of ``identity``; False past ``HANDSHAKES_PER_S`` (reconnect
         churn: every reconnect of an identity draws on the same bucket). ``anonymous``: an
         address's handshake also draws on the process's anonymous bucket (not a good
-        token's: its user is known)."""
+        token's: its user is known), unless ``ticket()`` says a drain handed it over
+        (asked only then: a ticket is taken once, :mod:`realtime_app.endpoint.tickets`)."""
         self.handshakes.forget_idle()  # memory follows the identities that connect now
         if not self.handshakes.limits.bucket_capacity or self.handshakes.charge(identity, 1.0) is None:
             self._refusing.discard(identity)
             # its own bucket first: what one address may not open never draws on the others'
-            if identity[0] != "user" and anonymous and not self._anonymous_handshake():
+            if identity[0] == "user" or not anonymous:
+                return True
+            if ticket is not None and ticket():  # paced by the drain that told it
+                self.reconnect_tickets += 1
+                return True
+            if not self._anonymous_handshake():
                 self.refused["process_handshakes"] += 1
                 return False
             return True
@@ -356,5 +363,6 @@ class Gate:
             "identities": self.admission.identities,
             "bucket": self.shared_bucket,
             "closed_for_refusals": self.refusal_closes,
+            "reconnect_tickets": self.reconnect_tickets,
             **{f"once_{name}": n for name, n in self.once.probe().items()},  # type: ignore[typeddict-item]
         }

@@ -78,6 +78,9 @@ class AdmissionProbe(TypedDict):
     identities: Annotated[int, Gauge("Identities (users, anonymous connections) admission tracks")]
     bucket: Annotated[str, Shown("realtime_admission_shared_bucket (1 while shared)")]
     closed_for_refusals: Annotated[int, Counter("Connections closed with 1008 for ignoring their refusals")]
+    reconnect_tickets: Annotated[
+        int, Counter("Anonymous handshakes let past the process's bucket by a draining process's ticket")
+    ]
     once_ran: Annotated[int, Counter("Idempotent calls run the first time for their key")]
     once_repeats: Annotated[int, Counter("Repeats of idempotent calls answered with the first answer")]
     once_waited: Annotated[int, Counter("Repeats that waited for their first call to answer")]

@@ -317,6 +317,25 @@ test("a close that says retry_after_ms waits that long before the next connectio
   }
 });
 
+test("a drain's reconnect ticket is shown on the next handshakes until one opens, then no more", async () => {
+  FakeSocket.instances = [];
+  const client = new RealtimeClient({ url: "ws://x/realtime/?v=2", WebSocket: FakeSocket, backoffInitialMs: 1, backoffMaxMs: 2 });
+  client.connect();
+  FakeSocket.instances[0].open();
+  FakeSocket.instances[0].readyState = 3;
+  FakeSocket.instances[0].onclose({ code: 1012, reason: "retry_after_ms=1 ticket=n0nce:1x:S1g-_" });
+  await until(() => FakeSocket.instances.length === 2);
+  assert.equal(FakeSocket.instances[1].url, "ws://x/realtime/?v=2&ticket=n0nce%3A1x%3AS1g-_");
+  FakeSocket.instances[1].onclose({ code: 1006, reason: "" }); // the next process not listening yet: kept
+  await until(() => FakeSocket.instances.length === 3);
+  assert.equal(FakeSocket.instances[2].url, "ws://x/realtime/?v=2&ticket=n0nce%3A1x%3AS1g-_");
+  FakeSocket.instances[2].open(); // let in: the ticket is spent
+  FakeSocket.instances[2].close(1013);
+  await until(() => FakeSocket.instances.length === 4);
+  assert.equal(FakeSocket.instances[3].url, "ws://x/realtime/?v=2");
+  client.close();
+});
+
 test("a re-subscription refused for now after a reconnect (too many resumes) is sent again after retryAfterMs", async () => {
   FakeSocket.instances = [];
   const client = new RealtimeClient({ url: "ws://x/realtime/", WebSocket: FakeSocket, backoffInitialMs: 1, backoffMaxMs: 2 });

@@ -17,6 +17,24 @@ export function isReconnectableCloseCode(code) {
 }
 
 /**
+ * The `ticket=<t>` of a draining server's 1012 close reason, if any: shown on the next
+ * handshake, it is not refused as a crowd's (realtime_app.endpoint.tickets).
+ * @param {string} reason @returns {string | undefined}
+ */
+export function reconnectTicket(reason) {
+  const match = /(?:^|\s)ticket=([\w:-]{1,100})(?:\s|$)/.exec(reason || "");
+  return match ? match[1] : undefined;
+}
+
+/** `url` with `ticket=<ticket>` added to its query (as given without one). @param {string} url @param {string} [ticket] */
+export function withTicket(url, ticket) {
+  if (!ticket) return url;
+  const [head, fragment] = url.split("#", 2);
+  const joined = `${head}${head.includes("?") ? "&" : "?"}ticket=${encodeURIComponent(ticket)}`;
+  return fragment === undefined ? joined : `${joined}#${fragment}`;
+}
+
+/**
  * Name the channel of `base` at cadence `ms`: `base` at the family default, else `base:ms`.
  * @param {string} base @param {number} ms @param {number} [defaultMs]
  */
@@ -717,6 +735,7 @@ export class RealtimeClient extends EventTarget {
     this._stopped = true;
     this._timer = null;
     this._blipMs = undefined; // set by reconnect(): the delay before the new connection
+    this._ticket = undefined; // a drain's reconnect ticket, shown (by a WebSocket) until one opens
     this._deltaWanted = new Set(); // requested names subscribed with deltas
     this._bases = new Map(); // canonical name -> the last data's JSON bytes (null until a full frame)
     this._resyncing = new Set(); // canonical names subscribed again for a full frame
@@ -735,12 +754,15 @@ export class RealtimeClient extends EventTarget {
     if (this._ws) return;
     this._setState(this.attempt ? "reconnecting" : "connecting");
     const kind = this.transport;
-    const ws = kind === "sse" ? new SseSocket(this.url, { fetch: this.fetch, token: this.token }) : new this.WebSocket(this.url);
+    const ws = kind === "sse"
+      ? new SseSocket(this.url, { fetch: this.fetch, token: this.token })
+      : new this.WebSocket(withTicket(this.url, this._ticket));
     this._ws = ws;
     let opened = false;
     if (kind === "sse") ws.onstream = () => { this.attempt = 0; }; // its backoff restarts when a stream opens
     ws.onopen = () => {
       opened = true;
+      this._ticket = undefined; // taken (or not needed): the next handshake is a stranger's again
       if (kind !== "sse" || !this._streamRefused) this.attempt = 0;
       if (this.token && kind === "websocket") { // the first request: what follows is the token's user's
         this._callOnce("auth", { token: this.token }, {}).catch((err) => console.error("auth refused", err));
@@ -820,6 +842,7 @@ export class RealtimeClient extends EventTarget {
     if (renew) { this._renew(); return; }
     const cap = Math.min(this.backoffMaxMs, this.backoffInitialMs * 2 ** this.attempt);
     const told = /\bretry_after_ms=(\d{1,9})\b/.exec(reason || ""); // a draining server says when
+    this._ticket = reconnectTicket(reason) ?? this._ticket; // and hands it over: shown on the next handshake
     const backoff = cap / 2 + Math.random() * (cap / 2);
     // a refused stream's bucket said when; the next stream may carry more: the backoff too
     const toldMs = told ? (this.transport === "sse" ? Math.max(Number(told[1]), backoff) : Number(told[1])) : undefined;
