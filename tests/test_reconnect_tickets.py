@@ -22,8 +22,10 @@ from realtime_app.endpoint.drain import close_reason
 from realtime_app.endpoint.tickets import MAX_TAKEN, TICKET_MAX_AGE_S, Taken, mint, redeem, shown_ticket
 from realtime_app.hub.connections import Connection
 from realtime_app.hub.gate import Gate
+from tests.support.health import Probe
 from tests.support.servers import Server, free_port, prepare_database
 from tests.support.waiting import eventually, eventually_sync
+from tests.support.wsclient import RPC
 
 
 async def refusal(url: str, address: str) -> tuple[int, str]:
@@ -57,34 +59,48 @@ def test_a_ticket_told_more_than_a_minute_ago_is_nothing(monkeypatch):
     assert redeem(mint("10.1.2.3"), "10.1.2.3")
 
 
-def test_the_tickets_a_process_took_are_bounded_and_forgotten_once_expired():
+def test_the_tickets_a_process_took_are_kept_twice_their_life_and_bounded():
     taken = Taken()
     assert taken.take("a", 0.0) and not taken.take("a", 1.0)
-    assert taken.take("a", TICKET_MAX_AGE_S + 0.1)  # expired from the book: the signature's max_age refuses it
+    assert not taken.take("a", TICKET_MAX_AGE_S + 1)  # its minting process's clock may be behind this one's
+    assert taken.take("a", 2 * TICKET_MAX_AGE_S + 0.1)  # forgotten: its signature's max_age refuses it by then
     for n in range(MAX_TAKEN + 10):
-        taken.take(str(n), TICKET_MAX_AGE_S + 1)
+        taken.take(str(n), 2 * TICKET_MAX_AGE_S + 1)
     assert len(taken) == MAX_TAKEN
+    assert not taken.take("one more", 2 * TICKET_MAX_AGE_S + 2)  # full: refused, none taken twice
+    assert not taken.take("0", 2 * TICKET_MAX_AGE_S + 2)
 
 
 def test_a_ticket_is_read_from_the_handshakes_query_and_its_close_reason():
     reason = close_reason_of("10.9.0.1")
     ticket = reconnect_ticket(reason)
     assert ticket is not None and retry_after_ms(reason) == 250 and len(reason) <= 123  # a close reason's bound
-    url = with_ticket("ws://h/realtime/?x=1", ticket)
-    assert shown_ticket({"query_string": url.split("?", 1)[1].encode()}) == ticket
+    url = with_ticket("ws://h/realtime/?x=1&ticket=old", ticket)
+    assert shown_ticket({"query_string": url.split("?", 1)[1].encode()}) == ticket  # in place of the old one
     assert with_ticket("ws://h/realtime/", None) == "ws://h/realtime/"
+    assert with_ticket("ws://h/realtime/", "a:b") == "ws://h/realtime/?ticket=a%3Ab"
     assert shown_ticket({"query_string": b"x=1"}) is None and reconnect_ticket("retry_after_ms=5") is None
-    assert shown_ticket({"query_string": b"&".join([b"a=1"] * 30) + b"&ticket=t"}) is None  # too many fields
+    assert shown_ticket({"query_string": b"&".join([b"a=1"] * 100) + b"&ticket=t"}) is None  # too many fields
 
 
-def close_reason_of(address: str, identity: tuple[str, str] | None = None) -> str:
+def close_reason_of(address: str, identity: tuple[str, str] | None = None, kind: str = "websocket") -> str:
     conn = Connection.__new__(Connection)
-    conn.address, conn.identity = address, identity or ("address", address)
+    conn.address, conn.identity, conn.scope = address, identity or ("address", address), {"type": kind}
     return close_reason(conn, 250)
 
 
-def test_a_signed_in_connection_is_told_no_ticket():
+def test_a_signed_in_connection_an_event_stream_and_an_unknown_address_are_told_no_ticket():
     assert reconnect_ticket(close_reason_of("10.9.0.1", ("user", "7"))) is None  # a user's handshake is not anonymous
+    assert reconnect_ticket(close_reason_of("10.9.0.1", kind="http")) is None  # no client shows one on a stream
+    assert reconnect_ticket(close_reason_of("unknown")) is None  # would be every such client's
+    assert reconnect_ticket(close_reason_of("2001:db8::1", ("address", "2001:db8::/64"))) is not None
+
+
+def test_a_ticket_is_bound_to_the_network_the_caps_count():
+    ticket = reconnect_ticket(close_reason_of("2001:db8::1", ("address", "2001:db8::/64")))
+    assert not redeem(ticket, "2001:db8:0:1::/64") and redeem(
+        ticket, "2001:db8::/64"
+    )  # a new privacy address: same /64
 
 
 def test_the_gate_asks_for_the_ticket_only_for_the_process_bucket(settings):
@@ -144,13 +160,12 @@ async def test_a_client_drained_by_one_process_is_let_in_by_the_next_past_its_an
         eventually_sync(lambda: first.process.poll() is not None, 15, "the first process exits")
         second.start()
         # a stranger takes the new process's one anonymous handshake (the ticket did not: in whatever order)
-        async with websockets.connect(
-            second.ws, origin=second.http, additional_headers={"X-Forwarded-For": "10.9.9.1"}
-        ):
-            pass
+        async with RPC(second.ws, address="10.9.9.1") as stranger:
+            assert await stranger.call("ping") is not None  # let in, whenever the client came
         assert await refusal(second.ws, "10.9.9.2") == (1013, "too many handshakes")  # the bucket is empty
-        await eventually(lambda: client.state == "open", 15, "the drained client let in by its ticket")
-        assert await client.call("ping", timeout=5) is not None
+        await eventually(lambda: client.state == "open", 20, "the drained client let in by its ticket")
+        assert await client.call("ping", timeout=10) is not None
+        assert Probe(second).admission()["reconnect_tickets"] == 1
         # shown again, from its own address: taken once only
         replay = with_ticket(second.ws, ticket)
         assert await refusal(replay, "10.9.0.1") == (1013, "too many handshakes")

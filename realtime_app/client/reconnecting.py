@@ -50,16 +50,18 @@ def retry_after_ms(reason: str) -> int | None:
 def reconnect_ticket(reason: str) -> str | None:
     """The ``ticket=<t>`` of a draining server's 1012, if any: shown on the next handshake,
     it is not refused as a crowd's (:mod:`realtime_app.endpoint.tickets`)."""
-    match = re.search(r"(?:^|\s)ticket=([\w:-]{1,100})(?:\s|$)", reason or "")
+    match = re.search(r"(?:^|\s)ticket=([A-Za-z0-9_:-]{1,100})(?:\s|$)", reason or "")
     return match[1] if match else None
 
 
 def with_ticket(url: str, ticket: str | None) -> str:
-    """``url`` with ``ticket=<ticket>`` added to its query (the URL as given without one)."""
+    """``url`` with ``ticket=<ticket>`` in its query, in place of any it had (the URL as
+    given without one)."""
     if not ticket:
         return url
     parts = urllib.parse.urlsplit(url)
-    query = "&".join(filter(None, [parts.query, urllib.parse.urlencode({"ticket": ticket})]))
+    kept = [part for part in parts.query.split("&") if part and not part.startswith("ticket=")]
+    query = "&".join([*kept, urllib.parse.urlencode({"ticket": ticket})])
     return urllib.parse.urlunsplit(parts._replace(query=query))
 
 
@@ -105,7 +107,7 @@ class ReconnectingSocket:
         self.stopped = True
         self._blip_ms: float | None = None  # set by reconnect(): the delay before the new connection
         self._stream_refused = False  # the last SSE transport ended on a refused stream
-        self._ticket: str | None = None  # a drain's reconnect ticket, shown (by a WebSocket) until one opens
+        self._ticket: str | None = None  # a drain's reconnect ticket, shown (by a WebSocket) until one is served
 
     def start(self) -> None:
         self.stopped = False
@@ -194,7 +196,6 @@ class ReconnectingSocket:
             async with self._connect() as ws:
                 self.ws = ws
                 self.was_open = True
-                self._ticket = None  # taken (or not needed): the next handshake is a stranger's again
                 if not self._stream_refused:  # over SSE a refused stream restarts the backoff only once one opens
                     self.attempt = 0
                 self.opened.set()
@@ -202,6 +203,7 @@ class ReconnectingSocket:
                 opening = asyncio.get_running_loop().create_task(self._on_open())
                 try:
                     async for text in ws:
+                        self._ticket = None  # served (a refusal closes before any frame): spent
                         await self._on_text(text)
                 finally:
                     opening.cancel()

@@ -33,7 +33,7 @@ import weakref
 from typing import Any
 
 from realtime_app.conf.runtime import runtime, settings
-from realtime_app.endpoint.tickets import mint
+from realtime_app.endpoint.tickets import mint, ticket_network
 from realtime_app.hub.core import Connection, Hub
 from realtime_app.wire.protocol import CloseCode
 
@@ -72,12 +72,13 @@ def draining(hub: Hub | None) -> bool:
 
 
 def close_reason(conn: Connection, retry_ms: int) -> str:
-    """A drained connection's close reason: when to come back and, for an anonymous one, a
-    reconnect ticket (its handshake elsewhere is not refused as a crowd's:
+    """A drained connection's close reason: when to come back and, for an anonymous
+    WebSocket, a reconnect ticket (its handshake elsewhere is not refused as a crowd's:
     :mod:`realtime_app.endpoint.tickets`)."""
-    if conn.address is None or (conn.identity is not None and conn.identity[0] == "user"):
+    network = ticket_network(conn.identity)
+    if network is None or conn.scope.get("type") != "websocket":  # a user's, or an event stream's
         return f"retry_after_ms={retry_ms}"
-    return f"retry_after_ms={retry_ms} ticket={mint(conn.address)}"
+    return f"retry_after_ms={retry_ms} ticket={mint(network)}"
 
 
 async def drain(hub: Hub, seconds: float) -> int:

@@ -134,7 +134,7 @@ async def refused_socket(hub: Hub, conn: Connection, identity: tuple[str, str]) 
         conn.closed = True
         await deny(conn.send, conn.scope, CloseCode.SERVICE_RESTART, "retry_after_ms=1000", conn.guard)
         return True
-    if not hub.gate.handshake(identity, ticket=lambda: redeem(shown_ticket(conn.scope), conn.address or "")):
+    if not hub.gate.handshake(identity, ticket=lambda: redeem(shown_ticket(conn.scope), identity[1])):
         conn.closed = True
         await deny(conn.send, conn.scope, CloseCode.TRY_AGAIN_LATER, "too many handshakes", conn.guard)
         return True

@@ -33,7 +33,6 @@ from realtime_app.endpoint.doors import Answer, encode_answer
 from realtime_app.endpoint.methods import BUILTIN_COSTS
 from realtime_app.endpoint.refusals import log_auth_outage, log_error_counts, log_refused_connection, refusal_response
 from realtime_app.endpoint.subscribing import require_existing
-from realtime_app.endpoint.tickets import redeem, shown_ticket
 from realtime_app.endpoint.tokens import UNREAD_BEARER, arm_expiry, cancel_expiry, unread_bearer
 from realtime_app.exceptions import BackplaneUnavailable, RPCError
 from realtime_app.hub.core import Connection, Hub
@@ -179,7 +178,7 @@ class EventStreamConsumer(RealtimeConsumer):
         identity = self.admission_identity()
         if hub.gate.draining:
             return _closed_as(CloseCode.SERVICE_RESTART, "draining")
-        if not hub.gate.handshake(identity, ticket=lambda: redeem(shown_ticket(self.scope), conn.address or "")):
+        if not hub.gate.handshake(identity):
             return _closed_as(CloseCode.TRY_AGAIN_LATER, "too many handshakes")
         refused = hub.add_connection(conn, identity)
         if refused is None:

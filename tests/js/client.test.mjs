@@ -317,7 +317,7 @@ test("a close that says retry_after_ms waits that long before the next connectio
   }
 });
 
-test("a drain's reconnect ticket is shown on the next handshakes until one opens, then no more", async () => {
+test("a drain's reconnect ticket is shown on the next handshakes until one is served, then no more", async () => {
   FakeSocket.instances = [];
   const client = new RealtimeClient({ url: "ws://x/realtime/?v=2", WebSocket: FakeSocket, backoffInitialMs: 1, backoffMaxMs: 2 });
   client.connect();
@@ -329,10 +329,15 @@ test("a drain's reconnect ticket is shown on the next handshakes until one opens
   FakeSocket.instances[1].onclose({ code: 1006, reason: "" }); // the next process not listening yet: kept
   await until(() => FakeSocket.instances.length === 3);
   assert.equal(FakeSocket.instances[2].url, "ws://x/realtime/?v=2&ticket=n0nce%3A1x%3AS1g-_");
-  FakeSocket.instances[2].open(); // let in: the ticket is spent
+  FakeSocket.instances[2].open(); // accepted, then closed: a refusal (too many handshakes) is no entry
   FakeSocket.instances[2].close(1013);
   await until(() => FakeSocket.instances.length === 4);
-  assert.equal(FakeSocket.instances[3].url, "ws://x/realtime/?v=2");
+  assert.equal(FakeSocket.instances[3].url, "ws://x/realtime/?v=2&ticket=n0nce%3A1x%3AS1g-_");
+  FakeSocket.instances[3].open();
+  FakeSocket.instances[3].onmessage({ data: JSON.stringify({ jsonrpc: "2.0", method: "ping" }) }); // served: spent
+  FakeSocket.instances[3].close(1013);
+  await until(() => FakeSocket.instances.length === 5);
+  assert.equal(FakeSocket.instances[4].url, "ws://x/realtime/?v=2");
   client.close();
 });
 

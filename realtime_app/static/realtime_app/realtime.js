@@ -22,16 +22,21 @@ export function isReconnectableCloseCode(code) {
  * @param {string} reason @returns {string | undefined}
  */
 export function reconnectTicket(reason) {
-  const match = /(?:^|\s)ticket=([\w:-]{1,100})(?:\s|$)/.exec(reason || "");
+  const match = /(?:^|\s)ticket=([A-Za-z0-9_:-]{1,100})(?:\s|$)/.exec(reason || "");
   return match ? match[1] : undefined;
 }
 
-/** `url` with `ticket=<ticket>` added to its query (as given without one). @param {string} url @param {string} [ticket] */
+/** `url` with `ticket=<ticket>` in its query, in place of any it had (as given without one).
+ * @param {string} url @param {string} [ticket] */
 export function withTicket(url, ticket) {
   if (!ticket) return url;
-  const [head, fragment] = url.split("#", 2);
-  const joined = `${head}${head.includes("?") ? "&" : "?"}ticket=${encodeURIComponent(ticket)}`;
-  return fragment === undefined ? joined : `${joined}#${fragment}`;
+  const hash = url.indexOf("#");
+  const head = hash < 0 ? url : url.slice(0, hash);
+  const fragment = hash < 0 ? "" : url.slice(hash);
+  const mark = head.indexOf("?");
+  const path = mark < 0 ? head : head.slice(0, mark);
+  const kept = mark < 0 ? [] : head.slice(mark + 1).split("&").filter((part) => part && !part.startsWith("ticket="));
+  return `${path}?${[...kept, `ticket=${encodeURIComponent(ticket)}`].join("&")}${fragment}`;
 }
 
 /**
@@ -735,7 +740,7 @@ export class RealtimeClient extends EventTarget {
     this._stopped = true;
     this._timer = null;
     this._blipMs = undefined; // set by reconnect(): the delay before the new connection
-    this._ticket = undefined; // a drain's reconnect ticket, shown (by a WebSocket) until one opens
+    this._ticket = undefined; // a drain's reconnect ticket, shown (by a WebSocket) until one is served
     this._deltaWanted = new Set(); // requested names subscribed with deltas
     this._bases = new Map(); // canonical name -> the last data's JSON bytes (null until a full frame)
     this._resyncing = new Set(); // canonical names subscribed again for a full frame
@@ -762,7 +767,6 @@ export class RealtimeClient extends EventTarget {
     if (kind === "sse") ws.onstream = () => { this.attempt = 0; }; // its backoff restarts when a stream opens
     ws.onopen = () => {
       opened = true;
-      this._ticket = undefined; // taken (or not needed): the next handshake is a stranger's again
       if (kind !== "sse" || !this._streamRefused) this.attempt = 0;
       if (this.token && kind === "websocket") { // the first request: what follows is the token's user's
         this._callOnce("auth", { token: this.token }, {}).catch((err) => console.error("auth refused", err));
@@ -771,7 +775,10 @@ export class RealtimeClient extends EventTarget {
       this._setState("open");
       for (const name of this._handlers.keys()) this._resubscribe(name, ws);
     };
-    ws.onmessage = (event) => this._onMessage(event.data);
+    ws.onmessage = (event) => {
+      this._ticket = undefined; // served (a refusal closes before any frame): spent
+      this._onMessage(event.data);
+    };
     ws.onclose = (event) => {
       const next = this.transports[this.transports.indexOf(kind) + 1];
       this._streamRefused = Boolean(ws.refusedStream);
