@@ -28,8 +28,13 @@ clients come back, in both modes alike. On 2 cores, 3,000 clients at 10 publicat
 second need more CPU than there is (the servers write 30,000 frames a second and this
 process reads them): lower ``--rate`` there, and say so.
 
+``--anonymous-handshakes N``: each process's ``MAX_ANONYMOUS_HANDSHAKES_PER_S`` (200 by
+default): below what a drain sends each survivor, as on a site whose processes hold more
+connections than this machine's clients, a drain meets the survivors' anonymous bucket.
+
 Usage:  REDIS_URL=redis://127.0.0.1:6379/0 python bench/deploy.py [--clients 3000]
-            [--rate 10] [--drain 10] [--json FILE] [--plot docs/img/deploy-connections.png]
+            [--rate 10] [--drain 10] [--anonymous-handshakes N] [--json FILE]
+            [--plot docs/img/deploy-connections.png]
 """
 
 from __future__ import annotations
@@ -154,11 +159,16 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
     from realtime_app.client import RealtimeClient
 
     drain = args.drain if mode == "drained" else 0
-    env = {**base_env, "REALTIME_BENCH_OVERRIDES": json.dumps({"DRAIN_SECONDS": drain})}
+    overrides: dict[str, float] = {"DRAIN_SECONDS": drain}
+    if args.anonymous_handshakes is not None:
+        overrides["MAX_ANONYMOUS_HANDSHAKES_PER_S"] = args.anonymous_handshakes
+    env = {**base_env, "REALTIME_BENCH_OVERRIDES": json.dumps(overrides)}
     site = Site(env, site_root(), args.clients)
     root = site.root
     clients: list[Any] = []
     closes: collections.Counter[str] = collections.Counter()  # every close a client saw, by code and reason
+    deploy_closes: collections.Counter[str] = collections.Counter()  # the same, from the first stop on
+    deploy_began: list[float] = []
     received: list[dict[int, float]] = []  # per client: seq -> when it first arrived
     samples: list[tuple[float, list[int], int]] = []  # (time, connections per process, clients not open)
     pings: list[tuple[float, float]] = []
@@ -191,7 +201,11 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
                 compression=None,
             )
             await client.subscribe("demo:events", handler_for(seen))
-            client.on_close.append(lambda code, reason, again: closes.update([f"{code} {told_as_any(reason)}"]))
+            client.on_close.append(
+                lambda code, reason, again: (closes if not deploy_began else deploy_closes).update(
+                    [f"{code} {told_as_any(reason)}"]
+                )
+            )
             clients.append(client)
             received.append(seen)
         opening = asyncio.gather(*(c.connect(timeout=180) for c in clients), return_exceptions=True)
@@ -224,6 +238,7 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
         tasks = [asyncio.create_task(sample())]
         await asyncio.sleep(10)  # before the deploy: the idle figures
         first_stop = time.monotonic()
+        deploy_began.append(first_stop)
         restarting: list[tuple[float, float, int]] = []
         for i in range(PROCESSES):
             began = time.monotonic()
@@ -271,14 +286,15 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
     row["resumed_all_after_s"] = round(recovered, 1)
     row["caught_up_after_s"] = caught_up(published, received, first_stop, restarting[-1][1])
     row["not_back_by_last_close"] = dict(away.most_common(10))
-    row["closes_by_reason"] = dict(closes.most_common(8))  # every close the clients saw, the deploy's own first
+    row["closes_before_deploy"] = dict(closes.most_common(8))  # while the clients first connected
+    row["closes_by_reason"] = dict(deploy_closes.most_common(8))  # from the first stop on
     return row
 
 
 def told_as_any(reason: str) -> str:
-    """A close reason with its ``retry_after_ms=<n>`` as ``retry_after_ms=…``: closes
-    counted by what they said, not by each wait."""
-    return re.sub(r"retry_after_ms=\d+", "retry_after_ms=…", reason)
+    """A close reason with its ``retry_after_ms=<n>`` as ``retry_after_ms=…`` (and its
+    reconnect ticket as ``ticket=…``): closes counted by what they said, not by each wait."""
+    return re.sub(r"ticket=\S+", "ticket=…", re.sub(r"retry_after_ms=\d+", "retry_after_ms=…", reason))
 
 
 def caught_up(
@@ -367,7 +383,10 @@ def report(rows: list[dict[str, Any]]) -> None:
             f"{row['resumed_all_after_s']:>11.1f}{caught:>13}"
         )
     for row in rows:
-        print(f"{row['mode']}: the clients' closes, by code and reason: {row['closes_by_reason']}")
+        print(f"{row['mode']}: the clients' closes while they first connected: {row['closes_before_deploy']}")
+        print(
+            f"{row['mode']}: the clients' closes from the first stop on, by code and reason: {row['closes_by_reason']}"
+        )
         if row["not_back_by_last_close"]:
             print(f"{row['mode']}: clients not back, by their last close: {row['not_back_by_last_close']}")
     if len(rows) == 2:
@@ -451,6 +470,11 @@ async def main() -> None:
     parser.add_argument("--rate", type=float, default=10)
     parser.add_argument("--drain", type=float, default=10)
     parser.add_argument("--modes", nargs="+", default=["drained", "immediate"])
+    parser.add_argument(
+        "--anonymous-handshakes",
+        type=float,
+        help="MAX_ANONYMOUS_HANDSHAKES_PER_S of each process (a bigger site's drain against its survivors' bucket)",
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()

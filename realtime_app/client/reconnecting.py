@@ -34,6 +34,9 @@ __all__ = [
 RECONNECT_CODES = frozenset({1001, 1005, 1006, 1011, 1012, 1013})
 #: The connection token expired (4004): with a way to get a new one, connect again with it.
 TOKEN_EXPIRED = 4004
+#: 403s in a row to a client never let in before it takes one as a refused origin (final):
+#: daphne answers 403 too to a handshake its application did not accept in time.
+ORIGIN_REFUSALS = 3
 
 
 def is_reconnectable_close_code(code: int | None) -> bool:
@@ -101,6 +104,7 @@ class ReconnectingSocket:
         self.ws: Any = None
         self.attempt = 0
         self.was_open = False  # this server let the socket in once: a 403 now is not about its origin
+        self.forbidden = 0  # 403s in a row before the first open
         self.last_close: tuple[int | None, str] | None = None
         self.runner: asyncio.Task[None] | None = None
         self.opened = asyncio.Event()
@@ -215,11 +219,13 @@ class ReconnectingSocket:
             # The rule of every refused HTTP request of both clients: 429 and any 5xx (the
             # server's 1013 before the accept, a proxy's 502/504 mid-deploy) come back later;
             # 401 is a refused token, 403 a refused origin (fatal) — unless this socket was
-            # let in before: then it is daphne's answer to a handshake its application did not
-            # accept in time (``--websocket_connect_timeout``, a reconnection storm): again.
+            # let in before, or it is the first or second in a row: daphne answers 403 to a
+            # handshake its application did not accept in time (``--websocket_connect_timeout``,
+            # a crowd of handshakes: 14 of 4,500 new clients stopped for good on one): again.
             status = refused.response.status_code
             code, _ = refusal_of(status, bytes(refused.response.body or b""))
-            if status == 403 and self.was_open:
+            self.forbidden = self.forbidden + 1 if status == 403 else 0
+            if status == 403 and (self.was_open or self.forbidden < ORIGIN_REFUSALS):
                 code = 1006
             return code, f"handshake refused ({status})"
         except StreamRefused as refused:  # the HTTP transport's door: the close a socket would have had
