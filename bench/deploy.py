@@ -202,8 +202,10 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
             )
             await client.subscribe("demo:events", handler_for(seen))
             client.on_close.append(
-                lambda code, reason, again: (closes if not deploy_began else deploy_closes).update(
-                    [f"{code} {told_as_any(reason)}"]
+                lambda code, reason, again: (
+                    (closes if not deploy_began else deploy_closes).update([f"{code} {told_as_any(reason)}"])
+                    if len(deploy_began) < 2
+                    else None
                 )
             )
             clients.append(client)
@@ -275,6 +277,7 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
         while time.monotonic() < settle_deadline and any(seq not in seen for seen in received for seq in due):
             await asyncio.sleep(1)
         recovered = time.monotonic() - deploy_end
+        deploy_began.append(-1.0)  # what follows is the script's own teardown: not counted
     finally:
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
         for process in pinger_box:

@@ -693,6 +693,28 @@ async def test_a_new_client_answered_403_by_a_server_too_busy_to_accept_in_time_
         assert closes == [(1006, True), (1006, True)] and client.state == "open"
 
 
+async def test_the_403s_in_a_row_are_counted_afresh_when_a_client_connects_again():
+    """Three 403s stop the client; connected again, its 403s count from none (a client
+    refused once is not refused at its next first 403), and any other end in between
+    (here a 500) starts the row again."""
+    answers = [403, 403, 403]
+    closes: list[tuple] = []
+
+    def process_request(connection, request):
+        return connection.respond(answers.pop(0), "Access denied\n") if answers else None
+
+    async def handler(ws):
+        await ws.wait_closed()
+
+    async with answering(handler, process_request, closes) as client:
+        with pytest.raises(ConnectionRefusedError, match="closed for good \\(1008\\)"):
+            await client.connect(timeout=15)
+        answers.extend([403, 403, 500, 403, 403])
+        closes.clear()
+        await client.connect(timeout=15)
+        assert [code for code, _ in closes] == [1006, 1006, 1013, 1006, 1006] and client.state == "open"
+
+
 async def test_a_403_to_a_client_the_server_let_in_before_is_tried_again():
     """Found (a rolling restart at once, 4,500 clients): daphne answers 403 to a handshake
     its application has not accepted within ``--websocket_connect_timeout`` — the returning

@@ -116,6 +116,7 @@ class ReconnectingSocket:
     def start(self) -> None:
         self.stopped = False
         if self.runner is None or self.runner.done():
+            self.forbidden = 0  # a new start: its 403s are counted afresh
             self.runner = asyncio.get_running_loop().create_task(self._run(), name="realtime-client")
 
     async def first_open(self, timeout: float) -> None:
@@ -196,6 +197,7 @@ class ReconnectingSocket:
 
     async def _session(self) -> tuple[int | None, str]:
         """One connection, from the handshake to its close: how it closed."""
+        forbidden, self.forbidden = self.forbidden, 0  # 403s in a row: any other end starts again
         try:
             async with self._connect() as ws:
                 self.ws = ws
@@ -222,9 +224,11 @@ class ReconnectingSocket:
             # let in before, or it is the first or second in a row: daphne answers 403 to a
             # handshake its application did not accept in time (``--websocket_connect_timeout``,
             # a crowd of handshakes: 14 of 4,500 new clients stopped for good on one): again.
+            # (Over SSE a 403 is final at once: no server answers an HTTP request so for a timeout.)
             status = refused.response.status_code
             code, _ = refusal_of(status, bytes(refused.response.body or b""))
-            self.forbidden = self.forbidden + 1 if status == 403 else 0
+            if status == 403:
+                self.forbidden = forbidden + 1
             if status == 403 and (self.was_open or self.forbidden < ORIGIN_REFUSALS):
                 code = 1006
             return code, f"handshake refused ({status})"
