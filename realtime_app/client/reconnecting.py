@@ -21,6 +21,7 @@ from realtime_app.cancellation import cancel_and_wait
 from realtime_app.client.event_stream import StreamRefused, connect_event_stream, refusal_of
 
 __all__ = [
+    "ORIGIN_REFUSALS",
     "RECONNECT_CODES",
     "Hooks",
     "ReconnectingSocket",

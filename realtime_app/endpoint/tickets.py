@@ -1,20 +1,23 @@
 """Reconnect tickets: a client a draining process hands over comes back as one, not as a
 stranger in a crowd.
 
-A drain closes each connection with 1012 and ``retry_after_ms=<n>``; an anonymous one is
-also told ``ticket=<t>``. Its next WebSocket handshake, on any process of the cluster,
-shows the ticket in its URL (``?ticket=<t>``: a browser cannot set a header on a
-WebSocket) and is not counted against that process's anonymous handshake bucket
-(``MAX_ANONYMOUS_HANDSHAKES_PER_S``): the drain already paces those clients, and a deploy's
-crowd refused as a flood of many addresses came back seconds late, backing off
-(docs/performance.md, "Deploys"). Everything else still applies — its address's own bucket
-(``HANDSHAKES_PER_S``), the connection caps, the auth doors.
+A drain closes each connection with 1012 and ``retry_after_ms=<n>``; an anonymous
+WebSocket is also told ``ticket=<t>`` (an event stream none: no client shows one there).
+Its next WebSocket handshake, on any process of the cluster, shows the ticket in its URL
+(``?ticket=<t>``: a browser cannot set a header on a WebSocket) and is not counted
+against that process's anonymous handshake bucket
+(``MAX_ANONYMOUS_HANDSHAKES_PER_S``): the drain already paces those clients, and where it
+sends a survivor more than that bucket takes, a deploy's crowd was refused as a flood of
+many addresses and came back seconds late, backing off (docs/performance.md, "Reconnect
+tickets"). Everything else still applies — its network's own bucket
+(``HANDSHAKES_PER_S``), the connection caps (a ticket is taken before them: one refused
+``server full`` is spent on that process), the auth doors.
 
 A ticket is signed with ``SECRET_KEY`` (:mod:`django.core.signing`, under this site's salt
 and the client's network — the one its caps count, ``ADDRESS_PREFIX_V6``: shown from
 another it is nothing), is good for :data:`TICKET_MAX_AGE_S`, names nobody, and each
-process takes each ticket once (so a cluster of P processes lets it past P − 1 buckets at
-most; the network's own bucket bounds them all). It sits in a URL, where proxies may log
+process takes each ticket once while it runs (a restarted one has forgotten what it took:
+the network's own bucket is the bound of them all). It sits in a URL, where proxies may log
 it: it is worth one handshake past one bucket for a minute.
 """
 
@@ -31,7 +34,17 @@ from django.core import signing
 from realtime_app.conf.runtime import runtime
 from realtime_app.wire.asgi import Scope
 
-__all__ = ["TICKET_MAX_AGE_S", "MAX_TAKEN", "Taken", "mint", "redeem", "shown_ticket", "ticket_network"]
+__all__ = [
+    "MAX_TAKEN",
+    "MAX_TICKET_CHARS",
+    "SALT",
+    "TICKET_MAX_AGE_S",
+    "Taken",
+    "mint",
+    "redeem",
+    "shown_ticket",
+    "ticket_network",
+]
 
 #: How long a ticket is good for after its drain told it (a client waits ``retry_after_ms``,
 #: at most the drain's spacing, and then a few reconnect attempts).
@@ -71,6 +84,8 @@ def ticket_network(identity: tuple[str, str] | None) -> str | None:
 
 
 def _signer(network: str) -> signing.TimestampSigner:
+    """Django's signer under this site's salt and ``network``: a ticket shown from another
+    network, or to another site sharing ``SECRET_KEY``, does not verify."""
     from realtime_app.endpoint.tokens import site_salt
 
     return signing.TimestampSigner(salt=f"{SALT}:{site_salt()}:{network}")
