@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 import pytest
@@ -42,13 +43,20 @@ async def refusal(url: str, address: str) -> tuple[int, str]:
     raise AssertionError("a frame came instead of the close")
 
 
-def test_a_ticket_is_good_once_from_the_address_it_was_told_to():
+def test_a_ticket_is_good_once_from_the_address_it_was_told_to(caplog):
+    from realtime_app.conf.runtime import runtime
+
+    runtime().said_again("reconnect ticket refused")  # whatever this process's tests said before
+    caplog.set_level(logging.INFO, logger="realtime_app.consumers")
     ticket = mint("10.1.2.3")
     assert not redeem(ticket, "10.1.2.4")  # from another address: nothing (and not taken)
     assert redeem(ticket, "10.1.2.3")
     assert not redeem(ticket, "10.1.2.3")  # shown again: taken already
     assert not redeem(ticket[:-1] + ("A" if ticket[-1] != "A" else "B"), "10.1.2.3")  # forged
     assert not redeem("", "10.1.2.3") and not redeem(None, "10.1.2.3") and not redeem("x" * 500, "10.1.2.3")
+    assert not redeem("forged:1:x", "10.1.2.3")
+    said = [r for r in caplog.records if "reconnect ticket was not taken" in r.getMessage()]
+    assert len(said) == 1  # a bad ticket is said once a process, not once a handshake
 
 
 def test_a_ticket_told_more_than_a_minute_ago_is_nothing(monkeypatch):

@@ -24,6 +24,7 @@ it: it is worth one handshake past one bucket for a minute.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import secrets
 import time
 import urllib.parse
@@ -45,6 +46,8 @@ __all__ = [
     "shown_ticket",
     "ticket_network",
 ]
+
+logger = logging.getLogger("realtime_app.consumers")
 
 #: How long a ticket is good for after its drain told it (a client waits ``retry_after_ms``,
 #: at most the drain's spacing, and then a few reconnect attempts).
@@ -104,7 +107,9 @@ def redeem(ticket: str | None, network: str) -> bool:
         return False
     try:
         nonce = _signer(network).unsign(ticket, max_age=TICKET_MAX_AGE_S)
-    except signing.BadSignature:  # forged, from another address or site, or expired
+    except signing.BadSignature as exc:  # forged, from another network or site, or expired
+        if runtime().first_time("reconnect ticket refused"):  # once: a stranger's handshake, nothing more
+            logger.info("a reconnect ticket was not taken (%s): its handshake counts as any other", exc)
         return False
     return runtime().part(Taken).take(nonce, time.monotonic())
 
