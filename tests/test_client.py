@@ -739,3 +739,32 @@ async def test_a_403_to_a_client_the_server_let_in_before_is_tried_again():
         await client.connect(timeout=15)
         await eventually(lambda: len(closes) == 3 and client.state == "open", 15, "back after two 403s")
         assert closes == [(1012, True), (1006, True), (1006, True)] and refusals[0] == 0
+
+
+async def test_a_drains_reconnect_ticket_is_shown_until_a_connection_is_served():
+    """The Python twin of tests/js/client.test.mjs: the ticket of a drain's 1012 goes on
+    the next handshakes, past a refusal that accepts and closes (1013, no frame), and is
+    dropped once a connection is served (a frame came)."""
+    paths: list[str] = []
+    closes: list[tuple] = []
+
+    def process_request(connection, request):
+        paths.append(request.path)
+        return None
+
+    async def handler(ws):
+        n = len(paths)
+        if n == 1:
+            await ws.close(1012, "retry_after_ms=1 ticket=n0nce:1x:S1g-_")  # drained
+        elif n == 2:
+            await ws.close(1013, "too many handshakes")  # refused after the accept: no frame
+        elif n == 3:
+            await ws.send('{"jsonrpc": "2.0", "method": "ping"}')  # served
+            await ws.close(1013, "later")
+        else:
+            await ws.wait_closed()
+
+    async with answering(handler, process_request, closes) as client:
+        await client.connect(timeout=15)
+        await eventually(lambda: len(paths) == 4, 15, "four handshakes")
+        assert paths == ["/", "/?ticket=n0nce%3A1x%3AS1g-_", "/?ticket=n0nce%3A1x%3AS1g-_", "/"], paths
