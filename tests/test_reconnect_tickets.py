@@ -141,6 +141,44 @@ def test_the_gate_asks_for_the_ticket_only_for_the_process_bucket(settings):
     assert gate.probe(0)["reconnect_tickets"] == 31
 
 
+async def test_a_ticket_whose_handshake_the_caps_refuse_is_good_again(hub, settings):
+    """A ticket is taken before the connection caps: one refused ``server full`` was spent
+    on that process; it is given back (nothing was let in for it)."""
+    from channels.testing import WebsocketCommunicator
+    from django.contrib.auth.models import AnonymousUser
+
+    from realtime_app.conf.runtime import settings as app_settings
+    from tests.support.asgi_client import Client, app
+
+    settings.REALTIME_APP = {**settings.REALTIME_APP, "MAX_CONNECTIONS": 2, "SIGNED_IN_RESERVE": 0}
+    hub.gate.configure(app_settings())
+    ticket = mint("10.9.7.1")
+
+    def ticketed() -> WebsocketCommunicator:
+        comm = WebsocketCommunicator(app, with_ticket("/realtime/", ticket))
+        comm.scope["user"], comm.scope["client"] = AnonymousUser(), ("10.9.7.1", 40000)
+        return comm
+
+    first, second = Client(), Client()
+    await first.__aenter__()
+    await second.__aenter__()
+    refused = ticketed()
+    try:
+        await refused.connect()
+        closed = await refused.receive_output(3)
+        assert (closed["type"], closed.get("code")) == ("websocket.close", 1013)  # server full
+        await first.__aexit__(None, None, None)
+        await eventually(lambda: len(hub.connections) == 1, 5, "a place free")
+        before = hub.gate.reconnect_tickets
+        again = ticketed()
+        connected, _ = await again.connect()
+        assert connected and await again.receive_nothing(0.2)  # let in, and not closed
+        assert hub.gate.reconnect_tickets == before + 1  # by its ticket, good again
+        await again.disconnect()
+    finally:
+        await second.__aexit__(None, None, None)
+
+
 @pytest.mark.cluster
 @pytest.mark.timeout(120)
 async def test_a_client_drained_by_one_process_is_let_in_by_the_next_past_its_anonymous_bucket(tmp_path):

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from realtime_app.conf.runtime import runtime
-from realtime_app.endpoint.tickets import redeem, shown_ticket
+from realtime_app.endpoint.tickets import give_back, redeem, shown_ticket
 from realtime_app.hub.core import Connection, Hub
 from realtime_app.inbound.admission import Refusal
 from realtime_app.observability.logsafe import safe
@@ -134,13 +134,23 @@ async def refused_socket(hub: Hub, conn: Connection, identity: tuple[str, str]) 
         conn.closed = True
         await deny(conn.send, conn.scope, CloseCode.SERVICE_RESTART, "retry_after_ms=1000", conn.guard)
         return True
-    if not hub.gate.handshake(identity, ticket=lambda: redeem(shown_ticket(conn.scope), identity[1])):
+    taken: list[str] = []  # the ticket this handshake took, if it took one
+
+    def ticket() -> bool:
+        shown = shown_ticket(conn.scope)
+        if shown is not None and redeem(shown, identity[1]):
+            taken.append(shown)
+        return bool(taken)
+
+    if not hub.gate.handshake(identity, ticket=ticket):
         conn.closed = True
         await deny(conn.send, conn.scope, CloseCode.TRY_AGAIN_LATER, "too many handshakes", conn.guard)
         return True
     refused = hub.add_connection(conn, identity)
     if refused is None:
         return False
+    for shown in taken:  # not let in: its ticket is good again here
+        give_back(shown, identity[1])
     log_refused_connection(refused, identity[0])
     conn.closed = True
     code = CloseCode.TRY_AGAIN_LATER if refused == "server full" else CloseCode.POLICY_VIOLATION

@@ -10,8 +10,8 @@ against that process's anonymous handshake bucket
 sends a survivor more than that bucket takes, a deploy's crowd was refused as a flood of
 many addresses and came back seconds late, backing off (docs/performance.md, "Reconnect
 tickets"). Everything else still applies — its network's own bucket
-(``HANDSHAKES_PER_S``), the connection caps (a ticket is taken before them: one refused
-``server full`` is spent on that process), the auth doors.
+(``HANDSHAKES_PER_S``), the connection caps (a ticket whose handshake they refuse is given
+back: good again here), the auth doors.
 
 A ticket is signed with ``SECRET_KEY`` (:mod:`django.core.signing`, under this site's salt
 and the client's network — the one its caps count, ``ADDRESS_PREFIX_V6``: shown from
@@ -41,6 +41,7 @@ __all__ = [
     "SALT",
     "TICKET_MAX_AGE_S",
     "Taken",
+    "give_back",
     "mint",
     "redeem",
     "shown_ticket",
@@ -112,6 +113,16 @@ def redeem(ticket: str | None, network: str) -> bool:
             logger.info("a reconnect ticket was not taken (%s): its handshake counts as any other", exc)
         return False
     return runtime().part(Taken).take(nonce, time.monotonic())
+
+
+def give_back(ticket: str | None, network: str) -> None:
+    """``ticket``, taken by a handshake the connection caps then refused (``server full``),
+    is good again on this process: nothing was let in for it."""
+    try:
+        nonce = _signer(network).unsign(ticket or "", max_age=TICKET_MAX_AGE_S)
+    except signing.BadSignature:
+        return
+    runtime().part(Taken).pop(nonce, None)
 
 
 def shown_ticket(scope: Scope) -> str | None:
