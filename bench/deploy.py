@@ -166,9 +166,15 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
     site = Site(env, site_root(), args.clients)
     root = site.root
     clients: list[Any] = []
-    closes: collections.Counter[str] = collections.Counter()  # every close a client saw, by code and reason
-    deploy_closes: collections.Counter[str] = collections.Counter()  # the same, from the first stop on
-    deploy_began: list[float] = []
+    # every close a client saw, by code and reason: while they first connect, from the first
+    # stop on (the script's own teardown is not counted)
+    closes: dict[str, collections.Counter[str]] = {"connecting": collections.Counter(), "deploy": collections.Counter()}
+    phase = ["connecting"]
+
+    def count_close(code: int | None, reason: str) -> None:
+        if phase[0] in closes:
+            closes[phase[0]].update([f"{code} {told_as_any(reason)}"])
+
     received: list[dict[int, float]] = []  # per client: seq -> when it first arrived
     samples: list[tuple[float, list[int], int]] = []  # (time, connections per process, clients not open)
     pings: list[tuple[float, float]] = []
@@ -201,13 +207,7 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
                 compression=None,
             )
             await client.subscribe("demo:events", handler_for(seen))
-            client.on_close.append(
-                lambda code, reason, again: (
-                    (closes if not deploy_began else deploy_closes).update([f"{code} {told_as_any(reason)}"])
-                    if len(deploy_began) < 2
-                    else None
-                )
-            )
+            client.on_close.append(lambda code, reason, again: count_close(code, reason))
             clients.append(client)
             received.append(seen)
         opening = asyncio.gather(*(c.connect(timeout=180) for c in clients), return_exceptions=True)
@@ -240,7 +240,7 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
         tasks = [asyncio.create_task(sample())]
         await asyncio.sleep(10)  # before the deploy: the idle figures
         first_stop = time.monotonic()
-        deploy_began.append(first_stop)
+        phase[0] = "deploy"
         restarting: list[tuple[float, float, int]] = []
         for i in range(PROCESSES):
             began = time.monotonic()
@@ -277,7 +277,7 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
         while time.monotonic() < settle_deadline and any(seq not in seen for seen in received for seq in due):
             await asyncio.sleep(1)
         recovered = time.monotonic() - deploy_end
-        deploy_began.append(-1.0)  # what follows is the script's own teardown: not counted
+        phase[0] = "teardown"
     finally:
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
         for process in pinger_box:
@@ -289,8 +289,8 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
     row["resumed_all_after_s"] = round(recovered, 1)
     row["caught_up_after_s"] = caught_up(published, received, first_stop, restarting[-1][1])
     row["not_back_by_last_close"] = dict(away.most_common(10))
-    row["closes_before_deploy"] = dict(closes.most_common(8))  # while the clients first connected
-    row["closes_by_reason"] = dict(deploy_closes.most_common(8))  # from the first stop on
+    row["closes_before_deploy"] = dict(closes["connecting"].most_common(8))
+    row["closes_by_reason"] = dict(closes["deploy"].most_common(8))
     return row
 
 

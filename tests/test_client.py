@@ -637,6 +637,16 @@ async def answering(handler, process_request, closes: list[tuple]):
             await client.close()
 
 
+def in_turn(answers: list[int], body: str):
+    """A ``process_request`` answering each handshake with the next of ``answers`` (and
+    ``body``) while there is one, then letting it in."""
+    return lambda connection, request: connection.respond(answers.pop(0), body) if answers else None
+
+
+async def held_open(ws) -> None:
+    await ws.wait_closed()
+
+
 @pytest.mark.parametrize("statuses", [[502, 504, 500], [503, 429]])
 async def test_a_handshake_refused_by_a_proxy_or_a_busy_server_is_tried_again(statuses):
     """Found (a rolling restart of 4,500 clients behind nginx): an HTTP 5xx answer to the
@@ -644,14 +654,7 @@ async def test_a_handshake_refused_by_a_proxy_or_a_busy_server_is_tried_again(st
     back: both clients now read a refused handshake with one rule (``refusal_of``)."""
     answers = list(statuses)
     closes: list[tuple] = []
-
-    def process_request(connection, request):
-        return connection.respond(answers.pop(0), "upstream unavailable\n") if answers else None
-
-    async def handler(ws):
-        await ws.wait_closed()
-
-    async with answering(handler, process_request, closes) as client:
+    async with answering(held_open, in_turn(answers, "upstream unavailable\n"), closes) as client:
         opened = asyncio.ensure_future(client.connect())
         await eventually(lambda: client.state == "open", 15, "the client back once the server answers")
         await asyncio.wait_for(opened, 15)
@@ -679,16 +682,8 @@ async def test_a_new_client_answered_403_by_a_server_too_busy_to_accept_in_time_
     handshakes a second): 14 new clients whose first handshake daphne answered 403 — its
     application had not accepted within ``--websocket_connect_timeout`` — took it as a
     refused origin and never connected."""
-    answers = [403, 403]
     closes: list[tuple] = []
-
-    def process_request(connection, request):
-        return connection.respond(answers.pop(0), "Access denied\n") if answers else None
-
-    async def handler(ws):
-        await ws.wait_closed()
-
-    async with answering(handler, process_request, closes) as client:
+    async with answering(held_open, in_turn([403, 403], "Access denied\n"), closes) as client:
         await client.connect(timeout=15)
         assert closes == [(1006, True), (1006, True)] and client.state == "open"
 
@@ -699,14 +694,7 @@ async def test_the_403s_in_a_row_are_counted_afresh_when_a_client_connects_again
     (here a 500) starts the row again."""
     answers = [403, 403, 403]
     closes: list[tuple] = []
-
-    def process_request(connection, request):
-        return connection.respond(answers.pop(0), "Access denied\n") if answers else None
-
-    async def handler(ws):
-        await ws.wait_closed()
-
-    async with answering(handler, process_request, closes) as client:
+    async with answering(held_open, in_turn(answers, "Access denied\n"), closes) as client:
         with pytest.raises(ConnectionRefusedError, match="closed for good \\(1008\\)"):
             await client.connect(timeout=15)
         answers.extend([403, 403, 500, 403, 403])

@@ -134,12 +134,11 @@ async def refused_socket(hub: Hub, conn: Connection, identity: tuple[str, str]) 
         conn.closed = True
         await deny(conn.send, conn.scope, CloseCode.SERVICE_RESTART, "retry_after_ms=1000", conn.guard)
         return True
-    taken: list[str] = []  # the ticket this handshake took, if it took one
+    taken: list[str] = []  # the nonce of the ticket this handshake took, if it took one
 
     def ticket() -> bool:
-        shown = shown_ticket(conn.scope)
-        if shown is not None and redeem(shown, identity[1]):
-            taken.append(shown)
+        if (nonce := redeem(shown_ticket(conn.scope), identity[1])) is not None:
+            taken.append(nonce)
         return bool(taken)
 
     if not hub.gate.handshake(identity, ticket=ticket):
@@ -149,8 +148,8 @@ async def refused_socket(hub: Hub, conn: Connection, identity: tuple[str, str]) 
     refused = hub.add_connection(conn, identity)
     if refused is None:
         return False
-    for shown in taken:  # not let in: its ticket is good again here
-        give_back(shown, identity[1])
+    for nonce in taken:  # not let in: its ticket is good again here
+        give_back(nonce)
     log_refused_connection(refused, identity[0])
     conn.closed = True
     code = CloseCode.TRY_AGAIN_LATER if refused == "server full" else CloseCode.POLICY_VIOLATION

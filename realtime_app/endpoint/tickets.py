@@ -101,27 +101,23 @@ def mint(network: str) -> str:
     return str(_signer(network).sign(secrets.token_urlsafe(8)))
 
 
-def redeem(ticket: str | None, network: str) -> bool:
-    """True when ``ticket`` was told to a client of ``network`` less than
-    :data:`TICKET_MAX_AGE_S` ago and this process has not taken it before."""
+def redeem(ticket: str | None, network: str) -> str | None:
+    """The ticket's nonce, taken, when ``ticket`` was told to a client of ``network`` less
+    than :data:`TICKET_MAX_AGE_S` ago and this process has not taken it before; else None."""
     if not ticket or len(ticket) > MAX_TICKET_CHARS:
-        return False
+        return None
     try:
         nonce = _signer(network).unsign(ticket, max_age=TICKET_MAX_AGE_S)
     except signing.BadSignature as exc:  # forged, from another network or site, or expired
         if runtime().first_time("reconnect ticket refused"):  # once: a stranger's handshake, nothing more
             logger.info("a reconnect ticket was not taken (%s): its handshake counts as any other", exc)
-        return False
-    return runtime().part(Taken).take(nonce, time.monotonic())
+        return None
+    return str(nonce) if runtime().part(Taken).take(nonce, time.monotonic()) else None
 
 
-def give_back(ticket: str | None, network: str) -> None:
-    """``ticket``, taken by a handshake the connection caps then refused (``server full``),
-    is good again on this process: nothing was let in for it."""
-    try:
-        nonce = _signer(network).unsign(ticket or "", max_age=TICKET_MAX_AGE_S)
-    except signing.BadSignature:
-        return
+def give_back(nonce: str) -> None:
+    """The ticket :func:`redeem` took (its ``nonce``), whose handshake the connection caps
+    then refused (``server full``), is good again on this process: nothing was let in for it."""
     runtime().part(Taken).pop(nonce, None)
 
 
