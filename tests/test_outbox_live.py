@@ -96,3 +96,61 @@ async def test_a_process_killed_after_its_commits_loses_none_and_duplicates_none
     frames = await published_after(b.ws, channel, first["seq"], 30)  # the survivor drained what was left
     assert [f["data"]["n"] for f in frames] == list(range(30))
     assert [f["seq"] for f in frames] == list(range(first["seq"] + 1, first["seq"] + 31))
+
+
+def _outbox_backends(database_url: str) -> dict[int, object]:
+    """The server backends of this database whose last query was on the outbox: pid → when
+    it started (one per beat on a connection kept open)."""
+    import psycopg
+
+    with psycopg.connect(database_url.replace("postgres://", "postgresql://", 1), autocommit=True) as db:
+        rows = db.execute(
+            "SELECT pid, query_start FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid() AND query LIKE %s",
+            ["%realtime_app_outboxentry%"],
+        ).fetchall()
+    return dict(rows)
+
+
+async def beats_on_one_connection(database_url: str, beats: int, not_on: int | None = None, timeout: float = 30) -> int:
+    """Poll (deadline) until one backend — not ``not_on`` — has answered ``beats`` outbox
+    queries; its pid."""
+    seen: dict[int, set[object]] = {}
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        for pid, started in (await asyncio.to_thread(_outbox_backends, database_url)).items():
+            seen.setdefault(pid, set()).add(started)
+            if pid != not_on and len(seen[pid]) >= beats:
+                return pid
+        assert asyncio.get_running_loop().time() < deadline, f"no connection kept for {beats} beats: {seen}"
+        await asyncio.sleep(0.1)
+
+
+async def test_a_process_asks_its_outbox_each_beat_on_one_connection_and_a_new_one_after_a_failure(postgres):
+    """Found: each beat's query went through ``database_sync_to_async``, which under Django's
+    default ``CONN_MAX_AGE = 0`` closes the connection after it — every process started a
+    PostgreSQL backend a second (and, on SQLite, spent a quarter of its idle CPU opening
+    the file). A connection the database ends is replaced at the next beat, and durable
+    publications go out on it."""
+    _, database = postgres
+    with servers(1, {"DATABASE_URL": database}) as (a,):
+        cookie = login(a.http, "demo", "demo")
+        room = f"beats{secrets.token_hex(3)}"
+        channel = f"demo:room:{room}"
+        async with RPC(a.ws) as watcher:
+            first = await watcher.subscribe(channel)  # the hub runs: its outbox drain beats
+            held = await beats_on_one_connection(database, 4)
+            await asyncio.to_thread(_terminate, database, held)
+            await beats_on_one_connection(database, 3, not_on=held)
+            async with RPC(a.ws, cookie=cookie) as poster:
+                answer = await call_honouring_refusals(poster, "demo.post", {"room": room, "text": "after"})
+                assert "result" in answer, answer
+            frames = await published_after(a.ws, channel, first["seq"], 1)
+    assert [f["data"]["text"] for f in frames] == ["after"]
+
+
+def _terminate(database_url: str, pid: int) -> None:
+    import psycopg
+
+    with psycopg.connect(database_url.replace("postgres://", "postgresql://", 1), autocommit=True) as db:
+        assert db.execute("SELECT pg_terminate_backend(%s)", [pid]).fetchone() == (True,)

@@ -19,13 +19,12 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any, Protocol
 
-from channels.db import database_sync_to_async as sync_to_async  # closes broken connections between calls
-
 from realtime_app.conf import beat_period_s
 from realtime_app.conf.runtime import runtime, settings
 from realtime_app.declarations.registry import registry
 from realtime_app.exceptions import UnknownChannel
 from realtime_app.persistence import outbox
+from realtime_app.persistence.connection_thread import ConnectionThread
 from realtime_app.wire.history import HistoryPolicy
 
 if TYPE_CHECKING:
@@ -86,6 +85,8 @@ class OutboxDrain:
         self._failing = False
         self._counted = 0.0  # when rows were last counted (at most once a beat)
         self._unknown: set[str] = set()  # channels with rows this process cannot publish (logged once)
+        # its queries, each beat, on connections kept open between them (not one opened a beat)
+        self.database = ConnectionThread("realtime-outbox")
 
     def wake(self) -> None:
         """From any thread: a commit wrote rows."""
@@ -105,6 +106,11 @@ class OutboxDrain:
                 await self.drain()
         finally:
             stop()
+            self.close()
+
+    def close(self) -> None:
+        """Let go of the drain's database thread and its connections."""
+        self.database.close()
 
     async def drain(self) -> int:
         """One pass over every outbox database: rows published. Nothing is read while no
@@ -116,7 +122,7 @@ class OutboxDrain:
         empty: set[str] = set()  # databases with nothing waiting: counted without asking again
         for alias in settings().outbox_databases:
             try:
-                waiting = await sync_to_async(outbox.channels_waiting)(alias, CHANNELS_PER_PASS)
+                waiting = await self.database.call(alias, outbox.channels_waiting, alias, CHANNELS_PER_PASS)
                 if not waiting:
                     empty.add(alias)
                 for channel in waiting:
@@ -142,7 +148,7 @@ class OutboxDrain:
         counts: list[tuple[int, datetime.datetime | None]] = []
         for alias in settings().outbox_databases:
             try:
-                counts.append((0, None) if alias in empty else await sync_to_async(outbox.stats)(alias))
+                counts.append((0, None) if alias in empty else await self.database.call(alias, outbox.stats, alias))
             except Exception:  # said by the drain's warning
                 logger.debug("outbox of %r not counted", alias)
         if counts:
@@ -167,7 +173,7 @@ class OutboxDrain:
         published = 0
         try:
             for _ in range(READS_PER_PASS):
-                rows = await sync_to_async(outbox.read)(alias, channel, ROWS_PER_READ)
+                rows = await self.database.call(alias, outbox.read, alias, channel, ROWS_PER_READ)
                 if not rows:
                     break
                 floor = self.hub.last_seq.get(channel, 0)
@@ -179,7 +185,7 @@ class OutboxDrain:
                         self.duplicates += 1
                     else:
                         published, self.published, floor = published + 1, self.published + 1, max(floor, seq)
-                await sync_to_async(outbox.delete)(alias, [row.id for row in rows])
+                await self.database.call(alias, outbox.delete, alias, [row.id for row in rows])
                 if not await backplane.renew(lease):  # another process took the channel over
                     break
         except backplane.errors as exc:
