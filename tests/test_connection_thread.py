@@ -45,11 +45,50 @@ async def test_the_drains_database_thread_keeps_its_connection_and_lets_go_after
             assert wrapper.connection is None  # closed after the error
             _, again, same = await thread.call(alias, connected)
             assert again is not first and same is worker
-            thread.close()
+            await thread.aclose()
             await eventually(lambda: not worker.is_alive(), 10, "the thread ended")
             assert wrapper.connection is None
             with pytest.raises(RuntimeError):
                 await thread.call(alias, connected)
         finally:
-            thread.close()
+            await thread.aclose()
             del connections.settings[alias]
+            del connections[alias]
+
+
+@pytest.mark.parametrize(
+    ("engine", "name", "shared"),
+    [
+        ("sqlite3", "file:memorydb_default?mode=memory&cache=shared", True),  # Django's test database
+        ("sqlite3", ":memory:", True),
+        ("sqlite3", "file:site.sqlite3?cache=shared", True),
+        ("sqlite3", "site.sqlite3", False),
+        ("postgresql", "site", False),
+    ],
+)
+def test_only_a_database_whose_connections_share_one_cache_goes_through_djangos_shared_thread(engine, name, shared):
+    from django.db import connections
+
+    from realtime_app.persistence.connection_thread import shared_cache
+
+    alias = "drain_kind"
+    settings = {"default": {}, alias: {"ENGINE": f"django.db.backends.{engine}", "NAME": name}}
+    connections.settings[alias] = connections.configure_settings(settings)[alias]
+    try:
+        assert shared_cache(alias) is shared
+    finally:
+        del connections.settings[alias]
+        del connections[alias]
+
+
+async def test_a_thread_closed_before_its_first_call_never_ran():
+    """Cancelled before its first step, an owner holds nothing: no thread was made."""
+    import threading
+
+    from realtime_app.persistence.connection_thread import ConnectionThread
+
+    thread = ConnectionThread("rt-test-never-called")
+    await thread.aclose()
+    await thread.aclose()  # again: nothing
+    assert thread.closed
+    assert not [t for t in threading.enumerate() if t.name.startswith("rt-test-never-called")]

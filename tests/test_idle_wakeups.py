@@ -158,4 +158,5 @@ async def test_an_empty_outbox_is_asked_once_a_pass_and_counted_all_the_same(
     await sync_to_async(OutboxEntry.objects.create)(channel="gone:channel", data="{}")
     drain._counted = 0.0  # a beat later
     await drain.drain()
+    await drain.aclose()
     assert set(asked) == {"default"} and drain.rows == 1 and drain.oldest is not None

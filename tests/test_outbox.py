@@ -106,6 +106,7 @@ async def test_a_drain_repeated_after_a_crash_publishes_nothing_twice(either_hub
             await hub.backplane.publish_once(CHANNEL, row.data, 0, spec.history, f"default:{row.id}", 3_600_000)
         drain = OutboxDrain(hub)
         await drain.drain()
+        await drain.aclose()
         frames = await c.frames(3, timeout=10)
         assert await c.comm.receive_nothing(0.2)
     assert [f["data"]["n"] for f in frames] == [0, 1, 2]  # 0 and 1 once (by the dead process), 2 by the drain

@@ -19,6 +19,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any, Protocol
 
+from realtime_app.cancellation import uninterrupted
 from realtime_app.conf import beat_period_s
 from realtime_app.conf.runtime import runtime, settings
 from realtime_app.declarations.registry import registry
@@ -106,11 +107,12 @@ class OutboxDrain:
                 await self.drain()
         finally:
             stop()
-            self.close()
+            await uninterrupted(self.aclose())
 
-    def close(self) -> None:
-        """Let go of the drain's database thread and its connections."""
-        self.database.close()
+    async def aclose(self) -> None:
+        """Let go of the drain's database thread and its connections (a drain made and
+        never run, as in tests, is closed by whoever made it)."""
+        await self.database.aclose()
 
     async def drain(self) -> int:
         """One pass over every outbox database: rows published. Nothing is read while no

@@ -4,8 +4,8 @@ committed; the drain (:mod:`realtime_app.hub.outbox`) publishes the rows and del
 
 Rows are read in id order per channel; each is published with its database and id as
 its idempotency key, so a drain that ran again after a crash between the publication and
-the delete publishes nothing twice. Everything here is synchronous ORM (the drain calls it
-in a worker thread).
+the delete publishes nothing twice. Everything here is synchronous (the drain calls it from
+its own thread: :mod:`realtime_app.persistence.connection_thread`).
 """
 
 from __future__ import annotations
@@ -87,17 +87,20 @@ def write(channel: str, data_json: str, using: str | None = None) -> None:
 def channels_waiting(alias: str, limit: int) -> list[str]:
     """Channels with rows, the one waiting longest first (at most ``limit``).
 
-    Asked every beat by every process: written in SQL (the same on SQLite, PostgreSQL and
-    MySQL), which costs a tenth of the ORM's building of the same query each time."""
+    Asked every beat by every process: written in SQL, which costs a tenth of the ORM's
+    building of the same query each time (the limit in the database's own words)."""
     from django.db import connections
 
     from realtime_app.models import OutboxEntry
 
     connection = connections[alias]
-    table = connection.ops.quote_name(OutboxEntry._meta.db_table)
+    name, meta = connection.ops.quote_name, OutboxEntry._meta
+    channel, key = name(meta.get_field("channel").column), name(meta.pk.column)
+    limited = connection.ops.limit_offset_sql(None, int(limit))  # LIMIT n, or FETCH FIRST n ROWS ONLY
+    sql = f"SELECT {channel} FROM {name(meta.db_table)} GROUP BY {channel} ORDER BY MIN({key}) {limited}"
     with connection.cursor() as cursor:
-        cursor.execute(f"SELECT channel FROM {table} GROUP BY channel ORDER BY MIN(id) LIMIT %s", [limit])
-        return [channel for (channel,) in cursor.fetchall()]
+        cursor.execute(sql)
+        return [row[0] for row in cursor.fetchall()]
 
 
 def read(alias: str, channel: str, limit: int) -> list[Row]:
