@@ -33,8 +33,24 @@ def chromium() -> webdriver.Chrome:
     options.binary_location = binary
     for flag in FLAGS:
         options.add_argument(flag)
-    options.add_argument(f"--user-data-dir={tempfile.mkdtemp(prefix='chromium-')}")
-    return webdriver.Chrome(service=Service(driver), options=options)
+    profile = tempfile.mkdtemp(prefix="chromium-")
+    options.add_argument(f"--user-data-dir={profile}")
+    try:
+        browser = webdriver.Chrome(service=Service(driver), options=options)
+    except BaseException:
+        shutil.rmtree(profile, ignore_errors=True)
+        raise
+    quit_browser = browser.quit
+
+    def quit_and_remove_profile() -> None:
+        """The browser's profile goes with it (a run left one directory per browser in /tmp)."""
+        try:
+            quit_browser()
+        finally:
+            shutil.rmtree(profile, ignore_errors=True)
+
+    browser.quit = quit_and_remove_profile  # type: ignore[method-assign]
+    return browser
 
 
 def wait(browser: webdriver.Chrome, seconds: float = 20) -> WebDriverWait[webdriver.Chrome]:
