@@ -26,12 +26,12 @@ async def test_the_drains_database_thread_keeps_its_connection_and_lets_go_after
     settings = {"default": {}, alias: {"ENGINE": "django.db.backends.sqlite3", "NAME": str(tmp_path / "site.sqlite3")}}
     connections.settings[alias] = connections.configure_settings(settings)[alias]  # its defaults: CONN_MAX_AGE 0
 
-    def connected() -> tuple[object, object, threading.Thread]:
+    def connected(alias: str) -> tuple[object, object, threading.Thread]:
         wrapper = connections[alias]
         wrapper.ensure_connection()
         return wrapper, wrapper.connection, threading.current_thread()
 
-    def fails() -> None:
+    def fails(alias: str) -> None:
         connections[alias].cursor().execute("SELECT * FROM nowhere")
 
     thread = ConnectionThread("rt-test-drain-db")

@@ -124,7 +124,7 @@ class OutboxDrain:
         empty: set[str] = set()  # databases with nothing waiting: counted without asking again
         for alias in settings().outbox_databases:
             try:
-                waiting = await self.database.call(alias, outbox.channels_waiting, alias, CHANNELS_PER_PASS)
+                waiting = await self.database.call(alias, outbox.channels_waiting, CHANNELS_PER_PASS)
                 if not waiting:
                     empty.add(alias)
                 for channel in waiting:
@@ -150,7 +150,7 @@ class OutboxDrain:
         counts: list[tuple[int, datetime.datetime | None]] = []
         for alias in settings().outbox_databases:
             try:
-                counts.append((0, None) if alias in empty else await self.database.call(alias, outbox.stats, alias))
+                counts.append((0, None) if alias in empty else await self.database.call(alias, outbox.stats))
             except Exception:  # said by the drain's warning
                 logger.debug("outbox of %r not counted", alias)
         if counts:
@@ -175,7 +175,7 @@ class OutboxDrain:
         published = 0
         try:
             for _ in range(READS_PER_PASS):
-                rows = await self.database.call(alias, outbox.read, alias, channel, ROWS_PER_READ)
+                rows = await self.database.call(alias, outbox.read, channel, ROWS_PER_READ)
                 if not rows:
                     break
                 floor = self.hub.last_seq.get(channel, 0)
@@ -187,7 +187,7 @@ class OutboxDrain:
                         self.duplicates += 1
                     else:
                         published, self.published, floor = published + 1, self.published + 1, max(floor, seq)
-                await self.database.call(alias, outbox.delete, alias, [row.id for row in rows])
+                await self.database.call(alias, outbox.delete, [row.id for row in rows])
                 if not await backplane.renew(lease):  # another process took the channel over
                     break
         except backplane.errors as exc:

@@ -69,7 +69,7 @@ def _call_holding(alias: str, fn: Callable[..., T], *args: object) -> T:
 
     kept = connections[alias].connection is not None
     try:
-        return fn(*args)
+        return fn(alias, *args)
     except (InterfaceError, OperationalError) as exc:
         _close(alias)
         if not kept:
@@ -79,7 +79,7 @@ def _call_holding(alias: str, fn: Callable[..., T], *args: object) -> T:
         _close(alias)
         raise
     try:
-        return fn(*args)
+        return fn(alias, *args)
     except BaseException:
         _close(alias)
         raise
@@ -119,13 +119,13 @@ class ConnectionThread:
         return not self._release.alive
 
     async def call(self, alias: str, fn: Callable[..., T], *args: object) -> T:
-        """``fn(*args)``, which uses database ``alias``, in the thread on its open connection."""
+        """``fn(alias, *args)`` in the thread, on its open connection to database ``alias``."""
         if self.closed:
             raise RuntimeError(f"{self.name}: closed")
         if shared_cache(alias):
             from channels.db import database_sync_to_async
 
-            return await database_sync_to_async(fn)(*args)  # type: ignore[no-any-return]
+            return await database_sync_to_async(fn)(alias, *args)  # type: ignore[no-any-return]
         self._thread.asked = True
         return await asyncio.get_running_loop().run_in_executor(self._thread.executor, _call_holding, alias, fn, *args)
 
