@@ -15,8 +15,13 @@ publication:
 
 Usage:  REDIS_URL=redis://127.0.0.1:6379/0 python bench/fanout.py [--clients 100 1000]
             [--seconds 10] [--interval-ms 100] [--server daphne|uvicorn] [--processes 2]
-            [--json FILE]
+            [--rounds 1] [--no-channels] [--json FILE]
         ... python bench/fanout.py --daphne-write direct prepared message [--clients ...]
+
+``--rounds R`` measures the hub and the bare server R times each for every client count,
+alternating which goes first, and prints each round's ratios and their median and range: on
+a shared machine the floor itself moves between windows, so a ratio is read from windows
+taken side by side. The plain Channels phase runs in the first round only.
 
 ``--daphne-write`` compares, in one run, how daphne's hub path writes the frame built once
 per publication (``DaphneTransport.write_mode``): ``direct`` to the socket, autobahn's
@@ -32,6 +37,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -157,6 +163,13 @@ async def main() -> None:
     parser.add_argument(
         "--processes", type=int, default=2, help="hub processes (1: as many as the bare websockets server)"
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="hub and bare-server windows measured this many times, alternating, for each client count",
+    )
+    parser.add_argument("--no-channels", action="store_true", help="leave out the plain Channels phase")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--daphne-write", nargs="+", choices=["direct", "prepared", "message"], default=None)
     args = parser.parse_args()
@@ -190,31 +203,28 @@ async def main() -> None:
                 interval = args.interval_ms or (100 if n < 1000 else 1000)
                 seconds = args.seconds if n > 10 else min(args.seconds, 5)
                 print(f"== {n} clients, one publication per {interval} ms", file=sys.stderr)
-                results.append(
-                    await run_phase(
-                        "hub", [f"ws://127.0.0.1:{p}/realtime/" for p in ports], n, interval, seconds, pids, r
-                    )
-                )
-                results.append(
-                    await run_phase(
-                        "channels",
-                        [f"ws://127.0.0.1:{p}/baseline/" for p in ports],
-                        n,
-                        interval,
-                        seconds,
-                        pids,
-                        r,
-                        layer,
-                    )
-                )
-                if n > 10:
-                    ref_cmd = [sys.executable, "bench/ws_broadcast.py", str(ref_port), str(interval)]
-                    with processes([ref_cmd], [ref_port], {}) as ref:
-                        results.append(
-                            await run_phase(
-                                "websockets", [f"ws://127.0.0.1:{ref_port}/"], n, interval, seconds, [ref[0].pid], r
-                            )
-                        )
+                hub_urls = [f"ws://127.0.0.1:{p}/realtime/" for p in ports]
+                channels_urls = [f"ws://127.0.0.1:{p}/baseline/" for p in ports]
+                if n <= 10:
+                    results.append(await run_phase("hub", hub_urls, n, interval, seconds, pids, r))
+                    results.append(await run_phase("channels", channels_urls, n, interval, seconds, pids, r, layer))
+                    continue
+                ref_cmd = [sys.executable, "bench/ws_broadcast.py", str(ref_port), str(interval)]
+                with processes([ref_cmd], [ref_port], {}) as ref:
+                    ref_url = [f"ws://127.0.0.1:{ref_port}/"]
+                    for k in range(args.rounds):
+                        # Alternate which goes first, so a drift in the machine's load
+                        # over a round weighs on both sides alike.
+                        order = ["hub", "websockets"] if k % 2 == 0 else ["websockets", "hub"]
+                        for kind in order:
+                            if kind == "hub":
+                                row = await run_phase("hub", hub_urls, n, interval, seconds, pids, r)
+                            else:
+                                row = await run_phase("websockets", ref_url, n, interval, seconds, [ref[0].pid], r)
+                            results.append({**row, "round": k})
+                        if k == 0 and not args.no_channels:
+                            row = await run_phase("channels", channels_urls, n, interval, seconds, pids, r, layer)
+                            results.append({**row, "round": k})
     finally:
         drop_keys(url, prefix)
     report(results)
@@ -247,36 +257,47 @@ async def compare_writes(
 
 def report(results: list[dict[str, Any]]) -> None:
     print(
-        f"{'phase':<11}{'clients':>8}{'every':>7}{'frames/s':>10}{'of':>8}{'p50 ms':>9}{'p99 ms':>9}"
+        f"{'phase':<11}{'round':>6}{'clients':>8}{'every':>7}{'frames/s':>10}{'of':>8}{'p50 ms':>9}{'p99 ms':>9}"
         f"{'CPU s/1000':>12}{'Redis/pub':>11}"
     )
     for row in results:
         print(
-            f"{row['kind']:<11}{row['clients']:>8}{row['interval_ms']:>7}{row['frames_per_s']:>10.0f}"
+            f"{row['kind']:<11}{row.get('round', 0) + 1:>6}{row['clients']:>8}{row['interval_ms']:>7}"
+            f"{row['frames_per_s']:>10.0f}"
             f"{row['expected_per_s']:>8.0f}{row['p50_ms']:>9.1f}{row['p99_ms']:>9.1f}"
             f"{row['cpu_s_per_1000']:>12.4f}{row['redis_cmds_per_pub']:>11.1f}"
         )
     print()
-    by = {(row["kind"], row["clients"]): row for row in results}
-    for (kind, n), row in sorted(by.items()):
-        ref = by.get(("websockets", n))
+    by = {(row["kind"], row["clients"], row.get("round", 0)): row for row in results}
+    for (kind, n, k), row in sorted(by.items()):
+        ref = by.get(("websockets", n, k))
         if kind.startswith("hub:") and ref:
             print(
                 f"n={n}: {kind}/websockets CPU per frame {row['cpu_s_per_1000'] / ref['cpu_s_per_1000']:.2f}, "
                 f"p99 {row['p99_ms'] / ref['p99_ms']:.2f}"
             )
     for n in sorted({row["clients"] for row in results}):
-        hub, base, ref = by.get(("hub", n)), by.get(("channels", n)), by.get(("websockets", n))
+        hub, base = by.get(("hub", n, 0)), by.get(("channels", n, 0))
         if hub and base:
             print(
                 f"n={n}: hub/channels CPU per frame {hub['cpu_s_per_1000'] / base['cpu_s_per_1000']:.2f}, "
                 f"p99 {hub['p99_ms'] / base['p99_ms']:.2f}, Redis commands per publication "
                 f"{hub['redis_cmds_per_pub']:.1f} vs {base['redis_cmds_per_pub']:.1f}"
             )
-        if hub and ref:
+        cpu, p99 = [], []
+        rounds = sorted({row.get("round", 0) for row in results if row["clients"] == n})
+        for k in rounds:
+            hub, ref = by.get(("hub", n, k)), by.get(("websockets", n, k))
+            if hub and ref:
+                cpu.append(hub["cpu_s_per_1000"] / ref["cpu_s_per_1000"])
+                p99.append(hub["p99_ms"] / ref["p99_ms"])
+                label = f" (round {k + 1})" if len(rounds) > 1 else ""
+                print(f"n={n}: hub/websockets CPU per frame {cpu[-1]:.2f}, p99 {p99[-1]:.2f}{label}")
+        if len(cpu) > 1:
             print(
-                f"n={n}: hub/websockets CPU per frame {hub['cpu_s_per_1000'] / ref['cpu_s_per_1000']:.2f}, "
-                f"p99 {hub['p99_ms'] / ref['p99_ms']:.2f}"
+                f"n={n}: hub/websockets over {len(cpu)} rounds, median (range): CPU per frame "
+                f"{statistics.median(cpu):.2f} ({min(cpu):.2f}–{max(cpu):.2f}), "
+                f"p99 {statistics.median(p99):.2f} ({min(p99):.2f}–{max(p99):.2f})"
             )
 
 
