@@ -14,14 +14,16 @@ publication:
 * ``websockets``: a bare ``websockets`` broadcast server (one process), the physical floor.
 
 Usage:  REDIS_URL=redis://127.0.0.1:6379/0 python bench/fanout.py [--clients 100 1000]
-            [--seconds 10] [--interval-ms 100] [--server daphne|uvicorn] [--processes 2]
-            [--rounds 1] [--no-channels] [--json FILE]
+            [--seconds 10] [--interval-ms 100] [--server daphne [uvicorn]] [--processes 2]
+            [--rounds 1] [--no-channels] [--json FILE] [--plot FILE]
         ... python bench/fanout.py --daphne-write direct prepared message [--clients ...]
 
 ``--rounds R`` measures the hub and the bare server R times each for every client count,
 alternating which goes first, and prints each round's ratios and their median and range: on
 a shared machine the floor itself moves between windows, so a ratio is read from windows
-taken side by side. The plain Channels phase runs in the first round only.
+taken side by side. The plain Channels phase runs in the first round only. ``--server
+daphne uvicorn`` measures both, one after the other; ``--plot`` draws each round's ratios
+beside the goals.
 
 ``--daphne-write`` compares, in one run, how daphne's hub path writes the frame built once
 per publication (``DaphneTransport.write_mode``): ``direct`` to the socket, autobahn's
@@ -159,7 +161,9 @@ async def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[100, 1000])
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--interval-ms", type=int, default=None)
-    parser.add_argument("--server", choices=["daphne", "uvicorn"], default="daphne")
+    parser.add_argument(
+        "--server", nargs="+", choices=["daphne", "uvicorn"], default=["daphne"], help="one after the other"
+    )
     parser.add_argument(
         "--processes", type=int, default=2, help="hub processes (1: as many as the bare websockets server)"
     )
@@ -171,6 +175,7 @@ async def main() -> None:
     )
     parser.add_argument("--no-channels", action="store_true", help="leave out the plain Channels phase")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--plot", type=Path, help="each round's ratios to the bare server, beside the goals")
     parser.add_argument("--daphne-write", nargs="+", choices=["direct", "prepared", "message"], default=None)
     args = parser.parse_args()
     # 1,000 clients connect at once: the process's anonymous handshake rate (200/s, bursts
@@ -195,41 +200,59 @@ async def main() -> None:
         report(results)
         return
     try:
-        server = daphne if args.server == "daphne" else uvicorn
-        print(f"== servers: {args.processes} {args.server} process(es)", file=sys.stderr)
-        with processes([server(p) for p in ports], ports, env) as procs:
-            pids = [p.pid for p in procs]
-            for n in [10, *args.clients]:
-                interval = args.interval_ms or (100 if n < 1000 else 1000)
-                seconds = args.seconds if n > 10 else min(args.seconds, 5)
-                print(f"== {n} clients, one publication per {interval} ms", file=sys.stderr)
-                hub_urls = [f"ws://127.0.0.1:{p}/realtime/" for p in ports]
-                channels_urls = [f"ws://127.0.0.1:{p}/baseline/" for p in ports]
-                if n <= 10:
-                    results.append(await run_phase("hub", hub_urls, n, interval, seconds, pids, r))
-                    results.append(await run_phase("channels", channels_urls, n, interval, seconds, pids, r, layer))
-                    continue
-                ref_cmd = [sys.executable, "bench/ws_broadcast.py", str(ref_port), str(interval)]
-                with processes([ref_cmd], [ref_port], {}) as ref:
-                    ref_url = [f"ws://127.0.0.1:{ref_port}/"]
-                    for k in range(args.rounds):
-                        # Alternate which goes first, so a drift in the machine's load
-                        # over a round weighs on both sides alike.
-                        order = ["hub", "websockets"] if k % 2 == 0 else ["websockets", "hub"]
-                        for kind in order:
-                            if kind == "hub":
-                                row = await run_phase("hub", hub_urls, n, interval, seconds, pids, r)
-                            else:
-                                row = await run_phase("websockets", ref_url, n, interval, seconds, [ref[0].pid], r)
-                            results.append({**row, "round": k})
-                        if k == 0 and not args.no_channels:
-                            row = await run_phase("channels", channels_urls, n, interval, seconds, pids, r, layer)
-                            results.append({**row, "round": k})
+        for name in args.server:
+            results += await measure_server(name, args, env, r, layer, ports, ref_port)
     finally:
         drop_keys(url, prefix)
     report(results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
+    if args.plot:
+        plot(results, args.plot)
+
+
+async def measure_server(
+    name: str,
+    args: argparse.Namespace,
+    env: dict[str, str],
+    r: redis.Redis,
+    layer: Any,
+    ports: list[int],
+    ref_port: int,
+) -> list[dict[str, Any]]:
+    """Every phase for each client count on ``name``'s processes (rows tagged with it)."""
+    results: list[dict[str, Any]] = []
+    server = daphne if name == "daphne" else uvicorn
+    print(f"== servers: {args.processes} {name} process(es)", file=sys.stderr)
+    with processes([server(p) for p in ports], ports, env) as procs:
+        pids = [p.pid for p in procs]
+        for n in [10, *args.clients]:
+            interval = args.interval_ms or (100 if n < 1000 else 1000)
+            seconds = args.seconds if n > 10 else min(args.seconds, 5)
+            print(f"== {name}: {n} clients, one publication per {interval} ms", file=sys.stderr)
+            hub_urls = [f"ws://127.0.0.1:{p}/realtime/" for p in ports]
+            channels_urls = [f"ws://127.0.0.1:{p}/baseline/" for p in ports]
+            if n <= 10:
+                results.append(await run_phase("hub", hub_urls, n, interval, seconds, pids, r))
+                results.append(await run_phase("channels", channels_urls, n, interval, seconds, pids, r, layer))
+                continue
+            ref_cmd = [sys.executable, "bench/ws_broadcast.py", str(ref_port), str(interval)]
+            with processes([ref_cmd], [ref_port], {}) as ref:
+                ref_url = [f"ws://127.0.0.1:{ref_port}/"]
+                for k in range(args.rounds):
+                    # Alternate which goes first, so a drift in the machine's load over a
+                    # round weighs on both sides alike.
+                    order = ["hub", "websockets"] if k % 2 == 0 else ["websockets", "hub"]
+                    for kind in order:
+                        if kind == "hub":
+                            row = await run_phase("hub", hub_urls, n, interval, seconds, pids, r)
+                        else:
+                            row = await run_phase("websockets", ref_url, n, interval, seconds, [ref[0].pid], r)
+                        results.append({**row, "round": k})
+                    if k == 0 and not args.no_channels:
+                        row = await run_phase("channels", channels_urls, n, interval, seconds, pids, r, layer)
+                        results.append({**row, "round": k})
+    return [{**row, "server": name} for row in results]
 
 
 async def compare_writes(
@@ -255,50 +278,87 @@ async def compare_writes(
     return results
 
 
+def ratios(results: list[dict[str, Any]]) -> dict[tuple[str, int], list[tuple[float, float]]]:
+    """Per server and client count, each round's hub / bare server (CPU per frame, p99)."""
+    by = {(row.get("server", ""), row["kind"], row["clients"], row.get("round", 0)): row for row in results}
+    out: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for (server, kind, n, k), hub in sorted(by.items()):
+        ref = by.get((server, "websockets", n, k))
+        if kind == "hub" and ref:
+            cpu = hub["cpu_s_per_1000"] / ref["cpu_s_per_1000"]
+            out.setdefault((server, n), []).append((cpu, hub["p99_ms"] / ref["p99_ms"]))
+    return out
+
+
 def report(results: list[dict[str, Any]]) -> None:
     print(
-        f"{'phase':<11}{'round':>6}{'clients':>8}{'every':>7}{'frames/s':>10}{'of':>8}{'p50 ms':>9}{'p99 ms':>9}"
-        f"{'CPU s/1000':>12}{'Redis/pub':>11}"
+        f"{'server':<8}{'phase':<11}{'round':>6}{'clients':>8}{'every':>7}{'frames/s':>10}{'of':>8}"
+        f"{'p50 ms':>9}{'p99 ms':>9}{'CPU s/1000':>12}{'Redis/pub':>11}"
     )
     for row in results:
         print(
-            f"{row['kind']:<11}{row.get('round', 0) + 1:>6}{row['clients']:>8}{row['interval_ms']:>7}"
-            f"{row['frames_per_s']:>10.0f}"
+            f"{row.get('server', ''):<8}{row['kind']:<11}{row.get('round', 0) + 1:>6}{row['clients']:>8}"
+            f"{row['interval_ms']:>7}{row['frames_per_s']:>10.0f}"
             f"{row['expected_per_s']:>8.0f}{row['p50_ms']:>9.1f}{row['p99_ms']:>9.1f}"
             f"{row['cpu_s_per_1000']:>12.4f}{row['redis_cmds_per_pub']:>11.1f}"
         )
     print()
-    by = {(row["kind"], row["clients"], row.get("round", 0)): row for row in results}
-    for (kind, n, k), row in sorted(by.items()):
-        ref = by.get(("websockets", n, k))
+    by = {(row.get("server", ""), row["kind"], row["clients"], row.get("round", 0)): row for row in results}
+    for (server, kind, n, k), row in sorted(by.items()):
+        ref = by.get((server, "websockets", n, k))
         if kind.startswith("hub:") and ref:
             print(
                 f"n={n}: {kind}/websockets CPU per frame {row['cpu_s_per_1000'] / ref['cpu_s_per_1000']:.2f}, "
                 f"p99 {row['p99_ms'] / ref['p99_ms']:.2f}"
             )
-    for n in sorted({row["clients"] for row in results}):
-        hub, base = by.get(("hub", n, 0)), by.get(("channels", n, 0))
-        if hub and base:
+        base = by.get((server, "channels", n, k))
+        if kind == "hub" and base:
             print(
-                f"n={n}: hub/channels CPU per frame {hub['cpu_s_per_1000'] / base['cpu_s_per_1000']:.2f}, "
-                f"p99 {hub['p99_ms'] / base['p99_ms']:.2f}, Redis commands per publication "
-                f"{hub['redis_cmds_per_pub']:.1f} vs {base['redis_cmds_per_pub']:.1f}"
+                f"{server} n={n}: hub/channels CPU per frame {row['cpu_s_per_1000'] / base['cpu_s_per_1000']:.2f}, "
+                f"p99 {row['p99_ms'] / base['p99_ms']:.2f}, Redis commands per publication "
+                f"{row['redis_cmds_per_pub']:.1f} vs {base['redis_cmds_per_pub']:.1f}"
             )
-        cpu, p99 = [], []
-        rounds = sorted({row.get("round", 0) for row in results if row["clients"] == n})
-        for k in rounds:
-            hub, ref = by.get(("hub", n, k)), by.get(("websockets", n, k))
-            if hub and ref:
-                cpu.append(hub["cpu_s_per_1000"] / ref["cpu_s_per_1000"])
-                p99.append(hub["p99_ms"] / ref["p99_ms"])
-                label = f" (round {k + 1})" if len(rounds) > 1 else ""
-                print(f"n={n}: hub/websockets CPU per frame {cpu[-1]:.2f}, p99 {p99[-1]:.2f}{label}")
-        if len(cpu) > 1:
+    for (server, n), pairs in ratios(results).items():
+        for k, (cpu, p99) in enumerate(pairs):
+            label = f" (round {k + 1})" if len(pairs) > 1 else ""
+            print(f"{server} n={n}: hub/websockets CPU per frame {cpu:.2f}, p99 {p99:.2f}{label}")
+        if len(pairs) > 1:
+            cpus, p99s = [c for c, _ in pairs], [q for _, q in pairs]
             print(
-                f"n={n}: hub/websockets over {len(cpu)} rounds, median (range): CPU per frame "
-                f"{statistics.median(cpu):.2f} ({min(cpu):.2f}–{max(cpu):.2f}), "
-                f"p99 {statistics.median(p99):.2f} ({min(p99):.2f}–{max(p99):.2f})"
+                f"{server} n={n}: hub/websockets over {len(pairs)} rounds, median (range): CPU per frame "
+                f"{statistics.median(cpus):.2f} ({min(cpus):.2f}–{max(cpus):.2f}), "
+                f"p99 {statistics.median(p99s):.2f} ({min(p99s):.2f}–{max(p99s):.2f})"
             )
+
+
+GOALS = {"cpu": {100: 2.0, 1000: 1.5}, "p99": 1.25}
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    """Each round's ratio to the bare server as a point, the median as a bar, the goals dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    found = ratios(results)
+    keys = sorted(found, key=lambda key: (key[1], key[0]))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, which, title in ((axes[0], 0, "server CPU per delivered frame"), (axes[1], 1, "p99 latency")):
+        for x, key in enumerate(keys):
+            values = [pair[which] for pair in found[key]]
+            ax.bar(x, statistics.median(values), color="#9ecae1", width=0.6)
+            ax.scatter([x] * len(values), values, color="#08519c", zorder=3, s=18)
+            goal = GOALS["p99"] if which else GOALS["cpu"].get(key[1])
+            if goal:
+                ax.hlines(goal, x - 0.4, x + 0.4, colors="#d62728", linestyles="dashed")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xticks(range(len(keys)), [f"{server}\n{n} subscribers" for server, n in keys])
+        ax.set_ylabel("hub / bare websockets")
+        ax.set_title(title)
+    fig.suptitle("fan-out: each round a point, the median a bar, the goal dashed")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
 
 
 if __name__ == "__main__":
