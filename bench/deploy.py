@@ -23,17 +23,20 @@ first stop until every client is back, and until every client holds every public
 from the last process back until every client held every publication made up to then, by
 each frame's own arrival). ``--plot``: connections per process over the deploy.
 
-One process drives every client here: on a small machine its own CPU bounds how fast the
-clients come back, in both modes alike. On 2 cores, 3,000 clients at 10 publications a
-second need more CPU than there is (the servers write 30,000 frames a second and this
-process reads them): lower ``--rate`` there, and say so.
+The clients run in ``--client-processes`` worker processes (2 by default) on
+``--client-loop`` (uvloop by default): on a small machine one process's CPU bounds how fast
+thousands of clients come back, in both modes alike (before 2026-12-07 one asyncio process
+drove them all). On 2 cores, 3,000 clients at 10 publications a second need more CPU than
+there is (the servers write 30,000 frames a second and the clients read them): lower
+``--rate`` there, and say so.
 
 ``--anonymous-handshakes N``: each process's ``MAX_ANONYMOUS_HANDSHAKES_PER_S`` (200 by
 default): below what a drain sends each survivor, as on a site whose processes hold more
 connections than this machine's clients, a drain meets the survivors' anonymous bucket.
 
 Usage:  REDIS_URL=redis://127.0.0.1:6379/0 python bench/deploy.py [--clients 3000]
-            [--rate 10] [--drain 10] [--anonymous-handshakes N] [--json FILE]
+            [--rate 10] [--drain 10] [--anonymous-handshakes N] [--client-processes 2]
+            [--client-loop uvloop|asyncio] [--json FILE]
             [--plot docs/img/deploy-connections.png]
 """
 
@@ -155,9 +158,74 @@ def established(ports: list[int]) -> list[int]:
     return counts
 
 
-async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]) -> dict[str, Any]:
-    from realtime_app.client import RealtimeClient
+class Clients:
+    """The clients, split over worker processes of their own (``--client-processes``): on
+    a small machine one process's CPU bounds how fast thousands of clients come back.
 
+    Each worker reports how many of its clients are open every ``SAMPLE_S``; arrival
+    times are ``time.monotonic()``, the system's one monotonic clock, comparable across
+    processes."""
+
+    def __init__(self, workers: list[asyncio.subprocess.Process]) -> None:
+        self.workers = workers
+        self.open = [0] * len(workers)
+        self.replies: list[asyncio.Queue[dict[str, Any]]] = [asyncio.Queue() for _ in workers]
+        self.readers = [asyncio.create_task(self._read(i)) for i in range(len(workers))]
+
+    @classmethod
+    async def start(cls, url: str, count: int, processes: int, loop: str) -> Clients:
+        sizes = [count // processes + (i < count % processes) for i in range(processes)]
+        firsts = [sum(sizes[:i]) for i in range(processes)]
+        workers = [
+            await asyncio.create_subprocess_exec(
+                sys.executable,
+                __file__,
+                "--clients-worker",
+                json.dumps({"url": url, "first": first, "count": size, "loop": loop}),
+                stdout=asyncio.subprocess.PIPE,
+                stdin=asyncio.subprocess.PIPE,
+                limit=1 << 28,  # the last line carries every arrival of every client
+            )
+            for first, size in zip(firsts, sizes, strict=True)
+        ]
+        return cls(workers)
+
+    async def _read(self, i: int) -> None:
+        stdout = self.workers[i].stdout
+        assert stdout is not None
+        while line := await stdout.readline():
+            message = json.loads(line)
+            if "open" in message:
+                self.open[i] = message["open"]
+            else:
+                await self.replies[i].put(message)
+        await self.replies[i].put({"exited": self.workers[i].returncode})
+
+    async def ask(self, command: dict[str, Any], timeout: float = 300) -> list[dict[str, Any]]:
+        for worker in self.workers:
+            assert worker.stdin is not None
+            worker.stdin.write(json.dumps(command).encode() + b"\n")
+            await worker.stdin.drain()
+        replies = [await asyncio.wait_for(queue.get(), timeout) for queue in self.replies]
+        if any("exited" in reply for reply in replies):
+            raise RuntimeError(f"a client worker exited: {replies}")
+        return replies
+
+    def opened(self) -> int:
+        """Clients open now, as the workers last said."""
+        return sum(self.open)
+
+    async def aclose(self) -> None:
+        for worker in self.workers:
+            with contextlib.suppress(ProcessLookupError):
+                worker.kill()
+        await asyncio.gather(*(worker.wait() for worker in self.workers), return_exceptions=True)
+        for reader in self.readers:
+            reader.cancel()
+        await asyncio.gather(*self.readers, return_exceptions=True)
+
+
+async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]) -> dict[str, Any]:
     drain = args.drain if mode == "drained" else 0
     overrides: dict[str, float] = {"DRAIN_SECONDS": drain}
     if args.anonymous_handshakes is not None:
@@ -165,17 +233,7 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
     env = {**base_env, "REALTIME_BENCH_OVERRIDES": json.dumps(overrides)}
     site = Site(env, site_root(), args.clients)
     root = site.root
-    clients: list[Any] = []
-    # every close a client saw, by code and reason: while they first connect, from the first
-    # stop on (the script's own teardown is not counted)
-    closes: dict[str, collections.Counter[str]] = {"connecting": collections.Counter(), "deploy": collections.Counter()}
-    phase = ["connecting"]
-
-    def count_close(code: int | None, reason: str) -> None:
-        if phase[0] in closes:
-            closes[phase[0]].update([f"{code} {told_as_any(reason)}"])
-
-    received: list[dict[int, float]] = []  # per client: seq -> when it first arrived
+    clients: Clients | None = None
     samples: list[tuple[float, list[int], int]] = []  # (time, connections per process, clients not open)
     pings: list[tuple[float, float]] = []
     published: list[tuple[float, int]] = []
@@ -189,35 +247,14 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
             wait_port(port, proc)
         site.start_nginx()
         url = f"ws://127.0.0.1:{site.front}/realtime/"
-
-        def handler_for(seen: dict[int, float]) -> Any:
-            return lambda params: seen.setdefault(int(params["seq"]), time.monotonic())
-
-        for n in range(args.clients):
-            seen: dict[int, float] = {}
-            address = f"10.{n >> 16 & 255}.{n >> 8 & 255}.{n & 255}"
-            client = RealtimeClient(
-                url,
-                origin="http://127.0.0.1",
-                headers={"X-Forwarded-For": address},
-                backoff_initial=0.5,
-                backoff_max=10,
-                open_timeout=30,
-                ping_interval=None,
-                compression=None,
-            )
-            await client.subscribe("demo:events", handler_for(seen))
-            client.on_close.append(lambda code, reason, again: count_close(code, reason))
-            clients.append(client)
-            received.append(seen)
-        opening = asyncio.gather(*(c.connect(timeout=180) for c in clients), return_exceptions=True)
-        deadline = time.monotonic() + 120
-        while sum(c.state == "open" for c in clients) < args.clients and time.monotonic() < deadline:
-            await asyncio.sleep(1)
-            progress(f"{mode}: {sum(c.state == 'open' for c in clients)}/{args.clients} clients open")
+        clients = await Clients.start(url, args.clients, args.client_processes, args.client_loop)
+        opening = asyncio.create_task(clients.ask({"do": "connect"}, timeout=240))
+        while not opening.done():
+            await asyncio.wait([opening], timeout=1)
+            progress(f"{mode}: {sum(clients.open)}/{args.clients} clients open")
         await opening
         # the well-behaved client and the publisher in a process of their own: the latency
-        # is the servers', the rate is kept, whatever this process's work for thousands of clients
+        # is the servers', the rate is kept, whatever the work for thousands of clients
         pinger = await asyncio.create_subprocess_exec(
             sys.executable,
             __file__,
@@ -233,14 +270,15 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
             raise RuntimeError("the pinger did not connect")
 
         async def sample() -> None:
+            assert clients is not None
             while not stopping.is_set():
-                samples.append((time.monotonic(), established(site.ports), sum(c.state != "open" for c in clients)))
+                samples.append((time.monotonic(), established(site.ports), args.clients - clients.opened()))
                 await asyncio.sleep(SAMPLE_S)
 
         tasks = [asyncio.create_task(sample())]
         await asyncio.sleep(10)  # before the deploy: the idle figures
         first_stop = time.monotonic()
-        phase[0] = "deploy"
+        await clients.ask({"do": "deploy"})
         restarting: list[tuple[float, float, int]] = []
         for i in range(PROCESSES):
             began = time.monotonic()
@@ -257,12 +295,10 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
             restarting.append((began, time.monotonic(), i))
             progress(f"{mode}: process {i + 1} back after {time.monotonic() - began:.1f} s")
         deadline = time.monotonic() + 180
-        while sum(c.state == "open" for c in clients) < args.clients and time.monotonic() < deadline:
+        while clients.opened() < args.clients and time.monotonic() < deadline:
             await asyncio.sleep(0.25)
         back = time.monotonic() - first_stop
         deploy_end = time.monotonic()
-        # the clients not back, by how their last connection ended (a final close stops a client)
-        away = collections.Counter("{} {}".format(*(c.last_close or (None, ""))) for c in clients if c.state != "open")
         pinger.stdin.write(b"stop\n")
         await pinger.stdin.drain()
         side = json.loads(await asyncio.wait_for(pinger.stdout.read(), 60))
@@ -274,24 +310,124 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
         # resumes still replaying: wait until every client holds what was published (or 60 s)
         due = [seq for t, seq in published if t >= first_stop - 5]
         settle_deadline = time.monotonic() + 60
-        while time.monotonic() < settle_deadline and any(seq not in seen for seen in received for seq in due):
+        while time.monotonic() < settle_deadline and sum(
+            reply["missing"] for reply in await clients.ask({"do": "missing", "seqs": due})
+        ):
             await asyncio.sleep(1)
         recovered = time.monotonic() - deploy_end
-        phase[0] = "teardown"
+        finals = await clients.ask({"do": "finish", "since": min(due, default=0)})
     finally:
-        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+        if clients is not None:
+            await clients.aclose()
         for process in pinger_box:
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
         site.stop_all()
         shutil.rmtree(root, ignore_errors=True)
+    received = [{int(seq): t for seq, t in seen.items()} for final in finals for seen in final["received"]]
+    closes: dict[str, collections.Counter[str]] = {"connecting": collections.Counter(), "deploy": collections.Counter()}
+    away: collections.Counter[str] = collections.Counter()
+    for final in finals:
+        for when in closes:
+            closes[when].update(final["closes"][when])
+        away.update(final["away"])
     row = summarize(mode, drain, args, samples, pings, published, received, first_stop, deploy_end, back, restarting)
     row["resumed_all_after_s"] = round(recovered, 1)
     row["caught_up_after_s"] = caught_up(published, received, first_stop, restarting[-1][1])
     row["not_back_by_last_close"] = dict(away.most_common(10))
     row["closes_before_deploy"] = dict(closes["connecting"].most_common(8))
     row["closes_by_reason"] = dict(closes["deploy"].most_common(8))
+    row["client_processes"] = args.client_processes
+    row["client_loop"] = args.client_loop
     return row
+
+
+async def clients_main(spec: dict[str, Any]) -> None:
+    """``--clients-worker``: ``count`` clients from ``first`` on, each with an address of
+    its own, subscribed to ``demo:events``. Says ``{"open": n}`` every ``SAMPLE_S``; answers
+    one JSON line per command read from stdin: ``connect`` (when every client is open, or
+    after 120 s), ``deploy`` (closes counted apart from then on), ``missing`` (how many
+    clients lack one of ``seqs``), ``finish`` (every arrival from ``since`` on, the closes
+    by code and reason, the clients not open by their last close)."""
+    import django
+
+    django.setup()
+    from realtime_app.client import RealtimeClient
+
+    clients: list[Any] = []
+    received: list[dict[int, float]] = []
+    closes: dict[str, collections.Counter[str]] = {"connecting": collections.Counter(), "deploy": collections.Counter()}
+    phase = ["connecting"]
+
+    def count_close(code: int | None, reason: str) -> None:
+        if phase[0] in closes:  # the teardown's own are not counted
+            closes[phase[0]].update([f"{code} {told_as_any(reason)}"])
+
+    def handler_for(seen: dict[int, float]) -> Any:
+        return lambda params: seen.setdefault(int(params["seq"]), time.monotonic())
+
+    for n in range(spec["first"], spec["first"] + spec["count"]):
+        seen: dict[int, float] = {}
+        address = f"10.{n >> 16 & 255}.{n >> 8 & 255}.{n & 255}"
+        client = RealtimeClient(
+            spec["url"],
+            origin="http://127.0.0.1",
+            headers={"X-Forwarded-For": address},
+            backoff_initial=0.5,
+            backoff_max=10,
+            open_timeout=30,
+            ping_interval=None,
+            compression=None,
+        )
+        await client.subscribe("demo:events", handler_for(seen))
+        client.on_close.append(lambda code, reason, again: count_close(code, reason))
+        clients.append(client)
+        received.append(seen)
+
+    def say(message: dict[str, Any]) -> None:
+        sys.stdout.write(json.dumps(message) + "\n")
+        sys.stdout.flush()
+
+    async def tell_open() -> None:
+        while True:
+            say({"open": sum(c.state == "open" for c in clients)})
+            await asyncio.sleep(SAMPLE_S)
+
+    teller = asyncio.create_task(tell_open())
+    loop = asyncio.get_running_loop()
+    try:
+        while line := await loop.run_in_executor(None, sys.stdin.readline):
+            command = json.loads(line)
+            if command["do"] == "connect":
+                opening = asyncio.gather(*(c.connect(timeout=180) for c in clients), return_exceptions=True)
+                deadline = time.monotonic() + 120
+                while sum(c.state == "open" for c in clients) < len(clients) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.25)
+                await opening
+                say({"connected": sum(c.state == "open" for c in clients)})
+            elif command["do"] == "deploy":
+                phase[0] = "deploy"
+                say({"deploy": True})
+            elif command["do"] == "missing":
+                seqs = command["seqs"]
+                say({"missing": sum(1 for seen in received if any(seq not in seen for seq in seqs))})
+            elif command["do"] == "finish":
+                phase[0] = "teardown"
+                away = collections.Counter(
+                    "{} {}".format(*(c.last_close or (None, ""))) for c in clients if c.state != "open"
+                )
+                since = command["since"]
+                say(
+                    {
+                        "received": [{seq: t for seq, t in seen.items() if seq >= since} for seen in received],
+                        "closes": {when: dict(counter) for when, counter in closes.items()},
+                        "away": dict(away),
+                    }
+                )
+                break
+    finally:
+        teller.cancel()
+        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
 
 
 def told_as_any(reason: str) -> str:
@@ -468,6 +604,9 @@ async def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "--side":
         await side_main(sys.argv[2], float(sys.argv[3]))
         return
+    if len(sys.argv) == 3 and sys.argv[1] == "--clients-worker":
+        await clients_main(json.loads(sys.argv[2]))
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clients", type=int, default=3000)
     parser.add_argument("--rate", type=float, default=10)
@@ -477,6 +616,10 @@ async def main() -> None:
         "--anonymous-handshakes",
         type=float,
         help="MAX_ANONYMOUS_HANDSHAKES_PER_S of each process (a bigger site's drain against its survivors' bucket)",
+    )
+    parser.add_argument("--client-processes", type=int, default=2, help="worker processes the clients are split over")
+    parser.add_argument(
+        "--client-loop", choices=["uvloop", "asyncio"], default="uvloop", help="the clients' event loop"
     )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
@@ -523,5 +666,15 @@ async def main() -> None:
         plot(rows, args.plot)
 
 
+def run() -> None:
+    """The clients' workers on the event loop asked for; everything else on asyncio's."""
+    if len(sys.argv) == 3 and sys.argv[1] == "--clients-worker" and json.loads(sys.argv[2])["loop"] == "uvloop":
+        import uvloop
+
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
+
+
 if __name__ == "__main__":
-    asyncio.run(main())
+    run()
