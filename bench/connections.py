@@ -1,5 +1,5 @@
 """Memory and idle CPU per connection beside the floor, and how many connections one
-daphne process holds.
+hub process holds.
 
 Memory (each server a fresh process, one at a time): the server's RSS with 100 warm
 connections, then with N; the difference over N − 100 is the cost of one connection.
@@ -15,15 +15,17 @@ Idle CPU (``--idle N``): hub, uvicorn and the floor each hold N connections whos
 answer the server's pings (every ``--ping-interval`` s, the same for all three), over two
 heartbeat rounds: CPU per 1,000 connections and its ratio to the floor's.
 
-Then one daphne process (hub) holds each ``--hold`` count of idle subscribed connections
-with the same heartbeat: its CPU while idle, the CPU of a ``/realtime/metrics`` read, then
-ten publications on ``demo:events`` and their fan-out latency (receive time − the
-publication's ``ts``), over every connection and over 20 connections of a process of their
-own, at arbitrary places in the fan-out order (what this process adds reading 10,000
-sockets on a 2-core machine is then not in their figure).
+Then one hub process (daphne; ``--hold-kinds hub uvicorn``: under each in turn) holds each
+``--hold`` count of idle subscribed connections with the same heartbeat: its CPU while
+idle, the CPU of a ``/realtime/metrics`` read, then ten publications on ``demo:events`` and
+their fan-out latency (receive time − the publication's ``ts``), over every connection and
+over 20 connections of a process of their own, at arbitrary places in the fan-out order
+(what this process adds reading 10,000 sockets on a 2-core machine is then not in their
+figure).
 
 Usage:  REDIS_URL=redis://127.0.0.1:6379/0 python bench/connections.py [--sizes 1000 5000]
-            [--idle 10000] [--hold 500 20000] [--ping-interval 20] [--json FILE]
+            [--idle 10000] [--hold 500 20000] [--hold-kinds hub uvicorn] [--ping-interval 20]
+            [--json FILE]
 The file-descriptor limit of this process (inherited by the servers and the probe
 process) is raised to what the largest count needs plus 300: the soft limit up to the
 hard one, and the hard one too when the script may (root, or CAP_SYS_RESOURCE; up to
@@ -303,14 +305,17 @@ async def probe_cost(pid: int, port: int, env: dict[str, str], rounds: int = 7, 
     return size, statistics.median(per_read)
 
 
-async def hold_phase(n: int, ping_interval: int, env: dict[str, str]) -> dict[str, Any]:
-    """One daphne process, ``n`` subscribed connections, heartbeats on; idle CPU, then
-    the fan-out latency of ten publications."""
+SERVERS = {"hub": "daphne", "uvicorn": "uvicorn"}
+
+
+async def hold_phase(n: int, ping_interval: int, env: dict[str, str], kind: str = "hub") -> dict[str, Any]:
+    """One hub process (``hub``: daphne, or ``uvicorn``), ``n`` subscribed connections,
+    heartbeats on; idle CPU, then the fan-out latency of ten publications."""
     from realtime_app import apublish
 
     port = free_port()
-    command = [*daphne(port), "--ping-interval", str(ping_interval), "--ping-timeout", str(3 * ping_interval)]
-    url = f"ws://127.0.0.1:{port}/realtime/"
+    command, path, _ = server_command(kind, port, ping_interval)
+    url = f"ws://127.0.0.1:{port}{path}"
     sockets: list[Any] = []
     latencies: list[float] = []
     received = [0]
@@ -363,6 +368,7 @@ async def hold_phase(n: int, ping_interval: int, env: dict[str, str]) -> dict[st
         await asyncio.gather(*readers, return_exceptions=True)
         await close_all(sockets)
     row = {
+        "kind": kind,
         "connections": n,
         "ping_interval_s": ping_interval,
         "rss": rss,
@@ -425,6 +431,9 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 5000])
     parser.add_argument("--hold", type=int, nargs="*", default=[10000], help="one process holding each many")
+    parser.add_argument(
+        "--hold-kinds", nargs="+", choices=["hub", "uvicorn"], default=["hub"], help="the hub under daphne, uvicorn"
+    )
     parser.add_argument("--ping-interval", type=int, default=20)
     parser.add_argument("--idle", type=int, default=2000, help="idle CPU beside the floor at this many (0: skip)")
     parser.add_argument(
@@ -475,9 +484,10 @@ async def main() -> None:
                 idle.append(await idle_phase(kind, args.idle, args.ping_interval, env))
         print(f"== where the hub's bytes go, {args.sizes[0]} connections (tracemalloc)", file=sys.stderr)
         breakdown = await where_phase(args.sizes[0], env)
-        for n in args.hold:
-            print(f"== one daphne process, {n} subscribed connections", file=sys.stderr)
-            holds.append(await hold_phase(n, args.ping_interval, env))
+        for kind in args.hold_kinds:
+            for n in args.hold:
+                print(f"== one {SERVERS[kind]} process, {n} subscribed connections", file=sys.stderr)
+                holds.append(await hold_phase(n, args.ping_interval, env, kind))
     finally:
         from realtime_app.hub import running_hub
 
@@ -530,7 +540,8 @@ def report(
         print(f"\nPython heap per hub connection (tracemalloc): {total / 1024:.1f} KiB: {parts} (KiB)")
     for hold in holds:
         print(
-            f"\none daphne process, {hold['connections']} subscribed connections, heartbeat every "
+            f"\none {SERVERS[hold.get('kind', 'hub')]} process, {hold['connections']} subscribed connections, "
+            f"heartbeat every "
             f"{hold['ping_interval_s']} s: RSS {hold['rss'] / 2**20:.0f} MiB, idle CPU "
             f"{100 * hold['idle_cpu_share']:.1f}% of a core, {hold['open_after_idle']} still open; "
             f"10 publications: {hold['frames']}/{hold['expected']} frames, "

@@ -23,12 +23,14 @@ first stop until every client is back, and until every client holds every public
 from the last process back until every client held every publication made up to then, by
 each frame's own arrival). ``--plot``: connections per process over the deploy.
 
-The clients run in ``--client-processes`` worker processes (2 by default) on
-``--client-loop`` (uvloop by default): on a small machine one process's CPU bounds how fast
-thousands of clients come back, in both modes alike (before 2026-12-07 one asyncio process
-drove them all). On 2 cores, 3,000 clients at 10 publications a second need more CPU than
-there is (the servers write 30,000 frames a second and the clients read them): lower
-``--rate`` there, and say so.
+The clients run in ``--client-processes`` worker processes (2 by default,
+``bench/deploy_clients.py``) on ``--client-loop`` (uvloop by default): on a small machine
+one process's CPU bounds how fast thousands of clients come back, in both modes alike
+(before 2026-12-07 one asyncio process drove them all and sampled the servers too). Each
+run reports the workers' CPU during the deploy (in cores) and each client's longest way
+back (from the close that took it away until it was open again). On 2 cores, 3,000
+clients at 10 publications a second need more CPU than there is (the servers write 30,000
+frames a second and the clients read them): lower ``--rate`` there, and say so.
 
 ``--anonymous-handshakes N``: each process's ``MAX_ANONYMOUS_HANDSHAKES_PER_S`` (200 by
 default): below what a drain sends each survivor, as on a site whose processes hold more
@@ -61,10 +63,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT, daphne, free_port, percentile, prepare_database, progress, wait_port
+from bench.common import ROOT, cpu_seconds, daphne, free_port, percentile, prepare_database, progress, wait_port
+from bench.deploy_clients import SAMPLE_S, Clients, ways_back_summary
 
 PROCESSES = 3
-SAMPLE_S = 0.25
 
 
 class Site:
@@ -158,73 +160,6 @@ def established(ports: list[int]) -> list[int]:
     return counts
 
 
-class Clients:
-    """The clients, split over worker processes of their own (``--client-processes``): on
-    a small machine one process's CPU bounds how fast thousands of clients come back.
-
-    Each worker reports how many of its clients are open every ``SAMPLE_S``; arrival
-    times are ``time.monotonic()``, the system's one monotonic clock, comparable across
-    processes."""
-
-    def __init__(self, workers: list[asyncio.subprocess.Process]) -> None:
-        self.workers = workers
-        self.open = [0] * len(workers)
-        self.replies: list[asyncio.Queue[dict[str, Any]]] = [asyncio.Queue() for _ in workers]
-        self.readers = [asyncio.create_task(self._read(i)) for i in range(len(workers))]
-
-    @classmethod
-    async def start(cls, url: str, count: int, processes: int, loop: str) -> Clients:
-        sizes = [count // processes + (i < count % processes) for i in range(processes)]
-        firsts = [sum(sizes[:i]) for i in range(processes)]
-        workers = [
-            await asyncio.create_subprocess_exec(
-                sys.executable,
-                __file__,
-                "--clients-worker",
-                json.dumps({"url": url, "first": first, "count": size, "loop": loop}),
-                stdout=asyncio.subprocess.PIPE,
-                stdin=asyncio.subprocess.PIPE,
-                limit=1 << 28,  # the last line carries every arrival of every client
-            )
-            for first, size in zip(firsts, sizes, strict=True)
-        ]
-        return cls(workers)
-
-    async def _read(self, i: int) -> None:
-        stdout = self.workers[i].stdout
-        assert stdout is not None
-        while line := await stdout.readline():
-            message = json.loads(line)
-            if "open" in message:
-                self.open[i] = message["open"]
-            else:
-                await self.replies[i].put(message)
-        await self.replies[i].put({"exited": self.workers[i].returncode})
-
-    async def ask(self, command: dict[str, Any], timeout: float = 300) -> list[dict[str, Any]]:
-        for worker in self.workers:
-            assert worker.stdin is not None
-            worker.stdin.write(json.dumps(command).encode() + b"\n")
-            await worker.stdin.drain()
-        replies = [await asyncio.wait_for(queue.get(), timeout) for queue in self.replies]
-        if any("exited" in reply for reply in replies):
-            raise RuntimeError(f"a client worker exited: {replies}")
-        return replies
-
-    def opened(self) -> int:
-        """Clients open now, as the workers last said."""
-        return sum(self.open)
-
-    async def aclose(self) -> None:
-        for worker in self.workers:
-            with contextlib.suppress(ProcessLookupError):
-                worker.kill()
-        await asyncio.gather(*(worker.wait() for worker in self.workers), return_exceptions=True)
-        for reader in self.readers:
-            reader.cancel()
-        await asyncio.gather(*self.readers, return_exceptions=True)
-
-
 async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]) -> dict[str, Any]:
     drain = args.drain if mode == "drained" else 0
     overrides: dict[str, float] = {"DRAIN_SECONDS": drain}
@@ -277,8 +212,9 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
 
         tasks = [asyncio.create_task(sample())]
         await asyncio.sleep(10)  # before the deploy: the idle figures
-        first_stop = time.monotonic()
         await clients.ask({"do": "deploy"})
+        first_stop = time.monotonic()
+        cpu0 = [cpu_seconds(worker.pid) for worker in clients.workers]
         restarting: list[tuple[float, float, int]] = []
         for i in range(PROCESSES):
             began = time.monotonic()
@@ -297,8 +233,11 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
         deadline = time.monotonic() + 180
         while clients.opened() < args.clients and time.monotonic() < deadline:
             await asyncio.sleep(0.25)
-        back = time.monotonic() - first_stop
         deploy_end = time.monotonic()
+        back = deploy_end - first_stop
+        client_cpu = sum(cpu_seconds(w.pid) for w in clients.workers) - sum(cpu0)
+        # the clients not back, by how their last connection ended (a final close stops a client)
+        left = await clients.ask({"do": "away"})
         pinger.stdin.write(b"stop\n")
         await pinger.stdin.drain()
         side = json.loads(await asyncio.wait_for(pinger.stdout.read(), 60))
@@ -315,7 +254,7 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
         ):
             await asyncio.sleep(1)
         recovered = time.monotonic() - deploy_end
-        finals = await clients.ask({"do": "finish", "since": min(due, default=0)})
+        finals = await clients.ask({"do": "finish", "seqs": due})
     finally:
         if clients is not None:
             await clients.aclose()
@@ -324,132 +263,47 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
                 process.kill()
         site.stop_all()
         shutil.rmtree(root, ignore_errors=True)
-    received = [{int(seq): t for seq, t in seen.items()} for final in finals for seen in final["received"]]
+    missing = [n for final in finals for n in final["missing"]]
+    lacking = {seq for final in finals for seq in final["lacking"]}
+    latest: dict[int, float] = {}
+    for final in finals:
+        for seq, t in final["latest"].items():
+            if t is not None:
+                latest[int(seq)] = max(t, latest.get(int(seq), t))
     closes: dict[str, collections.Counter[str]] = {"connecting": collections.Counter(), "deploy": collections.Counter()}
     away: collections.Counter[str] = collections.Counter()
     for final in finals:
         for when in closes:
             closes[when].update(final["closes"][when])
-        away.update(final["away"])
-    row = summarize(mode, drain, args, samples, pings, published, received, first_stop, deploy_end, back, restarting)
+    for reply in left:
+        away.update(reply["away"])
+    row = summarize(mode, drain, args, samples, pings, due, missing, lacking, first_stop, deploy_end, back, restarting)
     row["resumed_all_after_s"] = round(recovered, 1)
-    row["caught_up_after_s"] = caught_up(published, received, first_stop, restarting[-1][1])
+    row["caught_up_after_s"] = caught_up(published, lacking, latest, first_stop, restarting[-1][1])
     row["not_back_by_last_close"] = dict(away.most_common(10))
     row["closes_before_deploy"] = dict(closes["connecting"].most_common(8))
     row["closes_by_reason"] = dict(closes["deploy"].most_common(8))
+    row["ways_back"] = ways_back_summary([way for final in finals for way in final["ways"]])
+    row["client_cpu_during_deploy"] = round(client_cpu / back, 2)  # cores, on average
     row["client_processes"] = args.client_processes
     row["client_loop"] = args.client_loop
     return row
 
 
-async def clients_main(spec: dict[str, Any]) -> None:
-    """``--clients-worker``: ``count`` clients from ``first`` on, each with an address of
-    its own, subscribed to ``demo:events``. Says ``{"open": n}`` every ``SAMPLE_S``; answers
-    one JSON line per command read from stdin: ``connect`` (when every client is open, or
-    after 120 s), ``deploy`` (closes counted apart from then on), ``missing`` (how many
-    clients lack one of ``seqs``), ``finish`` (every arrival from ``since`` on, the closes
-    by code and reason, the clients not open by their last close)."""
-    import django
-
-    django.setup()
-    from realtime_app.client import RealtimeClient
-
-    clients: list[Any] = []
-    received: list[dict[int, float]] = []
-    closes: dict[str, collections.Counter[str]] = {"connecting": collections.Counter(), "deploy": collections.Counter()}
-    phase = ["connecting"]
-
-    def count_close(code: int | None, reason: str) -> None:
-        if phase[0] in closes:  # the teardown's own are not counted
-            closes[phase[0]].update([f"{code} {told_as_any(reason)}"])
-
-    def handler_for(seen: dict[int, float]) -> Any:
-        return lambda params: seen.setdefault(int(params["seq"]), time.monotonic())
-
-    for n in range(spec["first"], spec["first"] + spec["count"]):
-        seen: dict[int, float] = {}
-        address = f"10.{n >> 16 & 255}.{n >> 8 & 255}.{n & 255}"
-        client = RealtimeClient(
-            spec["url"],
-            origin="http://127.0.0.1",
-            headers={"X-Forwarded-For": address},
-            backoff_initial=0.5,
-            backoff_max=10,
-            open_timeout=30,
-            ping_interval=None,
-            compression=None,
-        )
-        await client.subscribe("demo:events", handler_for(seen))
-        client.on_close.append(lambda code, reason, again: count_close(code, reason))
-        clients.append(client)
-        received.append(seen)
-
-    def say(message: dict[str, Any]) -> None:
-        sys.stdout.write(json.dumps(message) + "\n")
-        sys.stdout.flush()
-
-    async def tell_open() -> None:
-        while True:
-            say({"open": sum(c.state == "open" for c in clients)})
-            await asyncio.sleep(SAMPLE_S)
-
-    teller = asyncio.create_task(tell_open())
-    loop = asyncio.get_running_loop()
-    try:
-        while line := await loop.run_in_executor(None, sys.stdin.readline):
-            command = json.loads(line)
-            if command["do"] == "connect":
-                opening = asyncio.gather(*(c.connect(timeout=180) for c in clients), return_exceptions=True)
-                deadline = time.monotonic() + 120
-                while sum(c.state == "open" for c in clients) < len(clients) and time.monotonic() < deadline:
-                    await asyncio.sleep(0.25)
-                await opening
-                say({"connected": sum(c.state == "open" for c in clients)})
-            elif command["do"] == "deploy":
-                phase[0] = "deploy"
-                say({"deploy": True})
-            elif command["do"] == "missing":
-                seqs = command["seqs"]
-                say({"missing": sum(1 for seen in received if any(seq not in seen for seq in seqs))})
-            elif command["do"] == "finish":
-                phase[0] = "teardown"
-                away = collections.Counter(
-                    "{} {}".format(*(c.last_close or (None, ""))) for c in clients if c.state != "open"
-                )
-                since = command["since"]
-                say(
-                    {
-                        "received": [{seq: t for seq, t in seen.items() if seq >= since} for seen in received],
-                        "closes": {when: dict(counter) for when, counter in closes.items()},
-                        "away": dict(away),
-                    }
-                )
-                break
-    finally:
-        teller.cancel()
-        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
-
-
-def told_as_any(reason: str) -> str:
-    """A close reason with its ``retry_after_ms=<n>`` as ``retry_after_ms=…`` (and its
-    reconnect ticket as ``ticket=…``): closes counted by what they said, not by each wait."""
-    return re.sub(r"ticket=\S+", "ticket=…", re.sub(r"retry_after_ms=\d+", "retry_after_ms=…", reason))
-
-
 def caught_up(
-    published: list[tuple[float, int]], received: list[dict[int, float]], first_stop: float, last_back: float
+    published: list[tuple[float, int]],
+    lacking: set[int],
+    latest: dict[int, float],
+    first_stop: float,
+    last_back: float,
 ) -> float | None:
     """Seconds from the last process back until every client held every publication made
     up to then (each frame's own arrival: no polling step, nothing of the bench's teardown);
-    None when some client never got one."""
+    0 when every client held them all already; None when some client never got one."""
     due = [seq for t, seq in published if first_stop - 5 <= t <= last_back]
-    latest = last_back
-    for seen in received:
-        for seq in due:
-            if seq not in seen:
-                return None
-            latest = max(latest, seen[seq])
-    return round(latest - last_back, 2)
+    if any(seq in lacking for seq in due):
+        return None
+    return round(max([0.0, *(latest[seq] - last_back for seq in due)]), 2)
 
 
 def summarize(
@@ -458,17 +312,17 @@ def summarize(
     args: argparse.Namespace,
     samples: list[tuple[float, list[int], int]],
     pings: list[tuple[float, float]],
-    published: list[tuple[float, int]],
-    received: list[dict[int, float]],
+    seqs: list[int],
+    missing: list[int],
+    lacking: set[int],
     first_stop: float,
     deploy_end: float,
     back: float,
     restarting: list[tuple[float, float, int]],
 ) -> dict[str, Any]:
-    # lost: publications made while every client was subscribed that some client never got
-    seqs = [seq for t, seq in published if t >= first_stop - 5]
-    missing = [sum(1 for seq in seqs if seq not in seen) for seen in received]
-    lost_publications = sum(1 for seq in seqs if any(seq not in seen for seen in received))
+    """``seqs``: the publications made while every client was subscribed; ``missing``:
+    how many of them each client lacks; ``lacking``: those some client lacks (lost)."""
+    lost_publications = len(lacking)
     # handshakes per second on the processes not restarting at that moment (their growth)
     peak = 0.0
     for (t0, c0, _), (t1, c1, _) in zip(samples, samples[1:], strict=False):
@@ -525,6 +379,17 @@ def report(rows: list[dict[str, Any]]) -> None:
         print(f"{row['mode']}: the clients' closes while they first connected: {row['closes_before_deploy']}")
         print(
             f"{row['mode']}: the clients' closes from the first stop on, by code and reason: {row['closes_by_reason']}"
+        )
+        ways = row.get("ways_back") or {}
+        if ways.get("clients"):
+            print(
+                f"{row['mode']}: each client's longest way back (close to open), {ways['clients']} clients "
+                f"({ways['not_back']} not back): p50 {ways['p50_s']} s, p99 {ways['p99_s']} s, max {ways['max_s']} s; "
+                f"slowest: {ways['slowest']}"
+            )
+        print(
+            f"{row['mode']}: the clients' {row['client_processes']} {row['client_loop']} process(es) used "
+            f"{row['client_cpu_during_deploy']} cores during the deploy"
         )
         if row["not_back_by_last_close"]:
             print(f"{row['mode']}: clients not back, by their last close: {row['not_back_by_last_close']}")
@@ -604,9 +469,6 @@ async def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "--side":
         await side_main(sys.argv[2], float(sys.argv[3]))
         return
-    if len(sys.argv) == 3 and sys.argv[1] == "--clients-worker":
-        await clients_main(json.loads(sys.argv[2]))
-        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clients", type=int, default=3000)
     parser.add_argument("--rate", type=float, default=10)
@@ -624,6 +486,8 @@ async def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
+    if args.client_processes < 1:
+        parser.error("--client-processes must be at least 1")
     url = os.environ.get("REDIS_URL")
     if not url:
         sys.exit("set REDIS_URL (e.g. redis://127.0.0.1:6379/0)")
@@ -666,15 +530,5 @@ async def main() -> None:
         plot(rows, args.plot)
 
 
-def run() -> None:
-    """The clients' workers on the event loop asked for; everything else on asyncio's."""
-    if len(sys.argv) == 3 and sys.argv[1] == "--clients-worker" and json.loads(sys.argv[2])["loop"] == "uvloop":
-        import uvloop
-
-        uvloop.run(main())
-    else:
-        asyncio.run(main())
-
-
 if __name__ == "__main__":
-    run()
+    asyncio.run(main())

@@ -21,7 +21,7 @@ Usage:  REDIS_URL=redis://127.0.0.1:6379/0 python bench/fanout.py [--clients 100
 ``--rounds R`` measures the hub and the bare server R times each for every client count,
 alternating which goes first, and prints each round's ratios and their median and range: on
 a shared machine the floor itself moves between windows, so a ratio is read from windows
-taken side by side. The plain Channels phase runs in the first round only. ``--server
+taken side by side. The plain Channels phase runs after the rounds (once). ``--server
 daphne uvicorn`` measures both, one after the other; ``--plot`` draws each round's ratios
 beside the goals.
 
@@ -178,6 +178,8 @@ async def main() -> None:
     parser.add_argument("--plot", type=Path, help="each round's ratios to the bare server, beside the goals")
     parser.add_argument("--daphne-write", nargs="+", choices=["direct", "prepared", "message"], default=None)
     args = parser.parse_args()
+    if args.daphne_write and (args.rounds != 1 or args.server != ["daphne"] or args.plot):
+        parser.error("--daphne-write compares daphne's write modes in one round: no --rounds, --server or --plot")
     # 1,000 clients connect at once: the process's anonymous handshake rate (200/s, bursts
     # of 400) would refuse some of them on one process; it is admission, not fan-out.
     url, prefix, env = redis_site({"MAX_ANONYMOUS_HANDSHAKES_PER_S": 0})
@@ -234,7 +236,8 @@ async def measure_server(
             channels_urls = [f"ws://127.0.0.1:{p}/baseline/" for p in ports]
             if n <= 10:
                 results.append(await run_phase("hub", hub_urls, n, interval, seconds, pids, r))
-                results.append(await run_phase("channels", channels_urls, n, interval, seconds, pids, r, layer))
+                if not args.no_channels:
+                    results.append(await run_phase("channels", channels_urls, n, interval, seconds, pids, r, layer))
                 continue
             ref_cmd = [sys.executable, "bench/ws_broadcast.py", str(ref_port), str(interval)]
             with processes([ref_cmd], [ref_port], {}) as ref:
@@ -249,9 +252,11 @@ async def measure_server(
                         else:
                             row = await run_phase("websockets", ref_url, n, interval, seconds, [ref[0].pid], r)
                         results.append({**row, "round": k})
-                    if k == 0 and not args.no_channels:
-                        row = await run_phase("channels", channels_urls, n, interval, seconds, pids, r, layer)
-                        results.append({**row, "round": k})
+            if not args.no_channels:
+                # after the rounds: at 1,000 clients plain Channels saturates the machine,
+                # and settling after it takes a while
+                row = await run_phase("channels", channels_urls, n, interval, seconds, pids, r, layer)
+                results.append({**row, "round": 0})
     return [{**row, "server": name} for row in results]
 
 
@@ -353,7 +358,8 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
             if goal:
                 ax.hlines(goal, x - 0.4, x + 0.4, colors="#d62728", linestyles="dashed")
         ax.axhline(1.0, color="grey", linewidth=0.8)
-        ax.set_xticks(range(len(keys)), [f"{server}\n{n} subscribers" for server, n in keys])
+        ax.set_xticks(range(len(keys)), [f"{server}\n{n:,}" for server, n in keys])
+        ax.set_xlabel("server, subscribers")
         ax.set_ylabel("hub / bare websockets")
         ax.set_title(title)
     fig.suptitle("fan-out: each round a point, the median a bar, the goal dashed")
