@@ -174,6 +174,7 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
     published: list[tuple[float, int]] = []
     stopping = asyncio.Event()
     pinger_box: list[Any] = []
+    tasks: list[asyncio.Task[Any]] = []
     try:
         for i in range(PROCESSES):
             site.start(i)
@@ -184,6 +185,7 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
         url = f"ws://127.0.0.1:{site.front}/realtime/"
         clients = await Clients.start(url, args.clients, args.client_processes, args.client_loop)
         opening = asyncio.create_task(clients.ask({"do": "connect"}, timeout=240))
+        tasks.append(opening)
         while not opening.done():
             await asyncio.wait([opening], timeout=1)
             progress(f"{mode}: {sum(clients.open)}/{args.clients} clients open")
@@ -210,7 +212,7 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
                 samples.append((time.monotonic(), established(site.ports), args.clients - clients.opened()))
                 await asyncio.sleep(SAMPLE_S)
 
-        tasks = [asyncio.create_task(sample())]
+        tasks.append(asyncio.create_task(sample()))
         await asyncio.sleep(10)  # before the deploy: the idle figures
         await clients.ask({"do": "deploy"})
         first_stop = time.monotonic()
@@ -235,6 +237,7 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
             await asyncio.sleep(0.25)
         deploy_end = time.monotonic()
         back = deploy_end - first_stop
+        clients.check()  # a lost worker said so, before its /proc entry is read
         client_cpu = sum(cpu_seconds(w.pid) for w in clients.workers) - sum(cpu0)
         # the clients not back, by how their last connection ended (a final close stops a client)
         left = await clients.ask({"do": "away"})
@@ -256,6 +259,10 @@ async def run_mode(mode: str, args: argparse.Namespace, base_env: dict[str, str]
         recovered = time.monotonic() - deploy_end
         finals = await clients.ask({"do": "finish", "seqs": due})
     finally:
+        stopping.set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if clients is not None:
             await clients.aclose()
         for process in pinger_box:
@@ -486,8 +493,8 @@ async def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
-    if args.client_processes < 1:
-        parser.error("--client-processes must be at least 1")
+    if not 1 <= args.client_processes <= args.clients:
+        parser.error("--client-processes: at least 1, and at most one per client")
     url = os.environ.get("REDIS_URL")
     if not url:
         sys.exit("set REDIS_URL (e.g. redis://127.0.0.1:6379/0)")

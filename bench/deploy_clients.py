@@ -102,7 +102,7 @@ class Clients:
 
     async def ask(self, command: dict[str, Any], timeout: float = 300) -> list[dict[str, Any]]:
         """Every worker's reply to ``command`` (tagged: a reply to an earlier command that
-        timed out is skipped)."""
+        timed out is skipped). One ask at a time: two would take each other's replies."""
         self.check()
         tag = next(self.ids)
         for worker in self.workers:
@@ -118,7 +118,13 @@ class Clients:
                 if message.get("id") == tag:
                     return message
 
-        return list(await asyncio.wait_for(asyncio.gather(*(reply(q) for q in self.replies)), timeout))
+        replies = await asyncio.wait_for(
+            asyncio.gather(*(reply(q) for q in self.replies), return_exceptions=True), timeout
+        )
+        for result in replies:
+            if isinstance(result, BaseException):
+                raise result
+        return [result for result in replies if not isinstance(result, BaseException)]
 
     def check(self) -> None:
         if self.lost:
