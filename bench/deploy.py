@@ -37,7 +37,7 @@ default): below what a drain sends each survivor, as on a site whose processes h
 connections than this machine's clients, a drain meets the survivors' anonymous bucket.
 
 Usage:  REDIS_URL=redis://127.0.0.1:6379/0 python bench/deploy.py [--clients 3000]
-            [--rate 10] [--drain 10] [--anonymous-handshakes N] [--client-processes 2]
+            [--rate 10] [--drain 20] [--anonymous-handshakes N] [--client-processes 2]
             [--client-loop uvloop|asyncio] [--json FILE]
             [--plot docs/img/deploy-connections.png]
 """
@@ -479,7 +479,9 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clients", type=int, default=3000)
     parser.add_argument("--rate", type=float, default=10)
-    parser.add_argument("--drain", type=float, default=10)
+    parser.add_argument(
+        "--drain", type=float, default=20, help="DRAIN_SECONDS of the drained mode (20: the setting's default)"
+    )
     parser.add_argument("--modes", nargs="+", default=["drained", "immediate"])
     parser.add_argument(
         "--anonymous-handshakes",
